@@ -1,0 +1,53 @@
+# tf_sfctr developer commands. `make demo` and `make test` work on a fresh
+# machine: they create .venv with the pinned stack, build the op library and
+# reuse both when already there.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+CXX ?= g++
+CORE_SRCS := $(wildcard ops/core/*.cc)
+OP_SRCS := $(wildcard ops/*.cc ops/kernels/*.cc) $(CORE_SRCS)
+PY_SRCS := setup.py $(wildcard tf_sfctr/*.py keras_layers/*.py)
+
+.PHONY: all venv build test test-core test-py demo clean
+
+all: build
+
+# Fall back to python3 when python3.11 is not on PATH.
+ifeq (, $(shell command -v $(PYTHON) 2> /dev/null))
+PYTHON := python3
+endif
+
+$(VENV)/.installed: constraints.txt requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade "pip<25"
+	$(PIP) install --quiet -c constraints.txt -r requirements-dev.txt
+	touch $@
+
+venv: $(VENV)/.installed
+
+tf_sfctr/_sfctr_ops.so: $(VENV)/.installed $(OP_SRCS) $(wildcard ops/core/*.h ops/kernels/*.h) setup.py
+	$(PIP) install --quiet --no-build-isolation --no-deps -e .
+	touch $@
+
+build: tf_sfctr/_sfctr_ops.so
+
+# The TF-free core has its own unit tests (no TensorFlow needed).
+build/core_test: $(CORE_SRCS) $(wildcard ops/core/*.h ops/core/tests/*)
+	mkdir -p build
+	$(CXX) -std=c++17 -O2 -Wall -Wextra -pthread -o $@ ops/core/tests/core_test.cc $(CORE_SRCS)
+
+test-core: build/core_test
+	./build/core_test
+
+test-py: build
+	$(PY) -m pytest -q tests
+
+test: test-core test-py
+
+demo: build
+	$(PY) examples/demo.py
+
+clean:
+	rm -rf build tf_sfctr/_sfctr_ops.so tf_sfctr/_build_info.json *.egg-info

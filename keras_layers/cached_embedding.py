@@ -1,0 +1,421 @@
+"""``CachedEmbedding``: a device cache of hot rows over an unbounded host table.
+
+One training step (see docs/design.md for the picture):
+
+1. the batch's ids are de-duplicated (Virtual Sparse Ids): ``unique_ids``,
+   ``inverse``;
+2. the store's cache directory gives each unique id a cache slot, choosing
+   victims among ids the step does not use, and fetches the missing rows (value
+   and optimizer state) from the host table, creating new ids;
+3. evicted rows are gathered from the device cache and written back to the
+   host table with their optimizer state, then the fetched rows are scattered
+   into their slots;
+4. the rows are gathered and combined;
+5. backward: the gradient reaching the gathered rows is summed per unique id
+   and the table optimizer updates the cache rows and their state in place.
+
+The update in step 5 is attached with ``tf.custom_gradient`` to a scalar
+trainable weight (``table_update_trigger``, always zero) so that a plain
+``model.fit`` runs it without any wrapper; the Keras optimizer only ever sees a
+zero gradient for that weight and never sees the table.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from typing import Any, Optional, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_sfctr import initializers as _initializers
+from tf_sfctr import optimizers as _optimizers
+from tf_sfctr.store import EmbeddingStore, StoreConfig
+
+COMBINERS = ("sum", "mean", "sqrtn")
+
+
+def _compute_device() -> str:
+    return "/GPU:0" if tf.config.list_logical_devices("GPU") else "/CPU:0"
+
+
+def _check_id_dtype(dtype: tf.DType, what: str = "ids") -> None:
+    if dtype not in (tf.int32, tf.int64):
+        raise TypeError(
+            f"CachedEmbedding expects integer {what} (int32 or int64), got "
+            f"{dtype.name}. Raw 64-bit ids are fine as int64; hash strings to "
+            f"int64 first (e.g. tf_sfctr.data.hash_categorical)."
+        )
+
+
+@keras.saving.register_keras_serializable(package="tf_sfctr")
+class CachedEmbedding(keras.layers.Layer):
+    """Embedding layer whose table lives in host memory, with a device cache.
+
+    Ids are arbitrary int64 values (e.g. 64-bit hashes); the table grows as new
+    ids arrive, up to ``max_rows`` if set. Each training step must fit its
+    distinct ids in ``cache_capacity`` rows of the device cache.
+
+    Args:
+        output_dim: width of each embedding row.
+        cache_capacity: rows held in the device cache (with their optimizer
+            state). A step with more distinct ids than this raises an error.
+        optimizer: the table's sparse optimizer, a
+            ``tf_sfctr.optimizers.TableOptimizer`` or one of the names "sgd",
+            "adagrad", "adam". Default: ``Adagrad(learning_rate=0.01)``.
+        embeddings_initializer: initial value of a new id; zeros, ones,
+            constant, uniform, normal or truncated normal (Keras objects or
+            names). The value is a function of ``(seed, id)`` only.
+        combiner: ``None`` (one vector per id: ``[B, ...] -> [B, ..., D]``) or
+            "sum" / "mean" / "sqrtn" to reduce each row of a ``tf.RaggedTensor``
+            or ``tf.SparseTensor`` (or the last axis of a dense input) to one
+            vector, like ``tf.nn.embedding_lookup_sparse``; empty rows give
+            zeros.
+        max_rows: limit on host-table rows; creating more raises an error and
+            changes nothing. ``None``: unbounded.
+        seed: seed of the per-id initializer; drawn at random (and kept in the
+            config) when ``None``.
+
+    Example:
+
+    >>> import keras, tensorflow as tf
+    >>> from tf_sfctr.keras_layers import CachedEmbedding
+    >>> ids = keras.Input(shape=(3,), dtype="int64")
+    >>> x = CachedEmbedding(4, cache_capacity=64, seed=0)(ids)
+    >>> y = keras.layers.Dense(1)(keras.layers.Flatten()(x))
+    >>> model = keras.Model(ids, y)
+    >>> model.compile(optimizer="adam", loss="mse")
+    >>> _ = model.fit(tf.constant([[1, 2**40, -7]] * 8, tf.int64),
+    ...               tf.ones([8, 1]), verbose=0)
+    """
+
+    def __init__(
+        self,
+        output_dim: int,
+        *,
+        cache_capacity: int,
+        optimizer: Any = None,
+        embeddings_initializer: Any = "uniform",
+        combiner: Optional[str] = None,
+        max_rows: Optional[int] = None,
+        seed: Optional[int] = None,
+        name: Optional[str] = None,
+        **kwargs: Any,
+    ):
+        super().__init__(name=name, **kwargs)
+        self.output_dim = self._positive_int("output_dim", output_dim)
+        self.cache_capacity = self._positive_int("cache_capacity", cache_capacity)
+        if self.cache_capacity >= 2**31:
+            raise ValueError(f"cache_capacity must be below 2**31, got {cache_capacity}")
+        self.table_optimizer = _optimizers.get(optimizer)
+        self._init_spec = _initializers.resolve(embeddings_initializer)
+        self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
+        if combiner is not None and combiner not in COMBINERS:
+            raise ValueError(f"combiner must be None or one of {COMBINERS}, got {combiner!r}")
+        self.combiner = combiner
+        self.max_rows = None if max_rows is None else self._positive_int("max_rows", max_rows)
+        if seed is None:
+            seed = random.SystemRandom().randrange(2**31)
+        if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
+        self.seed = int(seed)
+        # Custom ops have no XLA kernels: tell Keras not to jit-compile.
+        self.supports_jit = False
+        self._store: Optional[EmbeddingStore] = None
+        self._assign_lock = threading.Lock()
+
+    @staticmethod
+    def _positive_int(name: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        return int(value)
+
+    # ------------------------------------------------------------------ build
+    def build(self, input_shape: Any = None) -> None:
+        if self._store is not None:
+            return
+        opt = self.table_optimizer
+        shape = [self.cache_capacity, self.output_dim]
+        with tf.init_scope(), tf.device(_compute_device()):
+            self._cache_rows = tf.Variable(
+                tf.zeros(shape), trainable=False, name="cache_rows")
+            self._cache_state = tuple(
+                tf.Variable(tf.zeros(shape), trainable=False, name=f"cache_state_{i}")
+                for i in range(opt.num_state))
+            self._table_step = tf.Variable(
+                tf.constant(0, tf.int64), trainable=False, name="table_step")
+        self._trigger = self.add_weight(
+            shape=(), initializer="zeros", trainable=True, name="table_update_trigger")
+        self._store = EmbeddingStore(StoreConfig(
+            dim=self.output_dim,
+            state_init=tuple(opt.state_initial_values()),
+            init=self._init_spec,
+            seed=self.seed,
+            max_rows=self.max_rows or 0,
+            cache_capacity=self.cache_capacity,
+        ))
+        self.built = True
+
+    @property
+    def store(self) -> EmbeddingStore:
+        """The host table and cache directory (built on first use)."""
+        self._require_built()
+        return self._store
+
+    def _require_built(self) -> None:
+        if self._store is None:
+            self.build(None)
+
+    @property
+    def _device_variables(self) -> list[tf.Variable]:
+        return [self._cache_rows, *self._cache_state]
+
+    # ------------------------------------------------------------------- call
+    def call(self, inputs: Any, training: Optional[bool] = None) -> tf.Tensor:
+        ids, layout = self._flatten(inputs)
+        unique_ids, inverse = tf.unique(ids, out_idx=tf.int32)
+        if training:
+            rows = self._training_rows(unique_ids, inverse)
+        else:
+            rows = tf.gather(self._inference_rows(unique_ids), inverse)
+        return tf.cast(self._combine(rows, layout), self.compute_dtype)
+
+    def _flatten(self, inputs: Any) -> tuple[tf.Tensor, dict]:
+        """Flat int64 ids and what is needed to shape the output."""
+        if isinstance(inputs, tf.RaggedTensor):
+            _check_id_dtype(inputs.dtype)
+            if inputs.ragged_rank != 1 or inputs.shape.rank != 2:
+                raise ValueError(
+                    f"CachedEmbedding takes 2-D ragged ids [batch, (ids)], got "
+                    f"ragged_rank={inputs.ragged_rank}, rank={inputs.shape.rank}")
+            self._require_combiner("tf.RaggedTensor")
+            return tf.cast(inputs.values, tf.int64), {
+                "kind": "rows", "row_ids": inputs.value_rowids(), "nrows": inputs.nrows()}
+        if isinstance(inputs, tf.SparseTensor):
+            _check_id_dtype(inputs.dtype)
+            if inputs.shape.rank != 2:
+                raise ValueError(
+                    f"CachedEmbedding takes 2-D sparse ids [batch, ids], got rank "
+                    f"{inputs.shape.rank}")
+            self._require_combiner("tf.SparseTensor")
+            return tf.cast(inputs.values, tf.int64), {
+                "kind": "rows", "row_ids": inputs.indices[:, 0],
+                "nrows": inputs.dense_shape[0]}
+        if isinstance(inputs, (str, bytes)):
+            raise TypeError(f"CachedEmbedding expects integer ids, got a string {inputs!r}")
+        x = tf.convert_to_tensor(inputs)
+        _check_id_dtype(x.dtype)
+        if x.shape.rank == 0:
+            raise ValueError("CachedEmbedding needs ids of rank >= 1 ([batch, ...]), got a scalar")
+        if self.combiner is not None and x.shape.rank < 2:
+            raise ValueError(
+                f"combiner={self.combiner!r} reduces the last axis of dense ids, "
+                f"so they need rank >= 2, got shape {x.shape}")
+        return tf.reshape(tf.cast(x, tf.int64), [-1]), {
+            "kind": "dense", "shape": tf.shape(x), "static": x.shape}
+
+    def _require_combiner(self, what: str) -> None:
+        if self.combiner is None:
+            raise ValueError(
+                f"{what} input needs a combiner to give one vector per row: "
+                f"create the layer with combiner='sum', 'mean' or 'sqrtn'")
+
+    def _combine(self, rows: tf.Tensor, layout: dict) -> tf.Tensor:
+        dim = self.output_dim
+        if layout["kind"] == "dense":
+            out = tf.reshape(rows, tf.concat([layout["shape"], [dim]], 0))
+            out.set_shape(layout["static"].concatenate([dim]))
+            if self.combiner is None:
+                return out
+            total = tf.reduce_sum(out, axis=-2)
+            length = tf.cast(tf.shape(out)[-2], rows.dtype)
+            if self.combiner == "mean":
+                return total / tf.maximum(length, 1.0)
+            if self.combiner == "sqrtn":
+                return total / tf.sqrt(tf.maximum(length, 1.0))
+            return total
+        row_ids, nrows = layout["row_ids"], layout["nrows"]
+        total = tf.math.unsorted_segment_sum(rows, row_ids, nrows)
+        if self.combiner == "sum":
+            return total
+        counts = tf.math.unsorted_segment_sum(
+            tf.ones_like(row_ids, dtype=rows.dtype), row_ids, nrows)
+        counts = tf.maximum(counts, 1.0)[:, None]
+        return total / (counts if self.combiner == "mean" else tf.sqrt(counts))
+
+    # -------------------------------------------------------- training path
+    def _training_rows(self, unique_ids: tf.Tensor, inverse: tf.Tensor) -> tf.Tensor:
+        store = self._store
+        variables = self._device_variables
+        slots, miss_slots, miss_rows, evict_slots, evict_ids = store.cache_prepare(unique_ids)
+        # Write back evicted rows (value + state) before their slots are reused.
+        evicted = tf.concat([tf.gather(v, evict_slots) for v in variables], axis=1)
+        written = store.host_write(evict_ids, evicted)
+        parts = tf.split(miss_rows, len(variables), axis=1)
+        with tf.control_dependencies([written]):
+            fills = [v.scatter_update(tf.IndexedSlices(p, miss_slots))
+                     for v, p in zip(variables, parts)]
+        with tf.control_dependencies(fills):
+            unique_rows = tf.gather(self._cache_rows, slots)
+        rows = tf.gather(unique_rows, inverse)
+        return self._attach_update(rows, slots, inverse, tf.size(unique_ids))
+
+    def _attach_update(self, rows, slots, inverse, num_unique):
+        trigger = tf.convert_to_tensor(self._trigger.value)
+
+        @tf.custom_gradient
+        def with_update(rows_in, trigger_in):
+            def grad(d_rows):
+                update = self._apply_update(slots, inverse, num_unique, d_rows)
+                with tf.control_dependencies([update]):
+                    return None, tf.zeros_like(trigger_in)
+
+            return tf.identity(rows_in), grad
+
+        return with_update(rows, trigger)
+
+    def _apply_update(self, slots, inverse, num_unique, d_rows):
+        g_occ = tf.cast(tf.convert_to_tensor(d_rows), tf.float32)
+        grad = tf.math.unsorted_segment_sum(g_occ, inverse, num_unique)
+        grad = tf.debugging.check_numerics(
+            grad, f"CachedEmbedding {self.name}: the embedding gradient is not "
+                  f"finite (NaN or Inf); the table was not updated")
+        grad_sq = None
+        if self.table_optimizer.needs_squared_occurrences:
+            grad_sq = tf.math.unsorted_segment_sum(tf.square(g_occ), inverse, num_unique)
+        update = self.table_optimizer.apply(
+            self._cache_rows, list(self._cache_state), slots, grad, grad_sq,
+            self._table_step)
+        with tf.control_dependencies([update]):
+            return self._table_step.assign_add(1)
+
+    # ------------------------------------------------------- inference path
+    def _inference_rows(self, unique_ids: tf.Tensor) -> tf.Tensor:
+        """Current rows of distinct ids, from cache or host, without side effects."""
+        slots = self._store.cache_probe(unique_ids)
+        cached_rows = tf.gather(self._cache_rows, tf.maximum(slots, 0))
+        missing = tf.where(slots < 0)
+        host = self._store.host_read(tf.gather_nd(unique_ids, missing))
+        return tf.tensor_scatter_nd_update(
+            cached_rows, missing, host[:, : self.output_dim])
+
+    # ------------------------------------------------------------ user API
+    def _ids_vector(self, ids: Any) -> tf.Tensor:
+        if isinstance(ids, (tf.RaggedTensor, tf.SparseTensor)):
+            raise TypeError("ids must be a dense 1-D array of int ids")
+        arr = ids if isinstance(ids, tf.Tensor) else np.asarray(ids)
+        if not isinstance(arr, tf.Tensor) and arr.dtype.kind not in "iu":
+            raise TypeError(
+                f"ids must be integers (int32 or int64), got dtype {arr.dtype}")
+        t = tf.convert_to_tensor(arr)
+        _check_id_dtype(t.dtype)
+        if t.shape.rank != 1:
+            raise ValueError(f"ids must be a 1-D array, got shape {t.shape}")
+        return tf.cast(t, tf.int64)
+
+    def lookup_rows(self, ids: Sequence[int] | np.ndarray | tf.Tensor) -> np.ndarray:
+        """Current values of rows ``ids`` as a ``[len(ids), output_dim]`` array.
+
+        Reads the cache where a row is cached and the host table otherwise; ids
+        never seen get their initial value and are not inserted. No side
+        effects: no counters, no insertion, no cache change.
+        """
+        self._require_built()
+        ids = self._ids_vector(ids)
+        unique_ids, inverse = tf.unique(ids, out_idx=tf.int32)
+        return tf.gather(self._inference_rows(unique_ids), inverse).numpy()
+
+    def assign_rows(self, ids: Sequence[int] | np.ndarray | tf.Tensor,
+                    values: np.ndarray | tf.Tensor) -> None:
+        """Sets rows ``ids`` to ``values`` (``[len(ids), output_dim]``) and resets
+        their optimizer state. Missing ids are created. On a bad argument
+        nothing is changed."""
+        self._require_built()
+        ids = self._ids_vector(ids)
+        values = np.asarray(values, dtype=np.float32)
+        n = int(ids.shape[0])
+        if values.shape != (n, self.output_dim):
+            raise ValueError(
+                f"values must have shape [len(ids), output_dim] = [{n}, "
+                f"{self.output_dim}], got {list(values.shape)}")
+        if not np.all(np.isfinite(values)):
+            bad = int(np.argwhere(~np.isfinite(values))[0, 0])
+            raise ValueError(
+                f"values must be finite; row {bad} (id {int(ids[bad])}) holds "
+                f"{values[bad].tolist()}. Nothing was changed.")
+        if len(np.unique(ids.numpy())) != n:
+            raise ValueError("ids passed to assign_rows must be distinct")
+        with self._assign_lock:
+            try:
+                self._store.host_assign(ids, values)
+            except tf.errors.OpError as err:
+                raise ValueError(err.message) from None
+            slots = self._store.cache_probe(ids)
+            where = tf.where(slots >= 0)[:, 0]
+            cached = tf.gather(slots, where)
+            self._cache_rows.scatter_update(
+                tf.IndexedSlices(tf.gather(values, where), cached))
+            for var, init in zip(self._cache_state,
+                                 self.table_optimizer.state_initial_values()):
+                fill = tf.fill([tf.size(cached), self.output_dim], init)
+                var.scatter_update(tf.IndexedSlices(fill, cached))
+
+    def flush(self) -> int:
+        """Writes every cached row (and its state) back to the host table, so
+        the host table alone holds the current values. Returns the number of
+        rows written. The cache keeps its contents."""
+        self._require_built()
+        ids, slots = self._store.cache_entries()
+        rows = tf.concat([tf.gather(v, slots) for v in self._device_variables], axis=1)
+        self._store.host_write(ids, rows)
+        return int(tf.size(ids))
+
+    def cache_stats(self) -> dict[str, float]:
+        """Counters of this layer's cache and host table.
+
+        Keys: ``hits``, ``misses``, ``evictions`` (distinct ids per training
+        step, cumulative), ``host_rows``, ``cache_capacity``, ``cached_rows``
+        and ``hit_rate`` (hits / (hits + misses), 0 before any step).
+        """
+        self._require_built()
+        hits, misses, evictions, host_rows, capacity, cached = (
+            int(v) for v in self._store.stats().numpy())
+        lookups = hits + misses
+        return {
+            "hits": hits,
+            "misses": misses,
+            "evictions": evictions,
+            "host_rows": host_rows,
+            "cache_capacity": capacity,
+            "cached_rows": cached,
+            "hit_rate": hits / lookups if lookups else 0.0,
+        }
+
+    # ---------------------------------------------------------- Keras glue
+    def compute_output_shape(self, input_shape: Any) -> tuple:
+        shape = tuple(input_shape)
+        if self.combiner is not None:
+            shape = shape[:-1]
+        return shape + (self.output_dim,)
+
+    def get_config(self) -> dict[str, Any]:
+        config = super().get_config()
+        config.update({
+            "output_dim": self.output_dim,
+            "cache_capacity": self.cache_capacity,
+            "optimizer": keras.saving.serialize_keras_object(self.table_optimizer),
+            "embeddings_initializer": keras.initializers.serialize(
+                self.embeddings_initializer),
+            "combiner": self.combiner,
+            "max_rows": self.max_rows,
+            "seed": self.seed,
+        })
+        return config
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "CachedEmbedding":
+        config = dict(config)
+        config["optimizer"] = _optimizers.get(config.get("optimizer"))
+        return cls(**config)

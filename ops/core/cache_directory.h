@@ -1,0 +1,94 @@
+// The cache directory: which id occupies which device cache slot. It only
+// manages indices; the rows themselves live in device variables.
+//
+// Eviction is a generalised CLOCK (an LFU approximation with ageing): a hit
+// raises a slot's small frequency counter, the clock hand lowers counters as it
+// passes and takes the first slot whose counter is zero and that the current
+// step does not use. A newly admitted id starts at zero, so a one-off id is the
+// first to go while hot ids stay. Not thread-safe: the owner serialises calls.
+// TF-free.
+#ifndef TF_SFCTR_OPS_CORE_CACHE_DIRECTORY_H_
+#define TF_SFCTR_OPS_CORE_CACHE_DIRECTORY_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "status.h"
+
+namespace sfctr {
+
+struct CacheStats {
+  int64_t hits = 0;
+  int64_t misses = 0;
+  int64_t evictions = 0;
+};
+
+class CacheDirectory {
+ public:
+  struct Eviction {
+    int64_t id;
+    int32_t slot;
+    uint32_t uses;  // steps that used the id while it was cached
+  };
+
+  explicit CacheDirectory(int64_t capacity);
+
+  int64_t capacity() const { return capacity_; }
+  int64_t size() const { return size_; }
+  const CacheStats& stats() const { return stats_; }
+  void set_stats(const CacheStats& stats) { stats_ = stats; }
+
+  // Slot of `id`, or -1. Read-only (no counters, no frequency change).
+  int32_t Probe(int64_t id) const;
+
+  // Classifies distinct `ids` (n of them) without changing anything: writes
+  // the slot of each hit into slots[i] and -1 for each miss; returns the
+  // number of misses. Fails if n exceeds the capacity.
+  CoreStatus Classify(const int64_t* ids, int64_t n, int32_t* slots,
+                      int64_t* num_misses) const;
+
+  // Second half of a step, after Classify filled `slots`: marks the hits as in
+  // use, gives every miss a slot (evicting ids the step does not use) and
+  // appends the evicted ids to `evicted`. `miss_positions` receives the
+  // indices i of the misses, in order.
+  void Commit(const int64_t* ids, int64_t n, int32_t* slots,
+              std::vector<int64_t>* miss_positions,
+              std::vector<Eviction>* evicted);
+
+  // Every cached (id, slot, uses) triple; resets the use counters when
+  // `reset_uses` (used when flushing to the host table).
+  void Entries(std::vector<Eviction>* out, bool reset_uses);
+
+  // Forgets every id (the rows are assumed to be flushed already).
+  void Clear();
+
+ private:
+  struct Slot {
+    int64_t id = 0;
+    uint64_t step = 0;   // last step that used this slot
+    uint32_t uses = 0;
+    uint8_t freq = 0;
+    bool occupied = false;
+  };
+
+  int64_t FindEntry(int64_t id) const;  // index into map_ or -1
+  void MapInsert(int64_t id, int32_t slot);
+  void MapErase(int64_t id);
+  int32_t TakeSlot(std::vector<Eviction>* evicted);
+
+  int64_t capacity_;
+  int64_t size_ = 0;
+  uint64_t step_ = 0;
+  int64_t hand_ = 0;
+  int64_t never_used_ = 0;     // slots [never_used_, capacity) never filled
+  std::vector<Slot> slots_;
+  // Open-addressing id -> slot map with backward-shift deletion; -1 = empty.
+  std::vector<int64_t> map_ids_;
+  std::vector<int32_t> map_slots_;
+  uint64_t map_mask_;
+  CacheStats stats_;
+};
+
+}  // namespace sfctr
+
+#endif  // TF_SFCTR_OPS_CORE_CACHE_DIRECTORY_H_

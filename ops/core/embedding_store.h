@@ -1,0 +1,70 @@
+// An embedding store: the host table plus the directory of the device cache
+// that sits in front of it. This is the object one TensorFlow resource holds.
+// TF-free.
+#ifndef TF_SFCTR_OPS_CORE_EMBEDDING_STORE_H_
+#define TF_SFCTR_OPS_CORE_EMBEDDING_STORE_H_
+
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+#include "cache_directory.h"
+#include "host_table.h"
+#include "status.h"
+
+namespace sfctr {
+
+struct StoreOptions {
+  HostTableOptions table;
+  int64_t cache_capacity = 1024;
+};
+
+// What one training step must do on the device after Prepare.
+struct PrepareResult {
+  std::vector<int32_t> slots;        // cache slot of every input id
+  std::vector<int32_t> miss_slots;   // slots to fill ...
+  std::vector<float> miss_rows;      // ... with these full-width rows
+  std::vector<int32_t> evict_slots;  // slots whose rows must go back ...
+  std::vector<int64_t> evict_ids;    // ... to the host under these ids
+};
+
+struct StoreStats {
+  int64_t hits, misses, evictions, host_rows, cache_capacity, cached_rows;
+};
+
+class EmbeddingStore {
+ public:
+  explicit EmbeddingStore(const StoreOptions& options);
+
+  HostTable& table() { return table_; }
+  const HostTable& table() const { return table_; }
+  int64_t cache_capacity() const { return directory_.capacity(); }
+
+  // One training step's cache management for `n` distinct ids: maps each id
+  // to a slot, picks victims among slots the step does not use and fetches
+  // the missing rows from the host table (creating new ids). Fails without
+  // changing anything if the ids do not fit in the cache or the host table
+  // would exceed max_rows.
+  CoreStatus Prepare(const int64_t* ids, int64_t n, PrepareResult* result);
+
+  // Slots of `ids` (-1 when not cached), without side effects.
+  void Probe(const int64_t* ids, int64_t n, int32_t* slots) const;
+
+  // Every cached id and its slot; credits their use counts to the host table.
+  void CachedEntries(std::vector<int64_t>* ids, std::vector<int32_t>* slots);
+
+  // Forgets the cache directory (rows must have been flushed).
+  void ClearCache();
+
+  StoreStats Stats() const;
+  void SetCounters(int64_t hits, int64_t misses, int64_t evictions);
+
+ private:
+  HostTable table_;
+  mutable std::mutex mu_;  // guards directory_
+  CacheDirectory directory_;
+};
+
+}  // namespace sfctr
+
+#endif  // TF_SFCTR_OPS_CORE_EMBEDDING_STORE_H_

@@ -1,0 +1,291 @@
+#include "host_table.h"
+
+#include <algorithm>
+#include <cstring>
+#include <unordered_set>
+
+#include "mix.h"
+
+namespace sfctr {
+namespace {
+
+// Arena blocks: block k holds kBaseRows << min(k, kMaxShift) rows.
+constexpr uint32_t kBaseRows = 16;
+constexpr int kMaxShift = 12;  // largest block: 65536 rows
+constexpr uint64_t kGeometricRows =
+    static_cast<uint64_t>(kBaseRows) * ((2ull << kMaxShift) - 1);
+constexpr uint64_t kLargeBlockRows = static_cast<uint64_t>(kBaseRows) << kMaxShift;
+constexpr size_t kInitialEntries = 16;
+// Grow the index when more than 13/16 of the entries are used.
+constexpr uint64_t kMaxLoadNum = 13, kMaxLoadDen = 16;
+// Salt so that shard choice and probe position are independent of the
+// distributed owner function, which uses Mix64(id) directly.
+constexpr uint64_t kTableSalt = 0x5f3759df2545f491ULL;
+
+inline uint64_t HashId(int64_t id) {
+  return Mix64(static_cast<uint64_t>(id) ^ kTableSalt);
+}
+
+inline void BlockOf(uint64_t row, uint64_t* block, uint64_t* offset) {
+  if (row < kGeometricRows) {
+    const uint64_t x = row / kBaseRows + 1;
+    const uint64_t k = 63 - __builtin_clzll(x);
+    *block = k;
+    *offset = row - static_cast<uint64_t>(kBaseRows) * ((1ull << k) - 1);
+  } else {
+    const uint64_t rest = row - kGeometricRows;
+    *block = kMaxShift + 1 + rest / kLargeBlockRows;
+    *offset = rest % kLargeBlockRows;
+  }
+}
+
+inline uint64_t BlockRows(uint64_t block) {
+  return static_cast<uint64_t>(kBaseRows)
+         << std::min<uint64_t>(block, kMaxShift);
+}
+
+}  // namespace
+
+HostTable::HostTable(const HostTableOptions& options)
+    : options_(options),
+      initializer_(options.init),
+      width_(options.dim * (1 + options.num_state)) {
+  int shards = 1;
+  while (shards < std::max(1, options_.num_shards)) shards <<= 1;
+  options_.num_shards = shards;
+  options_.state_init.resize(options_.num_state, 0.0f);
+  shards_.reset(new Shard[shards]);
+  shard_mask_ = static_cast<uint64_t>(shards - 1);
+}
+
+HostTable::Shard& HostTable::ShardFor(uint64_t hash) const {
+  return shards_[(hash >> 40) & shard_mask_];
+}
+
+void HostTable::InitialRow(int64_t id, float* out) const {
+  const int dim = options_.dim;
+  initializer_.Fill(id, dim, out);
+  for (int s = 0; s < options_.num_state; ++s) {
+    std::fill(out + dim * (s + 1), out + dim * (s + 2), options_.state_init[s]);
+  }
+}
+
+float* HostTable::RowPtr(const Shard& s, uint32_t row) const {
+  uint64_t block, offset;
+  BlockOf(row, &block, &offset);
+  return s.blocks[block].get() + offset * width_;
+}
+
+float* HostTable::AllocateRowLocked(Shard& s) const {
+  uint64_t block, offset;
+  BlockOf(s.rows, &block, &offset);
+  if (block >= s.blocks.size()) {
+    s.blocks.emplace_back(new float[BlockRows(block) * width_]);
+  }
+  ++s.rows;
+  return s.blocks[block].get() + offset * width_;
+}
+
+HostTable::Entry* HostTable::Locate(Shard& s, int64_t id, uint64_t hash) const {
+  if (s.entries.empty()) return nullptr;
+  const uint64_t mask = s.entries.size() - 1;
+  for (uint64_t pos = hash & mask;; pos = (pos + 1) & mask) {
+    Entry& e = s.entries[pos];
+    if (e.row == kEmptyRow) return nullptr;
+    if (e.id == id) return &e;
+  }
+}
+
+void HostTable::GrowLocked(Shard& s) const {
+  const size_t new_size =
+      s.entries.empty() ? kInitialEntries : s.entries.size() * 2;
+  std::vector<Entry> old;
+  old.swap(s.entries);
+  s.entries.assign(new_size, Entry{0, kEmptyRow, 0});
+  const uint64_t mask = new_size - 1;
+  for (const Entry& e : old) {
+    if (e.row == kEmptyRow) continue;
+    uint64_t pos = HashId(e.id) & mask;
+    while (s.entries[pos].row != kEmptyRow) pos = (pos + 1) & mask;
+    s.entries[pos] = e;
+  }
+}
+
+float* HostTable::InsertLocked(Shard& s, int64_t id, uint64_t hash) const {
+  if ((static_cast<uint64_t>(s.used) + 1) * kMaxLoadDen >
+      s.entries.size() * kMaxLoadNum) {
+    GrowLocked(s);
+  }
+  const uint64_t mask = s.entries.size() - 1;
+  uint64_t pos = hash & mask;
+  while (s.entries[pos].row != kEmptyRow) pos = (pos + 1) & mask;
+  const uint32_t row = s.rows;
+  float* ptr = AllocateRowLocked(s);
+  s.entries[pos] = Entry{id, row, 0};
+  ++s.used;
+  return ptr;
+}
+
+void HostTable::Find(const int64_t* ids, int64_t n, float* out) const {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t h = HashId(ids[i]);
+    Shard& s = ShardFor(h);
+    float* dst = out + i * width_;
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      const Entry* e = Locate(s, ids[i], h);
+      if (e != nullptr) {
+        std::memcpy(dst, RowPtr(s, e->row), sizeof(float) * width_);
+        continue;
+      }
+    }
+    InitialRow(ids[i], dst);
+  }
+}
+
+int64_t HostTable::CountMissing(const int64_t* ids, int64_t n) const {
+  std::unordered_set<int64_t> missing;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t h = HashId(ids[i]);
+    Shard& s = ShardFor(h);
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (Locate(s, ids[i], h) == nullptr) missing.insert(ids[i]);
+  }
+  return static_cast<int64_t>(missing.size());
+}
+
+CoreStatus HostTable::Reserve(int64_t rows) {
+  const int64_t limit = options_.max_rows;
+  int64_t cur = reserved_.load();
+  do {
+    if (limit > 0 && cur + rows > limit) {
+      return CoreStatus::ResourceExhausted(
+          "host table is full: it holds " + std::to_string(size()) +
+          " rows, max_rows=" + std::to_string(limit) + ", and this call needs " +
+          std::to_string(rows) +
+          " new rows; raise max_rows (or leave it None for an unbounded "
+          "table). Nothing was changed.");
+    }
+  } while (!reserved_.compare_exchange_weak(cur, cur + rows));
+  return CoreStatus::Ok();
+}
+
+void HostTable::Release(int64_t rows) { reserved_.fetch_sub(rows); }
+
+void HostTable::FindOrInsertReserved(const int64_t* ids, int64_t n, float* out,
+                                     int64_t reserved) {
+  int64_t inserted = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t h = HashId(ids[i]);
+    Shard& s = ShardFor(h);
+    float* dst = out + i * width_;
+    std::lock_guard<std::mutex> lock(s.mu);
+    const Entry* e = Locate(s, ids[i], h);
+    if (e != nullptr) {
+      std::memcpy(dst, RowPtr(s, e->row), sizeof(float) * width_);
+    } else {
+      float* row = InsertLocked(s, ids[i], h);
+      InitialRow(ids[i], row);
+      std::memcpy(dst, row, sizeof(float) * width_);
+      ++inserted;
+    }
+  }
+  size_.fetch_add(inserted);
+  // Another writer may have inserted some of these ids first; give back what
+  // was not used. (Correctness needs only reserved_ >= size_.)
+  if (reserved > inserted) Release(reserved - inserted);
+}
+
+CoreStatus HostTable::Write(const int64_t* ids, int64_t n, const float* rows) {
+  const int64_t need = options_.max_rows > 0 ? CountMissing(ids, n) : n;
+  CoreStatus st = Reserve(need);
+  if (!st.ok()) return st;
+  int64_t inserted = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint64_t h = HashId(ids[i]);
+    Shard& s = ShardFor(h);
+    std::lock_guard<std::mutex> lock(s.mu);
+    Entry* e = Locate(s, ids[i], h);
+    float* dst;
+    if (e != nullptr) {
+      dst = RowPtr(s, e->row);
+    } else {
+      dst = InsertLocked(s, ids[i], h);
+      ++inserted;
+    }
+    std::memcpy(dst, rows + i * width_, sizeof(float) * width_);
+  }
+  size_.fetch_add(inserted);
+  if (need > inserted) Release(need - inserted);
+  return CoreStatus::Ok();
+}
+
+CoreStatus HostTable::AssignValues(const int64_t* ids, int64_t n,
+                                   const float* values) {
+  const int dim = options_.dim;
+  std::vector<float> rows(static_cast<size_t>(n) * width_);
+  for (int64_t i = 0; i < n; ++i) {
+    float* row = rows.data() + i * width_;
+    std::memcpy(row, values + i * dim, sizeof(float) * dim);
+    for (int s = 0; s < options_.num_state; ++s) {
+      std::fill(row + dim * (s + 1), row + dim * (s + 2),
+                options_.state_init[s]);
+    }
+  }
+  return Write(ids, n, rows.data());
+}
+
+void HostTable::AddUseCount(int64_t id, uint32_t count) {
+  const uint64_t h = HashId(id);
+  Shard& s = ShardFor(h);
+  std::lock_guard<std::mutex> lock(s.mu);
+  Entry* e = Locate(s, id, h);
+  if (e == nullptr) return;
+  const uint64_t sum = static_cast<uint64_t>(e->count) + count;
+  e->count = sum > 0xffffffffu ? 0xffffffffu : static_cast<uint32_t>(sum);
+}
+
+void HostTable::Export(std::vector<int64_t>* ids, std::vector<float>* rows,
+                       std::vector<uint32_t>* counts) const {
+  ids->clear();
+  rows->clear();
+  counts->clear();
+  for (uint64_t k = 0; k <= shard_mask_; ++k) {
+    Shard& s = shards_[k];
+    std::lock_guard<std::mutex> lock(s.mu);
+    for (const Entry& e : s.entries) {
+      if (e.row == kEmptyRow) continue;
+      ids->push_back(e.id);
+      counts->push_back(e.count);
+      const float* src = RowPtr(s, e.row);
+      rows->insert(rows->end(), src, src + width_);
+    }
+  }
+}
+
+void HostTable::Clear() {
+  for (uint64_t k = 0; k <= shard_mask_; ++k) {
+    Shard& s = shards_[k];
+    std::lock_guard<std::mutex> lock(s.mu);
+    std::vector<Entry>().swap(s.entries);
+    s.blocks.clear();
+    s.used = 0;
+    s.rows = 0;
+  }
+  reserved_.fetch_sub(size_.exchange(0));
+}
+
+size_t HostTable::AllocatedBytes() const {
+  size_t bytes = 0;
+  for (uint64_t k = 0; k <= shard_mask_; ++k) {
+    Shard& s = shards_[k];
+    std::lock_guard<std::mutex> lock(s.mu);
+    bytes += s.entries.capacity() * sizeof(Entry);
+    for (size_t b = 0; b < s.blocks.size(); ++b) {
+      bytes += BlockRows(b) * width_ * sizeof(float);
+    }
+  }
+  return bytes;
+}
+
+}  // namespace sfctr

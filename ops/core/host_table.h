@@ -1,0 +1,124 @@
+// The host-memory embedding table: int64 id -> one row of `dim` floats plus
+// `num_state` optimizer-state rows of `dim` floats each, stored contiguously.
+//
+// Layout (see docs/design.md, "Host table"): the table is split into lock
+// stripes (shards) chosen by a mix of the id. Each shard has an
+// open-addressing index of 16-byte entries {id, row number, use count} and an
+// arena of row blocks whose size grows geometrically, so rows never move when
+// the index grows and a small table stays small. TF-free.
+#ifndef TF_SFCTR_OPS_CORE_HOST_TABLE_H_
+#define TF_SFCTR_OPS_CORE_HOST_TABLE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "initializer.h"
+#include "status.h"
+
+namespace sfctr {
+
+struct HostTableOptions {
+  int dim = 8;
+  int num_state = 0;               // optimizer state rows per id
+  std::vector<float> state_init;   // one value per state row (size num_state)
+  InitializerSpec init;
+  int64_t max_rows = 0;            // 0: unbounded
+  int num_shards = 64;             // lock stripes; rounded up to a power of 2
+};
+
+class HostTable {
+ public:
+  explicit HostTable(const HostTableOptions& options);
+  HostTable(const HostTable&) = delete;
+  HostTable& operator=(const HostTable&) = delete;
+
+  int dim() const { return options_.dim; }
+  int num_state() const { return options_.num_state; }
+  // Floats per stored row: the value and its optimizer state.
+  int width() const { return width_; }
+  int64_t max_rows() const { return options_.max_rows; }
+  int64_t size() const { return size_.load(std::memory_order_relaxed); }
+
+  // Writes the initial full-width row (value from the initializer, state
+  // from state_init) of `id` into `out`.
+  void InitialRow(int64_t id, float* out) const;
+
+  // Copies the stored full-width rows of `ids` into `out` (n x width); ids not
+  // present get their initial row and are not inserted.
+  void Find(const int64_t* ids, int64_t n, float* out) const;
+
+  // Number of distinct ids among `ids` that are not stored (duplicates in
+  // `ids` counted once).
+  int64_t CountMissing(const int64_t* ids, int64_t n) const;
+
+  // Reserves room for `rows` new rows against max_rows. Fails, changing
+  // nothing, when the table would exceed its limit. A successful reservation
+  // must be handed to exactly one of the *Reserved calls below.
+  CoreStatus Reserve(int64_t rows);
+  void Release(int64_t rows);
+
+  // Like Find, but inserts missing ids with their initial row. `reserved` rows
+  // must have been reserved; unused reservations are released.
+  void FindOrInsertReserved(const int64_t* ids, int64_t n, float* out,
+                            int64_t reserved);
+
+  // Stores full-width rows (value and state), inserting missing ids.
+  CoreStatus Write(const int64_t* ids, int64_t n, const float* rows);
+
+  // Sets the value part of rows (n x dim) and resets their optimizer state to
+  // state_init, inserting missing ids.
+  CoreStatus AssignValues(const int64_t* ids, int64_t n, const float* values);
+
+  // Adds `count` to the use counter of a stored id (no-op if absent).
+  void AddUseCount(int64_t id, uint32_t count);
+
+  // Snapshot of every stored row, in no particular order.
+  void Export(std::vector<int64_t>* ids, std::vector<float>* rows,
+              std::vector<uint32_t>* counts) const;
+
+  // Removes every row.
+  void Clear();
+
+  // Bytes held by indexes and arenas (allocated capacity, not payload).
+  size_t AllocatedBytes() const;
+
+ private:
+  struct Entry {
+    int64_t id;
+    uint32_t row;    // kEmptyRow marks an empty entry
+    uint32_t count;  // saturating use counter
+  };
+  static constexpr uint32_t kEmptyRow = 0xffffffffu;
+
+  struct Shard {
+    mutable std::mutex mu;
+    std::vector<Entry> entries;                 // size: power of two
+    uint32_t used = 0;                          // occupied entries
+    std::vector<std::unique_ptr<float[]>> blocks;
+    uint32_t rows = 0;                          // rows handed out from arena
+  };
+
+  Shard& ShardFor(uint64_t hash) const;
+  // Returns the entry of `id` or nullptr. Caller holds the shard lock.
+  Entry* Locate(Shard& s, int64_t id, uint64_t hash) const;
+  // Inserts `id` (must be absent) and returns its row pointer.
+  float* InsertLocked(Shard& s, int64_t id, uint64_t hash) const;
+  void GrowLocked(Shard& s) const;
+  float* RowPtr(const Shard& s, uint32_t row) const;
+  float* AllocateRowLocked(Shard& s) const;
+
+  HostTableOptions options_;
+  RowInitializer initializer_;
+  int width_;
+  std::unique_ptr<Shard[]> shards_;
+  uint64_t shard_mask_;
+  std::atomic<int64_t> size_{0};
+  std::atomic<int64_t> reserved_{0};  // rows stored or reserved
+};
+
+}  // namespace sfctr
+
+#endif  // TF_SFCTR_OPS_CORE_HOST_TABLE_H_

@@ -1,0 +1,323 @@
+// Thin TF kernels over the TF-free core in ops/core: each one unpacks its
+// tensors, calls the core and packs the results. CPU kernels only: every
+// input and output is host memory, so on a GPU machine TensorFlow places
+// these ops on the CPU and copies slots/rows to the device variables.
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/tensor.h"
+
+#include "../core/embedding_store.h"
+
+namespace tensorflow {
+namespace {
+
+class StoreResource : public ResourceBase {
+ public:
+  explicit StoreResource(const sfctr::StoreOptions& options)
+      : store_(options) {}
+  sfctr::EmbeddingStore& store() { return store_; }
+  std::string DebugString() const override {
+    return "SfctrEmbeddingStore(dim=" + std::to_string(store_.table().dim()) +
+           ", rows=" + std::to_string(store_.table().size()) + ")";
+  }
+  int64_t MemoryUsed() const override {
+    return static_cast<int64_t>(store_.table().AllocatedBytes());
+  }
+
+ private:
+  sfctr::EmbeddingStore store_;
+};
+
+Status ToTf(const sfctr::CoreStatus& st) {
+  switch (st.code()) {
+    case sfctr::CoreStatus::Code::kOk:
+      return OkStatus();
+    case sfctr::CoreStatus::Code::kResourceExhausted:
+      return errors::ResourceExhausted(st.message());
+    default:
+      return errors::InvalidArgument(st.message());
+  }
+}
+
+Status GetStore(OpKernelContext* ctx, core::RefCountPtr<StoreResource>* out) {
+  return LookupResource(ctx, HandleFromInput(ctx, 0), out);
+}
+
+Status CheckIds(const Tensor& ids) {
+  if (!TensorShapeUtils::IsVector(ids.shape())) {
+    return errors::InvalidArgument("ids must be a vector, got shape ",
+                                   ids.shape().DebugString());
+  }
+  return OkStatus();
+}
+
+Status CheckRows(const Tensor& ids, const Tensor& rows, int64_t width,
+                 const char* what) {
+  TF_RETURN_IF_ERROR(CheckIds(ids));
+  if (rows.dims() != 2 || rows.dim_size(0) != ids.dim_size(0) ||
+      rows.dim_size(1) != width) {
+    return errors::InvalidArgument(what, " must have shape [", ids.dim_size(0),
+                                   ", ", width, "] (one row per id), got ",
+                                   rows.shape().DebugString());
+  }
+  return OkStatus();
+}
+
+template <typename T>
+void OutputVector(OpKernelContext* ctx, int index, const std::vector<T>& v) {
+  Tensor* out = nullptr;
+  OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                          index, TensorShape({static_cast<int64_t>(v.size())}),
+                          &out));
+  std::copy(v.begin(), v.end(), out->flat<T>().data());
+}
+
+void OutputMatrix(OpKernelContext* ctx, int index, const std::vector<float>& v,
+                  int64_t width) {
+  Tensor* out = nullptr;
+  const int64_t rows = width == 0 ? 0 : static_cast<int64_t>(v.size()) / width;
+  OP_REQUIRES_OK(ctx,
+                 ctx->allocate_output(index, TensorShape({rows, width}), &out));
+  std::copy(v.begin(), v.end(), out->flat<float>().data());
+}
+
+class StoreCreateOp : public OpKernel {
+ public:
+  explicit StoreCreateOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    int dim, num_state;
+    int64_t seed, max_rows, capacity;
+    std::string kind;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_state", &num_state));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("state_init", &options_.table.state_init));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("init_kind", &kind));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("init_a", &options_.table.init.a));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("init_b", &options_.table.init.b));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("seed", &seed));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("max_rows", &max_rows));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("cache_capacity", &capacity));
+    OP_REQUIRES(ctx, sfctr::ParseInitKind(kind, &options_.table.init.kind),
+                errors::InvalidArgument(
+                    "init_kind must be constant, uniform, normal or "
+                    "truncated_normal, got '", kind, "'"));
+    OP_REQUIRES(ctx,
+                static_cast<int>(options_.table.state_init.size()) == num_state,
+                errors::InvalidArgument("state_init needs ", num_state,
+                                        " values, got ",
+                                        options_.table.state_init.size()));
+    OP_REQUIRES(ctx, capacity < (int64_t{1} << 31),
+                errors::InvalidArgument("cache_capacity must be below 2^31"));
+    options_.table.dim = dim;
+    options_.table.num_state = num_state;
+    options_.table.init.seed = static_cast<uint64_t>(seed);
+    options_.table.max_rows = max_rows;
+    options_.cache_capacity = capacity;
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    auto* resource = new StoreResource(options_);
+    Tensor* handle = nullptr;
+    AllocatorAttributes attr;
+    attr.set_on_host(true);
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &handle, attr));
+    // The handle owns the only reference; the store dies with its last handle.
+    handle->scalar<ResourceHandle>()() =
+        ResourceHandle::MakeRefCountingHandle<StoreResource>(
+            resource, ctx->device()->name());
+  }
+
+ private:
+  sfctr::StoreOptions options_;
+};
+
+class CachePrepareOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<StoreResource> res;
+    OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
+    const Tensor& ids = ctx->input(1);
+    OP_REQUIRES_OK(ctx, CheckIds(ids));
+    sfctr::PrepareResult r;
+    OP_REQUIRES_OK(ctx, ToTf(res->store().Prepare(ids.flat<int64_t>().data(),
+                                                  ids.NumElements(), &r)));
+    OutputVector(ctx, 0, r.slots);
+    OutputVector(ctx, 1, r.miss_slots);
+    OutputMatrix(ctx, 2, r.miss_rows, res->store().table().width());
+    OutputVector(ctx, 3, r.evict_slots);
+    OutputVector(ctx, 4, r.evict_ids);
+  }
+};
+
+class HostWriteOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<StoreResource> res;
+    OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
+    const Tensor& ids = ctx->input(1);
+    const Tensor& rows = ctx->input(2);
+    sfctr::HostTable& table = res->store().table();
+    OP_REQUIRES_OK(ctx, CheckRows(ids, rows, table.width(), "rows"));
+    OP_REQUIRES_OK(ctx, ToTf(table.Write(ids.flat<int64_t>().data(),
+                                         ids.NumElements(),
+                                         rows.flat<float>().data())));
+  }
+};
+
+class HostAssignOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<StoreResource> res;
+    OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
+    const Tensor& ids = ctx->input(1);
+    const Tensor& values = ctx->input(2);
+    sfctr::HostTable& table = res->store().table();
+    OP_REQUIRES_OK(ctx, CheckRows(ids, values, table.dim(), "values"));
+    const float* v = values.flat<float>().data();
+    for (int64_t i = 0; i < values.NumElements(); ++i) {
+      OP_REQUIRES(ctx, std::isfinite(v[i]),
+                  errors::InvalidArgument(
+                      "values must be finite; row ", i / table.dim(),
+                      " (id ", ids.flat<int64_t>()(i / table.dim()),
+                      ") holds ", v[i], ". Nothing was changed."));
+    }
+    OP_REQUIRES_OK(ctx, ToTf(table.AssignValues(ids.flat<int64_t>().data(),
+                                                ids.NumElements(), v)));
+  }
+};
+
+class HostReadOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<StoreResource> res;
+    OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
+    const Tensor& ids = ctx->input(1);
+    OP_REQUIRES_OK(ctx, CheckIds(ids));
+    const sfctr::HostTable& table = res->store().table();
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0, TensorShape({ids.NumElements(), table.width()}),
+                            &out));
+    table.Find(ids.flat<int64_t>().data(), ids.NumElements(),
+               out->flat<float>().data());
+  }
+};
+
+class CacheProbeOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<StoreResource> res;
+    OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
+    const Tensor& ids = ctx->input(1);
+    OP_REQUIRES_OK(ctx, CheckIds(ids));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ids.shape(), &out));
+    res->store().Probe(ids.flat<int64_t>().data(), ids.NumElements(),
+                       out->flat<int32_t>().data());
+  }
+};
+
+class CacheEntriesOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<StoreResource> res;
+    OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
+    std::vector<int64_t> ids;
+    std::vector<int32_t> slots;
+    res->store().CachedEntries(&ids, &slots);
+    OutputVector(ctx, 0, ids);
+    OutputVector(ctx, 1, slots);
+  }
+};
+
+class CacheClearOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<StoreResource> res;
+    OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
+    res->store().ClearCache();
+  }
+};
+
+class HostExportOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<StoreResource> res;
+    OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
+    std::vector<int64_t> ids;
+    std::vector<float> rows;
+    std::vector<uint32_t> counts;
+    res->store().table().Export(&ids, &rows, &counts);
+    OutputVector(ctx, 0, ids);
+    OutputMatrix(ctx, 1, rows, res->store().table().width());
+    OutputVector(ctx, 2, std::vector<int64_t>(counts.begin(), counts.end()));
+  }
+};
+
+class HostClearOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<StoreResource> res;
+    OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
+    res->store().table().Clear();
+  }
+};
+
+class StoreStatsOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<StoreResource> res;
+    OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
+    const sfctr::StoreStats s = res->store().Stats();
+    OutputVector(ctx, 0,
+                 std::vector<int64_t>{s.hits, s.misses, s.evictions,
+                                      s.host_rows, s.cache_capacity,
+                                      s.cached_rows});
+  }
+};
+
+class StoreSetCountersOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<StoreResource> res;
+    OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
+    const Tensor& c = ctx->input(1);
+    OP_REQUIRES(ctx, c.NumElements() == 3,
+                errors::InvalidArgument("counters must hold 3 values"));
+    auto v = c.flat<int64_t>();
+    res->store().SetCounters(v(0), v(1), v(2));
+  }
+};
+
+#define SFCTR_CPU_KERNEL(name, cls) \
+  REGISTER_KERNEL_BUILDER(Name(name).Device(DEVICE_CPU), cls)
+
+SFCTR_CPU_KERNEL("SfctrStoreCreate", StoreCreateOp);
+SFCTR_CPU_KERNEL("SfctrCachePrepare", CachePrepareOp);
+SFCTR_CPU_KERNEL("SfctrHostWrite", HostWriteOp);
+SFCTR_CPU_KERNEL("SfctrHostAssign", HostAssignOp);
+SFCTR_CPU_KERNEL("SfctrHostRead", HostReadOp);
+SFCTR_CPU_KERNEL("SfctrCacheProbe", CacheProbeOp);
+SFCTR_CPU_KERNEL("SfctrCacheEntries", CacheEntriesOp);
+SFCTR_CPU_KERNEL("SfctrCacheClear", CacheClearOp);
+SFCTR_CPU_KERNEL("SfctrHostExport", HostExportOp);
+SFCTR_CPU_KERNEL("SfctrHostClear", HostClearOp);
+SFCTR_CPU_KERNEL("SfctrStoreStats", StoreStatsOp);
+SFCTR_CPU_KERNEL("SfctrStoreSetCounters", StoreSetCountersOp);
+
+}  // namespace
+}  // namespace tensorflow

@@ -1,0 +1,165 @@
+// Op declarations of tf_sfctr. Naming rule: C++ op `Sfctr<Name>` is exposed in
+// Python as `sfctr_<name>` (tf_sfctr/_ops.py), so our ops never collide with
+// TensorFlow's or another plugin's. Every op takes the store as a resource
+// and works on host memory; device-side rows are stock tf.Variables.
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace tensorflow {
+namespace {
+
+using shape_inference::InferenceContext;
+using shape_inference::ShapeHandle;
+
+Status VectorOfUnknown(InferenceContext* c, int output) {
+  c->set_output(output, c->Vector(InferenceContext::kUnknownDim));
+  return OkStatus();
+}
+
+}  // namespace
+
+REGISTER_OP("SfctrStoreCreate")
+    .Output("store: resource")
+    .Attr("dim: int >= 1")
+    .Attr("num_state: int >= 0")
+    .Attr("state_init: list(float)")
+    .Attr("init_kind: string")
+    .Attr("init_a: float")
+    .Attr("init_b: float")
+    .Attr("seed: int")
+    .Attr("max_rows: int >= 0")
+    .Attr("cache_capacity: int >= 1")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::ScalarShape)
+    .Doc(R"doc(
+Creates an embedding store (host hash table + device-cache directory) and
+returns a reference-counted handle; the store is freed with its last handle.
+)doc");
+
+REGISTER_OP("SfctrCachePrepare")
+    .Input("store: resource")
+    .Input("ids: int64")
+    .Output("slots: int32")
+    .Output("miss_slots: int32")
+    .Output("miss_rows: float")
+    .Output("evict_slots: int32")
+    .Output("evict_ids: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle ids;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &ids));
+      c->set_output(0, ids);
+      TF_RETURN_IF_ERROR(VectorOfUnknown(c, 1));
+      c->set_output(2, c->Matrix(InferenceContext::kUnknownDim,
+                                 InferenceContext::kUnknownDim));
+      TF_RETURN_IF_ERROR(VectorOfUnknown(c, 3));
+      return VectorOfUnknown(c, 4);
+    })
+    .Doc(R"doc(
+Cache management of one training step for distinct `ids`: assigns a cache slot
+to each id, evicts ids the step does not use (their slots and ids are returned
+for write-back) and fetches the rows (value and optimizer state) that must be
+loaded into `miss_slots`. Fails, changing nothing, when the ids exceed the
+cache capacity or the host table's max_rows.
+)doc");
+
+REGISTER_OP("SfctrHostWrite")
+    .Input("store: resource")
+    .Input("ids: int64")
+    .Input("rows: float")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc("Stores full-width rows (value and optimizer state) in the host table.");
+
+REGISTER_OP("SfctrHostAssign")
+    .Input("store: resource")
+    .Input("ids: int64")
+    .Input("values: float")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc("Sets row values in the host table and resets their optimizer state.");
+
+REGISTER_OP("SfctrHostRead")
+    .Input("store: resource")
+    .Input("ids: int64")
+    .Output("rows: float")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Matrix(c->Dim(c->input(1), 0),
+                                 InferenceContext::kUnknownDim));
+      return OkStatus();
+    })
+    .Doc(R"doc(
+Reads full-width rows from the host table; ids never stored get their initial
+row and are not inserted.
+)doc");
+
+REGISTER_OP("SfctrCacheProbe")
+    .Input("store: resource")
+    .Input("ids: int64")
+    .Output("slots: int32")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->input(1));
+      return OkStatus();
+    })
+    .Doc("Cache slot of each id, or -1 when not cached. No side effects.");
+
+REGISTER_OP("SfctrCacheEntries")
+    .Input("store: resource")
+    .Output("ids: int64")
+    .Output("slots: int32")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(VectorOfUnknown(c, 0));
+      return VectorOfUnknown(c, 1);
+    })
+    .Doc("Every cached id and its slot (for flushing the cache to the host).");
+
+REGISTER_OP("SfctrCacheClear")
+    .Input("store: resource")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc("Forgets the cache directory; rows must have been flushed before.");
+
+REGISTER_OP("SfctrHostExport")
+    .Input("store: resource")
+    .Output("ids: int64")
+    .Output("rows: float")
+    .Output("counts: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(VectorOfUnknown(c, 0));
+      c->set_output(1, c->Matrix(InferenceContext::kUnknownDim,
+                                 InferenceContext::kUnknownDim));
+      return VectorOfUnknown(c, 2);
+    })
+    .Doc("Every row of the host table with its use count.");
+
+REGISTER_OP("SfctrHostClear")
+    .Input("store: resource")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc("Removes every row of the host table.");
+
+REGISTER_OP("SfctrStoreStats")
+    .Input("store: resource")
+    .Output("stats: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(6));
+      return OkStatus();
+    })
+    .Doc(R"doc(
+[hits, misses, evictions, host_rows, cache_capacity, cached_rows].
+)doc");
+
+REGISTER_OP("SfctrStoreSetCounters")
+    .Input("store: resource")
+    .Input("counters: int64")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc("Sets [hits, misses, evictions] (used when restoring a checkpoint).");
+
+}  // namespace tensorflow

@@ -1,0 +1,100 @@
+"""Builds tf_sfctr: the custom-op library from ops/ and the Python packages.
+
+All compiler and linker flags come from the installed TensorFlow
+(``tf.sysconfig``), so the library matches its C++ ABI. TensorFlow must be
+installed first and the build run without isolation::
+
+    pip install -c constraints.txt tensorflow-cpu==2.16.2
+    pip install --no-build-isolation -e .
+"""
+
+import glob
+import json
+import os
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+SUPPORTED_TF = ("2.16.",)  # keep in sync with constraints.txt
+HERE = os.path.dirname(os.path.abspath(__file__))
+OP_SOURCES = sorted(
+    glob.glob("ops/*.cc") + glob.glob("ops/kernels/*.cc") + glob.glob("ops/core/*.cc")
+)
+
+
+class BuildTfOps(build_ext):
+    """Compiles the op library with TensorFlow's own flags."""
+
+    def build_extensions(self):
+        try:
+            import tensorflow as tf
+        except ImportError as err:  # pragma: no cover - build-time message
+            raise SystemExit(
+                "tf_sfctr builds against the installed TensorFlow, and none was "
+                "found. Install it first (pip install -c constraints.txt "
+                "tensorflow-cpu==2.16.2), then build with "
+                "`pip install --no-build-isolation .`."
+            ) from err
+        version = tf.__version__
+        if not version.startswith(SUPPORTED_TF):
+            raise SystemExit(
+                f"tf_sfctr supports TensorFlow {', '.join(v + 'x' for v in SUPPORTED_TF)}; "
+                f"found {version}. Install a supported version (see constraints.txt)."
+            )
+        compile_flags = tf.sysconfig.get_compile_flags()
+        link_flags = tf.sysconfig.get_link_flags()
+        for ext in self.extensions:
+            ext.extra_compile_args = ["-std=c++17", "-O3", "-fPIC", "-Wno-sign-compare"] + [
+                f for f in compile_flags if not f.startswith("-std=")
+            ]
+            ext.extra_link_args = list(link_flags)
+        self.parallel = self.parallel or os.cpu_count() or 1
+        super().build_extensions()
+        # Stamp the TensorFlow version next to the library; the loader refuses
+        # to load it under another version.
+        # Written next to the built library and into the source package, which
+        # is where an editable install loads it from.
+        out_dirs = {
+            os.path.dirname(self.get_ext_fullpath("tf_sfctr._sfctr_ops")),
+            os.path.join(self.build_lib, "tf_sfctr"),
+            os.path.join(HERE, "tf_sfctr"),
+        }
+        for out_dir in out_dirs:
+            os.makedirs(out_dir, exist_ok=True)
+            with open(os.path.join(out_dir, "_build_info.json"), "w") as f:
+                json.dump({"tensorflow_version": version}, f)
+
+    def get_ext_filename(self, ext_name):
+        # A plain .so name (no Python ABI tag): it is loaded by
+        # tf.load_op_library, not imported as a Python module.
+        return os.path.join(*ext_name.split(".")) + ".so"
+
+
+setup(
+    name="tf_sfctr",
+    version="0.1.0",
+    description=(
+        "Cached embeddings over an unbounded host hash table for TensorFlow/Keras "
+        "CTR models (ScaleFreeCTR-style)."
+    ),
+    long_description=open(os.path.join(HERE, "README.md")).read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=[
+        "tf_sfctr",
+        "tf_sfctr.data",
+        "tf_sfctr.keras_layers",
+    ],
+    package_dir={"tf_sfctr.keras_layers": "keras_layers"},
+    package_data={"tf_sfctr": ["_build_info.json"]},
+    ext_modules=[Extension("tf_sfctr._sfctr_ops", sources=OP_SOURCES, language="c++")],
+    cmdclass={"build_ext": BuildTfOps},
+    # TensorFlow itself is not listed: users pick tensorflow (GPU) or
+    # tensorflow-cpu 2.16.x, and pip cannot express "either of the two".
+    install_requires=["numpy<2"],
+    extras_require={
+        "data": ["tensorflow-io==0.37.1"],
+        "bench": ["tensorflow-recommenders-addons==0.8.1", "setuptools<70"],
+    },
+    zip_safe=False,
+)

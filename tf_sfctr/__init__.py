@@ -1,0 +1,32 @@
+"""tf_sfctr: cached embeddings over an unbounded host hash table for Keras.
+
+Public API (one export point)::
+
+    tf_sfctr.CachedEmbedding           # also tf_sfctr.keras_layers.CachedEmbedding
+    tf_sfctr.optimizers.SGD / Adagrad / Adam
+    tf_sfctr.data                      # input pipelines (synthetic Criteo, TSV, Parquet)
+
+Importing the package loads neither the op library nor the data readers: the
+``.so`` is loaded on first use (and refuses another TensorFlow version than
+the one it was built for).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from tf_sfctr import optimizers
+
+__version__ = "0.1.0"
+__all__ = ["CachedEmbedding", "optimizers", "keras_layers", "data", "__version__"]
+
+_LAZY_MODULES = ("keras_layers", "data")
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CachedEmbedding":
+        return importlib.import_module("tf_sfctr.keras_layers").CachedEmbedding
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f"tf_sfctr.{name}")
+    raise AttributeError(f"module 'tf_sfctr' has no attribute {name!r}")

@@ -1,0 +1,88 @@
+"""Lazy loading of the custom-op library.
+
+Nothing happens at import time: the ``.so`` is loaded on first use, after
+checking that it was built for the running TensorFlow. Naming rule: the C++ op
+``Sfctr<Name>`` is exposed here as ``sfctr_<name>`` (TensorFlow's own
+CamelCase to snake_case conversion).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import tensorflow as tf
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_LIBRARY = os.path.join(_HERE, "_sfctr_ops.so")
+_BUILD_INFO = os.path.join(_HERE, "_build_info.json")
+_REBUILD = "rebuild it with `pip install --no-build-isolation -e .` (or `make build`)"
+
+_lock = threading.Lock()
+_module = None
+
+# Ops with no gradient: they move indices and host rows, never math.
+_OP_TYPES = (
+    "SfctrStoreCreate",
+    "SfctrCachePrepare",
+    "SfctrHostWrite",
+    "SfctrHostAssign",
+    "SfctrHostRead",
+    "SfctrCacheProbe",
+    "SfctrCacheEntries",
+    "SfctrCacheClear",
+    "SfctrHostExport",
+    "SfctrHostClear",
+    "SfctrStoreStats",
+    "SfctrStoreSetCounters",
+)
+
+
+class OpLibraryError(ImportError):
+    """The op library is missing or was built for another TensorFlow."""
+
+
+def _check_build() -> None:
+    if not os.path.exists(_LIBRARY):
+        raise OpLibraryError(
+            f"tf_sfctr's op library {_LIBRARY} is missing: the package was not "
+            f"built. Build it with `pip install --no-build-isolation -e .` "
+            f"(or `make build`)."
+        )
+    try:
+        with open(_BUILD_INFO) as f:
+            built_for = json.load(f)["tensorflow_version"]
+    except (OSError, ValueError, KeyError) as err:
+        raise OpLibraryError(
+            f"{_BUILD_INFO} is missing or unreadable, so the TensorFlow version "
+            f"the op library was built for is unknown; {_REBUILD}."
+        ) from err
+    if built_for != tf.__version__:
+        raise OpLibraryError(
+            f"tf_sfctr's op library was built for TensorFlow {built_for}, but "
+            f"TensorFlow {tf.__version__} is running; {_REBUILD}."
+        )
+
+
+def load():
+    """Returns the loaded op module, loading it on first call."""
+    global _module
+    if _module is None:
+        with _lock:
+            if _module is None:
+                _check_build()
+                module = tf.load_op_library(_LIBRARY)
+                for op_type in _OP_TYPES:
+                    tf.no_gradient(op_type)
+                _module = module
+    return _module
+
+
+def built_for_version() -> str | None:
+    """The TensorFlow version the op library was built for, if known."""
+    try:
+        with open(_BUILD_INFO) as f:
+            return json.load(f)["tensorflow_version"]
+    except (OSError, ValueError, KeyError):
+        return None

@@ -1,0 +1,262 @@
+"""Sparse optimizers for embedding tables.
+
+A table is trained by its own optimizer (as in HugeCTR, TorchRec and
+keras-rs), independent of the Keras optimizer that trains the dense layers.
+The update runs on the device cache: for the rows a step used, it gathers the
+row and its optimizer state, computes the new values with stock TF ops and
+scatters them back. Rows absent from a step are never touched ("lazy").
+
+Formulas, with ``g`` the gradient of a row summed over its occurrences in the
+step, ``s`` (Adagrad only) the sum of the squares of the per-occurrence
+gradients, and ``t`` the number of table updates so far (1 on the first):
+
+* :class:`SGD`: ``m = momentum * m - lr * g``; ``w += m`` (``w += momentum * m
+  - lr * g`` with Nesterov). With ``momentum=0`` this is ``w -= lr * g``, equal
+  to ``keras.optimizers.SGD``. Keras applies momentum to every row at every
+  step; here momentum only moves rows that a step uses.
+* :class:`Adagrad`: ``a += s``; ``w -= lr * g / sqrt(a + epsilon)``. This is
+  exactly ``keras.optimizers.Adagrad`` (Keras 3 adds the square of each
+  occurrence's gradient). ``accumulate="summed"`` uses ``s = g * g`` instead,
+  the TF1 / Keras 2 / HugeCTR convention.
+* :class:`Adam` (lazy): ``m = b1 * m + (1 - b1) * g``;
+  ``v = b2 * v + (1 - b2) * g * g``;
+  ``w -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + epsilon)``, for the
+  used rows only (like TF Addons' LazyAdam).
+
+Example::
+
+    import tf_sfctr
+    opt = tf_sfctr.optimizers.Adagrad(learning_rate=0.05)
+    layer = tf_sfctr.CachedEmbedding(16, cache_capacity=1024, optimizer=opt)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Union
+
+import keras
+import tensorflow as tf
+
+LearningRate = Union[float, keras.optimizers.schedules.LearningRateSchedule]
+
+__all__ = ["TableOptimizer", "SGD", "Adagrad", "Adam", "get"]
+
+
+def _check_positive(name: str, value: float, allow_zero: bool = False) -> float:
+    try:
+        value = float(value)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{name} must be a number, got {value!r}") from err
+    if not (value >= 0 if allow_zero else value > 0) or value != value:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be {bound}, got {value}")
+    return value
+
+
+class TableOptimizer:
+    """Base class: the state layout of a table optimizer and its update."""
+
+    #: Number of optimizer-state rows kept next to each embedding row.
+    num_state: int = 0
+    #: Whether ``apply`` needs the per-occurrence sum of squared gradients.
+    needs_squared_occurrences: bool = False
+
+    def __init__(self, learning_rate: LearningRate):
+        if isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+            self.learning_rate = learning_rate
+        else:
+            self.learning_rate = _check_positive("learning_rate", learning_rate)
+
+    def state_initial_values(self) -> list[float]:
+        """Initial value of each state row (a constant per state row)."""
+        return []
+
+    def _lr(self, step: tf.Tensor) -> tf.Tensor:
+        if callable(self.learning_rate):
+            return tf.cast(self.learning_rate(step), tf.float32)
+        return tf.constant(self.learning_rate, tf.float32)
+
+    def apply(
+        self,
+        rows: tf.Variable,
+        state: list[tf.Variable],
+        slots: tf.Tensor,
+        grad: tf.Tensor,
+        grad_sq: tf.Tensor | None,
+        step: tf.Variable,
+    ) -> tf.Operation:
+        """Updates ``rows[slots]`` and their state; slots are distinct."""
+        raise NotImplementedError
+
+    def get_config(self) -> dict[str, Any]:
+        lr = self.learning_rate
+        if callable(lr):
+            lr = keras.saving.serialize_keras_object(lr)
+        return {"learning_rate": lr}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "TableOptimizer":
+        config = dict(config)
+        if isinstance(config.get("learning_rate"), dict):
+            config["learning_rate"] = keras.saving.deserialize_keras_object(
+                config["learning_rate"]
+            )
+        return cls(**config)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"{type(self).__name__}({args})"
+
+
+@keras.saving.register_keras_serializable(package="tf_sfctr")
+class SGD(TableOptimizer):
+    """Plain (lazy-momentum) SGD for a table.
+
+    Example::
+
+        opt = tf_sfctr.optimizers.SGD(learning_rate=0.1)
+    """
+
+    def __init__(self, learning_rate: LearningRate = 0.01, momentum: float = 0.0,
+                 nesterov: bool = False):
+        super().__init__(learning_rate)
+        self.momentum = _check_positive("momentum", momentum, allow_zero=True)
+        if self.momentum >= 1:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        self.nesterov = bool(nesterov)
+        self.num_state = 1 if self.momentum > 0 else 0
+
+    def state_initial_values(self) -> list[float]:
+        return [0.0] * self.num_state
+
+    def apply(self, rows, state, slots, grad, grad_sq, step):
+        lr = self._lr(step)
+        if self.momentum == 0:
+            return rows.scatter_sub(tf.IndexedSlices(lr * grad, slots))
+        (mom,) = state
+        m = self.momentum * tf.gather(mom, slots) - lr * grad
+        delta = self.momentum * m - lr * grad if self.nesterov else m
+        with tf.control_dependencies([mom.scatter_update(tf.IndexedSlices(m, slots))]):
+            return rows.scatter_add(tf.IndexedSlices(delta, slots))
+
+    def get_config(self):
+        return {**super().get_config(), "momentum": self.momentum, "nesterov": self.nesterov}
+
+
+@keras.saving.register_keras_serializable(package="tf_sfctr")
+class Adagrad(TableOptimizer):
+    """Adagrad for a table, numerically equal to ``keras.optimizers.Adagrad``.
+
+    Example::
+
+        opt = tf_sfctr.optimizers.Adagrad(learning_rate=0.05,
+                                          initial_accumulator_value=0.1)
+    """
+
+    num_state = 1
+
+    def __init__(self, learning_rate: LearningRate = 0.001,
+                 initial_accumulator_value: float = 0.1, epsilon: float = 1e-7,
+                 accumulate: str = "per_occurrence"):
+        super().__init__(learning_rate)
+        self.initial_accumulator_value = _check_positive(
+            "initial_accumulator_value", initial_accumulator_value, allow_zero=True)
+        self.epsilon = _check_positive("epsilon", epsilon, allow_zero=True)
+        if accumulate not in ("per_occurrence", "summed"):
+            raise ValueError(
+                f"accumulate must be 'per_occurrence' (Keras 3) or 'summed' "
+                f"(TF1/Keras 2), got {accumulate!r}")
+        if self.initial_accumulator_value == 0 and self.epsilon == 0:
+            raise ValueError("initial_accumulator_value and epsilon cannot both be 0 "
+                             "(the first update would divide by zero)")
+        self.accumulate = accumulate
+        self.needs_squared_occurrences = accumulate == "per_occurrence"
+
+    def state_initial_values(self) -> list[float]:
+        return [self.initial_accumulator_value]
+
+    def apply(self, rows, state, slots, grad, grad_sq, step):
+        (acc,) = state
+        sq = grad_sq if self.needs_squared_occurrences else tf.square(grad)
+        a = tf.gather(acc, slots) + sq
+        delta = self._lr(step) * grad / tf.sqrt(a + self.epsilon)
+        with tf.control_dependencies([acc.scatter_update(tf.IndexedSlices(a, slots))]):
+            return rows.scatter_sub(tf.IndexedSlices(delta, slots))
+
+    def get_config(self):
+        return {**super().get_config(),
+                "initial_accumulator_value": self.initial_accumulator_value,
+                "epsilon": self.epsilon, "accumulate": self.accumulate}
+
+
+@keras.saving.register_keras_serializable(package="tf_sfctr")
+class Adam(TableOptimizer):
+    """Lazy Adam for a table: only rows used by a step move (see module doc).
+
+    Example::
+
+        opt = tf_sfctr.optimizers.Adam(learning_rate=1e-3)
+    """
+
+    num_state = 2
+
+    def __init__(self, learning_rate: LearningRate = 0.001, beta_1: float = 0.9,
+                 beta_2: float = 0.999, epsilon: float = 1e-7):
+        super().__init__(learning_rate)
+        for name, beta in (("beta_1", beta_1), ("beta_2", beta_2)):
+            if not 0 <= float(beta) < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {beta}")
+        self.beta_1 = float(beta_1)
+        self.beta_2 = float(beta_2)
+        self.epsilon = _check_positive("epsilon", epsilon, allow_zero=True)
+
+    def state_initial_values(self) -> list[float]:
+        return [0.0, 0.0]
+
+    def apply(self, rows, state, slots, grad, grad_sq, step):
+        m_var, v_var = state
+        t = tf.cast(step, tf.float32) + 1.0
+        b1, b2 = self.beta_1, self.beta_2
+        m = b1 * tf.gather(m_var, slots) + (1 - b1) * grad
+        v = b2 * tf.gather(v_var, slots) + (1 - b2) * tf.square(grad)
+        alpha = self._lr(step) * tf.sqrt(1 - tf.pow(b2, t)) / (1 - tf.pow(b1, t))
+        delta = alpha * m / (tf.sqrt(v) + self.epsilon)
+        with tf.control_dependencies([
+            m_var.scatter_update(tf.IndexedSlices(m, slots)),
+            v_var.scatter_update(tf.IndexedSlices(v, slots)),
+        ]):
+            return rows.scatter_sub(tf.IndexedSlices(delta, slots))
+
+    def get_config(self):
+        return {**super().get_config(), "beta_1": self.beta_1, "beta_2": self.beta_2,
+                "epsilon": self.epsilon}
+
+
+_BY_NAME: dict[str, Callable[..., TableOptimizer]] = {
+    "sgd": SGD, "adagrad": Adagrad, "adam": Adam}
+
+
+def get(identifier: Any) -> TableOptimizer:
+    """An optimizer from an instance, a name ("sgd", "adagrad", "adam") or a config.
+
+    ``None`` gives the default: ``Adagrad(learning_rate=0.01)``.
+    """
+    if identifier is None:
+        return Adagrad(learning_rate=0.01)
+    if isinstance(identifier, TableOptimizer):
+        return identifier
+    if isinstance(identifier, str) and identifier.lower() in _BY_NAME:
+        return _BY_NAME[identifier.lower()]()
+    if isinstance(identifier, dict):
+        obj = keras.saving.deserialize_keras_object(identifier)
+        if isinstance(obj, TableOptimizer):
+            return obj
+    if isinstance(identifier, keras.optimizers.Optimizer):
+        raise ValueError(
+            f"optimizer={type(identifier).__name__} is a Keras optimizer; a table "
+            f"needs a sparse table optimizer: tf_sfctr.optimizers.SGD, Adagrad or "
+            f"Adam (the Keras optimizer in model.compile trains the dense layers).")
+    raise ValueError(
+        f"optimizer={identifier!r} is not a table optimizer; use "
+        f"tf_sfctr.optimizers.SGD, Adagrad or Adam, or one of the names "
+        f"{sorted(_BY_NAME)}.")

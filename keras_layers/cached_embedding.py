@@ -156,6 +156,10 @@ class CachedEmbedding(keras.layers.Layer):
             max_rows=self.max_rows or 0,
             cache_capacity=self.cache_capacity,
         ))
+        with tf.init_scope():
+            # Create the resource eagerly: a handle first made inside a traced
+            # function would belong to that graph only.
+            self._store.resource_handle  # noqa: B018
         self.built = True
 
     @property
@@ -268,9 +272,14 @@ class CachedEmbedding(keras.layers.Layer):
         @tf.custom_gradient
         def with_update(rows_in, trigger_in):
             def grad(d_rows):
-                update = self._apply_update(slots, inverse, num_unique, d_rows)
-                with tf.control_dependencies([update]):
-                    return None, tf.zeros_like(trigger_in)
+                step = self._apply_update(slots, inverse, num_unique, d_rows)
+                # The trigger's gradient must data-depend on the update: Keras
+                # nests its train step in a second tf.function, and after
+                # inlining, grappler folds `x * 0` to a constant and prunes an
+                # update reached only that way. min(step, 0) is exactly 0
+                # (step >= 1) but cannot be folded.
+                zero = tf.minimum(tf.cast(step, trigger_in.dtype), 0.0)
+                return None, tf.reshape(zero, tf.shape(trigger_in))
 
             return tf.identity(rows_in), grad
 
@@ -289,7 +298,7 @@ class CachedEmbedding(keras.layers.Layer):
             self._cache_rows, list(self._cache_state), slots, grad, grad_sq,
             self._table_step)
         with tf.control_dependencies([update]):
-            return self._table_step.assign_add(1)
+            return self._table_step.assign_add(1, read_value=True)
 
     # ------------------------------------------------------- inference path
     def _inference_rows(self, unique_ids: tf.Tensor) -> tf.Tensor:

@@ -1,0 +1,35 @@
+"""Shared test setup: quiet TensorFlow logs, deterministic ops, small helpers."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+tf.config.experimental.enable_op_determinism()
+
+
+@pytest.fixture(autouse=True)
+def _seed_everything():
+    import keras
+
+    keras.utils.set_random_seed(1234)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+def powerlaw_ids(rng, vocab, shape, alpha=1.2):
+    """Ids drawn from `vocab` with a Zipf-like skew (hot ids repeat)."""
+    ranks = np.minimum(rng.zipf(alpha, size=shape) - 1, len(vocab) - 1)
+    return vocab[ranks]
+
+
+def random_vocab(rng, n):
+    """n distinct int64 ids spread over the whole int64 range."""
+    ids = np.unique(rng.integers(-(2**63), 2**63 - 1, size=2 * n, dtype=np.int64))
+    return rng.permutation(ids)[:n]

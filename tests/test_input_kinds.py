@@ -1,0 +1,98 @@
+"""Dense ids of any rank, ragged and sparse multi-hot ids with combiners:
+forward values and one SGD step against stock TF references."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sfctr
+from tf_sfctr.keras_layers import CachedEmbedding
+
+from conftest import random_vocab
+
+DIM = 5
+LR = 0.5
+
+
+def _layer(combiner=None, capacity=64):
+    return CachedEmbedding(DIM, cache_capacity=capacity, combiner=combiner, seed=9,
+                           optimizer=tf_sfctr.optimizers.SGD(learning_rate=LR))
+
+
+def _sgd_step(layer, ids, weights):
+    """One training step of loss = sum(out * weights); returns the output."""
+    with tf.GradientTape() as tape:
+        out = layer(ids, training=True)
+        loss = tf.reduce_sum(out * weights)
+    tape.gradient(loss, layer.trainable_weights)
+    return out
+
+
+@pytest.mark.parametrize("shape", [(7,), (4, 3), (2, 3, 4)])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_dense_ranks(rng, shape, dtype):
+    vocab = random_vocab(rng, 10)
+    if dtype == np.int32:
+        vocab = (vocab % 2**31).astype(np.int32)
+    ids = vocab[rng.integers(0, len(vocab), size=shape)]
+    layer = _layer()
+    before = layer.lookup_rows(vocab.astype(np.int64))
+    table = {int(v): before[i] for i, v in enumerate(vocab)}
+    expected = np.stack([table[int(i)] for i in ids.ravel()]).reshape(shape + (DIM,))
+    np.testing.assert_array_equal(layer(ids).numpy(), expected)  # inference path
+
+    weights = rng.normal(size=shape + (DIM,)).astype("float32")
+    out = _sgd_step(layer, tf.constant(ids), weights)
+    np.testing.assert_array_equal(out.numpy(), expected)  # training path
+    assert out.shape == shape + (DIM,)
+    # SGD: row -= lr * (sum of the weights at its occurrences).
+    want = before.copy()
+    flat_w = weights.reshape(-1, DIM)
+    for k, i in enumerate(ids.ravel()):
+        want[list(vocab).index(i)] -= LR * flat_w[k]
+    np.testing.assert_allclose(layer.lookup_rows(vocab.astype(np.int64)), want, rtol=1e-6,
+                               atol=1e-6)
+
+
+def _reference_lookup_sparse(params, sp_index, combiner, weights):
+    """tf.nn.embedding_lookup_sparse forward and the SGD-updated params."""
+    var = tf.Variable(params)
+    with tf.GradientTape() as tape:
+        out = tf.nn.embedding_lookup_sparse(var, sp_index, None, combiner=combiner)
+        # embedding_lookup_sparse drops trailing empty rows; pad to batch size.
+        pad = sp_index.dense_shape[0] - tf.shape(out, out_type=tf.int64)[0]
+        out = tf.concat([out, tf.zeros([pad, params.shape[1]], out.dtype)], 0)
+        loss = tf.reduce_sum(out * weights)
+    grad = tf.convert_to_tensor(tape.gradient(loss, var))
+    return out.numpy(), params - LR * grad.numpy()
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("kind", ["ragged", "sparse"])
+def test_multi_hot_matches_embedding_lookup_sparse(rng, combiner, kind):
+    vocab = random_vocab(rng, 12)
+    rows = [[0, 3, 3, 7], [], [5], [1, 2, 0, 11, 11, 11], [4, 9], []]  # empty rows too
+    ragged_index = tf.ragged.constant(rows, dtype=tf.int64)
+    ragged_ids = tf.ragged.map_flat_values(lambda i: tf.gather(vocab, i), ragged_index)
+    ids = ragged_ids if kind == "ragged" else ragged_ids.to_sparse()
+    layer = _layer(combiner)
+    params = layer.lookup_rows(vocab)
+    weights = rng.normal(size=(len(rows), DIM)).astype("float32")
+
+    want_out, want_params = _reference_lookup_sparse(
+        params, ragged_index.to_sparse(), combiner, weights)
+    np.testing.assert_allclose(layer(ids).numpy(), want_out, rtol=1e-6, atol=1e-7)
+    out = _sgd_step(layer, ids, weights)
+    np.testing.assert_allclose(out.numpy(), want_out, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(layer.lookup_rows(vocab), want_params, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_dense_ids_with_combiner_reduce_last_axis(rng, combiner):
+    vocab = random_vocab(rng, 6)
+    idx = rng.integers(0, 6, size=(3, 4))
+    layer = _layer(combiner)
+    params = layer.lookup_rows(vocab)
+    rows = params[idx]  # [3, 4, D]
+    want = rows.sum(1) / {"sum": 1, "mean": 4, "sqrtn": 2}[combiner]
+    np.testing.assert_allclose(layer(vocab[idx]).numpy(), want, rtol=1e-6)

@@ -1,0 +1,137 @@
+"""CachedEmbedding trains to the same weights as a full-table reference.
+
+The cache holds 10% of the vocabulary, so rows are evicted to the host table
+and fetched back (with their optimizer state) all the time.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sfctr
+from tf_sfctr.keras_layers import CachedEmbedding
+
+from conftest import powerlaw_ids, random_vocab
+
+VOCAB = 400
+CAPACITY = VOCAB // 10
+BATCH, FIELDS, DIM = 8, 4, 6
+STEPS = 60
+
+
+def _data(rng):
+    vocab = random_vocab(rng, VOCAB)
+    ids = powerlaw_ids(rng, vocab, (BATCH * STEPS, FIELDS), alpha=1.1)
+    labels = rng.random((BATCH * STEPS, 1)).astype("float32")
+    index = {int(v): i for i, v in enumerate(vocab)}
+    as_index = np.vectorize(index.__getitem__)(ids).astype("int64")
+    return vocab, ids, as_index, labels
+
+
+def _head(x, seed):
+    x = keras.layers.Flatten()(x)
+    x = keras.layers.Dense(5, activation="tanh",
+                           kernel_initializer=keras.initializers.GlorotUniform(seed))(x)
+    return keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(seed + 1))(x)
+
+
+class _Losses(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        self.values = getattr(self, "values", []) + [logs["loss"]]
+
+
+def _train_pair(rng, table_opt, keras_opt_factory, run_eagerly):
+    vocab, ids, as_index, labels = _data(rng)
+    inp = keras.Input(shape=(FIELDS,), dtype="int64")
+    cached = CachedEmbedding(DIM, cache_capacity=CAPACITY, optimizer=table_opt, seed=5)
+    model = keras.Model(inp, _head(cached(inp), seed=11))
+
+    ref_inp = keras.Input(shape=(FIELDS,), dtype="int64")
+    ref_emb = keras.layers.Embedding(VOCAB, DIM)
+    ref = keras.Model(ref_inp, _head(ref_emb(ref_inp), seed=11))
+    ref_emb.embeddings.assign(cached.lookup_rows(vocab))
+    for a, b in zip(model.layers[2:], ref.layers[2:]):
+        b.set_weights(a.get_weights())
+
+    model.compile(optimizer=keras_opt_factory(), loss="mse", run_eagerly=run_eagerly)
+    ref.compile(optimizer=keras_opt_factory(), loss="mse", run_eagerly=run_eagerly)
+    got, want = _Losses(), _Losses()
+    model.fit(ids, labels, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[got])
+    ref.fit(as_index, labels, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[want])
+    return cached, vocab, model, ref, ref_emb, got.values, want.values
+
+
+@pytest.mark.parametrize("name,run_eagerly", [
+    ("sgd", False), ("adagrad", False), ("adagrad", True)])
+def test_matches_keras_embedding(rng, name, run_eagerly):
+    if name == "sgd":
+        table_opt = tf_sfctr.optimizers.SGD(learning_rate=0.3)
+        factory = lambda: keras.optimizers.SGD(learning_rate=0.3)  # noqa: E731
+    else:
+        table_opt = tf_sfctr.optimizers.Adagrad(
+            learning_rate=0.2, initial_accumulator_value=0.05, epsilon=1e-6)
+        factory = lambda: keras.optimizers.Adagrad(  # noqa: E731
+            learning_rate=0.2, initial_accumulator_value=0.05, epsilon=1e-6)
+    cached, vocab, model, ref, ref_emb, losses, ref_losses = _train_pair(
+        rng, table_opt, factory, run_eagerly)
+    stats = cached.cache_stats()
+    assert stats["evictions"] > 100, stats  # the cache really was too small
+    assert len(losses) == STEPS
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(
+        cached.lookup_rows(vocab), ref_emb.embeddings.numpy(), rtol=1e-5, atol=1e-7)
+    for a, b in zip(model.layers[2:], ref.layers[2:]):
+        for wa, wb in zip(a.get_weights(), b.get_weights()):
+            np.testing.assert_allclose(wa, wb, rtol=1e-5, atol=1e-7)
+    # The rows really moved away from their initial values.
+    init = CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=5).lookup_rows(vocab)
+    assert np.abs(cached.lookup_rows(vocab) - init).max() > 1e-2
+
+
+class _LazyAdam:
+    """NumPy lazy Adam over a dense float64 table: only rows in a step move."""
+
+    def __init__(self, table, lr, b1, b2, eps):
+        self.table, self.lr, self.b1, self.b2, self.eps = table, lr, b1, b2, eps
+        self.m = np.zeros_like(table)
+        self.v = np.zeros_like(table)
+        self.t = 0
+
+    def step(self, grads):
+        self.t += 1
+        b1, b2 = self.b1, self.b2
+        alpha = self.lr * np.sqrt(1 - b2**self.t) / (1 - b1**self.t)
+        for r, g in grads.items():
+            self.m[r] = b1 * self.m[r] + (1 - b1) * g
+            self.v[r] = b2 * self.v[r] + (1 - b2) * g * g
+            self.table[r] -= alpha * self.m[r] / (np.sqrt(self.v[r]) + self.eps)
+
+
+def test_lazy_adam_matches_numpy_reference(rng):
+    vocab, ids, as_index, _ = _data(rng)
+    lr, b1, b2, eps = 0.05, 0.8, 0.95, 1e-6
+    layer = CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=2,
+                            optimizer=tf_sfctr.optimizers.Adam(lr, b1, b2, eps))
+    ref = _LazyAdam(layer.lookup_rows(vocab).astype(np.float64), lr, b1, b2, eps)
+    weights = rng.normal(size=(FIELDS, DIM))
+    w_tf = tf.constant(weights, tf.float32)
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.sin(layer(x, training=True)) * w_tf)
+        tape.gradient(loss, layer.trainable_weights)
+
+    for s in range(STEPS):
+        idx = as_index[s * BATCH:(s + 1) * BATCH]
+        # d loss / d row = cos(row) * w[field], summed over occurrences.
+        grads = {}
+        for b in range(BATCH):
+            for f in range(FIELDS):
+                r = idx[b, f]
+                grads[r] = grads.get(r, 0.0) + np.cos(ref.table[r]) * weights[f]
+        step(tf.constant(ids[s * BATCH:(s + 1) * BATCH]))
+        ref.step(grads)
+    assert layer.cache_stats()["evictions"] > 100
+    np.testing.assert_allclose(layer.lookup_rows(vocab), ref.table, rtol=1e-4, atol=1e-5)

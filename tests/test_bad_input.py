@@ -1,0 +1,160 @@
+"""Bad input gets a clear error naming what is wrong, and leaves the table
+exactly as it was (rows, optimizer state, counters)."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sfctr
+from tf_sfctr.keras_layers import CachedEmbedding
+
+IDS = np.array([3, 1, 4, 15, 9], np.int64)
+
+
+@pytest.fixture
+def trained():
+    """A layer with some rows in the cache, some in the host table only."""
+    layer = CachedEmbedding(4, cache_capacity=6, seed=0, max_rows=12,
+                            optimizer=tf_sfctr.optimizers.Adagrad(0.1))
+    for batch in ([3, 1, 4], [15, 9, 2], [6, 5, 3], [5, 8, 9]):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(np.array(batch), training=True) ** 2)
+        tape.gradient(loss, layer.trainable_weights)
+    return layer
+
+
+def _snapshot(layer):
+    ids = np.arange(20, dtype=np.int64)
+    state = [v.numpy().copy() for v in layer._device_variables]
+    host = layer.store.host_read(tf.constant(ids)).numpy()
+    return layer.lookup_rows(ids), layer.cache_stats(), state, host
+
+
+def _assert_unchanged(layer, snap):
+    after = _snapshot(layer)
+    np.testing.assert_array_equal(after[0], snap[0])
+    assert after[1] == snap[1]
+    for a, b in zip(after[2], snap[2]):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(after[3], snap[3])
+
+
+@pytest.mark.parametrize("bad", [
+    np.array([1.0, 2.0], np.float32),
+    np.array([1.5], np.float64),
+    tf.constant(["a", "b"]),
+    np.array([True, False]),
+])
+@pytest.mark.parametrize("training", [True, False])
+def test_non_integer_ids(trained, bad, training):
+    snap = _snapshot(trained)
+    with pytest.raises(TypeError, match=r"integer ids \(int32 or int64\), got"):
+        trained(bad, training=training)
+    _assert_unchanged(trained, snap)
+
+
+def test_string_python_ids(trained):
+    snap = _snapshot(trained)
+    with pytest.raises(TypeError, match="integer"):
+        trained.lookup_rows(["a"])
+    with pytest.raises(TypeError, match="integer"):
+        trained(np.array(["a", "b"]))
+    _assert_unchanged(trained, snap)
+
+
+def test_working_set_larger_than_cache(trained):
+    snap = _snapshot(trained)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"uses 7 distinct ids but cache_capacity is 6"):
+        trained(np.arange(100, 107), training=True)
+    _assert_unchanged(trained, snap)
+
+
+def test_working_set_error_inside_fit():
+    inp = keras.Input(shape=(4,), dtype="int64")
+    emb = CachedEmbedding(2, cache_capacity=5, seed=0)
+    model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="8 distinct ids.*is 5"):
+        model.fit(np.arange(8).reshape(2, 4), np.zeros((2, 1)), batch_size=2, verbose=0)
+
+
+def test_max_rows_exceeded(trained):
+    assert trained.cache_stats()["host_rows"] == 9
+    snap = _snapshot(trained)
+    with pytest.raises(tf.errors.ResourceExhaustedError,
+                       match=r"max_rows=12.*needs 4 new rows.*Nothing was changed"):
+        trained(np.array([3, 100, 101, 102, 103]), training=True)
+    _assert_unchanged(trained, snap)
+    with pytest.raises(ValueError, match="max_rows=12"):
+        trained.assign_rows(np.arange(200, 204), np.zeros((4, 4)))
+    _assert_unchanged(trained, snap)
+    trained(np.array([3, 100, 101, 102]), training=True)  # exactly at the limit
+    assert trained.cache_stats()["host_rows"] == 12
+
+
+@pytest.mark.parametrize("values,match", [
+    (np.zeros((2, 3)), r"shape \[len\(ids\), output_dim\] = \[2, 4\], got \[2, 3\]"),
+    (np.zeros((3, 4)), r"\[2, 4\], got \[3, 4\]"),
+    (np.array([[0, 0, 0, 0], [0, np.nan, 0, 0]]), r"finite; row 1 \(id 1\)"),
+    (np.array([[np.inf, 0, 0, 0], [0, 0, 0, 0]]), r"finite; row 0 \(id 3\)"),
+])
+def test_assign_rows_bad_values(trained, values, match):
+    snap = _snapshot(trained)
+    with pytest.raises(ValueError, match=match):
+        trained.assign_rows([3, 1], values)
+    _assert_unchanged(trained, snap)
+
+
+def test_assign_rows_bad_ids(trained):
+    snap = _snapshot(trained)
+    with pytest.raises(ValueError, match="distinct"):
+        trained.assign_rows([3, 3], np.zeros((2, 4)))
+    with pytest.raises(ValueError, match="1-D"):
+        trained.assign_rows([[3, 1]], np.zeros((2, 4)))
+    with pytest.raises(TypeError, match="integers"):
+        trained.assign_rows([3.5, 1.0], np.zeros((2, 4)))
+    _assert_unchanged(trained, snap)
+
+
+def test_nan_gradient_is_refused(trained):
+    before = trained.lookup_rows(IDS)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="not finite"):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(trained(IDS, training=True) * np.nan)
+        tape.gradient(loss, trained.trainable_weights)
+    np.testing.assert_array_equal(trained.lookup_rows(IDS), before)
+
+
+def test_ragged_without_combiner(trained):
+    with pytest.raises(ValueError, match="needs a combiner"):
+        trained(tf.ragged.constant([[1, 2], [3]], dtype=tf.int64))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(output_dim=0, cache_capacity=4), "output_dim must be a positive int"),
+    (dict(output_dim=4, cache_capacity=-1), "cache_capacity must be a positive int"),
+    (dict(output_dim=4, cache_capacity=4, combiner="max"), "combiner must be None or one of"),
+    (dict(output_dim=4, cache_capacity=4, max_rows=0), "max_rows must be a positive int"),
+    (dict(output_dim=4, cache_capacity=4, seed="x"), "seed must be an int"),
+    (dict(output_dim=4, cache_capacity=4, optimizer=keras.optimizers.Adam()),
+     "is a Keras optimizer; a table needs a sparse table optimizer"),
+    (dict(output_dim=4, cache_capacity=4, optimizer="rmsprop"), "not a table optimizer"),
+    (dict(output_dim=4, cache_capacity=4, embeddings_initializer="glorot_uniform"),
+     "GlorotUniform is not supported.*supported: zeros"),
+])
+def test_bad_constructor_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CachedEmbedding(**kwargs)
+
+
+@pytest.mark.parametrize("factory,match", [
+    (lambda: tf_sfctr.optimizers.SGD(learning_rate=-1), "learning_rate must be > 0"),
+    (lambda: tf_sfctr.optimizers.SGD(momentum=1.0), r"momentum must be in \[0, 1\)"),
+    (lambda: tf_sfctr.optimizers.Adagrad(accumulate="x"), "accumulate must be"),
+    (lambda: tf_sfctr.optimizers.Adam(beta_1=1.5), r"beta_1 must be in \[0, 1\)"),
+])
+def test_bad_optimizer_arguments(factory, match):
+    with pytest.raises(ValueError, match=match):
+        factory()

@@ -12,7 +12,7 @@ import glob
 import json
 import os
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 SUPPORTED_TF = ("2.16.",)  # keep in sync with constraints.txt
@@ -80,11 +80,7 @@ setup(
     long_description=open(os.path.join(HERE, "README.md")).read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=[
-        "tf_sfctr",
-        "tf_sfctr.data",
-        "tf_sfctr.keras_layers",
-    ],
+    packages=find_packages(include=["tf_sfctr", "tf_sfctr.*"]) + ["tf_sfctr.keras_layers"],
     package_dir={"tf_sfctr.keras_layers": "keras_layers"},
     package_data={"tf_sfctr": ["_build_info.json"]},
     ext_modules=[Extension("tf_sfctr._sfctr_ops", sources=OP_SOURCES, language="c++")],

@@ -50,6 +50,19 @@ def _check_id_dtype(dtype: tf.DType, what: str = "ids") -> None:
         )
 
 
+class _DeviceCache:
+    """The device-side cache rows and optimizer state of one layer.
+
+    A plain object on purpose: neither Keras nor tf.train.Checkpoint tracks
+    it. Its contents are meaningless without the cache directory, so
+    checkpoints save the table through the store (after a flush) instead.
+    """
+
+    def __init__(self, rows: tf.Variable, state: tuple):
+        self.rows = rows
+        self.state = state
+
+
 @keras.saving.register_keras_serializable(package="tf_sfctr")
 class CachedEmbedding(keras.layers.Layer):
     """Embedding layer whose table lives in host memory, with a device cache.
@@ -139,11 +152,12 @@ class CachedEmbedding(keras.layers.Layer):
         opt = self.table_optimizer
         shape = [self.cache_capacity, self.output_dim]
         with tf.init_scope(), tf.device(_compute_device()):
-            self._cache_rows = tf.Variable(
-                tf.zeros(shape), trainable=False, name="cache_rows")
-            self._cache_state = tuple(
-                tf.Variable(tf.zeros(shape), trainable=False, name=f"cache_state_{i}")
-                for i in range(opt.num_state))
+            self._cache = _DeviceCache(
+                tf.Variable(tf.zeros(shape), trainable=False, name="cache_rows"),
+                tuple(tf.Variable(tf.zeros(shape), trainable=False,
+                                  name=f"cache_state_{i}")
+                      for i in range(opt.num_state)))
+            # Updates applied by the table optimizer (Adam's t); checkpointed.
             self._table_step = tf.Variable(
                 tf.constant(0, tf.int64), trainable=False, name="table_step")
         self._trigger = self.add_weight(
@@ -156,6 +170,7 @@ class CachedEmbedding(keras.layers.Layer):
             max_rows=self.max_rows or 0,
             cache_capacity=self.cache_capacity,
         ))
+        self._store.before_save = self.flush
         with tf.init_scope():
             # Create the resource eagerly: a handle first made inside a traced
             # function would belong to that graph only.
@@ -173,8 +188,16 @@ class CachedEmbedding(keras.layers.Layer):
             self.build(None)
 
     @property
+    def _cache_rows(self) -> tf.Variable:
+        return self._cache.rows
+
+    @property
+    def _cache_state(self) -> tuple:
+        return self._cache.state
+
+    @property
     def _device_variables(self) -> list[tf.Variable]:
-        return [self._cache_rows, *self._cache_state]
+        return [self._cache.rows, *self._cache.state]
 
     # ------------------------------------------------------------------- call
     def call(self, inputs: Any, training: Optional[bool] = None) -> tf.Tensor:
@@ -402,6 +425,31 @@ class CachedEmbedding(keras.layers.Layer):
             "hit_rate": hits / lookups if lookups else 0.0,
         }
 
+    # ------------------------------------------------ Keras saving format
+    # model.save("m.keras"), save_weights and ModelCheckpoint call these. The
+    # whole table is saved (after a flush), not the device cache.
+    def save_own_variables(self, store) -> None:
+        self._require_built()
+        saved = self._store._serialize_to_tensors()
+        for key, value in saved.items():
+            store[f"table_{key}"] = value.numpy()
+        store["table_step"] = np.array([self._table_step.numpy()])
+        store["trigger"] = np.array([self._trigger.numpy()])
+
+    def load_own_variables(self, store) -> None:
+        self._require_built()
+        keys = ("header", "ids", "rows", "counts", "counters")
+        present = set(store.keys())
+        missing = [k for k in keys if f"table_{k}" not in present]
+        if missing:
+            raise ValueError(
+                f"CachedEmbedding {self.name}: the saved weights hold no table "
+                f"(missing {missing}); they were not written by a CachedEmbedding.")
+        table = {k: np.asarray(store[f"table_{k}"]) for k in keys}
+        self._store.load_table(table["header"], table["ids"], table["rows"],
+                               table["counts"], table["counters"])
+        self._table_step.assign(int(np.asarray(store["table_step"]).ravel()[0]))
+
     # ---------------------------------------------------------- Keras glue
     def compute_output_shape(self, input_shape: Any) -> tuple:
         shape = tuple(input_shape)
@@ -419,7 +467,8 @@ class CachedEmbedding(keras.layers.Layer):
                 self.embeddings_initializer),
             "combiner": self.combiner,
             "max_rows": self.max_rows,
-            "seed": self.seed,
+            # A restored checkpoint brings its own seed.
+            "seed": self._store.seed if self._store is not None else self.seed,
         })
         return config
 

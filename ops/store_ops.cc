@@ -137,11 +137,26 @@ REGISTER_OP("SfctrHostExport")
     })
     .Doc("Every row of the host table with its use count.");
 
+REGISTER_OP("SfctrHostAddCounts")
+    .Input("store: resource")
+    .Input("ids: int64")
+    .Input("counts: int64")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc("Adds to the use counters of stored ids (restoring a checkpoint).");
+
 REGISTER_OP("SfctrHostClear")
     .Input("store: resource")
     .SetIsStateful()
     .SetShapeFn(shape_inference::NoOutputs)
     .Doc("Removes every row of the host table.");
+
+REGISTER_OP("SfctrHostSetSeed")
+    .Input("store: resource")
+    .Input("seed: int64")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc("Sets the seed of the per-id initializer (restoring a checkpoint).");
 
 REGISTER_OP("SfctrStoreStats")
     .Input("store: resource")

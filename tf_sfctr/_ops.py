@@ -33,7 +33,9 @@ _OP_TYPES = (
     "SfctrCacheEntries",
     "SfctrCacheClear",
     "SfctrHostExport",
+    "SfctrHostAddCounts",
     "SfctrHostClear",
+    "SfctrHostSetSeed",
     "SfctrStoreStats",
     "SfctrStoreSetCounters",
 )

@@ -9,7 +9,9 @@ as methods. It does no math and holds no device data: the cache rows live in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Optional
 
+import numpy as np
 import tensorflow as tf
 
 from tf_sfctr import _ops
@@ -37,6 +39,14 @@ class StoreConfig:
         return self.dim * (1 + self.num_state)
 
 
+#: Version of the saved table layout; bump on any incompatible change.
+FORMAT_VERSION = 1
+
+
+class CheckpointMismatchError(ValueError):
+    """A saved table does not fit this layer (format, width or size)."""
+
+
 class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
     """Handle to a host table and its cache directory.
 
@@ -50,6 +60,10 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
 
     def __init__(self, config: StoreConfig):
         self.config = config
+        # Set by the owning layer: writes dirty cache rows back to the host
+        # table, so that a checkpoint sees current values.
+        self.before_save: Optional[Callable[[], object]] = None
+        self.seed = config.seed  # changes when a checkpoint is restored
         super().__init__(device="/CPU:0")
 
     def _create_resource(self):
@@ -93,6 +107,13 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
     def host_export(self):
         return _ops.load().sfctr_host_export(self.resource_handle)
 
+    def host_add_counts(self, ids: tf.Tensor, counts: tf.Tensor):
+        return _ops.load().sfctr_host_add_counts(self.resource_handle, ids, counts)
+
+    def host_set_seed(self, seed: int):
+        return _ops.load().sfctr_host_set_seed(self.resource_handle,
+                                               tf.constant(seed, tf.int64))
+
     def host_clear(self):
         return _ops.load().sfctr_host_clear(self.resource_handle)
 
@@ -103,3 +124,79 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
 
     def set_counters(self, counters: tf.Tensor):
         return _ops.load().sfctr_store_set_counters(self.resource_handle, counters)
+
+    # Checkpointing ---------------------------------------------------------
+    # tf.train.Checkpoint calls these; the saved tensors are the whole host
+    # table (after a flush of the cache), the counters and a small header.
+    def _serialize_to_tensors(self):
+        if self.before_save is not None:
+            self.before_save()
+        ids, rows, counts = self.host_export()
+        stats = self.stats()
+        c = self.config
+        header = tf.constant([FORMAT_VERSION, c.dim, c.num_state, self.seed], tf.int64)
+        return {"header": header, "ids": ids, "rows": rows, "counts": counts,
+                "counters": stats[:3]}
+
+    def _restore_from_tensors(self, restored_tensors):
+        t = {k: v.numpy() if hasattr(v, "numpy") else np.asarray(v)
+             for k, v in restored_tensors.items()}
+        self.load_table(t["header"], t["ids"], t["rows"], t["counts"], t["counters"])
+        return tf.no_op()
+
+    def check_table(self, header, ids, rows) -> None:
+        """Raises CheckpointMismatchError if a saved table cannot be loaded."""
+        c = self.config
+        header = np.asarray(header).ravel()
+        if header.size != 4 or int(header[0]) != FORMAT_VERSION:
+            version = int(header[0]) if header.size else None
+            raise CheckpointMismatchError(
+                f"saved table has format version {version}; this tf_sfctr reads "
+                f"version {FORMAT_VERSION}. The current table was left untouched.")
+        dim, num_state = int(header[1]), int(header[2])
+        if dim != c.dim:
+            raise CheckpointMismatchError(
+                f"saved table has output_dim={dim} but this layer has "
+                f"output_dim={c.dim}. The current table was left untouched.")
+        if num_state != c.num_state:
+            raise CheckpointMismatchError(
+                f"saved table keeps {num_state} optimizer state rows per id but this "
+                f"layer's optimizer keeps {c.num_state}; use the same table "
+                f"optimizer type. The current table was left untouched.")
+        ids, rows = np.asarray(ids), np.asarray(rows)
+        if ids.ndim != 1 or rows.shape != (ids.shape[0], c.width):
+            raise CheckpointMismatchError(
+                f"saved table is inconsistent: {ids.shape} ids but rows of shape "
+                f"{rows.shape} (expected [{ids.shape[0] if ids.ndim == 1 else '?'}, "
+                f"{c.width}]). The current table was left untouched.")
+        if c.max_rows and ids.shape[0] > c.max_rows:
+            raise CheckpointMismatchError(
+                f"saved table has {ids.shape[0]} rows but this layer has "
+                f"max_rows={c.max_rows}. The current table was left untouched.")
+        if len(np.unique(ids)) != ids.shape[0]:
+            raise CheckpointMismatchError(
+                "saved table lists an id twice; it is corrupt. The current table "
+                "was left untouched.")
+        if not np.all(np.isfinite(rows)):
+            raise CheckpointMismatchError(
+                "saved table holds non-finite values; it is corrupt. The current "
+                "table was left untouched.")
+
+    def load_table(self, header, ids, rows, counts, counters) -> None:
+        """Replaces the whole table (host rows, use counts, empty cache,
+        counters). Checks everything first: on error nothing changes."""
+        self.check_table(header, ids, rows)
+        if np.asarray(counts).shape != np.asarray(ids).shape:
+            raise CheckpointMismatchError(
+                "saved table has a use count per id missing; it is corrupt. The "
+                "current table was left untouched.")
+        self.cache_clear()
+        self.host_clear()
+        # New ids after a resume must start where they would have without
+        # the interruption, so the initializer's seed is part of the table.
+        self.seed = int(np.asarray(header).ravel()[3])
+        self.host_set_seed(self.seed)
+        ids_t = tf.constant(ids, tf.int64)
+        self.host_write(ids_t, tf.constant(rows, tf.float32))
+        self.host_add_counts(ids_t, tf.constant(counts, tf.int64))
+        self.set_counters(tf.constant(np.asarray(counters, np.int64).ravel()[:3]))

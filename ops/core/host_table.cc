@@ -275,6 +275,8 @@ void HostTable::Clear() {
   reserved_.fetch_sub(size_.exchange(0));
 }
 
+void HostTable::SetInitSeed(uint64_t seed) { initializer_.set_seed(seed); }
+
 size_t HostTable::AllocatedBytes() const {
   size_t bytes = 0;
   for (uint64_t k = 0; k <= shard_mask_; ++k) {

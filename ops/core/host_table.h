@@ -82,6 +82,11 @@ class HostTable {
   // Removes every row.
   void Clear();
 
+  // Changes the seed of the initializer (when restoring a checkpoint, before
+  // any row is created; not synchronised with concurrent readers).
+  void SetInitSeed(uint64_t seed);
+  uint64_t init_seed() const { return initializer_.spec().seed; }
+
   // Bytes held by indexes and arenas (allocated capacity, not payload).
   size_t AllocatedBytes() const;
 

@@ -30,6 +30,7 @@ class RowInitializer {
   // Writes `dim` floats for `id` into `out`.
   void Fill(int64_t id, int dim, float* out) const;
   const InitializerSpec& spec() const { return spec_; }
+  void set_seed(uint64_t seed) { spec_.seed = seed; }
 
  private:
   InitializerSpec spec_;

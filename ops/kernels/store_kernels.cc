@@ -2,6 +2,7 @@
 // tensors, calls the core and packs the results. CPU kernels only: every
 // input and output is host memory, so on a GPU machine TensorFlow places
 // these ops on the CPU and copies slots/rows to the device variables.
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -265,6 +266,40 @@ class HostExportOp : public OpKernel {
   }
 };
 
+class HostAddCountsOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<StoreResource> res;
+    OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
+    const Tensor& ids = ctx->input(1);
+    const Tensor& counts = ctx->input(2);
+    OP_REQUIRES_OK(ctx, CheckIds(ids));
+    OP_REQUIRES(ctx, counts.shape() == ids.shape(),
+                errors::InvalidArgument("counts must have the shape of ids"));
+    auto id = ids.flat<int64_t>();
+    auto c = counts.flat<int64_t>();
+    for (int64_t i = 0; i < ids.NumElements(); ++i) {
+      const int64_t v = std::min<int64_t>(std::max<int64_t>(c(i), 0), 0xffffffffLL);
+      res->store().table().AddUseCount(id(i), static_cast<uint32_t>(v));
+    }
+  }
+};
+
+class HostSetSeedOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<StoreResource> res;
+    OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
+    const Tensor& seed = ctx->input(1);
+    OP_REQUIRES(ctx, seed.NumElements() == 1,
+                errors::InvalidArgument("seed must be a scalar"));
+    res->store().table().SetInitSeed(
+        static_cast<uint64_t>(seed.flat<int64_t>()(0)));
+  }
+};
+
 class HostClearOp : public OpKernel {
  public:
   using OpKernel::OpKernel;
@@ -315,7 +350,9 @@ SFCTR_CPU_KERNEL("SfctrCacheProbe", CacheProbeOp);
 SFCTR_CPU_KERNEL("SfctrCacheEntries", CacheEntriesOp);
 SFCTR_CPU_KERNEL("SfctrCacheClear", CacheClearOp);
 SFCTR_CPU_KERNEL("SfctrHostExport", HostExportOp);
+SFCTR_CPU_KERNEL("SfctrHostAddCounts", HostAddCountsOp);
 SFCTR_CPU_KERNEL("SfctrHostClear", HostClearOp);
+SFCTR_CPU_KERNEL("SfctrHostSetSeed", HostSetSeedOp);
 SFCTR_CPU_KERNEL("SfctrStoreStats", StoreStatsOp);
 SFCTR_CPU_KERNEL("SfctrStoreSetCounters", StoreSetCountersOp);
 

@@ -1,0 +1,203 @@
+"""Checkpoints save the whole table (cache and host rows, optimizer state,
+counters); resuming reproduces uninterrupted training exactly; bad
+checkpoints raise clear errors and leave the current table untouched."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sfctr
+from tf_sfctr.keras_layers import CachedEmbedding
+from tf_sfctr.store import CheckpointMismatchError
+
+from conftest import powerlaw_ids, random_vocab
+
+FIELDS, DIM, CAPACITY, BATCH = 3, 4, 24, 8
+
+
+def _data(rng, steps):
+    vocab = random_vocab(rng, 200)
+    x = powerlaw_ids(rng, vocab, (steps * BATCH, FIELDS), alpha=1.1)
+    y = rng.random((steps * BATCH, 1)).astype("float32")
+    return vocab, x, y
+
+
+def _model(opt="adam", dim=DIM, seed=5):
+    table_opt = {"adam": tf_sfctr.optimizers.Adam(0.05),
+                 "adagrad": tf_sfctr.optimizers.Adagrad(0.1),
+                 "sgd": tf_sfctr.optimizers.SGD(0.1)}[opt]
+    inp = keras.Input(shape=(FIELDS,), dtype="int64")
+    emb = CachedEmbedding(dim, cache_capacity=CAPACITY, optimizer=table_opt, seed=seed,
+                          name="emb")
+    x = keras.layers.Flatten()(emb(inp))
+    out = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(3))(x)
+    model = keras.Model(inp, out)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model, emb
+
+
+class _Losses(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.values = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.values.append(logs["loss"])
+
+
+def _fit(model, x, y):
+    losses = _Losses()
+    model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[losses])
+    return losses.values
+
+
+def _ckpt(model):
+    return tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+
+
+@pytest.mark.parametrize("opt", ["adam", "adagrad"])
+def test_exact_resume_with_tf_train_checkpoint(rng, tmp_path, opt):
+    vocab, x, y = _data(rng, 40)
+    n = 20 * BATCH
+    model, emb = _model(opt)
+    _fit(model, x[:n], y[:n])
+    path = _ckpt(model).save(str(tmp_path / "ckpt"))
+    tail = _fit(model, x[n:], y[n:])  # uninterrupted run continues
+    want_rows, want_dense = emb.lookup_rows(vocab), model.layers[-1].get_weights()
+
+    # Another seed (as seed=None would draw): the checkpoint's seed must win
+    # for ids first seen after the resume.
+    fresh, fresh_emb = _model(opt, seed=99)
+    fresh.optimizer.build(fresh.trainable_variables)
+    _ckpt(fresh).restore(path).assert_consumed()
+    assert fresh_emb.cache_stats()["cached_rows"] == 0  # cache starts cold
+    resumed = _fit(fresh, x[n:], y[n:])
+    np.testing.assert_array_equal(resumed, tail)
+    np.testing.assert_array_equal(fresh_emb.lookup_rows(vocab), want_rows)
+    for a, b in zip(fresh.layers[-1].get_weights(), want_dense):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_checkpoint_manager_and_saving_mid_training_changes_nothing(rng, tmp_path):
+    vocab, x, y = _data(rng, 30)
+    a, emb_a = _model()
+    b, emb_b = _model()
+    manager = tf.train.CheckpointManager(_ckpt(a), str(tmp_path), max_to_keep=2)
+    for k in range(3):  # save between chunks of training
+        _fit(a, x[k * 80:(k + 1) * 80], y[k * 80:(k + 1) * 80])
+        manager.save()
+    _fit(b, x[:240], y[:240])  # same training without checkpoints
+    np.testing.assert_array_equal(emb_a.lookup_rows(vocab), emb_b.lookup_rows(vocab))
+    assert len(manager.checkpoints) == 2
+    c, emb_c = _model(seed=7)
+    c.optimizer.build(c.trainable_variables)
+    _ckpt(c).restore(manager.latest_checkpoint)
+    np.testing.assert_array_equal(emb_c.lookup_rows(vocab), emb_a.lookup_rows(vocab))
+    sa, sc = emb_a.cache_stats(), emb_c.cache_stats()
+    assert (sc["hits"], sc["misses"], sc["evictions"], sc["host_rows"]) == (
+        sa["hits"], sa["misses"], sa["evictions"], sa["host_rows"])
+
+
+def test_keras_format_round_trip(rng, tmp_path):
+    vocab, x, y = _data(rng, 20)
+    model, emb = _model("adagrad")
+    _fit(model, x, y)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    lemb = loaded.get_layer("emb")
+    assert isinstance(lemb, CachedEmbedding)
+    np.testing.assert_array_equal(lemb.lookup_rows(vocab), emb.lookup_rows(vocab))
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
+                               rtol=1e-6)
+    # Optimizer state came along: one more identical step gives identical rows.
+    _fit(model, x[:BATCH], y[:BATCH])
+    _fit(loaded, x[:BATCH], y[:BATCH])
+    np.testing.assert_allclose(lemb.lookup_rows(vocab), emb.lookup_rows(vocab), rtol=1e-6)
+
+
+def test_model_checkpoint_callback(rng, tmp_path):
+    vocab, x, y = _data(rng, 10)
+    model, emb = _model()
+    path = str(tmp_path / "w.weights.h5")
+    model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[
+        keras.callbacks.ModelCheckpoint(path, save_weights_only=True)])
+    other, other_emb = _model(seed=11)
+    other.load_weights(path)
+    np.testing.assert_array_equal(other_emb.lookup_rows(vocab), emb.lookup_rows(vocab))
+
+
+def _snapshot(emb, vocab):
+    return emb.lookup_rows(vocab), emb.cache_stats()
+
+
+def test_checkpoint_with_other_output_dim_is_refused(rng, tmp_path):
+    vocab, x, y = _data(rng, 5)
+    model, _ = _model(dim=4)
+    _fit(model, x, y)
+    path = _ckpt(model).save(str(tmp_path / "ckpt"))
+    other, other_emb = _model(dim=6)
+    _fit(other, x, y)
+    before = _snapshot(other_emb, vocab)
+    with pytest.raises(CheckpointMismatchError, match="output_dim=4 but this layer has output_dim=6"):
+        tf.train.Checkpoint(model=other).restore(path)
+    after = _snapshot(other_emb, vocab)
+    np.testing.assert_array_equal(after[0], before[0])
+    assert after[1] == before[1]
+
+
+def test_checkpoint_with_other_optimizer_is_refused(rng, tmp_path):
+    vocab, x, y = _data(rng, 5)
+    model, _ = _model("adam")
+    _fit(model, x, y)
+    path = _ckpt(model).save(str(tmp_path / "ckpt"))
+    other, other_emb = _model("sgd")
+    before = _snapshot(other_emb, vocab)
+    with pytest.raises(CheckpointMismatchError, match="2 optimizer state rows"):
+        tf.train.Checkpoint(model=other).restore(path)
+    np.testing.assert_array_equal(_snapshot(other_emb, vocab)[0], before[0])
+
+
+def test_future_format_version_is_refused(rng):
+    _, emb = _model()
+    emb.lookup_rows([1])
+    header = np.array([99, DIM, 2, 0], np.int64)
+    with pytest.raises(CheckpointMismatchError, match="format version 99"):
+        emb.store.load_table(header, np.array([1]), np.zeros((1, 3 * DIM), np.float32),
+                             np.zeros(1, np.int64), np.zeros(3, np.int64))
+    bad_rows = np.full((1, 3 * DIM), np.nan, np.float32)
+    with pytest.raises(CheckpointMismatchError, match="non-finite"):
+        emb.store.load_table(np.array([1, DIM, 2, 0]), np.array([1]), bad_rows,
+                             np.zeros(1, np.int64), np.zeros(3, np.int64))
+
+
+def test_corrupt_or_truncated_checkpoint(rng, tmp_path):
+    vocab, x, y = _data(rng, 5)
+    model, emb = _model()
+    _fit(model, x, y)
+    path = _ckpt(model).save(str(tmp_path / "ckpt"))
+    data_file = [f for f in os.listdir(tmp_path) if ".data-" in f][0]
+    full = (tmp_path / data_file).read_bytes()
+    other, other_emb = _model(seed=8)
+    _fit(other, x, y)
+    before = _snapshot(other_emb, vocab)
+    # Truncated data file.
+    (tmp_path / data_file).write_bytes(full[: len(full) // 2])
+    with pytest.raises((tf.errors.DataLossError, tf.errors.OutOfRangeError,
+                        tf.errors.InvalidArgumentError, IndexError),
+                       match="(?i)read less bytes|truncated|corrupt|data loss"):
+        tf.train.Checkpoint(model=other).restore(path)
+    # Flipped bytes in the middle of the data file (checksums catch it).
+    corrupt = bytearray(full)
+    for k in range(len(corrupt) // 3, len(corrupt) // 3 + 64):
+        corrupt[k] ^= 0xFF
+    (tmp_path / data_file).write_bytes(bytes(corrupt))
+    with pytest.raises((tf.errors.DataLossError, tf.errors.InvalidArgumentError,
+                        CheckpointMismatchError)):
+        tf.train.Checkpoint(model=other).restore(path)
+    after = _snapshot(other_emb, vocab)
+    np.testing.assert_array_equal(after[0], before[0])
+    assert after[1] == before[1]

@@ -4,6 +4,7 @@ Public API (one export point)::
 
     tf_sfctr.CachedEmbedding           # also tf_sfctr.keras_layers.CachedEmbedding
     tf_sfctr.optimizers.SGD / Adagrad / Adam
+    tf_sfctr.export_for_serving        # SavedModel with stock TF ops only
     tf_sfctr.data                      # input pipelines (synthetic Criteo, TSV, Parquet)
 
 Importing the package loads neither the op library nor the data readers: the
@@ -19,7 +20,8 @@ from typing import Any
 from tf_sfctr import optimizers
 
 __version__ = "0.1.0"
-__all__ = ["CachedEmbedding", "optimizers", "keras_layers", "data", "__version__"]
+__all__ = ["CachedEmbedding", "export_for_serving", "optimizers", "keras_layers", "data",
+           "__version__"]
 
 _LAZY_MODULES = ("keras_layers", "data")
 
@@ -27,6 +29,8 @@ _LAZY_MODULES = ("keras_layers", "data")
 def __getattr__(name: str) -> Any:
     if name == "CachedEmbedding":
         return importlib.import_module("tf_sfctr.keras_layers").CachedEmbedding
+    if name == "export_for_serving":
+        return importlib.import_module("tf_sfctr.export").export_for_serving
     if name in _LAZY_MODULES:
         return importlib.import_module(f"tf_sfctr.{name}")
     raise AttributeError(f"module 'tf_sfctr' has no attribute {name!r}")

@@ -1,0 +1,111 @@
+"""``ServingEmbedding``: a frozen embedding table built from stock TF ops only.
+
+Used by :func:`tf_sfctr.export_for_serving`. Ids are looked up in a sorted
+int64 key vector with ``tf.searchsorted``; a hit gives the row index, a miss
+gives the default row (zeros) kept after the last real row. Keys and rows are
+variables, so a SavedModel holds them in its checkpoint (no 2 GB graph-proto
+limit) and TensorFlow Serving loads it without tf_sfctr's op library.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+
+@keras.saving.register_keras_serializable(package="tf_sfctr")
+class ServingEmbedding(keras.layers.Layer):
+    """Read-only embedding over known ids, unknown ids -> a zero vector.
+
+    Example:
+
+    >>> import numpy as np
+    >>> layer = ServingEmbedding(np.array([3, 9]), np.ones((2, 4), "float32"))
+    >>> layer(np.array([[9, 5]])).numpy()[0, 1].tolist()
+    [0.0, 0.0, 0.0, 0.0]
+    """
+
+    def __init__(self, keys: Any = None, rows: Any = None, *, output_dim: Optional[int] = None,
+                 num_keys: Optional[int] = None, combiner: Optional[str] = None, **kwargs):
+        super().__init__(**kwargs)
+        if keys is not None:
+            keys = np.asarray(keys, np.int64)
+            rows = np.asarray(rows, np.float32)
+            order = np.argsort(keys, kind="stable")
+            keys, rows = keys[order], rows[order]
+            if rows.ndim != 2 or rows.shape[0] != keys.shape[0]:
+                raise ValueError(f"rows must be [len(keys), dim], got {rows.shape}")
+            if len(np.unique(keys)) != len(keys):
+                raise ValueError("keys must be distinct")
+            output_dim, num_keys = rows.shape[1], keys.shape[0]
+        if output_dim is None or num_keys is None:
+            raise ValueError("ServingEmbedding needs keys and rows (or output_dim and num_keys)")
+        self.output_dim = int(output_dim)
+        self.num_keys = int(num_keys)
+        self.combiner = combiner
+        self.supports_jit = False
+        self._initial = (keys, rows)
+
+    def build(self, input_shape: Any = None) -> None:
+        keys, rows = self._initial
+        # One extra key slot (never matched: its row index is num_keys) keeps
+        # the gather valid for an empty table.
+        self.keys = self.add_weight(shape=(self.num_keys + 1,), dtype="int64",
+                                    initializer="zeros", trainable=False, name="keys")
+        self.rows = self.add_weight(shape=(self.num_keys + 1, self.output_dim),
+                                    initializer="zeros", trainable=False, name="rows")
+        if keys is not None:
+            self.keys.assign(np.concatenate([keys, [np.iinfo(np.int64).max]]))
+            self.rows.assign(np.concatenate([rows, np.zeros((1, self.output_dim), np.float32)]))
+        self._initial = (None, None)
+
+    def _lookup(self, flat_ids: tf.Tensor) -> tf.Tensor:
+        keys = tf.convert_to_tensor(self.keys)
+        pos = tf.searchsorted(keys[: self.num_keys], flat_ids, side="left",
+                              out_type=tf.int64)
+        pos = tf.minimum(pos, self.num_keys)
+        found = tf.logical_and(pos < self.num_keys, tf.gather(keys, pos) == flat_ids)
+        index = tf.where(found, pos, tf.cast(self.num_keys, tf.int64))
+        return tf.gather(tf.convert_to_tensor(self.rows), index)
+
+    def call(self, inputs: Any) -> tf.Tensor:
+        if isinstance(inputs, (tf.RaggedTensor, tf.SparseTensor)):
+            if isinstance(inputs, tf.SparseTensor):
+                row_ids, nrows, values = inputs.indices[:, 0], inputs.dense_shape[0], inputs.values
+            else:
+                row_ids, nrows, values = inputs.value_rowids(), inputs.nrows(), inputs.values
+            rows = self._lookup(tf.cast(values, tf.int64))
+            total = tf.math.unsorted_segment_sum(rows, row_ids, nrows)
+            if self.combiner in (None, "sum"):
+                return total
+            counts = tf.maximum(tf.math.unsorted_segment_sum(
+                tf.ones_like(row_ids, rows.dtype), row_ids, nrows), 1.0)[:, None]
+            return total / (counts if self.combiner == "mean" else tf.sqrt(counts))
+        x = tf.cast(inputs, tf.int64)
+        out = tf.reshape(self._lookup(tf.reshape(x, [-1])),
+                         tf.concat([tf.shape(x), [self.output_dim]], 0))
+        out.set_shape(x.shape.concatenate([self.output_dim]))
+        if self.combiner is None:
+            return tf.cast(out, self.compute_dtype)
+        total = tf.reduce_sum(out, axis=-2)
+        n = tf.cast(tf.shape(out)[-2], out.dtype)
+        if self.combiner == "mean":
+            total = total / tf.maximum(n, 1.0)
+        elif self.combiner == "sqrtn":
+            total = total / tf.sqrt(tf.maximum(n, 1.0))
+        return tf.cast(total, self.compute_dtype)
+
+    def compute_output_shape(self, input_shape: Any) -> tuple:
+        shape = tuple(input_shape)
+        if self.combiner is not None:
+            shape = shape[:-1]
+        return shape + (self.output_dim,)
+
+    def get_config(self) -> dict:
+        config = super().get_config()
+        config.update({"output_dim": self.output_dim, "num_keys": self.num_keys,
+                       "combiner": self.combiner})
+        return config

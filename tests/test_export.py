@@ -1,0 +1,102 @@
+"""Serving export: a SavedModel with stock TF ops only, loaded in a process
+that never imports tf_sfctr; predictions equal; unknown ids -> zeros;
+max_rows keeps the most used rows."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tf_sfctr
+from tf_sfctr.keras_layers import CachedEmbedding
+
+from conftest import powerlaw_ids, random_vocab
+
+LOADER = textwrap.dedent("""
+    import json, sys
+    import numpy as np, tensorflow as tf
+    served = tf.saved_model.load(sys.argv[1])
+    x = np.load(sys.argv[2])
+    out = served.serve(tf.constant(x)).numpy()
+    np.save(sys.argv[3], out)
+    maps = open("/proc/self/maps").read()
+    print(json.dumps({"tf_sfctr_imported": any(m.startswith("tf_sfctr") for m in sys.modules),
+                      "op_library_loaded": "_sfctr_ops" in maps}))
+""")
+
+
+def _serve_in_subprocess(tmp_path, export_dir, x):
+    np.save(tmp_path / "x.npy", x)
+    script = tmp_path / "load.py"
+    script.write_text(LOADER)
+    result = subprocess.run(
+        [sys.executable, str(script), str(export_dir), str(tmp_path / "x.npy"),
+         str(tmp_path / "out.npy")],
+        cwd=tmp_path, capture_output=True, text=True, check=True,
+        env={"TF_CPP_MIN_LOG_LEVEL": "2", "PATH": "/usr/bin:/bin"})
+    flags = json.loads(result.stdout.strip().splitlines()[-1])
+    return np.load(tmp_path / "out.npy"), flags
+
+
+def _trained_model(rng):
+    vocab = random_vocab(rng, 300)
+    x = powerlaw_ids(rng, vocab, (400, 3), alpha=1.1)
+    y = rng.random((400, 1)).astype("float32")
+    inp = keras.Input(shape=(3,), dtype="int64")
+    emb = CachedEmbedding(4, cache_capacity=40, seed=0, name="emb",
+                          optimizer=tf_sfctr.optimizers.Adagrad(0.2))
+    h = keras.layers.Dense(8, activation="relu")(keras.layers.Flatten()(emb(inp)))
+    model = keras.Model(inp, keras.layers.Dense(1, activation="sigmoid")(h))
+    model.compile(optimizer="adam", loss="binary_crossentropy")
+    model.fit(x, y, batch_size=10, verbose=0)
+    return model, emb, vocab, x
+
+
+def test_export_predicts_like_the_trained_model_without_tf_sfctr(rng, tmp_path):
+    model, emb, vocab, x = _trained_model(rng)
+    assert emb.cache_stats()["evictions"] > 0
+    tf_sfctr.export_for_serving(model, str(tmp_path / "served"))
+    served, flags = _serve_in_subprocess(tmp_path, tmp_path / "served", x)
+    assert flags == {"tf_sfctr_imported": False, "op_library_loaded": False}
+    np.testing.assert_allclose(served, model.predict(x, verbose=0), rtol=1e-6, atol=1e-6)
+
+
+def _identity_model(emb):
+    inp = keras.Input(shape=(2,), dtype="int64")
+    return keras.Model(inp, emb(inp))
+
+
+def test_unknown_ids_get_zero_vector_and_max_rows_keeps_hot_rows(rng, tmp_path):
+    emb = CachedEmbedding(3, cache_capacity=4, seed=1, name="emb")
+    # Use counts: 10 many times, 20 a few, 30/40/50 once (with evictions).
+    for batch in [[10, 20]] * 5 + [[10, 30], [10, 40], [10, 50], [10, 20]]:
+        emb(np.array(batch), training=True)
+    model = _identity_model(emb)
+    ids = np.array([[10, 20], [30, 777], [-5, 50]], np.int64)
+    rows = emb.lookup_rows(ids.ravel()).reshape(3, 2, 3)
+
+    tf_sfctr.export_for_serving(model, str(tmp_path / "all"))
+    served, _ = _serve_in_subprocess(tmp_path, tmp_path / "all", ids)
+    want = rows.copy()
+    want[1, 1] = 0  # 777 was never seen
+    want[2, 0] = 0  # nor -5
+    np.testing.assert_allclose(served, want, rtol=1e-6)
+
+    tf_sfctr.export_for_serving(model, str(tmp_path / "top2"), max_rows=2)
+    served, _ = _serve_in_subprocess(tmp_path, tmp_path / "top2", ids)
+    want = np.zeros_like(rows)
+    want[0] = rows[0]  # 10 and 20 are the two most used ids
+    np.testing.assert_allclose(served, want, rtol=1e-6)
+
+
+def test_export_does_not_change_the_trained_model(rng, tmp_path):
+    model, emb, vocab, x = _trained_model(rng)
+    rows, stats = emb.lookup_rows(vocab), emb.cache_stats()
+    frozen = tf_sfctr.export_for_serving(model, str(tmp_path / "served"), max_rows=50)
+    np.testing.assert_array_equal(emb.lookup_rows(vocab), rows)
+    assert emb.cache_stats()["host_rows"] == stats["host_rows"]
+    assert frozen.get_layer("emb").num_keys == 50

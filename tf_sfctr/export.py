@@ -1,0 +1,82 @@
+"""Serving export: a SavedModel that stock TensorFlow loads without tf_sfctr.
+
+Every ``CachedEmbedding`` of the model is replaced by a
+``ServingEmbedding`` holding its current rows (cache flushed first): sorted
+int64 keys, a row matrix and ``tf.searchsorted`` + ``tf.gather`` — stock ops
+with CPU and GPU kernels. Ids absent from the table (never seen, or dropped by
+``max_rows``) map to a zero vector. Other layers keep their weights.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import keras
+import numpy as np
+
+from tf_sfctr.keras_layers.cached_embedding import CachedEmbedding
+from tf_sfctr.keras_layers.serving_embedding import ServingEmbedding
+
+
+def _frozen_rows(layer: CachedEmbedding, max_rows: Optional[int]):
+    layer.flush()
+    ids, rows, counts = (t.numpy() for t in layer.store.host_export())
+    rows = rows[:, : layer.output_dim]
+    if max_rows is not None and len(ids) > max_rows:
+        # Most used first; ties broken by id so the choice is deterministic.
+        keep = np.lexsort((ids, -counts))[:max_rows]
+        ids, rows = ids[keep], rows[keep]
+    return ids, rows
+
+
+def serving_model(model: keras.Model, max_rows: Optional[int] = None) -> keras.Model:
+    """A copy of ``model`` whose CachedEmbedding layers are frozen
+    ServingEmbedding layers (same names, same outputs for known ids)."""
+    if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 0):
+        raise ValueError(f"max_rows must be None or an int >= 0, got {max_rows!r}")
+    if not isinstance(model, keras.Model) or not hasattr(model, "inputs") or model.inputs is None:
+        raise ValueError("export_for_serving needs a functional or Sequential keras.Model")
+    try:
+        model.inputs  # noqa: B018 - subclassed models raise here
+    except (AttributeError, ValueError) as err:
+        raise ValueError(
+            "export_for_serving needs a functional or Sequential keras.Model (it "
+            "rebuilds the graph with frozen tables); wrap a subclassed model's "
+            "layers in a functional model first") from err
+
+    def clone(layer):
+        if isinstance(layer, CachedEmbedding):
+            ids, rows = _frozen_rows(layer, max_rows)
+            return ServingEmbedding(ids, rows, combiner=layer.combiner, name=layer.name,
+                                    dtype=layer.dtype_policy)
+        return layer.__class__.from_config(layer.get_config())
+
+    copy = keras.models.clone_model(model, clone_function=clone)
+    for layer in model.layers:
+        if isinstance(layer, CachedEmbedding) or not layer.weights:
+            continue
+        copy.get_layer(layer.name).set_weights(layer.get_weights())
+    return copy
+
+
+def export_for_serving(model: keras.Model, export_dir: str,
+                       max_rows: Optional[int] = None) -> keras.Model:
+    """Writes a SavedModel of ``model`` that uses only stock TensorFlow ops.
+
+    Its ``serving_default`` signature takes the model's inputs; it loads with
+    ``tf.saved_model.load`` (or TF Serving) in a process that never imported
+    tf_sfctr. ``max_rows`` keeps the most used rows of each table (use counts
+    since the table was created); the others, like never-seen ids, get zeros.
+    Returns the frozen Keras model that was exported.
+
+    Example::
+
+        tf_sfctr.export_for_serving(model, "/tmp/served")
+        served = tf.saved_model.load("/tmp/served")
+        served.serve(ids)
+    """
+    frozen = serving_model(model, max_rows)
+    os.makedirs(os.path.dirname(os.path.abspath(export_dir)), exist_ok=True)
+    frozen.export(export_dir)
+    return frozen

@@ -25,9 +25,18 @@ $(VENV)/.installed: constraints.txt requirements-dev.txt
 	$(PIP) install --quiet -c constraints.txt -r requirements-dev.txt
 	touch $@
 
-venv: $(VENV)/.installed
+# Horovod (distributed tests, horovodrun) is built from source against the
+# installed TensorFlow, with Gloo only; its bundled gloo needs cmake < 4.
+$(VENV)/.horovod: $(VENV)/.installed
+	$(PIP) install --quiet -c constraints.txt "cmake<4"
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 \
+	  HOROVOD_WITHOUT_MPI=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
+	  MAKEFLAGS=-j2 $(PIP) install --quiet --no-build-isolation -c constraints.txt horovod==0.28.1
+	touch $@
 
-tf_sfctr/_sfctr_ops.so: $(VENV)/.installed $(OP_SRCS) $(wildcard ops/core/*.h ops/kernels/*.h) setup.py
+venv: $(VENV)/.installed $(VENV)/.horovod
+
+tf_sfctr/_sfctr_ops.so: $(VENV)/.installed $(VENV)/.horovod $(OP_SRCS) $(wildcard ops/core/*.h ops/kernels/*.h) setup.py
 	$(PIP) install --quiet --no-build-isolation --no-deps -e .
 	touch $@
 

@@ -1,0 +1,164 @@
+"""MovieLens loader: shapes, dtypes, labels, ids, deterministic splits."""
+
+import doctest
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sfctr.data.movielens_loader as movielens_module
+from tf_sfctr.data import Ragged, hash_categorical, load_movielens, movielens
+from tf_sfctr.data.movielens_loader import resolve_path
+
+NUM_RATINGS = 100_004
+
+
+@pytest.fixture(scope="module")
+def data():
+    return load_movielens()
+
+
+@pytest.fixture(scope="module")
+def ratings():
+    return np.loadtxt(resolve_path() / "ratings.csv", delimiter=",", skiprows=1)
+
+
+def test_shapes_and_dtypes(data):
+    for features, label in (
+        (data.train_features, data.train_label),
+        (data.test_features, data.test_label),
+    ):
+        n = label.shape[0]
+        assert label.dtype == np.float32 and label.shape == (n, 1)
+        assert set(np.unique(label)) <= {0.0, 1.0}
+        assert features["dense"].dtype == np.float32 and features["dense"].shape == (n, 1)
+        assert features["sparse"].dtype == np.int64 and features["sparse"].shape == (n, 3)
+        genres = features["genres"]
+        assert isinstance(genres, Ragged) and genres.values.dtype == np.int64
+        assert genres.row_lengths.shape == (n,)
+        assert genres.row_lengths.sum() == genres.values.shape[0]
+    n_train, n_test = data.train_label.shape[0], data.test_label.shape[0]
+    assert n_train + n_test == NUM_RATINGS
+    assert n_test == round(0.2 * NUM_RATINGS)
+    assert data.sparse_fields == ("user", "movie", "year")
+
+
+def test_label_rate_is_plausible(data):
+    for label in (data.train_label, data.test_label):
+        assert 0.45 < label.mean() < 0.6  # ratings >= 4 are ~52 %
+
+
+def test_ids_are_hashes_and_distinct_across_features(data):
+    sparse = data.train_features["sparse"]
+    users, movies, years = (set(np.unique(sparse[:, j]).tolist()) for j in range(3))
+    genres = set(np.unique(data.train_features["genres"].values).tolist())
+    assert len(users) == 671 and 18 <= len(genres) <= 20
+    for a, b in [
+        (users, movies),
+        (users, years),
+        (movies, years),
+        (movies, genres),
+        (years, genres),
+        (users, genres),
+    ]:
+        assert not a & b
+    assert hash_categorical("user", "1") in users
+    assert hash_categorical("genre", "Drama") in genres
+
+
+def test_toy_story_row(data):
+    """Movie 1 is 'Toy Story (1995)', Adventure|Animation|Children|Comedy|Fantasy."""
+    features = data.train_features
+    rows = np.flatnonzero(features["sparse"][:, 1] == hash_categorical("movie", "1"))
+    assert rows.size > 10
+    r = int(rows[0])
+    assert features["sparse"][r, 2] == hash_categorical("year", "1995")
+    assert features["dense"][r, 0] == pytest.approx(-0.25)
+    genre_ids = features["genres"].take(np.array([r])).values
+    expected = hash_categorical(
+        "genre", ["Adventure", "Animation", "Children", "Comedy", "Fantasy"]
+    )
+    assert sorted(genre_ids.tolist()) == sorted(expected.tolist())
+
+
+def test_random_split_is_deterministic(data):
+    again = load_movielens()
+    for key in ("dense", "sparse"):
+        np.testing.assert_array_equal(again.test_features[key], data.test_features[key])
+    np.testing.assert_array_equal(
+        again.test_features["genres"].values, data.test_features["genres"].values
+    )
+    np.testing.assert_array_equal(again.train_label, data.train_label)
+    other = load_movielens(seed=1)
+    assert not np.array_equal(other.test_features["sparse"], data.test_features["sparse"])
+
+
+def test_time_split_holds_the_latest_ratings(ratings):
+    data = load_movielens(split="time", test_fraction=0.1)
+    n_test = round(0.1 * NUM_RATINGS)
+    latest = np.sort(np.argsort(ratings[:, 3], kind="stable")[::-1][:n_test])
+    expected_users = hash_categorical("user", ratings[latest, 0].astype(np.int64))
+    expected_movies = hash_categorical("movie", ratings[latest, 1].astype(np.int64))
+    np.testing.assert_array_equal(data.test_features["sparse"][:, 0], expected_users)
+    np.testing.assert_array_equal(data.test_features["sparse"][:, 1], expected_movies)
+    np.testing.assert_array_equal(data.test_label[:, 0], ratings[latest, 2] >= 4.0)
+
+
+def test_datasets(data):
+    train_ds, test_ds = movielens(batch_size=4096)
+    features, label = next(iter(train_ds))
+    assert features["sparse"].dtype == tf.int64 and features["sparse"].shape == (4096, 3)
+    assert features["dense"].dtype == tf.float32 and features["dense"].shape == (4096, 1)
+    assert isinstance(features["genres"], tf.RaggedTensor)
+    assert features["genres"].dtype == tf.int64
+    assert label.dtype == tf.float32 and label.shape == (4096, 1)
+    # the test set is not shuffled: it is exactly the arrays, in order
+    sparse = np.concatenate([f["sparse"].numpy() for f, _ in test_ds])
+    np.testing.assert_array_equal(sparse, data.test_features["sparse"])
+    # the training set is a permutation of the training arrays, reshuffled per epoch
+    epoch1 = np.concatenate([f["sparse"].numpy()[:, 0] for f, _ in train_ds])
+    epoch2 = np.concatenate([f["sparse"].numpy()[:, 0] for f, _ in train_ds])
+    assert not np.array_equal(epoch1, epoch2)
+    np.testing.assert_array_equal(np.sort(epoch1), np.sort(data.train_features["sparse"][:, 0]))
+
+
+def test_small_directory_and_title_parsing(tmp_path):
+    (tmp_path / "movies.csv").write_text(
+        "movieId,title,genres\n"
+        '1,"Show, The (1975-1979)",Comedy\n'
+        "2,No Year Here,(no genres listed)\n"
+        "3,Film (2007-),Drama|War\n",
+        encoding="utf-8",
+    )
+    (tmp_path / "ratings.csv").write_text(
+        "userId,movieId,rating,timestamp\n1,1,4.0,10\n1,2,3.5,20\n2,3,5.0,30\n2,4,1.0,40\n"
+    )
+    data = load_movielens(tmp_path, split="time", test_fraction=0.25)
+    f = data.train_features
+    np.testing.assert_array_equal(f["sparse"][:, 2], hash_categorical("year", ["1975", "", "2007"]))
+    np.testing.assert_allclose(f["dense"][:, 0], [-1.25, 0.0, 0.35])
+    assert f["genres"].row_lengths.tolist() == [1, 0, 2]
+    assert data.train_label[:, 0].tolist() == [1.0, 0.0, 1.0]
+    # movie 4 is not in movies.csv: unknown year, no genres
+    assert data.test_features["sparse"][0, 2] == hash_categorical("year", "")
+    assert data.test_features["genres"].row_lengths.tolist() == [0]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"split": "bogus"}, ValueError, "split must be one of"),
+        ({"test_fraction": 1.5}, ValueError, "test_fraction"),
+        ({"test_fraction": 0}, ValueError, "test_fraction"),
+        ({"seed": -3}, ValueError, "seed"),
+        ({"path": "/nonexistent/movielens"}, FileNotFoundError, "ratings.csv"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        load_movielens(**kwargs)
+
+
+def test_docstring_examples():
+    result = doctest.testmod(movielens_module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0

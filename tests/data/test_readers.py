@@ -1,0 +1,343 @@
+"""Criteo TSV and Parquet readers, and the categorical hash."""
+
+import doctest
+import gzip
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sfctr
+import tf_sfctr.data
+import tf_sfctr.data.arrays
+import tf_sfctr.data.criteo
+import tf_sfctr.data.hashing
+import tf_sfctr.data.parquet_io
+from tf_sfctr.data import (
+    CriteoRows,
+    criteo_tsv,
+    hash_categorical,
+    hash_categorical_tensor,
+    parquet,
+    random_criteo_rows,
+    write_criteo_tsv,
+    write_parquet,
+)
+from tf_sfctr.data.hashing import fingerprint_int64
+
+BATCH = 256
+
+
+def edge_rows():
+    """Hand-written rows: all empty, label only, non-hex and odd values."""
+    empty_c = [""] * 26
+    odd_c = ["zz-not-hex", "0A", "0a", "é"] + [""] * 22
+    return CriteoRows(
+        labels=[1, 0, 1],
+        dense=[[0] * 13, [0] * 13, [-2] + [7] * 11 + [123456]],
+        dense_missing=[[True] * 13, [True] * 13, [False] * 13],
+        categorical=[empty_c, empty_c, odd_c],
+    )
+
+
+def concat_rows(*parts):
+    return CriteoRows(
+        np.concatenate([p.labels for p in parts]),
+        np.concatenate([p.dense for p in parts]),
+        np.concatenate([p.dense_missing for p in parts]),
+        np.concatenate([p.categorical for p in parts]),
+    )
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return concat_rows(edge_rows(), random_criteo_rows(1_500, seed=7), edge_rows())
+
+
+@pytest.fixture(scope="module")
+def files(rows, tmp_path_factory):
+    d = tmp_path_factory.mktemp("criteo")
+    out = {"tsv": str(d / "full.tsv"), "tsv_stripped": str(d / "stripped.tsv")}
+    write_criteo_tsv(out["tsv"], rows)
+    write_criteo_tsv(out["tsv_stripped"], rows, strip_trailing_empty=True)
+    if _has_pyarrow():
+        out["parquet"] = str(d / "rows.parquet")
+        out["parquet_nulls"] = str(d / "rows_nulls.parquet")
+        write_parquet(out["parquet"], rows, row_group_size=500)
+        write_parquet(out["parquet_nulls"], rows, nulls=True, row_group_size=500)
+    return out
+
+
+def _has_pyarrow():
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_pyarrow = pytest.mark.skipif(not _has_pyarrow(), reason="needs pyarrow")
+
+
+def batches(ds):
+    return [(f["dense"].numpy(), f["sparse"].numpy(), y.numpy()) for f, y in ds]
+
+
+def concat(batch_list):
+    return tuple(np.concatenate([b[i] for b in batch_list]) for i in range(3))
+
+
+def assert_same_batches(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        for u, v in zip(x, y):
+            assert u.dtype == v.dtype and u.shape == v.shape
+            np.testing.assert_array_equal(u, v)
+
+
+# ------------------------------------------------------------------ round trips
+
+
+def test_stripped_file_really_has_short_lines(files):
+    with open(files["tsv_stripped"]) as f:
+        widths = [len(line.rstrip("\n").split("\t")) for line in f]
+    assert max(widths) == 40 and min(widths) == 1
+    assert sum(w < 40 for w in widths) > 100
+
+
+def test_tsv_matches_reference_encoding(rows, files):
+    features, label = rows.encode()
+    for key in ("tsv", "tsv_stripped"):
+        dense, sparse, y = concat(batches(criteo_tsv(files[key], batch_size=BATCH)))
+        np.testing.assert_array_equal(dense, features["dense"])
+        np.testing.assert_array_equal(sparse, features["sparse"])
+        np.testing.assert_array_equal(y, label)
+    # empty categorical fields are the per-field reserved id hash(field, "")
+    np.testing.assert_array_equal(sparse[0], [hash_categorical(j, "") for j in range(26)])
+    # non-hex strings are hashed as they are; case matters
+    assert sparse[2, 0] == hash_categorical(0, "zz-not-hex")
+    assert sparse[2, 1] == hash_categorical(1, "0A") != hash_categorical(1, "0a")
+    assert sparse[2, 2] == hash_categorical(2, "0a")
+    np.testing.assert_array_equal(dense[0], np.zeros(13, np.float32))
+
+
+@needs_pyarrow
+@pytest.mark.parametrize(
+    "key, engine",
+    [("parquet", "tensorflow_io"), ("parquet", "pyarrow"), ("parquet_nulls", "pyarrow")],
+)
+def test_parquet_gives_the_same_batches_as_tsv(files, key, engine):
+    tsv = batches(criteo_tsv(files["tsv_stripped"], batch_size=BATCH))
+    assert_same_batches(batches(parquet(files[key], batch_size=BATCH, engine=engine)), tsv)
+
+
+@needs_pyarrow
+@pytest.mark.parametrize("engine", ["tsv", "tensorflow_io", "pyarrow"])
+def test_sharding_partitions_rows_across_files(rows, files, engine):
+    features, label = rows.encode()
+    expected_sparse = np.concatenate([features["sparse"]] * 2)
+    expected_label = np.concatenate([label] * 2)
+    seen = 0
+    for index in range(3):
+        if engine == "tsv":
+            ds = criteo_tsv([files["tsv"], files["tsv_stripped"]], batch_size=100, shard=(3, index))
+        else:
+            ds = parquet(
+                [files["parquet"], files["parquet"]],
+                batch_size=100,
+                shard=(3, index),
+                engine=engine,
+            )
+        _, sparse, y = concat(batches(ds))
+        np.testing.assert_array_equal(sparse, expected_sparse[index::3])
+        np.testing.assert_array_equal(y, expected_label[index::3])
+        seen += len(y)
+    assert seen == 2 * rows.num_rows
+
+
+@needs_pyarrow
+def test_drop_remainder_gives_static_batches(files):
+    for ds in (
+        criteo_tsv(files["tsv"], batch_size=BATCH, drop_remainder=True),
+        parquet(files["parquet"], batch_size=BATCH, drop_remainder=True),
+        parquet(files["parquet"], batch_size=BATCH, drop_remainder=True, engine="pyarrow"),
+    ):
+        features, label = ds.element_spec
+        assert features["dense"].shape.as_list() == [BATCH, 13]
+        assert features["sparse"].shape.as_list() == [BATCH, 26]
+        assert label.shape.as_list() == [BATCH, 1]
+        assert sum(1 for _ in ds) == 1_506 // BATCH
+
+
+def test_crlf_and_gzip(rows, files, tmp_path):
+    with open(files["tsv_stripped"]) as f:
+        text = f.read()
+    crlf = tmp_path / "crlf.tsv"
+    crlf.write_bytes(text.replace("\n", "\r\n").encode())
+    gz = tmp_path / "rows.tsv.gz"
+    with gzip.open(gz, "wt") as f:
+        f.write(text)
+    ref = batches(criteo_tsv(files["tsv"], batch_size=BATCH))
+    assert_same_batches(batches(criteo_tsv(str(crlf), batch_size=BATCH)), ref)
+    assert_same_batches(
+        batches(criteo_tsv(str(gz), batch_size=BATCH, compression_type="GZIP")), ref
+    )
+
+
+# ------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    "line, match",
+    [
+        ("1" + "\t7" * 13 + "\tab" * 26 + "\textra", "more than 40 tab-separated"),
+        ("1\t12\tnot-a-number", "could not correctly convert string"),
+        ("", "empty label"),
+        ("yes\t1", "could not correctly convert string"),
+    ],
+)
+def test_bad_tsv_lines_raise_while_iterating(tmp_path, line, match):
+    path = tmp_path / "bad.tsv"
+    path.write_text("0\t1\n" + line + "\n1\t2\n")
+    with pytest.raises(tf.errors.InvalidArgumentError, match=match):
+        list(criteo_tsv(str(path)))
+
+
+def test_reader_argument_errors(files, tmp_path):
+    with pytest.raises(ValueError, match="batch_size"):
+        criteo_tsv(files["tsv"], batch_size=0)
+    with pytest.raises(ValueError, match="shard index"):
+        criteo_tsv(files["tsv"], shard=(2, 2))
+    with pytest.raises(ValueError, match="at least one file"):
+        criteo_tsv([])
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        criteo_tsv(str(tmp_path / "missing.tsv"))
+    with pytest.raises(ValueError, match="compression_type"):
+        criteo_tsv(files["tsv"], compression_type="BZ2")
+
+
+@needs_pyarrow
+def test_parquet_errors(files, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with pytest.raises(ValueError, match="column 'I1' .* null value"):
+        parquet(files["parquet_nulls"])  # tensorflow-io misreads nulls
+    with pytest.raises(ValueError, match="engine must be one of"):
+        parquet(files["parquet"], engine="spark")
+    with pytest.raises(ValueError, match=r"no column\(s\) \['C27'\]"):
+        parquet(files["parquet"], sparse_columns=["C1", "C27"])
+    bad = str(tmp_path / "int_categorical.parquet")
+    pq.write_table(pa.table({"label": [1], "I1": [2], "C1": [3]}), bad)
+    for engine in ("tensorflow_io", "pyarrow"):
+        with pytest.raises(ValueError, match="'C1' .* string column is required"):
+            list(parquet(bad, dense_columns=["I1"], sparse_columns=["C1"], engine=engine))
+
+
+# ------------------------------------------------------------------ hashing
+
+# Computed once with tf.fingerprint (FarmHash Fingerprint64) and frozen here: a
+# change of hash function, prefix or byte order breaks every stored table.
+KNOWN_IDS = [
+    (0, "", -4180092368411990081),
+    (3, "7", 6303677713747694067),
+    (1, "68fd1e64", -3601649910209341173),
+    (1, "80e26c9b", 2172265544265520283),
+    ("genre", "Drama", -5692640360849705209),
+    ("genre", "Comedy", 2418112034288140762),
+]
+
+
+def test_hash_known_values():
+    # FarmHash Fingerprint64("") is the published constant 0x9ae16a3b2f90404f.
+    assert int(fingerprint_int64(tf.constant([""]))[0]) == 0x9AE16A3B2F90404F - 2**64
+    for field, value, expected in KNOWN_IDS:
+        assert int(hash_categorical(field, value)) == expected, (field, value)
+
+
+def test_hash_is_stable_across_processes():
+    values = ["", "68fd1e64", "80e26c9b", "Drama", "zz-not-hex", "é"]
+    code = (
+        "import sys; from tf_sfctr.data import hash_categorical\n"
+        "for f in (0, 25, 'genre'):\n"
+        "    print(' '.join(str(int(x)) for x in hash_categorical(f, sys.argv[1:])))\n"
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(tf_sfctr.data.__file__)))
+    env = dict(os.environ, PYTHONPATH=repo, PYTHONHASHSEED="12345", TF_CPP_MIN_LOG_LEVEL="3")
+    out = subprocess.run(
+        [sys.executable, "-c", code, *values],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout.split("\n")
+    for line, field in zip(out, (0, 25, "genre")):
+        assert [int(x) for x in line.split()] == hash_categorical(field, values).tolist()
+
+
+def test_hash_numpy_and_tensor_agree_and_fields_are_distinct():
+    values = np.array([["a", ""], ["b", "a"]])
+    ids = hash_categorical(4, values)
+    assert ids.dtype == np.int64 and ids.shape == (2, 2)
+    np.testing.assert_array_equal(hash_categorical_tensor(4, tf.constant(values)).numpy(), ids)
+    np.testing.assert_array_equal(hash_categorical(4, tf.constant(values)).numpy(), ids)
+    rag = hash_categorical("tags", tf.ragged.constant([["a", "b"], []]))
+    assert rag.to_list() == [hash_categorical("tags", ["a", "b"]).tolist(), []]
+    assert ids[0, 0] == ids[1, 1]
+    assert hash_categorical(4, "a") != hash_categorical(5, "a")
+    assert hash_categorical("user", 7) == hash_categorical("user", "7")
+    assert (
+        hash_categorical("user", [7, 8]).tolist()
+        == hash_categorical("user", tf.constant([7, 8], tf.int64)).numpy().tolist()
+    )
+    assert hash_categorical(3, "x") == hash_categorical("3", "x")
+    assert hash_categorical(0, b"abc") == hash_categorical(0, "abc")
+    assert hash_categorical(0, []).shape == (0,)
+
+
+@pytest.mark.parametrize(
+    "field, error, match",
+    [
+        (-1, ValueError, ">= 0"),
+        ("", ValueError, "non-empty"),
+        ("a\x1fb", ValueError, "separator"),
+        (True, TypeError, "bool"),
+        (1.5, TypeError, "int or a str"),
+    ],
+)
+def test_hash_bad_field(field, error, match):
+    with pytest.raises(error, match=match):
+        hash_categorical(field, ["x"])
+
+
+def test_hash_bad_values():
+    with pytest.raises(TypeError, match="values must be"):
+        hash_categorical(0, np.array([1.5]))
+    with pytest.raises(TypeError, match="float"):
+        hash_categorical(0, ["a", 1.5])
+
+
+def test_writer_rejects_tabs(tmp_path):
+    rows = random_criteo_rows(2)
+    rows.categorical[1, 3] = "a\tb"
+    with pytest.raises(ValueError, match=r"categorical\[1, 3\]"):
+        write_criteo_tsv(tmp_path / "x.tsv", rows)
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        tf_sfctr.data,
+        tf_sfctr.data.arrays,
+        tf_sfctr.data.criteo,
+        tf_sfctr.data.hashing,
+        tf_sfctr.data.parquet_io,
+    ],
+)
+def test_docstring_examples(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0

@@ -1,0 +1,63 @@
+"""Argument checks and small pieces shared by the data readers and generators."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Optional, Union
+
+import numpy as np
+import tensorflow as tf
+
+PathLike = Union[str, "os.PathLike[str]"]
+Shard = Optional[tuple[int, int]]
+
+#: Keys of the feature dict produced by every reader of this package.
+DENSE_KEY = "dense"
+SPARSE_KEY = "sparse"
+
+
+def check_int(name: str, value: object, *, minimum: int) -> int:
+    """Returns ``value`` as an int; TypeError / ValueError messages name ``name``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_shard(shard: Shard) -> tuple[int, int]:
+    """Validates ``shard=(num_shards, index)``; ``None`` means ``(1, 0)``."""
+    if shard is None:
+        return 1, 0
+    try:
+        num_shards, index = shard
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"shard must be None or a pair (num_shards, index), got {shard!r}"
+        ) from None
+    num_shards = check_int("shard[0] (num_shards)", num_shards, minimum=1)
+    index = check_int("shard[1] (index)", index, minimum=0)
+    if index >= num_shards:
+        raise ValueError(
+            f"shard index must be < num_shards, got index={index}, num_shards={num_shards}"
+        )
+    return num_shards, index
+
+
+def check_paths(paths: PathLike | Sequence[PathLike]) -> list:
+    """Normalises one path or a sequence of paths to a non-empty list of str."""
+    if isinstance(paths, (str, bytes, os.PathLike)):
+        paths = [paths]
+    out = [os.fsdecode(p) for p in paths]
+    if not out:
+        raise ValueError("paths must name at least one file, got an empty list")
+    missing = [p for p in out if not os.path.exists(p)]
+    if missing:
+        raise FileNotFoundError(f"paths: no such file(s): {missing}")
+    return out
+
+
+def finish(ds: tf.data.Dataset, *, prefetch: bool) -> tf.data.Dataset:
+    """Adds the optional prefetch at the end of a pipeline."""
+    return ds.prefetch(tf.data.AUTOTUNE) if prefetch else ds

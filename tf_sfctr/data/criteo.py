@@ -1,0 +1,340 @@
+"""Criteo click logs: the raw TSV reader, a writer for small files, and test rows.
+
+Raw format (Criteo Kaggle / 1TB "day_N" files): one example per line, tab
+separated: the label (0/1), 13 integer columns ``I1..I13`` and 26 categorical
+columns ``C1..C26`` (usually 8 hex digits). Any field may be empty, and a line may
+stop early (trailing empty fields stripped), so it can have fewer than 40 columns.
+
+Encoding, shared by :func:`criteo_tsv` and :func:`tf_sfctr.data.parquet`:
+
+* ``label``: float32 ``[B, 1]``;
+* ``features["dense"]``: float32 ``[B, 13]``, the raw numbers (no log transform);
+  an empty field becomes ``dense_default`` (0.0);
+* ``features["sparse"]``: int64 ``[B, 26]``, ``hash_categorical(j, value)`` for the
+  categorical column ``j`` (0-based: ``C1`` is field 0). No modulo: the id is the
+  full 64-bit hash. An empty field is hashed like any string, so it becomes the
+  per-field reserved id ``hash_categorical(j, "")``. Values are not checked to be
+  hex: any string gets an id, and case matters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tf_sfctr.data._common import (
+    DENSE_KEY,
+    SPARSE_KEY,
+    PathLike,
+    Shard,
+    check_int,
+    check_paths,
+    check_shard,
+    finish,
+)
+from tf_sfctr.data.hashing import field_prefix, hash_categorical, hash_fields_tensor
+
+NUM_DENSE = 13
+NUM_SPARSE = 26
+LABEL_COLUMN = "label"
+
+
+def dense_column_names(num_dense: int = NUM_DENSE) -> tuple[str, ...]:
+    """``("I1", ..., "I<num_dense>")``, the Criteo integer column names.
+
+    Example:
+      >>> dense_column_names(3)
+      ('I1', 'I2', 'I3')
+    """
+    return tuple(f"I{i + 1}" for i in range(num_dense))
+
+
+def sparse_column_names(num_sparse: int = NUM_SPARSE) -> tuple[str, ...]:
+    """``("C1", ..., "C<num_sparse>")``, the Criteo categorical column names.
+
+    Example:
+      >>> sparse_column_names()[-1]
+      'C26'
+    """
+    return tuple(f"C{i + 1}" for i in range(num_sparse))
+
+
+# ---------------------------------------------------------------- rows in memory
+
+
+@dataclasses.dataclass
+class CriteoRows:
+    """Raw Criteo rows in memory, for writing test files and as a reference.
+
+    Attributes:
+      labels: int64 ``[N]``.
+      dense: int64 ``[N, num_dense]`` (values at missing positions are ignored).
+      dense_missing: bool ``[N, num_dense]``, True where the field is empty.
+      categorical: str ``[N, num_sparse]`` (object array), ``""`` where empty.
+
+    Example:
+      >>> rows = random_criteo_rows(4, seed=1)
+      >>> features, label = rows.encode()
+      >>> features["sparse"].shape, label.shape
+      ((4, 26), (4, 1))
+    """
+
+    labels: np.ndarray
+    dense: np.ndarray
+    dense_missing: np.ndarray
+    categorical: np.ndarray
+
+    def __post_init__(self) -> None:
+        self.labels = np.asarray(self.labels, dtype=np.int64).reshape(-1)
+        n = self.labels.shape[0]
+        self.dense = np.asarray(self.dense, dtype=np.int64)
+        self.dense_missing = np.asarray(self.dense_missing, dtype=bool)
+        self.categorical = np.asarray(self.categorical, dtype=object)
+        for name in ("dense", "dense_missing", "categorical"):
+            shape = getattr(self, name).shape
+            if len(shape) != 2 or shape[0] != n:
+                raise ValueError(f"{name} must have shape [{n}, columns], got {shape}")
+        if self.dense_missing.shape != self.dense.shape:
+            raise ValueError(
+                f"dense_missing has shape {self.dense_missing.shape}, expected the "
+                f"shape of dense {self.dense.shape}"
+            )
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.labels.shape[0])
+
+    def encode(self, dense_default: float = 0.0) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """The ``(features, label)`` the readers produce for these rows, in NumPy."""
+        dense = np.where(self.dense_missing, dense_default, self.dense)
+        sparse = np.zeros(self.categorical.shape, dtype=np.int64)
+        for j in range(self.categorical.shape[1]):
+            sparse[:, j] = hash_categorical(j, self.categorical[:, j])
+        features = {DENSE_KEY: dense.astype(np.float32), SPARSE_KEY: sparse}
+        return features, self.labels.astype(np.float32)[:, None]
+
+
+def random_criteo_rows(
+    num_rows: int,
+    *,
+    num_dense: int = NUM_DENSE,
+    num_sparse: int = NUM_SPARSE,
+    missing_rate: float = 0.1,
+    seed: int = 0,
+) -> CriteoRows:
+    """Random rows that look like raw Criteo data (for tests and examples).
+
+    Dense values are small non-negative counts (``I2`` also takes -1 and -2, as
+    in the real data); categorical values are 8-digit lowercase hex strings drawn
+    from 1,000 values per column with a skewed frequency. Each field is empty with
+    probability ``missing_rate``, and about that fraction of rows also has its
+    last 1..num_sparse categorical fields empty, so writers that strip trailing
+    empty fields produce short lines. Uses its own ``numpy`` generator seeded by
+    ``seed``.
+
+    Example:
+      >>> rows = random_criteo_rows(3, seed=0)
+      >>> rows.num_rows, rows.categorical.shape
+      (3, (3, 26))
+    """
+    num_rows = check_int("num_rows", num_rows, minimum=0)
+    num_dense = check_int("num_dense", num_dense, minimum=0)
+    num_sparse = check_int("num_sparse", num_sparse, minimum=0)
+    if not 0.0 <= missing_rate <= 1.0:
+        raise ValueError(f"missing_rate must be in [0, 1], got {missing_rate}")
+    rng = np.random.default_rng(seed)
+    labels = (rng.random(num_rows) < 0.25).astype(np.int64)
+    dense = rng.geometric(0.05, size=(num_rows, num_dense)).astype(np.int64) - 1
+    if num_dense > 1:
+        dense[:, 1] -= 2
+    dense_missing = rng.random((num_rows, num_dense)) < missing_rate
+    vocab = rng.integers(0, 1 << 32, size=(num_sparse, 1000))
+    pick = np.minimum(rng.zipf(1.3, size=(num_rows, num_sparse)) - 1, 999)
+    codes = vocab[np.arange(num_sparse)[None, :], pick]
+    categorical = np.char.mod("%08x", codes).astype(object)
+    categorical[rng.random((num_rows, num_sparse)) < missing_rate] = ""
+    if num_sparse:
+        cut_rows = np.flatnonzero(rng.random(num_rows) < missing_rate)
+        cut_from = rng.integers(0, num_sparse, size=cut_rows.shape[0])
+        for r, c in zip(cut_rows, cut_from):
+            categorical[r, c:] = ""
+    return CriteoRows(labels, dense, dense_missing, categorical)
+
+
+def write_criteo_tsv(
+    path: PathLike, rows: CriteoRows, *, strip_trailing_empty: bool = False
+) -> int:
+    """Writes ``rows`` as a raw Criteo TSV file; returns the number of lines.
+
+    Args:
+      path: the file to (over)write.
+      rows: the rows, e.g. from :func:`random_criteo_rows`.
+      strip_trailing_empty: drop the trailing empty fields of each line (a line
+        then has fewer than 40 columns), as some Criteo copies do.
+
+    Raises:
+      ValueError: a categorical value contains a tab, newline or carriage return.
+
+    Example:
+      >>> import tempfile, os
+      >>> path = os.path.join(tempfile.mkdtemp(), "day_0.tsv")
+      >>> write_criteo_tsv(path, random_criteo_rows(5))
+      5
+    """
+    with open(os.fspath(path), "w", encoding="utf-8", newline="\n") as f:
+        for i in range(rows.num_rows):
+            fields = [str(int(rows.labels[i]))]
+            fields += [
+                "" if missing else str(int(v))
+                for v, missing in zip(rows.dense[i], rows.dense_missing[i])
+            ]
+            for j, v in enumerate(rows.categorical[i]):
+                v = str(v)
+                if "\t" in v or "\n" in v or "\r" in v:
+                    raise ValueError(
+                        f"rows.categorical[{i}, {j}] = {v!r} contains a tab or line "
+                        "break and cannot be written to a TSV file"
+                    )
+                fields.append(v)
+            line = "\t".join(fields)
+            if strip_trailing_empty:
+                line = line.rstrip("\t")
+            f.write(line + "\n")
+    return rows.num_rows
+
+
+# ---------------------------------------------------------------- TensorFlow side
+
+
+def encode_batch(
+    label: tf.Tensor,
+    dense: tf.Tensor,
+    categorical: tf.Tensor,
+    prefixes: Sequence[str],
+) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
+    """Builds ``(features, label)`` from parsed columns of a batch.
+
+    Args:
+      label: numeric ``[B]``.
+      dense: float32 ``[B, D]`` with missing values already filled in.
+      categorical: string ``[B, S]``.
+      prefixes: ``field_prefix(j)`` for each categorical column.
+
+    Example:
+      >>> f, y = encode_batch(tf.constant([1]), tf.zeros([1, 2]),
+      ...                     tf.constant([["a", ""]]), [field_prefix(0), field_prefix(1)])
+      >>> int(f["sparse"][0, 1]) == int(hash_categorical(1, ""))
+      True
+    """
+    label = tf.reshape(tf.cast(label, tf.float32), [-1, 1])
+    if len(prefixes):
+        sparse = hash_fields_tensor(prefixes, categorical)
+    else:
+        sparse = tf.zeros([tf.shape(label)[0], 0], tf.int64)
+    return {DENSE_KEY: tf.cast(dense, tf.float32), SPARSE_KEY: sparse}, label
+
+
+def _parse_tsv_lines(
+    lines: tf.Tensor, num_dense: int, num_sparse: int, dense_default: float
+) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
+    width = 1 + num_dense + num_sparse
+    lines = tf.strings.regex_replace(lines, "\r$", "")
+    columns = tf.strings.split(lines, "\t")
+    too_wide = tf.debugging.assert_less_equal(
+        tf.reduce_max(columns.row_lengths()),
+        tf.constant(width, tf.int64),
+        message=(
+            f"criteo_tsv: a line has more than {width} tab-separated columns "
+            f"(allowed: label + {num_dense} integer + {num_sparse} categorical); "
+            "check num_dense / num_sparse or the file"
+        ),
+    )
+    with tf.control_dependencies([too_wide]):
+        table = columns.to_tensor(default_value="", shape=[lines.shape[0], width])
+    label_str = table[:, 0]
+    no_label = tf.debugging.assert_greater(
+        tf.reduce_min(tf.strings.length(label_str)),
+        0,
+        message="criteo_tsv: a line has an empty label (is there a blank line?)",
+    )
+    with tf.control_dependencies([no_label]):
+        label = tf.strings.to_number(label_str, tf.float32)
+    dense_str = table[:, 1 : 1 + num_dense]
+    empty = tf.equal(dense_str, "")
+    dense = tf.strings.to_number(tf.where(empty, "0", dense_str), tf.float32)
+    dense = tf.where(empty, tf.constant(dense_default, tf.float32), dense)
+    prefixes = [field_prefix(j) for j in range(num_sparse)]
+    return encode_batch(label, dense, table[:, 1 + num_dense :], prefixes)
+
+
+def criteo_tsv(
+    paths: PathLike | Sequence[PathLike],
+    *,
+    batch_size: int = 1024,
+    num_dense: int = NUM_DENSE,
+    num_sparse: int = NUM_SPARSE,
+    dense_default: float = 0.0,
+    shard: Shard = None,
+    prefetch: bool = True,
+    drop_remainder: bool = False,
+    compression_type: str | None = None,
+) -> tf.data.Dataset:
+    """Reads raw Criteo TSV files as ``(features, label)`` batches.
+
+    Same output structure as :func:`tf_sfctr.data.synthetic_criteo`: ``features``
+    is ``{"dense": float32 [B, num_dense], "sparse": int64 [B, num_sparse]}`` and
+    ``label`` is float32 ``[B, 1]``. See the module docstring for the encoding
+    (empty dense -> ``dense_default``; empty categorical -> the reserved id
+    ``hash_categorical(j, "")``; lines may have fewer columns than
+    ``1 + num_dense + num_sparse``, the missing ones count as empty).
+
+    Bad lines raise ``tf.errors.InvalidArgumentError`` while iterating: more than
+    ``1 + num_dense + num_sparse`` columns ("a line has more than 40
+    tab-separated columns"), an empty label ("empty label"), or a label or
+    dense field that is not a number ("StringToNumberOp could not correctly convert
+    string"). Lines may end in ``\\r\\n``.
+
+    Args:
+      paths: one file or a list of files, read in order.
+      batch_size: rows per batch.
+      num_dense, num_sparse: column counts (13 and 26 for Criteo).
+      dense_default: value of an empty dense field.
+      shard: ``(num_shards, index)``: keep every ``num_shards``-th line starting
+        at line ``index`` of the concatenated files (the shards partition the
+        rows; every shard still reads all files).
+      prefetch: add ``prefetch(AUTOTUNE)``.
+      drop_remainder: drop a last partial batch (static batch dimension).
+      compression_type: ``None``/``""``, ``"GZIP"`` or ``"ZLIB"``.
+
+    Example:
+      >>> import tempfile, os
+      >>> path = os.path.join(tempfile.mkdtemp(), "day_0.tsv")
+      >>> _ = write_criteo_tsv(path, random_criteo_rows(10))
+      >>> features, label = next(iter(criteo_tsv(path, batch_size=4)))
+      >>> features["sparse"].shape.as_list(), label.shape.as_list()
+      ([4, 26], [4, 1])
+    """
+    paths = check_paths(paths)
+    batch_size = check_int("batch_size", batch_size, minimum=1)
+    num_dense = check_int("num_dense", num_dense, minimum=0)
+    num_sparse = check_int("num_sparse", num_sparse, minimum=0)
+    num_shards, index = check_shard(shard)
+    if compression_type not in (None, "", "GZIP", "ZLIB"):
+        raise ValueError(
+            f"compression_type must be None, '', 'GZIP' or 'ZLIB', got {compression_type!r}"
+        )
+    dense_default = float(dense_default)
+    ds = tf.data.TextLineDataset(paths, compression_type=compression_type or "")
+    if num_shards > 1:
+        ds = ds.shard(num_shards, index)
+    ds = ds.batch(batch_size, drop_remainder=drop_remainder)
+    ds = ds.map(
+        lambda lines: _parse_tsv_lines(lines, num_dense, num_sparse, dense_default),
+        num_parallel_calls=tf.data.AUTOTUNE,
+        deterministic=True,
+    )
+    return finish(ds, prefetch=prefetch)

@@ -1,0 +1,262 @@
+"""MovieLens ratings as a click-through-rate (CTR) task.
+
+``ml-latest-small`` (100,004 ratings, 671 users, 9,125 movies; GroupLens, see the
+README.txt next to the data for its license) ships with the repository in
+``data/movielens-latest-small``. Each rating is one example:
+
+* ``label``: float32 ``[N, 1]``, 1.0 when ``rating >= positive_threshold`` (4.0:
+  about 52 % positives);
+* ``features["sparse"]``: int64 ``[N, 3]``, the ids of the fields
+  ``SPARSE_FIELDS = ("user", "movie", "year")``, each
+  ``hash_categorical(field, value)`` of the decimal user id, the decimal movie id
+  and the release year parsed from the title (``"Toy Story (1995)"`` -> ``"1995"``;
+  for a range ``"(1975-1979)"`` the first year; ``""`` when the title has none);
+  the field name in the hash keeps the ids of different fields distinct;
+* ``features["genres"]``: int64 ``tf.RaggedTensor`` ``[N, None]``,
+  ``hash_categorical("genre", g)`` for each of the movie's genres
+  (``"(no genres listed)"`` is an empty list);
+* ``features["dense"]``: float32 ``[N, 1]``, ``(year - 2000) / 20`` (0 when the
+  year is unknown).
+
+So the structure matches :func:`tf_sfctr.data.synthetic_criteo` with one multi-hot
+field: the same DLRM / DeepFM-style model (dense MLP + embedding of the sparse
+and ragged ids) trains on both.
+
+Splits are deterministic: ``split="random"`` puts a ``seed``-determined random
+``test_fraction`` of the ratings in the test set; ``split="time"`` puts the
+latest ``test_fraction`` of the ratings (by timestamp, ties by file order) there.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+
+from tf_sfctr.data._common import DENSE_KEY, SPARSE_KEY, PathLike, check_int
+from tf_sfctr.data.arrays import Features, Ragged, dataset_from_arrays
+from tf_sfctr.data.hashing import hash_categorical
+
+DEFAULT_PATH = os.path.join("data", "movielens-latest-small")
+SPARSE_FIELDS = ("user", "movie", "year")
+GENRES_KEY = "genres"
+SPLITS = ("random", "time")
+_NO_GENRES = "(no genres listed)"
+_YEAR = re.compile(r"\((\d{4})(?:\s*[-\u2013]\s*\d{0,4})?\)\s*$")
+_RATINGS_HEADER = "userId,movieId,rating,timestamp"
+
+
+@dataclasses.dataclass
+class MovieLensData:
+    """The train and test examples of :func:`load_movielens`, in NumPy.
+
+    ``*_features`` are dicts with ``"dense"`` float32 ``[N, 1]``, ``"sparse"``
+    int64 ``[N, 3]`` (fields :data:`SPARSE_FIELDS`) and ``"genres"``
+    (:class:`tf_sfctr.data.Ragged` of int64); ``*_label`` is float32 ``[N, 1]``.
+    Use :func:`tf_sfctr.data.dataset_from_arrays` to batch them.
+    """
+
+    train_features: Features
+    train_label: np.ndarray
+    test_features: Features
+    test_label: np.ndarray
+    sparse_fields: tuple[str, ...] = SPARSE_FIELDS
+
+
+def resolve_path(path: PathLike | None = None) -> Path:
+    """The MovieLens directory: ``path``, or the bundled copy when None.
+
+    ``None`` means ``data/movielens-latest-small`` relative to the working
+    directory, else relative to the repository that holds this package.
+
+    Raises:
+      FileNotFoundError: no such directory (the message lists what was tried).
+
+    Example:
+      >>> (resolve_path() / "README.txt").is_file()
+      True
+    """
+    if path is not None:
+        candidates = [Path(os.fspath(path))]
+    else:
+        repo = Path(__file__).resolve().parents[2]
+        candidates = [Path(DEFAULT_PATH), repo / DEFAULT_PATH]
+    for candidate in candidates:
+        if (candidate / "ratings.csv").is_file() and (candidate / "movies.csv").is_file():
+            return candidate
+    raise FileNotFoundError(
+        "MovieLens data not found: need ratings.csv and movies.csv in one of "
+        f"{[str(c) for c in candidates]}"
+    )
+
+
+def _read_movies(path: Path) -> dict[int, tuple[str, tuple[str, ...]]]:
+    """movieId -> (year string or "", genres)."""
+    movies = {}
+    with open(path, encoding="utf-8", newline="") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if header != ["movieId", "title", "genres"]:
+            raise ValueError(f"{path}: expected the header movieId,title,genres, got {header}")
+        for line, row in enumerate(reader, start=2):
+            if len(row) != 3:
+                raise ValueError(f"{path}:{line}: expected 3 fields, got {len(row)}")
+            match = _YEAR.search(row[1])
+            genres = tuple(g for g in row[2].split("|") if g and g != _NO_GENRES)
+            movies[int(row[0])] = (match.group(1) if match else "", genres)
+    return movies
+
+
+def _read_ratings(path: Path) -> np.ndarray:
+    """float64 [N, 4]: userId, movieId, rating, timestamp."""
+    with open(path, encoding="utf-8") as f:
+        header = f.readline().strip()
+    if header != _RATINGS_HEADER:
+        raise ValueError(f"{path}: expected the header {_RATINGS_HEADER}, got {header}")
+    return np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.float64, ndmin=2)
+
+
+def _examples(
+    ratings: np.ndarray,
+    movies: dict[int, tuple[str, tuple[str, ...]]],
+    positive_threshold: float,
+) -> tuple[Features, np.ndarray]:
+    users = ratings[:, 0].astype(np.int64)
+    movie_ids = ratings[:, 1].astype(np.int64)
+    uniq_users, user_idx = np.unique(users, return_inverse=True)
+    uniq_movies, movie_idx = np.unique(movie_ids, return_inverse=True)
+    info = [movies.get(int(m), ("", ())) for m in uniq_movies]
+    years = [year for year, _ in info]
+    year_ids = hash_categorical("year", years)
+    year_num = np.array([float(y) if y else np.nan for y in years])
+    genre_lists = [genres for _, genres in info]
+    genre_lengths = np.array([len(g) for g in genre_lists], dtype=np.int64)
+    flat = [g for genres in genre_lists for g in genres]
+    genre_values = hash_categorical("genre", flat) if flat else np.zeros(0, np.int64)
+    per_movie = Ragged(genre_values, genre_lengths)
+
+    sparse = np.stack(
+        [
+            hash_categorical("user", uniq_users)[user_idx],
+            hash_categorical("movie", uniq_movies)[movie_idx],
+            year_ids[movie_idx],
+        ],
+        axis=1,
+    ).astype(np.int64)
+    dense = np.nan_to_num((year_num[movie_idx] - 2000.0) / 20.0, nan=0.0)
+    features: Features = {
+        DENSE_KEY: dense.astype(np.float32)[:, None],
+        SPARSE_KEY: sparse,
+        GENRES_KEY: per_movie.take(movie_idx),
+    }
+    label = (ratings[:, 2] >= positive_threshold).astype(np.float32)[:, None]
+    return features, label
+
+
+def _take(features: Features, rows: np.ndarray) -> Features:
+    return {k: v.take(rows) if isinstance(v, Ragged) else v[rows] for k, v in features.items()}
+
+
+def load_movielens(
+    path: PathLike | None = None,
+    *,
+    split: str = "random",
+    test_fraction: float = 0.2,
+    seed: int = 0,
+    positive_threshold: float = 4.0,
+) -> MovieLensData:
+    """Loads MovieLens ratings as CTR examples, split into train and test (NumPy).
+
+    See the module docstring for the features, label and splits. Each split keeps
+    the file order (by user, then movie); shuffle when batching.
+
+    Args:
+      path: directory with ``ratings.csv`` and ``movies.csv``; None for the copy
+        bundled in the repository.
+      split: ``"random"`` (seeded) or ``"time"`` (latest ratings are the test set).
+      test_fraction: share of the ratings in the test set, in (0, 1).
+      seed: the random split's seed (unused by ``"time"``).
+      positive_threshold: ratings at or above it are positives.
+
+    Raises:
+      ValueError: a bad argument or a malformed file. FileNotFoundError: no data.
+
+    Example:
+      >>> data = load_movielens()
+      >>> data.train_features["sparse"].shape[1], data.train_label.dtype.name
+      (3, 'float32')
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if not isinstance(test_fraction, (int, float)) or not 0.0 < test_fraction < 1.0:
+        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
+    seed = check_int("seed", seed, minimum=0)
+    directory = resolve_path(path)
+    movies = _read_movies(directory / "movies.csv")
+    ratings = _read_ratings(directory / "ratings.csv")
+    features, label = _examples(ratings, movies, float(positive_threshold))
+    n = ratings.shape[0]
+    n_test = round(n * test_fraction)
+    if split == "random":
+        order = np.random.default_rng(seed).permutation(n)
+    else:
+        order = np.argsort(ratings[:, 3], kind="stable")[::-1]
+    test_rows = np.sort(order[:n_test])
+    train_rows = np.sort(order[n_test:])
+    return MovieLensData(
+        train_features=_take(features, train_rows),
+        train_label=label[train_rows],
+        test_features=_take(features, test_rows),
+        test_label=label[test_rows],
+    )
+
+
+def movielens(
+    path: PathLike | None = None,
+    *,
+    batch_size: int = 1024,
+    split: str = "random",
+    test_fraction: float = 0.2,
+    seed: int = 0,
+    positive_threshold: float = 4.0,
+    shuffle: bool = True,
+    prefetch: bool = True,
+) -> tuple[tf.data.Dataset, tf.data.Dataset]:
+    """MovieLens as ``(train_ds, test_ds)`` of ``(features, label)`` batches.
+
+    ``features``: ``"dense"`` float32 ``[B, 1]``, ``"sparse"`` int64 ``[B, 3]``
+    (user, movie, year ids), ``"genres"`` int64 ``tf.RaggedTensor`` ``[B, None]``;
+    ``label`` float32 ``[B, 1]``. The training set is reshuffled every epoch
+    (reproducibly for ``seed``) unless ``shuffle=False``; the test set keeps file
+    order. Arguments as in :func:`load_movielens`.
+
+    Example:
+      >>> train_ds, test_ds = movielens(batch_size=512)
+      >>> features, label = next(iter(train_ds))
+      >>> features["sparse"].shape.as_list(), type(features["genres"]).__name__
+      ([512, 3], 'RaggedTensor')
+    """
+    data = load_movielens(
+        path,
+        split=split,
+        test_fraction=test_fraction,
+        seed=seed,
+        positive_threshold=positive_threshold,
+    )
+    train = dataset_from_arrays(
+        data.train_features,
+        data.train_label,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        prefetch=prefetch,
+    )
+    test = dataset_from_arrays(
+        data.test_features, data.test_label, batch_size=batch_size, prefetch=prefetch
+    )
+    return train, test

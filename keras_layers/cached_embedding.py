@@ -32,9 +32,11 @@ import tensorflow as tf
 
 from tf_sfctr import initializers as _initializers
 from tf_sfctr import optimizers as _optimizers
+from tf_sfctr.distributed import _horovod
 from tf_sfctr.store import EmbeddingStore, StoreConfig
 
 COMBINERS = ("sum", "mean", "sqrtn")
+DISTRIBUTIONS = ("auto", "model_parallel", "data_parallel")
 
 
 def _compute_device() -> str:
@@ -48,6 +50,14 @@ def _check_id_dtype(dtype: tf.DType, what: str = "ids") -> None:
             f"{dtype.name}. Raw 64-bit ids are fine as int64; hash strings to "
             f"int64 first (e.g. tf_sfctr.data.hash_categorical)."
         )
+
+
+class _Counter:
+    """An untracked int64 counter variable (statistics only)."""
+
+    def __init__(self):
+        with tf.init_scope(), tf.device("/CPU:0"):
+            self.var = tf.Variable(tf.constant(0, tf.int64), trainable=False)
 
 
 class _DeviceCache:
@@ -89,7 +99,21 @@ class CachedEmbedding(keras.layers.Layer):
         max_rows: limit on host-table rows; creating more raises an error and
             changes nothing. ``None``: unbounded.
         seed: seed of the per-id initializer; drawn at random (and kept in the
-            config) when ``None``.
+            config) when ``None``. Under Horovod, pass the same seed on every
+            rank (or let ``tf_sfctr.distributed.callbacks()`` keep the dense
+            weights in sync: table rows depend only on the seed).
+        distribution: under Horovod with more than one rank,
+            ``"model_parallel"`` shards the table over ranks by
+            ``owner(id) = Mix64(id) mod size`` and routes ids, rows and
+            gradients with all-to-all; ``"data_parallel"`` keeps a full
+            replica on every rank and all-reduces the sparse gradients (for
+            small tables). ``"auto"`` (default): model parallel with Horovod
+            and more than one rank, a local table otherwise.
+
+    Inputs may also be a dict ``{"ids": ids, "unique_ids": u, "inverse": i}``
+    with the batch's distinct ids and, for each flattened id, its position in
+    ``u`` (what ``tf.unique`` returns), computed in the input pipeline so
+    the training step skips de-duplication.
 
     Example:
 
@@ -114,6 +138,7 @@ class CachedEmbedding(keras.layers.Layer):
         combiner: Optional[str] = None,
         max_rows: Optional[int] = None,
         seed: Optional[int] = None,
+        distribution: str = "auto",
         name: Optional[str] = None,
         **kwargs: Any,
     ):
@@ -134,6 +159,12 @@ class CachedEmbedding(keras.layers.Layer):
         if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
         self.seed = int(seed)
+        if distribution not in DISTRIBUTIONS:
+            raise ValueError(
+                f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
+        self.distribution = distribution
+        self._mode = "local"
+        self._world_size = 1
         # Custom ops have no XLA kernels: tell Keras not to jit-compile.
         self.supports_jit = False
         self._store: Optional[EmbeddingStore] = None
@@ -160,6 +191,9 @@ class CachedEmbedding(keras.layers.Layer):
             # Updates applied by the table optimizer (Adam's t); checkpointed.
             self._table_step = tf.Variable(
                 tf.constant(0, tf.int64), trainable=False, name="table_step")
+        # Ids this rank sent to owners in model-parallel training steps (one
+        # per distinct (id, owner) pair); a statistic, not checkpointed.
+        self._ids_sent = _Counter()
         self._trigger = self.add_weight(
             shape=(), initializer="zeros", trainable=True, name="table_update_trigger")
         self._store = EmbeddingStore(StoreConfig(
@@ -171,6 +205,11 @@ class CachedEmbedding(keras.layers.Layer):
             cache_capacity=self.cache_capacity,
         ))
         self._store.before_save = self.flush
+        size, _ = _horovod.world()
+        if size > 1:
+            self._mode = "data_parallel" if self.distribution == "data_parallel" \
+                else "model_parallel"
+            self._world_size = size
         with tf.init_scope():
             # Create the resource eagerly: a handle first made inside a traced
             # function would belong to that graph only.
@@ -201,13 +240,27 @@ class CachedEmbedding(keras.layers.Layer):
 
     # ------------------------------------------------------------------- call
     def call(self, inputs: Any, training: Optional[bool] = None) -> tf.Tensor:
-        ids, layout = self._flatten(inputs)
-        unique_ids, inverse = tf.unique(ids, out_idx=tf.int32)
-        if training:
-            rows = self._training_rows(unique_ids, inverse)
+        if isinstance(inputs, dict):
+            # Virtual Sparse Ids computed in the input pipeline
+            # (tf_sfctr.data.with_unique_ids): skip de-duplication here.
+            ids, layout = self._flatten(inputs["ids"])
+            unique_ids = tf.reshape(tf.cast(inputs["unique_ids"], tf.int64), [-1])
+            inverse = tf.reshape(tf.cast(inputs["inverse"], tf.int32), [-1])
+            inverse = tf.ensure_shape(inverse, ids.shape)
         else:
-            rows = tf.gather(self._inference_rows(unique_ids), inverse)
+            ids, layout = self._flatten(inputs)
+            unique_ids, inverse = tf.unique(ids, out_idx=tf.int32)
+        rows, apply_update = self._unique_rows(unique_ids, bool(training))
+        rows = tf.gather(rows, inverse)
+        if apply_update is not None:
+            rows = self._attach_update(rows, inverse, tf.size(unique_ids), apply_update)
         return tf.cast(self._combine(rows, layout), self.compute_dtype)
+
+    @property
+    def mode(self) -> str:
+        """"local", "model_parallel" or "data_parallel" (resolved at build)."""
+        self._require_built()
+        return self._mode
 
     def _flatten(self, inputs: Any) -> tuple[tf.Tensor, dict]:
         """Flat int64 ids and what is needed to shape the output."""
@@ -273,7 +326,21 @@ class CachedEmbedding(keras.layers.Layer):
         return total / (counts if self.combiner == "mean" else tf.sqrt(counts))
 
     # -------------------------------------------------------- training path
-    def _training_rows(self, unique_ids: tf.Tensor, inverse: tf.Tensor) -> tf.Tensor:
+    def _unique_rows(self, unique_ids: tf.Tensor, training: bool):
+        """Rows of this rank's distinct ids and, when training, the function
+        that routes their gradients (per unique id) to the table update."""
+        if self._mode == "local":
+            if not training:
+                return self._inference_rows(unique_ids), None
+            rows, slots = self._cached_rows(unique_ids)
+            return rows, lambda g, g_sq: self._apply_update(slots, g, g_sq)
+        if self._mode == "model_parallel":
+            return self._model_parallel_rows(unique_ids, training)
+        return self._data_parallel_rows(unique_ids, training)
+
+    def _cached_rows(self, unique_ids: tf.Tensor):
+        """Loads distinct ids into the cache (this rank's shard) and gathers
+        their rows; returns (rows, slots)."""
         store = self._store
         variables = self._device_variables
         slots, miss_slots, miss_rows, evict_slots, evict_ids = store.cache_prepare(unique_ids)
@@ -285,17 +352,79 @@ class CachedEmbedding(keras.layers.Layer):
             fills = [v.scatter_update(tf.IndexedSlices(p, miss_slots))
                      for v, p in zip(variables, parts)]
         with tf.control_dependencies(fills):
-            unique_rows = tf.gather(self._cache_rows, slots)
-        rows = tf.gather(unique_rows, inverse)
-        return self._attach_update(rows, slots, inverse, tf.size(unique_ids))
+            return tf.gather(self._cache_rows, slots), slots
 
-    def _attach_update(self, rows, slots, inverse, num_unique):
+    def _model_parallel_rows(self, unique_ids: tf.Tensor, training: bool):
+        from tf_sfctr.distributed import exchange
+
+        name = f"sfctr_{self.name}_{'train' if training else 'infer'}"
+        route = exchange.send_ids(unique_ids, self._world_size, name)
+        if training:
+            self._ids_sent.var.assign_add(tf.cast(tf.size(unique_ids), tf.int64))
+        own_ids, own_inverse = tf.unique(route.recv_ids, out_idx=tf.int32)
+        if training:
+            own_rows, slots = self._cached_rows(own_ids)
+        else:
+            own_rows = self._inference_rows(own_ids)
+        rows = exchange.return_rows(tf.gather(own_rows, own_inverse), route, name)
+        if not training:
+            return rows, None
+        dim, n = self.output_dim, float(self._world_size)
+
+        def apply_update(g, g_sq):
+            payload = g if g_sq is None else tf.concat([g, g_sq], axis=1)
+            received = exchange.send_to_owners(payload, route, name)
+            total = tf.math.unsorted_segment_sum(received, own_inverse, tf.size(own_ids))
+            # Mean over ranks, like the dense gradients: N ranks with batch B
+            # train like one process with batch N * B.
+            g_own = total[:, :dim] / n
+            g_sq_own = None if g_sq is None else total[:, dim:] / (n * n)
+            return self._apply_update(slots, g_own, g_sq_own)
+
+        return rows, apply_update
+
+    def _data_parallel_rows(self, unique_ids: tf.Tensor, training: bool):
+        if not training:  # every rank holds the whole table
+            return self._inference_rows(unique_ids), None
+        hvd = _horovod.require()
+        name = f"sfctr_{self.name}_dp"
+        all_ids = hvd.allgather(unique_ids, name=f"{name}_ids", ignore_name_scope=True)
+        sizes = hvd.allgather(tf.size(unique_ids)[None], name=f"{name}_sizes",
+                              ignore_name_scope=True)
+        offset = tf.reduce_sum(sizes[: hvd.rank()])
+        # Every rank loads the union of the step's ids in the same order, so
+        # the replicas stay identical.
+        glob_ids, glob_inverse = tf.unique(all_ids, out_idx=tf.int32)
+        mine = glob_inverse[offset: offset + tf.size(unique_ids)]
+        glob_rows, slots = self._cached_rows(glob_ids)
+        dim, n = self.output_dim, float(self._world_size)
+
+        def apply_update(g, g_sq):
+            payload = g if g_sq is None else tf.concat([g, g_sq], axis=1)
+            local = tf.math.unsorted_segment_sum(payload, mine, tf.size(glob_ids))
+            total = hvd.allreduce(local, op=hvd.Sum, name=f"{name}_grads",
+                                  ignore_name_scope=True)
+            g_glob = total[:, :dim] / n
+            g_sq_glob = None if g_sq is None else total[:, dim:] / (n * n)
+            return self._apply_update(slots, g_glob, g_sq_glob)
+
+        return tf.gather(glob_rows, mine), apply_update
+
+    def _attach_update(self, rows, inverse, num_unique, apply_update):
         trigger = tf.convert_to_tensor(self._trigger.value)
 
         @tf.custom_gradient
         def with_update(rows_in, trigger_in):
             def grad(d_rows):
-                step = self._apply_update(slots, inverse, num_unique, d_rows)
+                g_occ = tf.cast(tf.convert_to_tensor(d_rows), tf.float32)
+                g = tf.math.unsorted_segment_sum(g_occ, inverse, num_unique)
+                g = tf.debugging.check_numerics(
+                    g, f"CachedEmbedding {self.name}: the embedding gradient is not "
+                       f"finite (NaN or Inf); the table was not updated")
+                g_sq = None
+                if self.table_optimizer.needs_squared_occurrences:
+                    g_sq = tf.math.unsorted_segment_sum(tf.square(g_occ), inverse, num_unique)
+                step = apply_update(g, g_sq)
                 # The trigger's gradient must data-depend on the update: Keras
                 # nests its train step in a second tf.function, and after
                 # inlining, grappler folds `x * 0` to a constant and prunes an
@@ -308,15 +437,8 @@ class CachedEmbedding(keras.layers.Layer):
 
         return with_update(rows, trigger)
 
-    def _apply_update(self, slots, inverse, num_unique, d_rows):
-        g_occ = tf.cast(tf.convert_to_tensor(d_rows), tf.float32)
-        grad = tf.math.unsorted_segment_sum(g_occ, inverse, num_unique)
-        grad = tf.debugging.check_numerics(
-            grad, f"CachedEmbedding {self.name}: the embedding gradient is not "
-                  f"finite (NaN or Inf); the table was not updated")
-        grad_sq = None
-        if self.table_optimizer.needs_squared_occurrences:
-            grad_sq = tf.math.unsorted_segment_sum(tf.square(g_occ), inverse, num_unique)
+    def _apply_update(self, slots, grad, grad_sq):
+        """Table optimizer step on cached rows; returns the new step count."""
         update = self.table_optimizer.apply(
             self._cache_rows, list(self._cache_state), slots, grad, grad_sq,
             self._table_step)
@@ -352,19 +474,49 @@ class CachedEmbedding(keras.layers.Layer):
 
         Reads the cache where a row is cached and the host table otherwise; ids
         never seen get their initial value and are not inserted. No side
-        effects: no counters, no insertion, no cache change.
+        effects: no counters, no insertion, no cache change. In model-parallel
+        mode this is collective: every rank calls it (with its own ids, maybe
+        none) and gets the rows of any id, wherever its owner is.
         """
         self._require_built()
         ids = self._ids_vector(ids)
         unique_ids, inverse = tf.unique(ids, out_idx=tf.int32)
-        return tf.gather(self._inference_rows(unique_ids), inverse).numpy()
+        rows, _ = self._unique_rows(unique_ids, training=False)
+        return tf.gather(rows, inverse).numpy()
 
     def assign_rows(self, ids: Sequence[int] | np.ndarray | tf.Tensor,
                     values: np.ndarray | tf.Tensor) -> None:
         """Sets rows ``ids`` to ``values`` (``[len(ids), output_dim]``) and resets
         their optimizer state. Missing ids are created. On a bad argument
-        nothing is changed."""
+        nothing is changed. Collective under Horovod (every rank calls it with
+        its own rows; when two ranks set the same id, the higher rank wins)."""
         self._require_built()
+        error = None
+        try:
+            ids, values = self._check_assign(ids, values)
+        except (TypeError, ValueError) as err:
+            error = err
+        if self._mode != "local":
+            # All ranks must reach the collectives below, or none.
+            failed = _horovod.require().allreduce(
+                tf.constant(0 if error is None else 1, tf.int32), op=_horovod.require().Sum,
+                name=f"sfctr_{self.name}_assign_check", ignore_name_scope=True)
+            if error is None and int(failed) > 0:
+                error = ValueError("assign_rows failed on another rank; nothing was changed")
+        if error is not None:
+            raise error
+        if self._mode == "model_parallel":
+            ids, values = self._route_assignments(ids, values)
+        elif self._mode == "data_parallel":
+            hvd = _horovod.require()
+            ids = hvd.allgather(ids, name=f"sfctr_{self.name}_assign_ids",
+                                ignore_name_scope=True)
+            values = hvd.allgather(tf.constant(values), name=f"sfctr_{self.name}_assign_values",
+                                   ignore_name_scope=True)
+            ids, values = self._last_wins(ids, values)
+        self._assign_local(ids, np.asarray(values, np.float32))
+
+    def _check_assign(self, ids, values):
         ids = self._ids_vector(ids)
         values = np.asarray(values, dtype=np.float32)
         n = int(ids.shape[0])
@@ -379,6 +531,23 @@ class CachedEmbedding(keras.layers.Layer):
                 f"{values[bad].tolist()}. Nothing was changed.")
         if len(np.unique(ids.numpy())) != n:
             raise ValueError("ids passed to assign_rows must be distinct")
+        return ids, values
+
+    @staticmethod
+    def _last_wins(ids: tf.Tensor, values) -> tuple[tf.Tensor, np.ndarray]:
+        unique, inverse = tf.unique(ids, out_idx=tf.int32)
+        last = tf.math.unsorted_segment_max(tf.range(tf.size(ids)), inverse, tf.size(unique))
+        return unique, tf.gather(values, last).numpy()
+
+    def _route_assignments(self, ids, values):
+        from tf_sfctr.distributed import exchange
+
+        name = f"sfctr_{self.name}_assign"
+        route = exchange.send_ids(ids, self._world_size, name)
+        received = exchange.send_to_owners(tf.constant(values), route, name)
+        return self._last_wins(route.recv_ids, received)
+
+    def _assign_local(self, ids: tf.Tensor, values: np.ndarray) -> None:
         with self._assign_lock:
             try:
                 self._store.host_assign(ids, values)
@@ -408,8 +577,11 @@ class CachedEmbedding(keras.layers.Layer):
         """Counters of this layer's cache and host table.
 
         Keys: ``hits``, ``misses``, ``evictions`` (distinct ids per training
-        step, cumulative), ``host_rows``, ``cache_capacity``, ``cached_rows``
-        and ``hit_rate`` (hits / (hits + misses), 0 before any step).
+        step, cumulative), ``host_rows``, ``cache_capacity``, ``cached_rows``,
+        ``hit_rate`` (hits / (hits + misses), 0 before any step) and
+        ``ids_sent`` (model parallel: ids this rank sent to their owners in
+        training steps, one per distinct (id, owner) pair). Under Horovod the
+        numbers are this rank's shard.
         """
         self._require_built()
         hits, misses, evictions, host_rows, capacity, cached = (
@@ -423,6 +595,7 @@ class CachedEmbedding(keras.layers.Layer):
             "cache_capacity": capacity,
             "cached_rows": cached,
             "hit_rate": hits / lookups if lookups else 0.0,
+            "ids_sent": int(self._ids_sent.var.numpy()),
         }
 
     # ------------------------------------------------ Keras saving format
@@ -452,6 +625,8 @@ class CachedEmbedding(keras.layers.Layer):
 
     # ---------------------------------------------------------- Keras glue
     def compute_output_shape(self, input_shape: Any) -> tuple:
+        if isinstance(input_shape, dict):
+            input_shape = input_shape["ids"]
         shape = tuple(input_shape)
         if self.combiner is not None:
             shape = shape[:-1]
@@ -469,6 +644,7 @@ class CachedEmbedding(keras.layers.Layer):
             "max_rows": self.max_rows,
             # A restored checkpoint brings its own seed.
             "seed": self._store.seed if self._store is not None else self.seed,
+            "distribution": self.distribution,
         })
         return config
 

@@ -177,4 +177,17 @@ REGISTER_OP("SfctrStoreSetCounters")
     .SetShapeFn(shape_inference::NoOutputs)
     .Doc("Sets [hits, misses, evictions] (used when restoring a checkpoint).");
 
+REGISTER_OP("SfctrOwner")
+    .Input("ids: int64")
+    .Input("num_shards: int32")
+    .Output("owners: int32")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      return OkStatus();
+    })
+    .Doc(R"doc(
+Owner rank of each id in a model-parallel table: Mix64(id) mod num_shards
+(splitmix64 finalizer, so structured ids spread evenly).
+)doc");
+
 }  // namespace tensorflow

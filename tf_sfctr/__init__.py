@@ -21,9 +21,9 @@ from tf_sfctr import optimizers
 
 __version__ = "0.1.0"
 __all__ = ["CachedEmbedding", "export_for_serving", "optimizers", "keras_layers", "data",
-           "__version__"]
+           "distributed", "callbacks", "__version__"]
 
-_LAZY_MODULES = ("keras_layers", "data")
+_LAZY_MODULES = ("keras_layers", "data", "distributed", "callbacks")
 
 
 def __getattr__(name: str) -> Any:

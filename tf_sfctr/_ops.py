@@ -38,6 +38,7 @@ _OP_TYPES = (
     "SfctrHostSetSeed",
     "SfctrStoreStats",
     "SfctrStoreSetCounters",
+    "SfctrOwner",
 )
 
 

@@ -12,6 +12,7 @@
 #include "tensorflow/core/framework/tensor.h"
 
 #include "../core/embedding_store.h"
+#include "../core/mix.h"
 
 namespace tensorflow {
 namespace {
@@ -338,6 +339,28 @@ class StoreSetCountersOp : public OpKernel {
   }
 };
 
+class OwnerOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& ids = ctx->input(0);
+    const Tensor& shards = ctx->input(1);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(shards.shape()),
+                errors::InvalidArgument("num_shards must be a scalar"));
+    const int32_t n = shards.scalar<int32_t>()();
+    OP_REQUIRES(ctx, n >= 1,
+                errors::InvalidArgument("num_shards must be >= 1, got ", n));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ids.shape(), &out));
+    auto in = ids.flat<int64_t>();
+    auto owners = out->flat<int32_t>();
+    for (int64_t i = 0; i < ids.NumElements(); ++i) {
+      owners(i) = static_cast<int32_t>(
+          sfctr::Mix64(static_cast<uint64_t>(in(i))) % static_cast<uint64_t>(n));
+    }
+  }
+};
+
 #define SFCTR_CPU_KERNEL(name, cls) \
   REGISTER_KERNEL_BUILDER(Name(name).Device(DEVICE_CPU), cls)
 
@@ -355,6 +378,7 @@ SFCTR_CPU_KERNEL("SfctrHostClear", HostClearOp);
 SFCTR_CPU_KERNEL("SfctrHostSetSeed", HostSetSeedOp);
 SFCTR_CPU_KERNEL("SfctrStoreStats", StoreStatsOp);
 SFCTR_CPU_KERNEL("SfctrStoreSetCounters", StoreSetCountersOp);
+SFCTR_CPU_KERNEL("SfctrOwner", OwnerOp);
 
 }  // namespace
 }  // namespace tensorflow

@@ -1,0 +1,110 @@
+"""Training scenarios shared by the Horovod workers (N ranks, local batch B)
+and the 1-process reference (global batch N * B, the ranks' batches
+concatenated). Both sides build the same model from the same seeds."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tf_sfctr
+from tf_sfctr.keras_layers import CachedEmbedding
+
+FIELDS, DIM, LOCAL_BATCH, STEPS, VOCAB = 3, 4, 6, 32, 400
+WORLD = 2
+# name -> (optimizer, input kind, distribution, trainer)
+SCENARIOS = {
+    "mp_sgd_dense": ("sgd", "dense", "model_parallel", "loop"),
+    "mp_adagrad_dense": ("adagrad", "dense", "model_parallel", "loop"),
+    "mp_sgd_ragged": ("sgd", "ragged", "model_parallel", "loop"),
+    "mp_adagrad_ragged": ("adagrad", "ragged", "model_parallel", "loop"),
+    "mp_adagrad_fit": ("adagrad", "dense", "model_parallel", "fit"),
+    "dp_sgd_dense": ("sgd", "dense", "data_parallel", "loop"),
+    "dp_adagrad_ragged": ("adagrad", "ragged", "data_parallel", "loop"),
+}
+
+
+def vocab() -> np.ndarray:
+    rng = np.random.default_rng(7)
+    return rng.integers(-(2**63), 2**63 - 1, size=VOCAB, dtype=np.int64)
+
+
+def global_batches(kind: str):
+    """STEPS global batches of WORLD * LOCAL_BATCH rows: (ids, labels)."""
+    rng = np.random.default_rng(11)
+    v = vocab()
+    out = []
+    for _ in range(STEPS):
+        n = WORLD * LOCAL_BATCH
+        y = rng.random((n, 1)).astype("float32")
+        if kind == "dense":
+            ranks = np.minimum(rng.zipf(1.2, size=(n, FIELDS)) - 1, VOCAB - 1)
+            out.append((v[ranks], y))
+        else:
+            lengths = rng.integers(0, 5, size=n)  # empty rows too
+            ranks = np.minimum(rng.zipf(1.2, size=lengths.sum()) - 1, VOCAB - 1)
+            out.append((tf.RaggedTensor.from_row_lengths(v[ranks], lengths), y))
+    return out
+
+
+def local_part(batch, rank: int):
+    ids, y = batch
+    lo, hi = rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH
+    return ids[lo:hi], y[lo:hi]
+
+
+def cache_capacity(kind: str) -> int:
+    """Just enough for the largest global step: far fewer rows than each
+    rank's shard of the run's working set, so evictions happen on every rank."""
+    def distinct(ids):
+        values = ids.flat_values.numpy() if isinstance(ids, tf.RaggedTensor) else ids
+        return len(np.unique(values))
+
+    return max(distinct(ids) for ids, _ in global_batches(kind)) + 1
+
+
+def build(opt_name: str, kind: str, distribution: str):
+    table_opt = (tf_sfctr.optimizers.SGD(0.5) if opt_name == "sgd"
+                 else tf_sfctr.optimizers.Adagrad(0.3, initial_accumulator_value=0.05))
+    emb = CachedEmbedding(DIM, cache_capacity=cache_capacity(kind), optimizer=table_opt, seed=3,
+                          combiner=None if kind == "dense" else "mean",
+                          distribution=distribution, name="emb")
+    dense = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(5))
+    dense_opt = (keras.optimizers.SGD(0.2) if opt_name == "sgd"
+                 else keras.optimizers.Adagrad(0.2))
+    return emb, dense, dense_opt
+
+
+def _features(emb, ids, training):
+    x = emb(ids, training=training)
+    return tf.reshape(x, [tf.shape(x)[0], -1])
+
+
+def train_loop(emb, dense, opt, batches):
+    """Custom loop; returns per-step losses."""
+    emb.build(None)
+    dense.build((None, DIM * FIELDS if emb.combiner is None else DIM))
+
+    @tf.function(reduce_retracing=True)
+    def step(ids, y):
+        with tf.GradientTape() as tape:
+            pred = dense(_features(emb, ids, True))
+            loss = tf.reduce_mean(tf.square(pred - y))
+        variables = emb.trainable_weights + dense.trainable_weights
+        grads = tape.gradient(loss, variables)
+        opt.apply_gradients(zip(grads, variables))
+        return loss
+
+    return [float(step(ids, y)) for ids, y in batches]
+
+
+def fit_model(emb, dense, opt, batches, callbacks=()):
+    inp = keras.Input(shape=(FIELDS,), dtype="int64")
+    model = keras.Model(inp, dense(keras.layers.Flatten()(emb(inp))))
+    model.compile(optimizer=opt, loss="mse")
+    x = np.concatenate([b[0] for b in batches])
+    y = np.concatenate([b[1] for b in batches])
+    n = len(batches[0][1])
+    model.fit(x, y, batch_size=n, shuffle=False, verbose=0, callbacks=list(callbacks))
+    return model

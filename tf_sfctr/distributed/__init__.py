@@ -1,0 +1,16 @@
+"""Distributed training with Horovod (core ``horovod.tensorflow`` ops).
+
+* ``DistributedOptimizer(keras_optimizer)``: averages dense gradients.
+* ``callbacks(root_rank=0)``: broadcast initial dense state, average metrics.
+* ``owner_of(ids, world_size)``: which rank owns an id in model-parallel mode.
+
+Run with ``horovodrun -np 2 -H localhost:2 --gloo python train.py``.
+"""
+
+from tf_sfctr.distributed._horovod import world
+from tf_sfctr.distributed.callbacks import AverageMetrics, BroadcastInitialState, callbacks
+from tf_sfctr.distributed.exchange import owner_of
+from tf_sfctr.distributed.optimizer import DistributedOptimizer
+
+__all__ = ["DistributedOptimizer", "callbacks", "BroadcastInitialState", "AverageMetrics",
+           "owner_of", "world"]

@@ -1,0 +1,33 @@
+"""Access to Horovod's core TensorFlow ops (never its Keras 2 wrappers)."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Optional
+
+
+def horovod() -> Optional[ModuleType]:
+    """``horovod.tensorflow`` if installed, else None (imported on first use)."""
+    try:
+        import horovod.tensorflow as hvd
+    except ImportError:
+        return None
+    return hvd
+
+
+def require() -> ModuleType:
+    hvd = horovod()
+    if hvd is None:
+        raise ImportError(
+            "tf_sfctr's distributed mode needs Horovod built with TensorFlow and Gloo: "
+            "HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 "
+            "pip install --no-build-isolation horovod==0.28.1 (see the Makefile).")
+    return hvd
+
+
+def world() -> tuple[int, int]:
+    """(size, rank) of the Horovod job, or (1, 0) when Horovod is not running."""
+    hvd = horovod()
+    if hvd is None or not hvd.is_initialized():
+        return 1, 0
+    return hvd.size(), hvd.rank()

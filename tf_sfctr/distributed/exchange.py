@@ -1,0 +1,69 @@
+"""All-to-all routing of a model-parallel table's ids, rows and gradients.
+
+Each rank owns the ids with ``owner(id) = Mix64(id) mod world_size``. A step
+sends every rank's distinct ids to their owners (``hvd.alltoall`` with
+splits), the owners answer with rows in the order they received the ids, and
+in the backward pass the same route carries gradients to the owners. Only
+distinct (id, owner) pairs cross the wire: ids are de-duplicated before they
+are bucketed. Uneven and empty splits are normal.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import tensorflow as tf
+
+from tf_sfctr import _ops
+from tf_sfctr.distributed._horovod import require
+
+
+def owner_of(ids: np.ndarray, world_size: int) -> np.ndarray:
+    """NumPy twin of the owner op: Mix64(id) mod world_size."""
+    x = np.asarray(ids, np.int64).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        x = x ^ (x >> np.uint64(30))
+        x = x * np.uint64(0xBF58476D1CE4E5B9)
+        x = x ^ (x >> np.uint64(27))
+        x = x * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    return (x % np.uint64(world_size)).astype(np.int32)
+
+
+class Route(NamedTuple):
+    """How one step's distinct ids were sent to their owners."""
+
+    order: tf.Tensor        # local unique ids sorted by owner: positions
+    splits: tf.Tensor       # ids sent to each rank
+    recv_ids: tf.Tensor     # ids received by this rank (as owner)
+    recv_splits: tf.Tensor  # how many came from each rank
+
+
+def send_ids(unique_ids: tf.Tensor, world_size: int, name: str) -> Route:
+    """Buckets distinct ids by owner and delivers them (one all-to-all)."""
+    hvd = require()
+    owners = _ops.load().sfctr_owner(unique_ids, tf.constant(world_size, tf.int32))
+    order = tf.argsort(owners, stable=True)
+    splits = tf.math.bincount(owners, minlength=world_size, maxlength=world_size,
+                              dtype=tf.int32)
+    recv_ids, recv_splits = hvd.alltoall(tf.gather(unique_ids, order), splits=splits,
+                                         name=f"{name}_ids", ignore_name_scope=True)
+    return Route(order, splits, recv_ids, recv_splits)
+
+
+def return_rows(rows_for_recv: tf.Tensor, route: Route, name: str) -> tf.Tensor:
+    """Owner → requester: rows in the requester's original unique-id order."""
+    hvd = require()
+    back, _ = hvd.alltoall(rows_for_recv, splits=route.recv_splits,
+                           name=f"{name}_rows", ignore_name_scope=True)
+    return tf.gather(back, tf.math.invert_permutation(route.order))
+
+
+def send_to_owners(per_unique: tf.Tensor, route: Route, name: str) -> tf.Tensor:
+    """Requester → owner: one row per local unique id, arriving in the
+    order of ``route.recv_ids``."""
+    hvd = require()
+    out, _ = hvd.alltoall(tf.gather(per_unique, route.order), splits=route.splits,
+                          name=f"{name}_grads", ignore_name_scope=True)
+    return out

@@ -24,32 +24,42 @@ WORKER = os.path.join(os.path.dirname(__file__), "distributed", "worker.py")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("horovod")
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    # A 1-process checkpoint for the workers to restore on 2 ranks (1 -> 2).
+    ref = _reference("mp_adagrad_fit")
+    from tf_sfctr.distributed import save
+
+    save(tf.train.Checkpoint(model=ref[4], optimizer=ref[4].optimizer), str(out / "ckpt_1rank"))
+    np.save(out / "ckpt_1rank_rows.npy", ref[0])
     proc = subprocess.run(
         [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, WORKER,
          str(out)], capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
     def load(name, rank):
+        if rank is None:
+            return out / name
         return dict(np.load(out / f"{name}_rank{rank}.npz"))
 
     return load
 
 
 def _reference(name):
+    """1-process run on the global batches: (rows, kernel, bias, layer, model)."""
     opt_name, kind, _, trainer = sc.SCENARIOS[name]
     emb, dense, opt = sc.build(opt_name, kind, "auto")
     batches = sc.global_batches(kind)
+    model = None
     if trainer == "fit":
-        sc.fit_model(emb, dense, opt, batches)
+        model = sc.fit_model(emb, dense, opt, batches)
     else:
         sc.train_loop(emb, dense, opt, batches)
     assert emb.mode == "local"
-    return emb.lookup_rows(sc.vocab()), dense.kernel.numpy(), dense.bias.numpy(), emb
+    return emb.lookup_rows(sc.vocab()), dense.kernel.numpy(), dense.bias.numpy(), emb, model
 
 
 @pytest.mark.parametrize("name", list(sc.SCENARIOS))
 def test_two_ranks_equal_one_process(results, name):
-    rows, kernel, bias, _ = _reference(name)
+    rows, kernel, bias, _, _ = _reference(name)
     for rank in range(sc.WORLD):
         got = results(name, rank)
         # Rows answered by the collective lookup: the same on both ranks and
@@ -107,3 +117,40 @@ def test_owner_function_matches_op():
         np.testing.assert_array_equal(op, owner_of(ids, n))
     counts = np.bincount(owner_of(np.arange(100_000), 4), minlength=4)
     assert counts.min() > 24_000  # sequential ids spread evenly
+
+
+def test_sharded_checkpoint_restores_on_one_rank(results):
+    """2 -> 1: the two shards written under horovodrun load in one process;
+    every row once, values equal to what the ranks saw."""
+    from tf_sfctr.distributed import restore
+
+    want = results("ckpt", 0)["rows"]
+    opt_name, kind, _, _ = sc.SCENARIOS["mp_adagrad_fit"]
+    emb, dense, opt = sc.build(opt_name, kind, "auto")
+    model = sc.fit_model(emb, dense, opt, sc.global_batches(kind)[:1])
+    restore(tf.train.Checkpoint(model=model, optimizer=model.optimizer),
+            str(results("ckpt_2ranks", None)))
+    np.testing.assert_array_equal(emb.lookup_rows(sc.vocab()), want)
+    shard_rows = sum(int(results("ckpt", r)["host_rows"]) for r in range(sc.WORLD))
+    assert emb.cache_stats()["host_rows"] == shard_rows
+    # The 2-rank training equals the 1-process run; so does the restored table.
+    np.testing.assert_allclose(want, _reference("mp_adagrad_fit")[0], rtol=1e-5, atol=1e-6)
+
+
+def test_one_rank_checkpoint_restores_on_two_ranks(results):
+    """1 -> 2: each rank received exactly the rows it owns."""
+    want = np.load(results("ckpt_1rank_rows.npy", None))
+    total = 0
+    for rank in range(sc.WORLD):
+        got = results("resharded", rank)
+        np.testing.assert_array_equal(got["rows"], want)
+        total += int(got["host_rows"])
+    ref_emb = _reference("mp_adagrad_fit")[3]
+    assert total == ref_emb.cache_stats()["host_rows"]
+
+
+def test_export_under_horovod_is_one_complete_savedmodel(results, tmp_path):
+    served = tf.saved_model.load(str(results("served_2ranks", None)))
+    x = np.concatenate([b[0] for b in sc.global_batches("dense")])
+    got = served.serve(tf.constant(x)).numpy()
+    np.testing.assert_allclose(got, results("ckpt", 0)["predictions"], rtol=1e-6, atol=1e-6)

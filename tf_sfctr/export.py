@@ -14,15 +14,25 @@ from typing import Optional
 
 import keras
 import numpy as np
+import tensorflow as tf
 
+from tf_sfctr.distributed import _horovod
 from tf_sfctr.keras_layers.cached_embedding import CachedEmbedding
 from tf_sfctr.keras_layers.serving_embedding import ServingEmbedding
 
 
 def _frozen_rows(layer: CachedEmbedding, max_rows: Optional[int]):
     layer.flush()
-    ids, rows, counts = (t.numpy() for t in layer.store.host_export())
+    ids, rows, counts = layer.store.host_export()
     rows = rows[:, : layer.output_dim]
+    if layer.mode == "model_parallel":
+        # Every rank holds a shard: gather the whole table (collective).
+        hvd = _horovod.require()
+        name = f"sfctr_export_{layer.name}"
+        ids = hvd.allgather(ids, name=f"{name}_ids", ignore_name_scope=True)
+        rows = hvd.allgather(rows, name=f"{name}_rows", ignore_name_scope=True)
+        counts = hvd.allgather(counts, name=f"{name}_counts", ignore_name_scope=True)
+    ids, rows, counts = ids.numpy(), rows.numpy(), counts.numpy()
     if max_rows is not None and len(ids) > max_rows:
         # Most used first; ties broken by id so the choice is deterministic.
         keep = np.lexsort((ids, -counts))[:max_rows]
@@ -68,7 +78,9 @@ def export_for_serving(model: keras.Model, export_dir: str,
     ``tf.saved_model.load`` (or TF Serving) in a process that never imported
     tf_sfctr. ``max_rows`` keeps the most used rows of each table (use counts
     since the table was created); the others, like never-seen ids, get zeros.
-    Returns the frozen Keras model that was exported.
+    Returns the frozen Keras model that was exported. Under Horovod, call it
+    on every rank: the sharded tables are gathered and rank 0 writes one
+    complete SavedModel.
 
     Example::
 
@@ -77,6 +89,11 @@ def export_for_serving(model: keras.Model, export_dir: str,
         served.serve(ids)
     """
     frozen = serving_model(model, max_rows)
-    os.makedirs(os.path.dirname(os.path.abspath(export_dir)), exist_ok=True)
-    frozen.export(export_dir)
+    size, rank = _horovod.world()
+    if rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(export_dir)), exist_ok=True)
+        frozen.export(export_dir)
+    if size > 1:  # the others wait until the SavedModel is complete
+        hvd = _horovod.require()
+        hvd.allreduce(tf.constant(0), op=hvd.Sum, name="sfctr_export_done")
     return frozen

@@ -64,6 +64,10 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         # table, so that a checkpoint sees current values.
         self.before_save: Optional[Callable[[], object]] = None
         self.seed = config.seed  # changes when a checkpoint is restored
+        # tf_sfctr.distributed.restore re-partitions rows: while it reads
+        # shards, restored tables are collected here instead of loaded.
+        self.collecting = False
+        self.collected: Optional[list] = None
         super().__init__(device="/CPU:0")
 
     def _create_resource(self):
@@ -141,6 +145,10 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
     def _restore_from_tensors(self, restored_tensors):
         t = {k: v.numpy() if hasattr(v, "numpy") else np.asarray(v)
              for k, v in restored_tensors.items()}
+        if self.collecting:
+            if self.collected is not None:
+                self.collected.append(t)
+            return tf.no_op()
         self.load_table(t["header"], t["ids"], t["rows"], t["counts"], t["counters"])
         return tf.no_op()
 

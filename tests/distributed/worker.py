@@ -83,9 +83,37 @@ def run_broadcast(out_dir, rank):
     np.savez(os.path.join(out_dir, f"broadcast_rank{rank}.npz"), ok=np.array(1))
 
 
+def run_checkpoint_and_export(out_dir, rank, size):
+    """Train model-parallel, save per-rank shards, export one SavedModel;
+    then restore a 1-process checkpoint (written by the test) on 2 ranks."""
+    from tf_sfctr.distributed import restore, save
+
+    opt_name, kind, distribution, _ = sc.SCENARIOS["mp_adagrad_fit"]
+    emb, dense, opt = sc.build(opt_name, kind, distribution)
+    batches = [sc.local_part(b, rank) for b in sc.global_batches(kind)]
+    model = sc.fit_model(emb, dense, DistributedOptimizer(opt), batches, callbacks())
+    ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    save(ckpt, os.path.join(out_dir, "ckpt_2ranks"))
+    tf_sfctr.export_for_serving(model, os.path.join(out_dir, "served_2ranks"))
+    x = np.concatenate([b[0] for b in sc.global_batches(kind)])
+    np.savez(os.path.join(out_dir, f"ckpt_rank{rank}.npz"), rows=emb.lookup_rows(sc.vocab()),
+             predictions=model.predict(x, verbose=0, batch_size=len(x)),
+             host_rows=emb.cache_stats()["host_rows"])
+
+    one = os.path.join(out_dir, "ckpt_1rank")
+    if os.path.exists(os.path.join(one, "manifest.json")):
+        emb2, dense2, opt2 = sc.build(opt_name, kind, distribution)
+        model2 = sc.fit_model(emb2, dense2, DistributedOptimizer(opt2), batches[:1])
+        ckpt2 = tf.train.Checkpoint(model=model2, optimizer=model2.optimizer)
+        restore(ckpt2, one)
+        np.savez(os.path.join(out_dir, f"resharded_rank{rank}.npz"),
+                 rows=emb2.lookup_rows(sc.vocab()), host_rows=emb2.cache_stats()["host_rows"],
+                 kernel=dense2.kernel.numpy())
+
+
 def main():
     out_dir = sys.argv[1]
-    only = sys.argv[2:] or list(sc.SCENARIOS) + ["routing", "broadcast"]
+    only = sys.argv[2:] or list(sc.SCENARIOS) + ["routing", "broadcast", "checkpoint"]
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     assert size == sc.WORLD, size
@@ -95,6 +123,8 @@ def main():
             run_routing(out_dir, rank, size)
         elif name == "broadcast":
             run_broadcast(out_dir, rank)
+        elif name == "checkpoint":
+            run_checkpoint_and_export(out_dir, rank, size)
         else:
             run_equivalence(out_dir, name, rank)
         print(f"rank {rank}: {name} done", flush=True)

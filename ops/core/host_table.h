@@ -9,6 +9,7 @@
 #ifndef TF_SFCTR_OPS_CORE_HOST_TABLE_H_
 #define TF_SFCTR_OPS_CORE_HOST_TABLE_H_
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -79,6 +80,11 @@ class HostTable {
   void Export(std::vector<int64_t>* ids, std::vector<float>* rows,
               std::vector<uint32_t>* counts) const;
 
+  // Same, written into caller buffers sized by `allocate(n)`, which is
+  // called once with the exact row count while every shard is locked.
+  template <typename Allocate>
+  void ExportTo(Allocate allocate) const;
+
   // Removes every row.
   void Clear();
 
@@ -123,6 +129,34 @@ class HostTable {
   std::atomic<int64_t> size_{0};
   std::atomic<int64_t> reserved_{0};  // rows stored or reserved
 };
+
+template <typename Allocate>
+void HostTable::ExportTo(Allocate allocate) const {
+  const uint64_t num_shards = shard_mask_ + 1;
+  std::vector<std::unique_lock<std::mutex>> locks;
+  locks.reserve(num_shards);
+  uint64_t total = 0;
+  for (uint64_t k = 0; k < num_shards; ++k) {
+    locks.emplace_back(shards_[k].mu);
+    total += shards_[k].used;
+  }
+  int64_t* ids = nullptr;
+  float* rows = nullptr;
+  int64_t* counts = nullptr;
+  allocate(static_cast<int64_t>(total), &ids, &rows, &counts);
+  int64_t i = 0;
+  for (uint64_t k = 0; k < num_shards; ++k) {
+    const Shard& s = shards_[k];
+    for (const Entry& e : s.entries) {
+      if (e.row == kEmptyRow) continue;
+      ids[i] = e.id;
+      counts[i] = e.count;
+      const float* src = RowPtr(s, e.row);
+      std::copy(src, src + width_, rows + i * width_);
+      ++i;
+    }
+  }
+}
 
 }  // namespace sfctr
 

@@ -257,13 +257,34 @@ class HostExportOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     core::RefCountPtr<StoreResource> res;
     OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
-    std::vector<int64_t> ids;
-    std::vector<float> rows;
-    std::vector<uint32_t> counts;
-    res->store().table().Export(&ids, &rows, &counts);
-    OutputVector(ctx, 0, ids);
-    OutputMatrix(ctx, 1, rows, res->store().table().width());
-    OutputVector(ctx, 2, std::vector<int64_t>(counts.begin(), counts.end()));
+    const int64_t width = res->store().table().width();
+    Status status;
+    std::vector<int64_t> scratch_ids, scratch_counts;
+    std::vector<float> scratch_rows;
+    res->store().table().ExportTo(
+        [&](int64_t n, int64_t** ids, float** rows, int64_t** counts) {
+          Tensor *t_ids = nullptr, *t_rows = nullptr, *t_counts = nullptr;
+          status = ctx->allocate_output(0, TensorShape({n}), &t_ids);
+          if (status.ok()) {
+            status = ctx->allocate_output(1, TensorShape({n, width}), &t_rows);
+          }
+          if (status.ok()) {
+            status = ctx->allocate_output(2, TensorShape({n}), &t_counts);
+          }
+          if (!status.ok()) {  // write into scratch so the export can finish
+            scratch_ids.resize(n);
+            scratch_rows.resize(n * width);
+            scratch_counts.resize(n);
+            *ids = scratch_ids.data();
+            *rows = scratch_rows.data();
+            *counts = scratch_counts.data();
+            return;
+          }
+          *ids = t_ids->flat<int64_t>().data();
+          *rows = t_rows->flat<float>().data();
+          *counts = t_counts->flat<int64_t>().data();
+        });
+    OP_REQUIRES_OK(ctx, status);
   }
 };
 

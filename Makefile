@@ -10,7 +10,7 @@ CORE_SRCS := $(wildcard ops/core/*.cc)
 OP_SRCS := $(wildcard ops/*.cc ops/kernels/*.cc) $(CORE_SRCS)
 PY_SRCS := setup.py $(wildcard tf_sfctr/*.py keras_layers/*.py)
 
-.PHONY: all venv build test test-core test-py demo clean
+.PHONY: all venv build test test-core test-py lint demo clean
 
 all: build
 
@@ -53,7 +53,10 @@ test-core: build/core_test
 test-py: build
 	$(PY) -m pytest -q tests
 
-test: test-core test-py
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check tf_sfctr keras_layers tests bench examples setup.py
+
+test: test-core lint test-py
 
 demo: build
 	$(PY) examples/demo.py

@@ -9,7 +9,6 @@ import textwrap
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 import tf_sfctr
 from tf_sfctr.keras_layers import CachedEmbedding

@@ -4,7 +4,6 @@ same model with keras.layers.Embedding, far above chance."""
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 import tf_sfctr
 from tf_sfctr.keras_layers import CachedEmbedding

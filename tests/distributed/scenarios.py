@@ -84,7 +84,8 @@ def _features(emb, ids, training):
 def train_loop(emb, dense, opt, batches):
     """Custom loop; returns per-step losses."""
     emb.build(None)
-    dense.build((None, DIM * FIELDS if emb.combiner is None else DIM))
+    if not dense.built:
+        dense.build((None, DIM * FIELDS if emb.combiner is None else DIM))
 
     @tf.function(reduce_retracing=True)
     def step(ids, y):

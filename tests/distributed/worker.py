@@ -111,9 +111,40 @@ def run_checkpoint_and_export(out_dir, rank, size):
                  kernel=dense2.kernel.numpy())
 
 
+def run_resume(out_dir, rank):
+    """Exact resume on 2 ranks: train N steps, save, train M more; versus a
+    fresh model restored from the save training the same M steps."""
+    from tf_sfctr.distributed import restore, save
+
+    opt_name, kind, distribution, _ = sc.SCENARIOS["mp_adagrad_dense"]
+    batches = [sc.local_part(b, rank) for b in sc.global_batches(kind)]
+    first, rest = batches[:16], batches[16:]
+
+    def make():
+        emb, dense, opt = sc.build(opt_name, kind, distribution)
+        return emb, dense, DistributedOptimizer(opt)
+
+    emb, dense, opt = make()
+    sc.train_loop(emb, dense, opt, first)
+    ckpt_dir = os.path.join(out_dir, "resume_ckpt")
+    save(tf.train.Checkpoint(emb=emb, dense=dense, optimizer=opt), ckpt_dir)
+    losses = sc.train_loop(emb, dense, opt, rest)
+
+    emb2, dense2, opt2 = make()
+    emb2.build(None)
+    dense2.build((None, sc.DIM * sc.FIELDS))
+    opt2.build(emb2.trainable_weights + dense2.trainable_weights)
+    restore(tf.train.Checkpoint(emb=emb2, dense=dense2, optimizer=opt2), ckpt_dir)
+    losses2 = sc.train_loop(emb2, dense2, opt2, rest)
+    np.testing.assert_array_equal(losses2, losses)
+    np.testing.assert_array_equal(emb2.lookup_rows(sc.vocab()), emb.lookup_rows(sc.vocab()))
+    np.testing.assert_array_equal(dense2.kernel.numpy(), dense.kernel.numpy())
+    np.savez(os.path.join(out_dir, f"resume_rank{rank}.npz"), losses=np.array(losses))
+
+
 def main():
     out_dir = sys.argv[1]
-    only = sys.argv[2:] or list(sc.SCENARIOS) + ["routing", "broadcast", "checkpoint"]
+    only = sys.argv[2:] or list(sc.SCENARIOS) + ["routing", "broadcast", "checkpoint", "resume"]
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     assert size == sc.WORLD, size
@@ -123,6 +154,8 @@ def main():
             run_routing(out_dir, rank, size)
         elif name == "broadcast":
             run_broadcast(out_dir, rank)
+        elif name == "resume":
+            run_resume(out_dir, rank)
         elif name == "checkpoint":
             run_checkpoint_and_export(out_dir, rank, size)
         else:

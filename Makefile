@@ -59,7 +59,7 @@ lint: $(VENV)/.installed
 test: test-core lint test-py
 
 demo: build
-	$(PY) examples/demo.py
+	$(PY) examples/movielens.py
 
 clean:
 	rm -rf build tf_sfctr/_sfctr_ops.so tf_sfctr/_build_info.json *.egg-info

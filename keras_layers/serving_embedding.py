@@ -1,5 +1,9 @@
 """``ServingEmbedding``: a frozen embedding table built from stock TF ops only.
 
+With a combiner, served multi-hot rows come as a dense, padded ``[B, L]``
+tensor (SavedModel signatures take plain tensors); positions equal to
+``pad_id`` (default 0) are left out of the sum, mean or sqrtn.
+
 Used by :func:`tf_sfctr.export_for_serving`. Ids are looked up in a sorted
 int64 key vector with ``tf.searchsorted``; a hit gives the row index, a miss
 gives the default row (zeros) kept after the last real row. Keys and rows are
@@ -29,7 +33,8 @@ class ServingEmbedding(keras.layers.Layer):
     """
 
     def __init__(self, keys: Any = None, rows: Any = None, *, output_dim: Optional[int] = None,
-                 num_keys: Optional[int] = None, combiner: Optional[str] = None, **kwargs):
+                 num_keys: Optional[int] = None, combiner: Optional[str] = None,
+                 pad_id: Optional[int] = 0, **kwargs):
         super().__init__(**kwargs)
         if keys is not None:
             keys = np.asarray(keys, np.int64)
@@ -46,6 +51,10 @@ class ServingEmbedding(keras.layers.Layer):
         self.output_dim = int(output_dim)
         self.num_keys = int(num_keys)
         self.combiner = combiner
+        # Served multi-hot inputs arrive as dense rows padded with pad_id
+        # (what RaggedTensor.to_tensor() and tf.sparse.to_dense use: 0);
+        # combiners skip those positions.
+        self.pad_id = None if pad_id is None else int(pad_id)
         self.supports_jit = False
         self._initial = (keys, rows)
 
@@ -72,6 +81,8 @@ class ServingEmbedding(keras.layers.Layer):
         return tf.gather(tf.convert_to_tensor(self.rows), index)
 
     def call(self, inputs: Any) -> tf.Tensor:
+        if isinstance(inputs, dict):  # a model trained with pipeline VSI
+            inputs = inputs["ids"]
         if isinstance(inputs, (tf.RaggedTensor, tf.SparseTensor)):
             if isinstance(inputs, tf.SparseTensor):
                 row_ids, nrows, values = inputs.indices[:, 0], inputs.dense_shape[0], inputs.values
@@ -90,8 +101,12 @@ class ServingEmbedding(keras.layers.Layer):
         out.set_shape(x.shape.concatenate([self.output_dim]))
         if self.combiner is None:
             return tf.cast(out, self.compute_dtype)
-        total = tf.reduce_sum(out, axis=-2)
-        n = tf.cast(tf.shape(out)[-2], out.dtype)
+        if self.pad_id is None:
+            keep = tf.ones_like(x, out.dtype)
+        else:
+            keep = tf.cast(tf.not_equal(x, self.pad_id), out.dtype)
+        total = tf.reduce_sum(out * keep[..., None], axis=-2)
+        n = tf.reduce_sum(keep, axis=-1, keepdims=True)
         if self.combiner == "mean":
             total = total / tf.maximum(n, 1.0)
         elif self.combiner == "sqrtn":
@@ -99,6 +114,8 @@ class ServingEmbedding(keras.layers.Layer):
         return tf.cast(total, self.compute_dtype)
 
     def compute_output_shape(self, input_shape: Any) -> tuple:
+        if isinstance(input_shape, dict):
+            input_shape = input_shape["ids"]
         shape = tuple(input_shape)
         if self.combiner is not None:
             shape = shape[:-1]
@@ -107,5 +124,5 @@ class ServingEmbedding(keras.layers.Layer):
     def get_config(self) -> dict:
         config = super().get_config()
         config.update({"output_dim": self.output_dim, "num_keys": self.num_keys,
-                       "combiner": self.combiner})
+                       "combiner": self.combiner, "pad_id": self.pad_id})
         return config

@@ -99,3 +99,17 @@ def test_export_does_not_change_the_trained_model(rng, tmp_path):
     np.testing.assert_array_equal(emb.lookup_rows(vocab), rows)
     assert emb.cache_stats()["host_rows"] == stats["host_rows"]
     assert frozen.get_layer("emb").num_keys == 50
+
+
+def test_serving_embedding_skips_padding_in_multi_hot_rows():
+    from tf_sfctr.keras_layers import ServingEmbedding
+
+    keys = np.array([5, 7], np.int64)
+    rows = np.array([[1.0, 1.0], [3.0, 5.0]], np.float32)
+    padded = np.array([[5, 0, 0], [5, 7, 0], [0, 0, 0]], np.int64)  # 0 = padding
+    mean = ServingEmbedding(keys, rows, combiner="mean")
+    np.testing.assert_allclose(mean(padded).numpy(), [[1, 1], [2, 3], [0, 0]])
+    total = ServingEmbedding(keys, rows, combiner="sum", pad_id=None)
+    np.testing.assert_allclose(total(padded).numpy(), [[1, 1], [4, 6], [0, 0]])
+    # Dict inputs of models trained with pipeline de-duplication.
+    np.testing.assert_allclose(mean({"ids": padded}).numpy(), mean(padded).numpy())

@@ -40,7 +40,8 @@ def _frozen_rows(layer: CachedEmbedding, max_rows: Optional[int]):
     return ids, rows
 
 
-def serving_model(model: keras.Model, max_rows: Optional[int] = None) -> keras.Model:
+def serving_model(model: keras.Model, max_rows: Optional[int] = None,
+                  pad_id: Optional[int] = 0) -> keras.Model:
     """A copy of ``model`` whose CachedEmbedding layers are frozen
     ServingEmbedding layers (same names, same outputs for known ids)."""
     if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 0):
@@ -58,8 +59,8 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None) -> keras.M
     def clone(layer):
         if isinstance(layer, CachedEmbedding):
             ids, rows = _frozen_rows(layer, max_rows)
-            return ServingEmbedding(ids, rows, combiner=layer.combiner, name=layer.name,
-                                    dtype=layer.dtype_policy)
+            return ServingEmbedding(ids, rows, combiner=layer.combiner, pad_id=pad_id,
+                                    name=layer.name, dtype=layer.dtype_policy)
         return layer.__class__.from_config(layer.get_config())
 
     copy = keras.models.clone_model(model, clone_function=clone)
@@ -71,13 +72,16 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None) -> keras.M
 
 
 def export_for_serving(model: keras.Model, export_dir: str,
-                       max_rows: Optional[int] = None) -> keras.Model:
+                       max_rows: Optional[int] = None, pad_id: Optional[int] = 0) -> keras.Model:
     """Writes a SavedModel of ``model`` that uses only stock TensorFlow ops.
 
     Its ``serving_default`` signature takes the model's inputs; it loads with
     ``tf.saved_model.load`` (or TF Serving) in a process that never imported
     tf_sfctr. ``max_rows`` keeps the most used rows of each table (use counts
     since the table was created); the others, like never-seen ids, get zeros.
+    Multi-hot inputs (layers with a combiner) are served as dense rows padded
+    with ``pad_id`` (default 0, the padding of ``RaggedTensor.to_tensor()``),
+    which the combiner skips; ``pad_id=None`` counts every position.
     Returns the frozen Keras model that was exported. Under Horovod, call it
     on every rank: the sharded tables are gathered and rank 0 writes one
     complete SavedModel.
@@ -88,11 +92,17 @@ def export_for_serving(model: keras.Model, export_dir: str,
         served = tf.saved_model.load("/tmp/served")
         served.serve(ids)
     """
-    frozen = serving_model(model, max_rows)
+    frozen = serving_model(model, max_rows, pad_id)
     size, rank = _horovod.world()
     if rank == 0:
         os.makedirs(os.path.dirname(os.path.abspath(export_dir)), exist_ok=True)
-        frozen.export(export_dir)
+        was_logging = keras.config.is_interactive_logging_enabled()
+        keras.config.disable_interactive_logging()  # Keras prints every signature
+        try:
+            frozen.export(export_dir)
+        finally:
+            if was_logging:
+                keras.config.enable_interactive_logging()
     if size > 1:  # the others wait until the SavedModel is complete
         hvd = _horovod.require()
         hvd.allreduce(tf.constant(0), op=hvd.Sum, name="sfctr_export_done")

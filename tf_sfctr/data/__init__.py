@@ -5,7 +5,8 @@ Every reader yields ``(features, label)`` batches with the same structure:
 ``features["dense"]`` float32 ``[B, D]``, ``features["sparse"]`` int64 ``[B, F]``
 (raw 64-bit ids: hashed strings or synthetic ids, never reduced modulo a table
 size), optional multi-hot fields as int64 ``tf.RaggedTensor`` under their own
-keys, and ``label`` float32 ``[B, 1]``.
+keys, and ``label`` float32 ``[B, 1]``. :func:`with_unique_ids` de-duplicates
+the ids of each batch in the pipeline (Virtual Sparse Ids) for ``CachedEmbedding``.
 
 Example:
   >>> from tf_sfctr import data
@@ -29,6 +30,7 @@ from tf_sfctr.data.hashing import hash_categorical, hash_categorical_tensor
 from tf_sfctr.data.movielens_loader import MovieLensData, load_movielens, movielens
 from tf_sfctr.data.parquet_io import parquet, write_parquet
 from tf_sfctr.data.synthetic import SyntheticCriteoSpec, SyntheticSample, synthetic_criteo
+from tf_sfctr.data.vsi import deduplicate, vsi_inputs, with_unique_ids
 from tf_sfctr.data.zipf import zipf_pmf
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "SyntheticCriteoSpec",
     "SyntheticSample",
     "criteo_tsv",
+    "deduplicate",
     "dataset_from_arrays",
     "dense_column_names",
     "expected_auc",
@@ -49,6 +52,8 @@ __all__ = [
     "random_criteo_rows",
     "sparse_column_names",
     "synthetic_criteo",
+    "vsi_inputs",
+    "with_unique_ids",
     "write_criteo_tsv",
     "write_parquet",
     "zipf_pmf",

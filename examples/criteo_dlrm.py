@@ -1,0 +1,230 @@
+"""DLRM on Criteo-shaped click data with CachedEmbedding.
+
+The model (Naumov et al., 2019): a bottom MLP turns the 13 dense features into
+one ``D``-vector, one ``CachedEmbedding`` gives a ``D``-vector for each of the 26
+categorical fields (all fields share one table: their ids are hashed with the
+field, so they never collide), the dot products of every pair of the 27
+vectors go with the bottom vector into a top MLP and a sigmoid.
+
+Data: by default ``tf_sfctr.data.synthetic_criteo`` (power-law ids over the
+whole int64 range, labels from a planted logistic model whose own AUC is
+printed as the ceiling); ``--tsv`` / ``--parquet`` read real Criteo files
+(dense features get ``log(1 + max(x, 0))``; the last ``--test-fraction`` of
+the batches is the test set).
+
+``--vsi`` de-duplicates each batch's ids in the input pipeline
+(``tf_sfctr.data.with_unique_ids``) instead of inside the training step.
+
+Run::
+
+    python examples/criteo_dlrm.py                       # 200k rows, ~1 min on 2 cores
+    python examples/criteo_dlrm.py --vsi
+    python examples/criteo_dlrm.py --tsv day_0.tsv --cache-capacity 1000000
+    horovodrun -np 2 -H localhost:2 --gloo python examples/criteo_dlrm.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import sys
+import time
+
+from ctr_common import (
+    World,
+    batches_per_rank,
+    compile_ctr,
+    dense_optimizer,
+    dlrm_output,
+    export,
+    hit_rate_line,
+    init_distributed,
+    mlp,
+    print_summary,
+    table_optimizer,
+    train,
+)
+
+import keras  # noqa: E402  (ctr_common quiets TensorFlow's logs first)
+import tensorflow as tf  # noqa: E402
+
+import tf_sfctr  # noqa: E402
+from tf_sfctr.data import SyntheticCriteoSpec, vsi_inputs, with_unique_ids  # noqa: E402
+from tf_sfctr.keras_layers import CachedEmbedding  # noqa: E402
+
+NUM_DENSE, NUM_SPARSE = 13, 26
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--tsv", nargs="+", metavar="PATH",
+                        help="raw Criteo TSV files (.gz: gzip)")
+    source.add_argument("--parquet", nargs="+", metavar="PATH",
+                        help="Criteo-schema Parquet files (label, I1..I13, C1..C26)")
+    p.add_argument("--rows", type=int, default=200_000,
+                   help="synthetic training rows (test: ROWS/4 rows of another sample)")
+    p.add_argument("--vocab-size", type=int, default=100_000,
+                   help="synthetic ids per field (Zipf distributed)")
+    p.add_argument("--test-fraction", type=float, default=0.1,
+                   help="share of the batches of --tsv/--parquet files used as test set")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=1024, help="per rank under Horovod")
+    p.add_argument("--embedding-dim", type=int, default=16)
+    p.add_argument("--cache-capacity", type=int, default=65_536,
+                   help="device-cache rows; must hold the distinct ids of one step "
+                        "(at most 26 x batch size)")
+    p.add_argument("--optimizer", choices=("adagrad", "adam"), default="adam",
+                   help="of the dense layers and of the table")
+    p.add_argument("--learning-rate", type=float, default=1e-3)
+    p.add_argument("--vsi", action="store_true",
+                   help="de-duplicate ids in the input pipeline (with_unique_ids)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--export", metavar="DIR", default=None,
+                   help="write a SavedModel for serving (stock TF ops only) to DIR")
+    args = p.parse_args(argv)
+    for name in ("rows", "vocab_size", "epochs", "batch_size", "embedding_dim",
+                 "cache_capacity"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0.0 < args.test_fraction < 1.0:
+        p.error("--test-fraction must be in (0, 1)")
+    if args.export and args.vsi:
+        p.error("--export with --vsi is not supported yet: the serving layer takes plain "
+                "ids, not the {ids, unique_ids, inverse} dict; train without --vsi to export")
+    return args
+
+
+# ------------------------------------------------------------------ data
+
+
+def _count_tsv_rows(path: str) -> int:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+
+
+def _count_parquet_rows(path: str) -> int:
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(path).metadata.num_rows
+
+
+def _log_dense(features: dict, label: tf.Tensor):
+    return dict(features, dense=tf.math.log1p(tf.maximum(features["dense"], 0.0))), label
+
+
+def datasets(args: argparse.Namespace,
+             world: World) -> tuple[tf.data.Dataset, tf.data.Dataset, int, str, float | None]:
+    """(train, test, steps per epoch, description, planted AUC or None). Rows
+    are sharded over ranks and every rank takes the same number of batches."""
+    shard = (world.size, world.rank)
+    if args.tsv or args.parquet:
+        paths = args.tsv or args.parquet
+        if args.tsv:
+            total = sum(_count_tsv_rows(p) for p in paths)
+            compression = "GZIP" if all(p.endswith(".gz") for p in paths) else None
+            ds = tf_sfctr.data.criteo_tsv(paths, batch_size=args.batch_size, shard=shard,
+                                          compression_type=compression)
+        else:
+            total = sum(_count_parquet_rows(p) for p in paths)
+            ds = tf_sfctr.data.parquet(paths, batch_size=args.batch_size, shard=shard)
+        batches = batches_per_rank(total, args.batch_size, world)
+        test_batches = max(1, round(batches * args.test_fraction))
+        steps = batches - test_batches
+        if steps < 1:
+            raise SystemExit(f"{total} rows are too few for a training and a test set")
+        ds = ds.map(_log_dense, num_parallel_calls=tf.data.AUTOTUNE)
+        train_ds, test_ds = ds.take(steps), ds.skip(steps).take(test_batches)
+        # Files are read once per epoch; cache the test set's batches.
+        test_ds = test_ds.cache()
+        source = f"{total:,} rows of {len(paths)} file(s)"
+        planted = None
+    else:
+        common = dict(batch_size=args.batch_size, num_dense=NUM_DENSE,
+                      num_sparse=NUM_SPARSE, vocab_sizes=args.vocab_size)
+        steps = batches_per_rank(args.rows, args.batch_size, world)
+        train_ds = tf_sfctr.data.synthetic_criteo(args.rows, seed=0, shard=shard,
+                                                  **common).take(steps)
+        test_rows = max(1, args.rows // 4)
+        # Every rank evaluates the whole test set (same steps on every rank).
+        test_ds = tf_sfctr.data.synthetic_criteo(test_rows, seed=1, **common).cache()
+        source = (f"synthetic_criteo: {args.rows:,} training rows, {test_rows:,} test rows, "
+                  f"{args.vocab_size:,} ids per field")
+        planted = SyntheticCriteoSpec(num_dense=NUM_DENSE, num_sparse=NUM_SPARSE,
+                                      vocab_sizes=args.vocab_size).planted_auc()
+    if args.vsi:
+        train_ds = with_unique_ids(train_ds, keys="sparse")
+        test_ds = with_unique_ids(test_ds, keys="sparse")
+    return train_ds, test_ds, steps, source, planted
+
+
+# ----------------------------------------------------------------- model
+
+
+def build_model(args: argparse.Namespace) -> keras.Model:
+    dim = args.embedding_dim
+    dense = keras.Input(shape=(NUM_DENSE,), name="dense")
+    if args.vsi:
+        sparse = vsi_inputs("sparse", (NUM_SPARSE,))
+    else:
+        sparse = keras.Input(shape=(NUM_SPARSE,), dtype="int64", name="sparse")
+    vectors = CachedEmbedding(
+        dim, cache_capacity=args.cache_capacity, seed=args.seed + 1, name="categorical",
+        optimizer=table_optimizer(args.optimizer, args.learning_rate))(sparse)
+    bottom = mlp(dense, [64, dim], "bottom", seed=args.seed)
+    out = dlrm_output(bottom, vectors, [128, 64], seed=args.seed)
+    return keras.Model({"dense": dense, "sparse": sparse}, out, name="dlrm")
+
+
+# ------------------------------------------------------------------ main
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    world = init_distributed()
+    keras.utils.set_random_seed(args.seed)
+    start = time.perf_counter()
+    train_ds, test_ds, steps, source, planted = datasets(args, world)
+    model = build_model(args)
+    compile_ctr(model, dense_optimizer(args.optimizer, args.learning_rate), world)
+    if world.chief:
+        print(f"DLRM with CachedEmbedding on {source}; {world.size} process(es), batch "
+              f"{args.batch_size} per process{', VSI in the pipeline' if args.vsi else ''}",
+              flush=True)
+    result = train(model, train_ds, test_ds, epochs=args.epochs, world=world)
+    if args.export:
+        # Under Horovod every rank calls it: the table shards are gathered and
+        # rank 0 writes one SavedModel.
+        export(model, args.export)
+    if world.chief:
+        rows_per_s = steps * args.batch_size * world.size * args.epochs / result.seconds
+        lines = [
+            ("data", source),
+            ("embedding", f"CachedEmbedding (dim {args.embedding_dim}, cache "
+                          f"{args.cache_capacity:,} rows"
+                          f"{', VSI in the pipeline' if args.vsi else ''})"),
+            ("processes", str(world.size)),
+            ("epochs", f"{args.epochs} ({steps} steps of batch {args.batch_size} per "
+                       f"epoch and process)"),
+            ("final train loss", f"{result.loss:.4f}"),
+            ("test AUC", f"{result.test_auc:.4f}"
+             + (f" (planted model: {planted:.4f})" if planted else "")),
+            ("cache hit rate", hit_rate_line(result) + " (last epoch)"),
+            ("misses per step", ", ".join(
+                f"{t} {result.last(t, 'misses_per_step'):,.0f}" for t in result.tables)),
+            ("host rows", ", ".join(f"{t} {int(result.last(t, 'host_rows')):,}"
+                                    for t in result.tables)
+             + (" (per rank)" if world.size > 1 else "")),
+        ]
+        if args.export:
+            lines.append(("exported", args.export))
+        lines.append(("time", f"{time.perf_counter() - start:.1f} s (training "
+                              f"{result.seconds:.1f} s, {rows_per_s:,.0f} rows/s)"))
+        print_summary("Criteo DLRM summary", lines)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

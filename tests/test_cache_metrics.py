@@ -1,0 +1,164 @@
+"""CacheMetrics reports, per CachedEmbedding, the hit rate, misses and evictions
+per step and host rows of each batch and epoch, equal to differences of
+layer.cache_stats() snapshots, and the values reach History, TensorBoard and
+callbacks placed after it."""
+
+import glob
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sfctr
+from tf_sfctr.callbacks import METRICS, CacheMetrics, cached_embeddings
+from tf_sfctr.keras_layers import CachedEmbedding
+
+from conftest import powerlaw_ids, random_vocab
+
+FIELDS, DIM, BATCH, ROWS = 3, 4, 64, 640
+
+
+def _model():
+    """Two tables, one of them inside a nested functional model."""
+    ids = keras.Input(shape=(FIELDS,), dtype="int64", name="ids")
+    inner_in = keras.Input(shape=(FIELDS,), dtype="int64")
+    items = CachedEmbedding(DIM, cache_capacity=160, seed=1, name="items",
+                            optimizer=tf_sfctr.optimizers.Adagrad(0.1))
+    inner = keras.Model(inner_in, keras.layers.Flatten()(items(inner_in)), name="tower")
+    users = CachedEmbedding(DIM, cache_capacity=150, seed=2, name="users")
+    x = keras.layers.Concatenate()([inner(ids), keras.layers.Flatten()(users(ids + 7))])
+    out = keras.layers.Dense(1, activation="sigmoid",
+                             kernel_initializer=keras.initializers.GlorotUniform(3))(x)
+    model = keras.Model(ids, out)
+    return model, items, users
+
+
+def _data(rng):
+    vocab = random_vocab(rng, 2000)
+    ids = powerlaw_ids(rng, vocab, (ROWS, FIELDS), alpha=1.3)
+    label = (rng.random((ROWS, 1)) < 0.4).astype("float32")
+    return ids, label
+
+
+class _Recorder(keras.callbacks.Callback):
+    """Placed after CacheMetrics: records the logs it sees and the layers'
+    cumulative counters at the same moments."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = layers
+        self.batch_logs, self.batch_stats = [], []
+        self.epoch_logs, self.epoch_stats = [], []
+
+    def _stats(self):
+        return {layer.name: layer.cache_stats() for layer in self.layers}
+
+    def on_train_begin(self, logs=None):
+        self.begin_stats = self._stats()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batch_logs.append(dict(logs))
+        self.batch_stats.append(self._stats())
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epoch_logs.append(dict(logs))
+        self.epoch_stats.append(self._stats())
+
+
+def _expected(after, before, steps):
+    hits = after["hits"] - before["hits"]
+    misses = after["misses"] - before["misses"]
+    return {
+        "hit_rate": hits / (hits + misses),
+        "misses_per_step": misses / steps,
+        "evictions_per_step": (after["evictions"] - before["evictions"]) / steps,
+        "host_rows": after["host_rows"],
+    }
+
+
+def _check(logs, expected, name):
+    for key in METRICS:
+        assert logs[f"{name}/{key}"] == pytest.approx(expected[key], rel=1e-12), (name, key)
+
+
+def test_cached_embeddings_finds_nested_layers():
+    model, items, users = _model()
+    found = cached_embeddings(model)
+    assert len(found) == 2 and {id(x) for x in found} == {id(items), id(users)}
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 2])
+def test_batch_and_epoch_values_are_differences_of_cache_stats(rng, steps_per_execution):
+    model, items, users = _model()
+    model.compile(optimizer="adam", loss="binary_crossentropy",
+                  steps_per_execution=steps_per_execution)
+    ids, label = _data(rng)
+    recorder = _Recorder([items, users])
+    history = model.fit(ids, label, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                        callbacks=[CacheMetrics(), recorder])
+
+    reports_per_epoch = ROWS // BATCH // steps_per_execution
+    assert len(recorder.batch_logs) == 2 * reports_per_epoch
+    for layer in (items, users):
+        name = layer.name
+        before = recorder.begin_stats[name]
+        for i, (logs, stats) in enumerate(zip(recorder.batch_logs, recorder.batch_stats)):
+            if i % reports_per_epoch == 0 and i > 0:
+                before = recorder.epoch_stats[i // reports_per_epoch - 1][name]
+            _check(logs, _expected(stats[name], before, steps_per_execution), name)
+            before = stats[name]
+        starts = [recorder.begin_stats[name], recorder.epoch_stats[0][name]]
+        for epoch in range(2):
+            expected = _expected(recorder.epoch_stats[epoch][name], starts[epoch],
+                                 ROWS // BATCH)
+            _check(recorder.epoch_logs[epoch], expected, name)
+            for key in METRICS:
+                assert history.history[f"{name}/{key}"][epoch] == \
+                    recorder.epoch_logs[epoch][f"{name}/{key}"]
+        # The numbers mean something: a cold start, then mostly hits, and
+        # capacity below the distinct ids of an epoch forces evictions.
+        first, second = (history.history[f"{name}/hit_rate"][e] for e in range(2))
+        assert 0.0 <= first < second < 1.0, (name, first, second)
+        assert sum(history.history[f"{name}/evictions_per_step"]) > 0
+        assert history.history[f"{name}/host_rows"][-1] == layer.cache_stats()["host_rows"]
+
+
+def test_cache_metrics_do_not_change_loss_or_training(rng):
+    ids, label = _data(rng)
+    runs = []
+    for callbacks in ([], [CacheMetrics()]):
+        keras.utils.set_random_seed(7)
+        model, items, _ = _model()
+        model.compile(optimizer="adam", loss="binary_crossentropy")
+        history = model.fit(ids, label, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                            callbacks=callbacks)
+        runs.append((history.history["loss"], items.lookup_rows(np.unique(ids))))
+    assert runs[0][0] == runs[1][0]
+    assert np.array_equal(runs[0][1], runs[1][1])
+
+
+def test_values_reach_tensorboard_and_the_progress_bar(rng, tmp_path, capsys):
+    model, items, users = _model()
+    model.compile(optimizer="adam", loss="binary_crossentropy")
+    ids, label = _data(rng)
+    model.fit(ids, label, batch_size=BATCH, epochs=1, verbose=2,
+              callbacks=[CacheMetrics(), keras.callbacks.TensorBoard(str(tmp_path))])
+    printed = capsys.readouterr().out
+    assert "items/hit_rate: " in printed and "users/evictions_per_step: " in printed
+    tags = set()
+    for path in glob.glob(str(tmp_path / "train" / "events.out.tfevents.*")):
+        for record in tf.data.TFRecordDataset(path):
+            event = tf.compat.v1.Event.FromString(record.numpy())
+            tags.update(v.tag for v in event.summary.value)
+    for name in ("items", "users"):
+        for key in METRICS:
+            assert f"epoch_{name}/{key}" in tags, (name, key, sorted(tags))
+
+
+def test_no_cached_embedding_adds_nothing():
+    inp = keras.Input(shape=(2,))
+    model = keras.Model(inp, keras.layers.Dense(1)(inp))
+    model.compile(optimizer="sgd", loss="mse")
+    history = model.fit(np.ones((8, 2)), np.ones((8, 1)), verbose=0, callbacks=[CacheMetrics()])
+    assert sorted(history.history) == ["loss"]

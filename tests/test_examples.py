@@ -1,0 +1,202 @@
+"""The example scripts run end to end (tiny sizes) and print a summary whose
+numbers are plausible: the model learns (test AUC above chance on data with
+signal), hit rates are proper fractions, serving predictions match."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sfctr
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+HOROVODRUN = Path(sys.executable).parent / "horovodrun"
+# A tiny MovieLens run that still learns (a higher learning rate than the
+# default gets past the first flat steps of the DLRM quickly).
+MOVIELENS_FLAGS = ("--rows", "16000", "--epochs", "2", "--learning-rate", "0.004")
+
+
+def _run(args: list[str], timeout: int = 300, cwd: Path = REPO) -> str:
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop("HOROVOD_RANK", None)
+    proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, (
+        f"{' '.join(map(str, args))} exited with {proc.returncode}\n"
+        f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}")
+    return proc.stdout
+
+
+def _example(name: str, *flags: str, timeout: int = 300) -> str:
+    return _run([sys.executable, str(EXAMPLES / name), *flags], timeout)
+
+
+def _summary(stdout: str) -> dict[str, str]:
+    """The ``name: value`` lines after the ``=== ... ===`` title."""
+    lines = stdout.splitlines()
+    starts = [i for i, line in enumerate(lines) if re.match(r"^=== .* ===$", line)]
+    assert starts, f"no summary in:\n{stdout}"
+    summary = {}
+    for line in lines[starts[-1] + 1:]:
+        match = re.match(r"^([a-zA-Z][^:]*):\s+(.*)$", line)
+        if match:
+            summary[match.group(1)] = match.group(2)
+    return summary
+
+
+def _number(text: str) -> float:
+    match = re.match(r"^\s*(-?[0-9]+(?:\.[0-9]+)?)", text)
+    assert match, f"no number at the start of {text!r}"
+    return float(match.group(1))
+
+
+def _hit_rates(summary: dict[str, str]) -> dict[str, float]:
+    """``"genre_bag 1.0000, ids 0.7684 (last epoch)"`` -> {table: rate}."""
+    text = summary["cache hit rate"].split(" (")[0]
+    return {name: float(value) for name, value in re.findall(r"(\w+) ([0-9.]+)", text)}
+
+
+def _epoch_lines(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if re.match(r"^epoch \d+/\d+ ", line)]
+
+
+def _check_cached_summary(summary: dict[str, str], tables: set[str], min_auc: float) -> None:
+    auc = _number(summary["test AUC"])
+    assert min_auc < auc <= 1.0, summary
+    loss = _number(summary["final train loss"])
+    assert 0.0 < loss < math.log(2) + 0.05, summary  # below a constant predictor's, about
+    rates = _hit_rates(summary)
+    assert set(rates) == tables, rates
+    for rate in rates.values():
+        assert 0.0 < rate <= 1.0, rates
+
+
+def test_movielens_cached_embedding(tmp_path):
+    out = _example("movielens.py", *MOVIELENS_FLAGS)
+    epochs = _epoch_lines(out)
+    assert len(epochs) == 2 and all("test AUC" in e and "hit rate" in e for e in epochs), out
+    summary = _summary(out)
+    _check_cached_summary(summary, {"ids", "genre_bag"}, min_auc=0.65)
+    rates = _hit_rates(summary)
+    # 2,048 cache rows for thousands of user/movie ids: the id table misses;
+    # the 20 genres always fit.
+    assert rates["ids"] < 0.99 and rates["genre_bag"] > 0.9, rates
+    host = {name: int(rows.replace(",", "")) for name, rows in
+            re.findall(r"(\w+) ([0-9][0-9,]*)", summary["host rows"])}
+    assert set(host) == {"ids", "genre_bag"} and host["ids"] > 2048, summary
+
+
+def test_movielens_keras_embedding_baseline():
+    out = _example("movielens.py", *MOVIELENS_FLAGS, "--embedding", "keras")
+    summary = _summary(out)
+    assert "keras.layers.Embedding" in summary["embedding"]
+    assert 0.65 < _number(summary["test AUC"]) <= 1.0, summary
+    assert summary["cache hit rate"].startswith("n/a"), summary
+
+
+def test_criteo_dlrm_synthetic_and_vsi_agree():
+    flags = ["--rows", "30000", "--vocab-size", "5000", "--batch-size", "512",
+             "--cache-capacity", "8192"]
+    plain = _summary(_example("criteo_dlrm.py", *flags))
+    vsi = _summary(_example("criteo_dlrm.py", *flags, "--vsi"))
+    for summary in (plain, vsi):
+        _check_cached_summary(summary, {"categorical"}, min_auc=0.6)
+        planted = re.search(r"planted model: ([0-9.]+)", summary["test AUC"])
+        assert planted and _number(summary["test AUC"]) < float(planted.group(1)), summary
+    assert "VSI in the pipeline" in vsi["embedding"]
+    # The same training either way (bit-identical in tests/test_vsi_pipeline.py;
+    # here only up to the printed digits and thread scheduling).
+    assert abs(_number(plain["test AUC"]) - _number(vsi["test AUC"])) <= 2e-3, (plain, vsi)
+    assert abs(_number(plain["final train loss"]) -
+               _number(vsi["final train loss"])) <= 2e-3, (plain, vsi)
+
+
+@pytest.mark.parametrize("kind", ["tsv", "parquet"])
+def test_criteo_dlrm_reads_files(tmp_path, kind):
+    rows = tf_sfctr.data.random_criteo_rows(3000, seed=1)
+    path = tmp_path / f"day_0.{kind}"
+    if kind == "tsv":
+        tf_sfctr.data.write_criteo_tsv(path, rows)
+    else:
+        pytest.importorskip("pyarrow")
+        tf_sfctr.data.write_parquet(path, rows)
+    out = _example("criteo_dlrm.py", f"--{kind}", str(path), "--batch-size", "256",
+                   "--cache-capacity", "8192")
+    summary = _summary(out)
+    assert summary["data"].startswith("3,000 rows of 1 file"), summary
+    # Random labels: no signal to learn, but the numbers must be sane.
+    assert 0.0 <= _number(summary["test AUC"]) <= 1.0, summary
+    assert 0.0 < _hit_rates(summary)["categorical"] <= 1.0, summary
+
+
+def test_serve_example_predictions_match(tmp_path):
+    out = _example("serve.py", "--rows", "4000", "--check-rows", "256",
+                   "--export", str(tmp_path / "served"))
+    assert "predictions match: yes" in out, out
+    assert "serving process imported tf_sfctr: False" in out, out
+    diff = re.search(r"max \|served - keras predict\|: ([0-9.e+-]+)", out)
+    assert diff and float(diff.group(1)) <= 1e-5, out
+    assert (tmp_path / "served" / "saved_model.pb").is_file()
+
+
+def test_movielens_under_horovodrun_two_ranks(tmp_path):
+    if not HOROVODRUN.is_file():
+        pytest.skip(f"no horovodrun next to {sys.executable}")
+    out = _run([str(HOROVODRUN), "-np", "2", "-H", "localhost:2", "--gloo",
+                sys.executable, str(EXAMPLES / "movielens.py"), *MOVIELENS_FLAGS,
+                "--export", str(tmp_path / "served")], timeout=400)
+    rank0 = [line[len("[0]<stdout>:"):] for line in out.splitlines()
+             if line.startswith("[0]<stdout>:")]
+    assert not any(line.startswith("[1]<stdout>:") and line.strip() != "[1]<stdout>:"
+                   for line in out.splitlines()), "rank 1 printed:\n" + out
+    summary = _summary("\n".join(rank0))
+    assert summary["processes"] == "2", summary
+    _check_cached_summary(summary, {"ids", "genre_bag"}, min_auc=0.55)
+    assert "(per rank)" in summary["host rows"], summary
+    # One SavedModel for the whole job, written by rank 0.
+    assert (tmp_path / "served" / "saved_model.pb").is_file()
+
+
+def test_movielens_export_serves_multi_hot_genres_like_keras(tmp_path):
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import movielens
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    args = movielens.parse_args(["--rows", "512"])
+    model = movielens.build_model(args, vocab=None)
+    features, _ = next(iter(tf_sfctr.data.movielens(batch_size=64, seed=0)[1]))
+    genres = features["genres"]
+    assert len(set(genres.row_lengths().numpy().tolist())) > 1  # rows of several lengths
+    batch = {"dense": features["dense"], "sparse": features["sparse"],
+             "genres": genres.to_sparse()}
+    # Give the table rows (training would too): every id known to the export.
+    for layer in model.layers:
+        if isinstance(layer, tf_sfctr.CachedEmbedding):
+            source = batch["sparse"] if layer.name == "ids" else genres.flat_values
+            ids = np.unique(tf.reshape(source, [-1]).numpy())
+            layer.assign_rows(ids, np.random.default_rng(0).normal(
+                size=(len(ids), layer.output_dim)).astype("float32"))
+    expected = model.predict(batch, verbose=0)
+    keras.config.disable_interactive_logging()
+    try:
+        tf_sfctr.export_for_serving(model, str(tmp_path / "served"))
+    finally:
+        keras.config.enable_interactive_logging()
+    served = tf.saved_model.load(str(tmp_path / "served"))
+    signature = served.signatures["serving_default"]
+    spec = signature.structured_input_signature[1]["genres"]
+    genres_in = genres.to_sparse() if isinstance(spec, tf.SparseTensorSpec) else genres.to_tensor()
+    (probability,) = signature(dense=batch["dense"], sparse=batch["sparse"],
+                               genres=genres_in).values()
+    np.testing.assert_allclose(probability.numpy(), expected, atol=1e-5)

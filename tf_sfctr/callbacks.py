@@ -1,0 +1,174 @@
+"""Keras callbacks that report what the embedding caches are doing.
+
+``CacheMetrics`` adds, for every ``CachedEmbedding`` of the model, its cache hit
+rate, misses and evictions per training step and host-table size to the logs
+of each training batch and epoch, so they show up in the progress bar,
+``History`` and ``TensorBoard`` next to the loss.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import keras
+
+__all__ = ["CacheMetrics", "cached_embeddings"]
+
+#: The suffixes ``CacheMetrics`` appends to a layer's name to make log keys.
+METRICS = ("hit_rate", "misses_per_step", "evictions_per_step", "host_rows")
+
+
+def cached_embeddings(model: keras.layers.Layer) -> list:
+    """Every ``CachedEmbedding`` in ``model``, nested models and layers included,
+    in the order Keras lists them (each layer once).
+
+    Example:
+
+    >>> import keras
+    >>> from tf_sfctr.keras_layers import CachedEmbedding
+    >>> ids = keras.Input(shape=(2,), dtype="int64")
+    >>> emb = CachedEmbedding(4, cache_capacity=8, seed=0, name="items")
+    >>> [layer.name for layer in cached_embeddings(keras.Model(ids, emb(ids)))]
+    ['items']
+    """
+    from tf_sfctr.keras_layers import CachedEmbedding
+
+    found, seen = [], set()
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        if isinstance(layer, CachedEmbedding) and id(layer) not in seen:
+            seen.add(id(layer))
+            found.append(layer)
+    return found
+
+
+class _Snapshot:
+    """Cumulative counters of one layer and the training step they were read at."""
+
+    __slots__ = ("hits", "misses", "evictions", "step")
+
+    def __init__(self, stats: dict, step: int):
+        self.hits = int(stats["hits"])
+        self.misses = int(stats["misses"])
+        self.evictions = int(stats["evictions"])
+        self.step = step
+
+
+class CacheMetrics(keras.callbacks.Callback):
+    """Logs the cache hit rate, misses, evictions and table size of every
+    ``CachedEmbedding`` of the model while it trains.
+
+    At the end of each training batch and of each epoch it adds, per layer:
+
+    * ``<layer name>/hit_rate``: hits / (hits + misses) over the interval since
+      the previous report of the same kind (the batch for batch logs, the
+      epoch for epoch logs); 0.0 when the interval looked nothing up;
+    * ``<layer name>/misses_per_step``, ``<layer name>/evictions_per_step``:
+      distinct ids missed / evicted in the interval divided by the training
+      steps in it;
+    * ``<layer name>/host_rows``: rows in the host table at the end of the
+      interval (this rank's shard under Horovod model parallelism).
+
+    The counters come from ``layer.cache_stats()`` and count distinct ids per
+    training step; ``predict``, ``evaluate`` and validation never change
+    them. Steps are counted with ``model.optimizer.iterations`` (so
+    ``steps_per_execution > 1`` is handled), or by batches when the model has
+    no optimizer.
+
+    Keras hands one logs dict to each callback in list order and appends its
+    own ``History`` and progress bar after the user's callbacks, so the values
+    reach ``History`` (epoch logs) and the progress bar. Other callbacks see
+    them only if they come *after* ``CacheMetrics`` in the list: put it first,
+    before ``keras.callbacks.TensorBoard``, ``CSVLogger`` or
+    ``tf_sfctr.distributed.callbacks()`` (whose metric averaging then averages
+    the epoch values over ranks). The progress bar shows, as for every
+    non-stateful log, the mean of the batch values so far in the epoch.
+    (Because the batch logs then hold keys that are not model metrics, Keras
+    3.5 builds the epoch logs from the last batch's logs instead of asking the
+    metrics again; the values are the same, and ``CacheMetrics`` replaces its
+    own keys by the epoch values.)
+
+    Example:
+
+    >>> import keras, numpy as np, tf_sfctr
+    >>> from tf_sfctr.keras_layers import CachedEmbedding
+    >>> ids = keras.Input(shape=(2,), dtype="int64")
+    >>> emb = CachedEmbedding(4, cache_capacity=16, seed=0, name="items")
+    >>> model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(emb(ids))))
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> history = model.fit(np.array([[1, 2], [2, 3]] * 4), np.zeros((8, 1)),
+    ...                     batch_size=4, epochs=2, shuffle=False, verbose=0,
+    ...                     callbacks=[tf_sfctr.callbacks.CacheMetrics()])
+    >>> history.history["items/hit_rate"]   # step 1: 3 misses; then 3 hits per step
+    [0.5, 1.0]
+    >>> history.history["items/host_rows"]
+    [3, 3]
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._layers: list = []
+        self._batch_start: dict[int, _Snapshot] = {}
+        self._epoch_start: dict[int, _Snapshot] = {}
+        self._batches = 0
+
+    # ---------------------------------------------------------- bookkeeping
+    def _training_step(self) -> int:
+        optimizer = getattr(self.model, "optimizer", None)
+        iterations = getattr(optimizer, "iterations", None)
+        if iterations is None:
+            return self._batches
+        return int(keras.ops.convert_to_numpy(iterations))
+
+    def _snapshots(self) -> dict[int, tuple[dict, _Snapshot]]:
+        step = self._training_step()
+        out = {}
+        for layer in self._layers:
+            stats = layer.cache_stats()
+            out[id(layer)] = (stats, _Snapshot(stats, step))
+        return out
+
+    @staticmethod
+    def _interval_metrics(stats: dict, now: _Snapshot, start: Optional[_Snapshot]) -> dict:
+        hits = now.hits - (start.hits if start else 0)
+        misses = now.misses - (start.misses if start else 0)
+        evictions = now.evictions - (start.evictions if start else 0)
+        steps = now.step - (start.step if start else 0)
+        lookups = hits + misses
+        return {
+            "hit_rate": hits / lookups if lookups else 0.0,
+            "misses_per_step": misses / steps if steps > 0 else 0.0,
+            "evictions_per_step": evictions / steps if steps > 0 else 0.0,
+            "host_rows": int(stats["host_rows"]),
+        }
+
+    def _report(self, logs: Optional[dict], starts: dict[int, _Snapshot]) -> None:
+        current = self._snapshots()
+        for layer in self._layers:
+            stats, now = current[id(layer)]
+            values = self._interval_metrics(stats, now, starts.get(id(layer)))
+            if logs is not None:
+                for key, value in values.items():
+                    logs[f"{layer.name}/{key}"] = value
+            starts[id(layer)] = now
+
+    # ---------------------------------------------------------------- hooks
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        self._layers = cached_embeddings(self.model)
+        self._batches = 0
+        start = {key: snap for key, (_, snap) in self._snapshots().items()}
+        self._batch_start = dict(start)
+        self._epoch_start = dict(start)
+
+    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        # Anything between epochs (e.g. a manual train_on_batch) is not
+        # attributed to the next epoch.
+        start = {key: snap for key, (_, snap) in self._snapshots().items()}
+        self._epoch_start = start
+        self._batch_start = dict(start)
+
+    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        self._batches += 1
+        self._report(logs, self._batch_start)
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        self._report(logs, self._epoch_start)

@@ -1,0 +1,197 @@
+"""Virtual Sparse Ids in the input pipeline: de-duplicate each batch's ids
+while the previous step trains.
+
+``CachedEmbedding`` de-duplicates a batch's ids (``tf.unique``) at the start of
+every training step. :func:`with_unique_ids` moves that work into the
+``tf.data`` pipeline: each selected feature becomes a dict
+``{"ids": ids, "unique_ids": u, "inverse": i}``, which ``CachedEmbedding``
+accepts as is and which gives the same rows, gradients and cache traffic as
+de-duplicating inside the step (``u`` and ``i`` are exactly what the layer
+would compute). A Keras functional model then takes such a feature through the
+three inputs of :func:`vsi_inputs`.
+
+``unique_ids`` and ``inverse`` have no batch dimension (their lengths are the
+number of distinct ids and of ids in the batch), so feed them from a
+``tf.data.Dataset``, not from NumPy arrays.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+import tensorflow as tf
+
+from tf_sfctr.data._common import SPARSE_KEY
+
+__all__ = ["VSI_KEYS", "deduplicate", "vsi_inputs", "with_unique_ids"]
+
+#: Keys of a de-duplicated feature, as ``CachedEmbedding`` expects them.
+VSI_KEYS = ("ids", "unique_ids", "inverse")
+
+Ids = Union[tf.Tensor, tf.RaggedTensor, tf.SparseTensor]
+
+
+def _flat_ids(ids: Ids, key: str) -> tf.Tensor:
+    if isinstance(ids, tf.RaggedTensor):
+        if ids.ragged_rank != 1:
+            raise ValueError(
+                f"with_unique_ids: features[{key!r}] is ragged with ragged_rank="
+                f"{ids.ragged_rank}; CachedEmbedding takes [batch, (ids)] (ragged_rank 1)")
+        flat = ids.flat_values
+    elif isinstance(ids, tf.SparseTensor):
+        flat = ids.values
+    else:
+        flat = tf.reshape(ids, [-1])
+    if flat.dtype not in (tf.int32, tf.int64):
+        raise TypeError(
+            f"with_unique_ids: features[{key!r}] must hold int32 or int64 ids, got "
+            f"{flat.dtype.name}")
+    return flat
+
+
+def deduplicate(ids: Ids, key: str = "ids") -> dict[str, Ids]:
+    """``{"ids": ids, "unique_ids": u, "inverse": i}`` for one batch of ids.
+
+    ``u, i = tf.unique(flat ids, out_idx=tf.int32)`` with ``u`` cast to int64,
+    where the flat ids are ``tf.reshape(ids, [-1])`` for a dense tensor, the
+    values of a ``tf.RaggedTensor`` (ragged rank 1) or of a
+    ``tf.SparseTensor``: the order ``CachedEmbedding`` flattens them in.
+    ``ids`` is kept as it is. ``key`` only names the feature in error messages.
+
+    Example:
+
+    >>> import tensorflow as tf
+    >>> vsi = deduplicate(tf.constant([[7, 3], [3, 7]], tf.int64))
+    >>> vsi["unique_ids"].numpy().tolist(), vsi["inverse"].numpy().tolist()
+    ([7, 3], [0, 1, 1, 0])
+    """
+    flat = _flat_ids(ids, key)
+    u, inverse = tf.unique(flat, out_idx=tf.int32)
+    return {"ids": ids, "unique_ids": tf.cast(u, tf.int64), "inverse": inverse}
+
+
+def with_unique_ids(
+    dataset: tf.data.Dataset,
+    keys: Union[str, Sequence[str]] = (SPARSE_KEY,),
+    *,
+    num_parallel_calls: int = tf.data.AUTOTUNE,
+    prefetch: bool = True,
+) -> tf.data.Dataset:
+    """De-duplicates the ids of ``features[key]`` for each ``key`` in the
+    input pipeline (Virtual Sparse Ids).
+
+    Each batch ``(features, label)`` (or ``(features, label, weights)``)
+    keeps its structure except that ``features[key]`` becomes
+    ``{"ids": ids, "unique_ids": u, "inverse": i}`` as computed by
+    :func:`deduplicate`. Dense, ``tf.RaggedTensor`` and ``tf.SparseTensor``
+    ids are supported; ragged and sparse ids stay ragged / sparse under
+    ``"ids"``.
+
+    The map runs with ``num_parallel_calls`` (AUTOTUNE) and is followed by
+    ``prefetch(AUTOTUNE)`` unless ``prefetch=False``, so de-duplication of
+    the next batches overlaps with the current training step. Apply it to a
+    batched dataset (the readers of :mod:`tf_sfctr.data` already prefetch;
+    mapping after their prefetch is fine).
+
+    Args:
+      dataset: batches of ``(features, label[, weights])`` with a dict
+        ``features``.
+      keys: the feature key(s) to de-duplicate; default ``("sparse",)``.
+      num_parallel_calls: parallelism of the map.
+      prefetch: add ``prefetch(AUTOTUNE)`` after the map.
+
+    Raises:
+      ValueError: a key is missing, features are not a dict, or a key is
+        already de-duplicated. TypeError: ids are not integers.
+
+    Example:
+
+    >>> from tf_sfctr import data
+    >>> ds = with_unique_ids(data.synthetic_criteo(64, batch_size=32, vocab_sizes=50))
+    >>> features, label = next(iter(ds))
+    >>> sorted(features["sparse"])
+    ['ids', 'inverse', 'unique_ids']
+    >>> features["sparse"]["inverse"].shape.as_list()
+    [832]
+    """
+    keys = (keys,) if isinstance(keys, str) else tuple(keys)
+    if not keys:
+        raise ValueError("with_unique_ids: keys must name at least one feature")
+    spec = dataset.element_spec
+    if not isinstance(spec, tuple) or not 2 <= len(spec) <= 3 or not isinstance(spec[0], Mapping):
+        raise ValueError(
+            "with_unique_ids expects batches (features, label) or (features, label, "
+            f"weights) with a dict of features, got element_spec {spec}")
+    for key in keys:
+        if key not in spec[0]:
+            raise ValueError(
+                f"with_unique_ids: no feature {key!r}; the features are {sorted(spec[0])}")
+        if isinstance(spec[0][key], Mapping):
+            raise ValueError(
+                f"with_unique_ids: features[{key!r}] is already a dict "
+                f"({sorted(spec[0][key])}); apply with_unique_ids once")
+
+    def dedup(features: Mapping[str, Any], *rest: Any):
+        out = dict(features)
+        for key in keys:
+            out[key] = deduplicate(features[key], key)
+        return (out, *rest)
+
+    ds = dataset.map(dedup, num_parallel_calls=num_parallel_calls, deterministic=True)
+    return ds.prefetch(tf.data.AUTOTUNE) if prefetch else ds
+
+
+def vsi_inputs(
+    name: str,
+    shape: Sequence[Any],
+    *,
+    ragged: bool = False,
+    sparse: bool = False,
+) -> dict[str, Any]:
+    """The ``keras.Input`` dict of one de-duplicated feature in a functional model.
+
+    Returns ``{"ids": Input(shape, int64, name=f"{name}_ids"), "unique_ids":
+    Input((), int64), "inverse": Input((), int32)}``; pass it (or the whole
+    features dict that contains it) as the model's inputs and the dict
+    itself to ``CachedEmbedding``. ``shape`` is the per-example shape of the
+    ids, e.g. ``(26,)``; ``sparse=True`` declares ``tf.SparseTensor`` ids
+    (multi-hot, with a combiner), e.g. ``shape=(None,)``.
+
+    ``ragged=True`` needs a ``keras.Input`` with ragged support, which Keras
+    3.5 does not have: convert ragged ids to sparse in the pipeline
+    (``rt.to_sparse()``) and use ``sparse=True``. ``CachedEmbedding`` gives
+    the same result for both.
+
+    Example:
+
+    >>> import keras
+    >>> from tf_sfctr.keras_layers import CachedEmbedding
+    >>> inputs = {"sparse": vsi_inputs("sparse", (26,))}
+    >>> x = CachedEmbedding(8, cache_capacity=1024, seed=0)(inputs["sparse"])
+    >>> model = keras.Model(inputs, keras.layers.Flatten()(x))
+    >>> x.shape
+    (None, 26, 8)
+    """
+    import keras  # only here: the readers of this package do not need Keras
+
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"vsi_inputs: name must be a non-empty string, got {name!r}")
+    if ragged and sparse:
+        raise ValueError("vsi_inputs: choose ragged=True or sparse=True, not both")
+    extra: dict[str, Any] = {}
+    if ragged:
+        if "ragged" not in inspect.signature(keras.Input).parameters:
+            raise NotImplementedError(
+                f"vsi_inputs: keras.Input of Keras {keras.__version__} has no ragged "
+                "inputs. Convert the ragged ids to tf.SparseTensor in the pipeline "
+                "(ids.to_sparse(), before with_unique_ids) and use sparse=True.")
+        extra["ragged"] = True
+    if sparse:
+        extra["sparse"] = True
+    return {
+        "ids": keras.Input(shape=tuple(shape), dtype="int64", name=f"{name}_ids", **extra),
+        "unique_ids": keras.Input(shape=(), dtype="int64", name=f"{name}_unique_ids"),
+        "inverse": keras.Input(shape=(), dtype="int32", name=f"{name}_inverse"),
+    }

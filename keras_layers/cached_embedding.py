@@ -417,13 +417,21 @@ class CachedEmbedding(keras.layers.Layer):
         def with_update(rows_in, trigger_in):
             def grad(d_rows):
                 g_occ = tf.cast(tf.convert_to_tensor(d_rows), tf.float32)
-                g = tf.math.unsorted_segment_sum(g_occ, inverse, num_unique)
-                g = tf.debugging.check_numerics(
-                    g, f"CachedEmbedding {self.name}: the embedding gradient is not "
-                       f"finite (NaN or Inf); the table was not updated")
-                g_sq = None
+                dim = self.output_dim
                 if self.table_optimizer.needs_squared_occurrences:
-                    g_sq = tf.math.unsorted_segment_sum(tf.square(g_occ), inverse, num_unique)
+                    # One segment sum over [g, g^2] instead of two.
+                    both = tf.math.unsorted_segment_sum(
+                        tf.concat([g_occ, tf.square(g_occ)], axis=1), inverse, num_unique)
+                    g, g_sq = both[:, :dim], both[:, dim:]
+                else:
+                    g, g_sq = tf.math.unsorted_segment_sum(g_occ, inverse, num_unique), None
+                # A NaN or Inf anywhere makes the sum non-finite: checking one
+                # scalar is much cheaper than CheckNumerics on [U, dim].
+                finite = tf.debugging.check_numerics(
+                    tf.reduce_sum(g), f"CachedEmbedding {self.name}: the embedding "
+                    f"gradient is not finite (NaN or Inf); the table was not updated")
+                with tf.control_dependencies([finite]):
+                    g = tf.identity(g)
                 step = apply_update(g, g_sq)
                 # The trigger's gradient must data-depend on the update: Keras
                 # nests its train step in a second tf.function, and after

@@ -17,23 +17,22 @@ CacheDirectory::CacheDirectory(int64_t capacity) : capacity_(capacity) {
   slots_.resize(capacity);
   uint64_t size = 16;
   while (size < static_cast<uint64_t>(capacity) * 2) size <<= 1;
-  map_ids_.assign(size, 0);
-  map_slots_.assign(size, -1);
+  map_.assign(size, MapEntry{0, -1});
   map_mask_ = size - 1;
 }
 
 int64_t CacheDirectory::FindEntry(int64_t id) const {
   for (uint64_t pos = DirHash(id) & map_mask_;; pos = (pos + 1) & map_mask_) {
-    if (map_slots_[pos] < 0) return -1;
-    if (map_ids_[pos] == id) return static_cast<int64_t>(pos);
+    const MapEntry& e = map_[pos];
+    if (e.slot < 0) return -1;
+    if (e.id == id) return static_cast<int64_t>(pos);
   }
 }
 
 void CacheDirectory::MapInsert(int64_t id, int32_t slot) {
   uint64_t pos = DirHash(id) & map_mask_;
-  while (map_slots_[pos] >= 0) pos = (pos + 1) & map_mask_;
-  map_ids_[pos] = id;
-  map_slots_[pos] = slot;
+  while (map_[pos].slot >= 0) pos = (pos + 1) & map_mask_;
+  map_[pos] = MapEntry{id, slot};
 }
 
 void CacheDirectory::MapErase(int64_t id) {
@@ -41,24 +40,23 @@ void CacheDirectory::MapErase(int64_t id) {
   if (found < 0) return;
   uint64_t hole = static_cast<uint64_t>(found);
   // Backward-shift deletion keeps probe chains intact without tombstones.
-  for (uint64_t pos = (hole + 1) & map_mask_; map_slots_[pos] >= 0;
+  for (uint64_t pos = (hole + 1) & map_mask_; map_[pos].slot >= 0;
        pos = (pos + 1) & map_mask_) {
-    const uint64_t home = DirHash(map_ids_[pos]) & map_mask_;
+    const uint64_t home = DirHash(map_[pos].id) & map_mask_;
     // Move the entry into the hole if its home is not in (hole, pos].
     const bool between = hole <= pos ? (home > hole && home <= pos)
                                      : (home > hole || home <= pos);
     if (!between) {
-      map_ids_[hole] = map_ids_[pos];
-      map_slots_[hole] = map_slots_[pos];
+      map_[hole] = map_[pos];
       hole = pos;
     }
   }
-  map_slots_[hole] = -1;
+  map_[hole].slot = -1;
 }
 
 int32_t CacheDirectory::Probe(int64_t id) const {
   const int64_t e = FindEntry(id);
-  return e < 0 ? -1 : map_slots_[e];
+  return e < 0 ? -1 : map_[e].slot;
 }
 
 CoreStatus CacheDirectory::Classify(const int64_t* ids, int64_t n,
@@ -153,7 +151,7 @@ void CacheDirectory::Entries(std::vector<Eviction>* out, bool reset_uses) {
 
 void CacheDirectory::Clear() {
   for (Slot& s : slots_) s = Slot();
-  map_slots_.assign(map_slots_.size(), -1);
+  for (MapEntry& e : map_) e.slot = -1;
   size_ = 0;
   hand_ = 0;
   never_used_ = 0;

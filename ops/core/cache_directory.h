@@ -82,9 +82,14 @@ class CacheDirectory {
   int64_t hand_ = 0;
   int64_t never_used_ = 0;     // slots [never_used_, capacity) never filled
   std::vector<Slot> slots_;
-  // Open-addressing id -> slot map with backward-shift deletion; -1 = empty.
-  std::vector<int64_t> map_ids_;
-  std::vector<int32_t> map_slots_;
+  // Open-addressing id -> slot map with backward-shift deletion; slot -1
+  // marks an empty entry. Id and slot share an entry (one cache line visit
+  // per probe).
+  struct MapEntry {
+    int64_t id;
+    int32_t slot;
+  };
+  std::vector<MapEntry> map_;
   uint64_t map_mask_;
   CacheStats stats_;
 };

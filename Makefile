@@ -10,7 +10,7 @@ CORE_SRCS := $(wildcard ops/core/*.cc)
 OP_SRCS := $(wildcard ops/*.cc ops/kernels/*.cc) $(CORE_SRCS)
 PY_SRCS := setup.py $(wildcard tf_sfctr/*.py keras_layers/*.py)
 
-.PHONY: all venv build test test-core test-py lint demo clean
+.PHONY: all venv build test test-core test-py lint demo bench bench-tiny clean
 
 all: build
 
@@ -60,6 +60,19 @@ test: test-core lint test-py
 
 demo: build
 	$(PY) examples/movielens.py
+
+# Benchmarks (not tests): side-by-side ratios, written to bench/RESULTS.md.
+# The peers are optional extras installed here, not for the tests.
+$(VENV)/.bench: $(VENV)/.installed
+	$(PIP) install --quiet -c constraints.txt tf_keras==2.16.0 \
+	  tensorflow-recommenders-addons==0.8.1
+	touch $@
+
+bench: build $(VENV)/.bench
+	$(PY) bench/run_all.py --out bench/RESULTS.md
+
+bench-tiny: build
+	$(PY) bench/run_all.py --tiny
 
 clean:
 	rm -rf build tf_sfctr/_sfctr_ops.so tf_sfctr/_build_info.json *.egg-info

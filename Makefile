@@ -64,7 +64,9 @@ demo: build
 # Benchmarks (not tests): side-by-side ratios, written to bench/RESULTS.md.
 # The peers are optional extras installed here, not for the tests.
 $(VENV)/.bench: $(VENV)/.installed
-	$(PIP) install --quiet -c constraints.txt tf_keras==2.16.0 \
+	# --no-deps: both would otherwise pull the full tensorflow wheel over
+	# tensorflow-cpu.
+	$(PIP) install --quiet --no-deps -c constraints.txt tf_keras==2.16.0 \
 	  tensorflow-recommenders-addons==0.8.1
 	touch $@
 

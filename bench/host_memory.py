@@ -62,7 +62,8 @@ def main(argv=None) -> int:
     if args.one:
         print(measure(args.rows, int(args.one[0]), OPTIMIZERS[args.one[1]]))
         return 0
-    print(f"command: python bench/host_memory.py {' '.join(sys.argv[1:])}")
+    cmd = " ".join(["python bench/host_memory.py", *(sys.argv[1:] if argv is None else argv)])
+    print(f"command: `{cmd}`")
     print("| output_dim | optimizer | payload B/row | measured B/row (RSS) | ratio to payload |")
     print("|---|---|---|---|---|")
     for dim in args.dims:

@@ -417,14 +417,11 @@ class CachedEmbedding(keras.layers.Layer):
         def with_update(rows_in, trigger_in):
             def grad(d_rows):
                 g_occ = tf.cast(tf.convert_to_tensor(d_rows), tf.float32)
-                dim = self.output_dim
+                g = tf.math.unsorted_segment_sum(g_occ, inverse, num_unique)
+                g_sq = None
                 if self.table_optimizer.needs_squared_occurrences:
-                    # One segment sum over [g, g^2] instead of two.
-                    both = tf.math.unsorted_segment_sum(
-                        tf.concat([g_occ, tf.square(g_occ)], axis=1), inverse, num_unique)
-                    g, g_sq = both[:, :dim], both[:, dim:]
-                else:
-                    g, g_sq = tf.math.unsorted_segment_sum(g_occ, inverse, num_unique), None
+                    # Separate sums: concatenating [g, g^2] first measured slower.
+                    g_sq = tf.math.unsorted_segment_sum(tf.square(g_occ), inverse, num_unique)
                 # A NaN or Inf anywhere makes the sum non-finite: checking one
                 # scalar is much cheaper than CheckNumerics on [U, dim].
                 finite = tf.debugging.check_numerics(

@@ -1,0 +1,244 @@
+"""Shared helpers of the benchmarks: id streams, timing, tables, machine facts.
+
+Every benchmark prints the exact command line, then markdown tables whose rows
+name the baseline each ratio is relative to; baselines run in the same process
+(or, where a fresh process is needed, in a subprocess of the same run).
+Benchmarks never assert on timings.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import platform  # noqa: E402
+import shlex  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from typing import Sequence  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from tf_sfctr.data._splitmix import derive_key, mix  # noqa: E402
+from tf_sfctr.data.zipf import ZipfSampler  # noqa: E402
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(BENCH_DIR)
+
+
+# ----------------------------------------------------------------- printing
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command that reproduces this run, relative to the repository root."""
+    script = os.path.relpath(os.path.abspath(sys.argv[0]), REPO)
+    args = sys.argv[1:] if argv is None else list(argv)
+    return " ".join(["python", shlex.quote(script), *map(shlex.quote, args)])
+
+
+def print_command(argv: Sequence[str] | None = None) -> None:
+    print(f"command: `{command_line(argv)}`", flush=True)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]], title: str = "") -> str:
+    """A markdown table (printed and returned)."""
+    lines = []
+    if title:
+        lines += [f"**{title}**", ""]
+    lines.append("| " + " | ".join(headers) + " |")
+    lines.append("|" + "|".join("---" for _ in headers) + "|")
+    for row in rows:
+        lines.append("| " + " | ".join(_fmt(v) for v in row) + " |")
+    text = "\n".join(lines)
+    print(text + "\n", flush=True)
+    return text
+
+
+def _fmt(v: object) -> str:
+    if isinstance(v, float):
+        if v != v:
+            return "n/a"
+        a = abs(v)
+        if a >= 1000:
+            return f"{v:,.0f}"
+        if a >= 100:
+            return f"{v:.1f}"
+        if a >= 1:
+            return f"{v:.2f}"
+        return f"{v:.3f}"
+    if isinstance(v, (int, np.integer)):
+        return f"{int(v):,}"
+    return str(v)
+
+
+def si(x: float, unit: str = "") -> str:
+    """1234567 -> '1.23 M' (for ids/s and the like)."""
+    for div, prefix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.2f} {prefix}{unit}"
+    return f"{x:.1f} {unit}".rstrip()
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+# ----------------------------------------------------------------- id streams
+@dataclass(frozen=True)
+class ZipfStream:
+    """Batches of Zipf-distributed ids over ``vocab`` distinct ids.
+
+    Rank r (1 = hottest) has probability proportional to ``r**-alpha``. The
+    raw id of rank r is ``splitmix64(r + key)`` viewed as int64: a bijection,
+    so hot ids are scattered over the whole int64 range (negatives included),
+    as 64-bit hashes would be. ``index_of`` gives the row of each id in a full
+    table ``0..vocab-1`` for the full-table baselines (a fixed random
+    permutation of the ranks, so hot rows are not packed at the front).
+
+    Example:
+      >>> s = ZipfStream(vocab=1000, alpha=1.05)
+      >>> ranks = s.ranks(3, 5, seed=0); ranks.shape
+      (3, 5)
+    """
+
+    vocab: int
+    alpha: float
+    key_seed: int = 0
+
+    def ranks(self, batch: int, fields: int, seed: int) -> np.ndarray:
+        """int64 ranks in 1..vocab, shape [batch, fields] (all fields share one law)."""
+        rng = np.random.default_rng(seed)
+        u = rng.random((1, batch * fields))
+        np.clip(u, 1e-300, 1 - 1e-16, out=u)
+        return _sampler(self.vocab, self.alpha).sample(u).reshape(batch, fields)
+
+    def ids_of_ranks(self, ranks: np.ndarray) -> np.ndarray:
+        z = np.asarray(ranks, np.int64).astype(np.uint64) + derive_key(self.key_seed, 1)
+        return mix(z).view(np.int64)
+
+    def index_of_ranks(self, ranks: np.ndarray) -> np.ndarray:
+        return _permutation(self.vocab, self.key_seed)[np.asarray(ranks) - 1]
+
+    def batches(self, n: int, batch: int, fields: int, seed: int = 0) -> list[np.ndarray]:
+        """n batches of ranks [batch, fields] (seeds seed, seed+1, ...)."""
+        return [self.ranks(batch, fields, seed * 1_000_003 + i) for i in range(n)]
+
+
+_SAMPLERS: dict = {}
+_PERMS: dict = {}
+
+
+def _sampler(vocab: int, alpha: float) -> ZipfSampler:
+    key = (vocab, alpha)
+    if key not in _SAMPLERS:
+        _SAMPLERS[key] = ZipfSampler((vocab,), alpha)
+    return _SAMPLERS[key]
+
+
+def _permutation(vocab: int, seed: int) -> np.ndarray:
+    key = (vocab, seed)
+    if key not in _PERMS:
+        _PERMS[key] = np.random.default_rng(seed + 17).permutation(vocab).astype(np.int64)
+    return _PERMS[key]
+
+
+# ----------------------------------------------------------------- timing
+@dataclass
+class Timing:
+    seconds: list[float]
+
+    @property
+    def median(self) -> float:
+        return float(np.median(self.seconds))
+
+
+def memory_bandwidth(nbytes: int = 512 << 20, repeats: int = 5) -> float:
+    """Bytes/s of a large NumPy copy (read + write counted): the memory limit.
+
+    Best of ``repeats`` copies of ``nbytes`` (a first, untimed copy faults the
+    pages in).
+    """
+    n = nbytes // 8
+    src = np.ones(n, np.float64)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best
+
+
+# ----------------------------------------------------------------- machine
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    """VmHWM of this process (peak resident set)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def mem_info() -> dict[str, int]:
+    out = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            k, v = line.split(":", 1)
+            out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def load_average() -> str:
+    return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("tensorflow-cpu", "tensorflow", "keras", "numpy", "horovod", "tf_keras",
+                "tensorflow-recommenders-addons", "tf_sfctr"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def machine_summary() -> list[str]:
+    mi = mem_info()
+    vers = ", ".join(f"{k} {v}" for k, v in versions().items())
+    return [
+        f"- CPU: {cpu_model()}, {os.cpu_count()} logical cores",
+        f"- memory: {mi['MemTotal'] / 2**30:.1f} GiB total, "
+        f"{mi['MemAvailable'] / 2**30:.1f} GiB available at start",
+        f"- load average (1/5/15 min) at start: {load_average()}",
+        f"- {platform.system()} {platform.release()}; {vers}",
+    ]
+
+
+def report_target(what: str, measured: float, goal: float) -> None:
+    """One line run_all.py collects into the summary (never an assertion)."""
+    if measured != measured:
+        verdict = "not measured"
+    else:
+        verdict = "met" if measured >= goal else "not met"
+    value = "n/a" if measured != measured else f"{measured:.2f}x"
+    print(f"target: {what} = {value} (target >= {goal:g}x: {verdict})", flush=True)

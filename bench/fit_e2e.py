@@ -1,0 +1,249 @@
+"""End-to-end ``model.fit`` samples/s of a DLRM-style model, side by side.
+
+Model: 13 dense features through a bottom MLP (64, 16); 26 sparse fields
+looked up in one table of dim 16; pairwise dot products of the 27 vectors
+(DLRM interaction) concatenated with the bottom output; top MLP (64, 1);
+binary cross-entropy. Everything trains with Adagrad (learning rate 0.05):
+the dense layers with the framework's Adagrad, the table with
+
+* ``CachedEmbedding``: ``tf_sfctr.optimizers.Adagrad``, cache ``--cache-frac``
+  of the ids (also a row with de-duplication in the tf.data pipeline,
+  ``tf_sfctr.data.with_unique_ids``);
+* ``Keras 3 Embedding``: the whole table as a Keras weight, ``keras.optimizers.Adagrad``;
+* ``tf_keras Embedding`` (Keras 2, for reference): ``tf_keras.optimizers.legacy.Adagrad``;
+* ``TFRA``: ``de.keras.layers.Embedding`` in a tf_keras model, compiled with
+  ``de.DynamicEmbeddingOptimizer(tf_keras.optimizers.legacy.Adagrad)``
+  (TFRA's Keras layers are Keras 2 layers).
+
+Data: ``tf_sfctr.data.SyntheticCriteoSpec`` (26 fields of ``--field-vocab``
+ids each, Zipf ``--alpha``, 13 dense, planted labels), generated once into
+memory and fed as whole batches from a ``tf.data.Dataset`` (so the input
+pipeline costs the same for everyone). The full-table baselines get the ids
+remapped to rows ``0..V-1``. Each variant first runs ``--warmup`` steps
+(tracing, cache fill), then the timed steps run in rounds, one ``fit`` call of
+``--steps / --rounds`` steps per variant per round (each on batches no variant
+has seen), so that load from other processes hits all variants alike; a
+variant's time per step is the median over the rounds.
+
+    python bench/fit_e2e.py
+    python bench/fit_e2e.py --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common as C  # noqa: E402
+import _tfra  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+LR = 0.05
+OURS, OURS_VSI = "CachedEmbedding", "CachedEmbedding, VSI in tf.data"
+K3, TFK, TFRA = "Keras 3 Embedding", "tf_keras Embedding", "TFRA dynamic_embedding"
+TARGETS = {K3: 2.0, TFRA: 1.5}
+NUM_DENSE, NUM_SPARSE, DIM = 13, 26, 16
+
+
+def dlrm(K, embed, dense_in, sparse_in):
+    """DLRM-style head on top of an embedding output [B, 26, 16] (K: keras or tf_keras)."""
+
+    class DotInteraction(K.layers.Layer):
+        def call(self, x):
+            n = x.shape[1]
+            zz = tf.matmul(x, x, transpose_b=True)
+            rows, cols = np.triu_indices(n, k=1)
+            flat = tf.reshape(zz, [-1, n * n])
+            return tf.gather(flat, rows * n + cols, axis=1)
+
+        def compute_output_shape(self, input_shape):
+            n = input_shape[1]
+            return (input_shape[0], n * (n - 1) // 2)
+
+    b = K.layers.Dense(64, activation="relu", name="bottom_1")(dense_in)
+    b = K.layers.Dense(DIM, activation="relu", name="bottom_2")(b)
+    vectors = K.layers.Concatenate(axis=1)([K.layers.Reshape((1, DIM))(b), embed])
+    x = K.layers.Concatenate()([b, DotInteraction()(vectors)])
+    x = K.layers.Dense(64, activation="relu", name="top_1")(x)
+    return K.layers.Dense(1, activation="sigmoid", name="top_2")(x)
+
+
+def model_ours(capacity: int, vsi: bool):
+    import keras
+
+    import tf_sfctr
+    from tf_sfctr.data import vsi_inputs
+    from tf_sfctr.keras_layers import CachedEmbedding
+
+    dense_in = keras.Input((NUM_DENSE,), name="dense")
+    sparse_in = (vsi_inputs("sparse", (NUM_SPARSE,)) if vsi
+                 else keras.Input((NUM_SPARSE,), dtype="int64", name="sparse"))
+    layer = CachedEmbedding(DIM, cache_capacity=capacity, seed=0,
+                            optimizer=tf_sfctr.optimizers.Adagrad(LR))
+    out = dlrm(keras, layer(sparse_in), dense_in, sparse_in)
+    model = keras.Model({"dense": dense_in, "sparse": sparse_in}, out)
+    model.compile(optimizer=keras.optimizers.Adagrad(LR), loss="binary_crossentropy")
+    return model, layer
+
+
+def model_keras3(vocab: int):
+    import keras
+
+    dense_in = keras.Input((NUM_DENSE,), name="dense")
+    sparse_in = keras.Input((NUM_SPARSE,), dtype="int64", name="sparse")
+    emb = keras.layers.Embedding(vocab, DIM)(sparse_in)
+    model = keras.Model({"dense": dense_in, "sparse": sparse_in},
+                        dlrm(keras, emb, dense_in, sparse_in))
+    model.compile(optimizer=keras.optimizers.Adagrad(LR), loss="binary_crossentropy")
+    return model
+
+
+def model_tf_keras(vocab: int):
+    K = _tfra.tf_keras()
+    dense_in = K.Input((NUM_DENSE,), name="dense")
+    sparse_in = K.Input((NUM_SPARSE,), dtype="int64", name="sparse")
+    emb = K.layers.Embedding(vocab, DIM)(sparse_in)
+    model = K.Model({"dense": dense_in, "sparse": sparse_in}, dlrm(K, emb, dense_in, sparse_in))
+    model.compile(optimizer=K.optimizers.legacy.Adagrad(LR), loss="binary_crossentropy")
+    return model
+
+
+def model_tfra():
+    de, K = _tfra.tfra(), _tfra.tf_keras()
+    dense_in = K.Input((NUM_DENSE,), name="dense")
+    sparse_in = K.Input((NUM_SPARSE,), dtype="int64", name="sparse")
+    emb = de.keras.layers.Embedding(
+        DIM, initializer=K.initializers.RandomUniform(-0.05, 0.05, seed=0),
+        key_dtype=tf.int64, value_dtype=tf.float32, name="tfra_fit")(sparse_in)
+    model = K.Model({"dense": dense_in, "sparse": sparse_in}, dlrm(K, emb, dense_in, sparse_in))
+    model.compile(optimizer=de.DynamicEmbeddingOptimizer(K.optimizers.legacy.Adagrad(LR)),
+                  loss="binary_crossentropy")
+    return model
+
+
+def batched_dataset(dense: np.ndarray, sparse: np.ndarray, label: np.ndarray, batch: int,
+                    start: int, vsi: bool = False) -> tf.data.Dataset:
+    """Whole batches (from batch number ``start`` on) as one dataset element each."""
+    n = len(label) // batch
+    shape = lambda a: a[: n * batch].reshape(n, batch, *a.shape[1:])[start:]  # noqa: E731
+    ds = tf.data.Dataset.from_tensor_slices(
+        ({"dense": shape(dense), "sparse": shape(sparse)}, shape(label)))
+    if vsi:
+        from tf_sfctr.data import with_unique_ids
+
+        return with_unique_ids(ds)
+    return ds.prefetch(2)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--field-vocab", type=int, default=38_462, help="ids per field (x 26)")
+    p.add_argument("--alpha", type=float, default=1.05)
+    p.add_argument("--cache-frac", type=float, default=0.2)
+    p.add_argument("--warmup", type=int, default=12)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--no-tf-keras", dest="tf_keras", action="store_false",
+                   help="skip the tf_keras reference row")
+    p.add_argument("--no-tfra", dest="tfra", action="store_false", help="skip the TFRA row")
+    p.add_argument("--tiny", action="store_true",
+                   help="small sizes, no tf_keras or TFRA rows (their first fit alone takes "
+                        "~12 s of tracing); for CI")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.batch, args.field_vocab, args.warmup, args.steps, args.rounds = 256, 2000, 2, 4, 2
+        args.tf_keras = args.tfra = False
+    C.print_command(argv)
+    from tf_sfctr.data import SyntheticCriteoSpec
+
+    spec = SyntheticCriteoSpec(num_dense=NUM_DENSE, num_sparse=NUM_SPARSE,
+                               vocab_sizes=args.field_vocab, alpha=args.alpha)
+    total = args.warmup + args.steps
+    sample = spec.arrays(total * args.batch, seed=0)
+    dense = sample.features["dense"]
+    sparse = sample.features["sparse"]
+    label = sample.label
+    _, index = np.unique(sparse, return_inverse=True)
+    index = index.reshape(sparse.shape).astype(np.int64)
+    vocab = args.field_vocab * NUM_SPARSE
+    distinct = np.mean([len(np.unique(sparse[i * args.batch:(i + 1) * args.batch]))
+                        for i in range(total)])
+    capacity = max(int(args.cache_frac * vocab), int(distinct * 1.5))
+    print(f"{vocab:,} ids ({NUM_SPARSE} fields x {args.field_vocab:,}), Zipf {args.alpha}, "
+          f"batch {args.batch}: {distinct:,.0f} distinct ids/batch; cache {capacity:,} rows; "
+          f"load average {C.load_average()}", flush=True)
+
+    variants = []  # (name, model, layer, dataset from a batch number)
+
+    def add(name, make, ids, vsi=False):
+        made = make()
+        model, layer = made if isinstance(made, tuple) else (made, None)
+        variants.append([name, model, layer, lambda start, n, ids=ids, vsi=vsi: batched_dataset(
+            dense, ids, label, args.batch, start, vsi).take(n)])
+
+    add(OURS, lambda: model_ours(capacity, vsi=False), sparse)
+    add(OURS_VSI, lambda: model_ours(capacity, vsi=True), sparse, vsi=True)
+    add(K3, lambda: model_keras3(vocab), index)
+    if not args.tf_keras:
+        print(f"{TFK} not run (--no-tf-keras)")
+    elif _tfra.tf_keras() is not None:
+        add(TFK, lambda: model_tf_keras(vocab), index)
+    else:
+        print(f"skipping {TFK}: tf_keras is not installed ({_tfra.INSTALL_HINT})")
+    if not args.tfra:
+        print(f"{TFRA} not run (--no-tfra)")
+    elif _tfra.tfra() is not None:
+        add(TFRA, model_tfra, sparse)
+    else:
+        print(f"skipping {TFRA}: {_tfra.why_not()}")
+
+    for name, model, _, data in variants:
+        t0 = time.perf_counter()
+        model.fit(data(0, args.warmup), epochs=1, verbose=0)
+        print(f"  {name}: warm-up {args.warmup} steps in {time.perf_counter() - t0:.1f} s",
+              flush=True)
+    # Every timed step sees a batch no variant has trained on before.
+    per_round = max(1, args.steps // args.rounds)
+    spent = {v[0]: [] for v in variants}  # seconds per step, one entry per round
+    before = {v[0]: v[2].cache_stats() for v in variants if v[2] is not None}
+    for r in range(args.rounds):
+        order = variants[r % len(variants):] + variants[: r % len(variants)]
+        for name, model, _, data in order:
+            ds = data(args.warmup + r * per_round, per_round)
+            t0 = time.perf_counter()
+            model.fit(ds, epochs=1, verbose=0)
+            spent[name].append((time.perf_counter() - t0) / per_round)
+    steps = per_round * args.rounds
+    step_s = {name: float(np.median(v)) for name, v in spent.items()}  # robust to load bursts
+    ours_sps = args.batch / step_s[OURS]
+    rows = []
+    for name, _, layer, _ in variants:
+        sps = args.batch / step_s[name]
+        hit = ""
+        if layer is not None:
+            a, b = layer.cache_stats(), before[name]
+            h, m = a["hits"] - b["hits"], a["misses"] - b["misses"]
+            hit = f"{100 * h / max(1, h + m):.1f}%"
+        target = f">= {TARGETS[name]:g}x" if name in TARGETS else ""
+        rows.append((name, f"{sps:,.0f}", 1e3 * step_s[name], hit,
+                     "(this row)" if name == OURS else f"{ours_sps / sps:.2f}x", target))
+    for name, _, _, _ in variants:
+        if name in TARGETS:
+            C.report_target(f"model.fit samples/s, CachedEmbedding vs {name}",
+                            step_s[name] / step_s[OURS], TARGETS[name])
+    C.table(["variant (baseline)", "samples/s", "ms/step (median of rounds)", "cache hit rate",
+             "CachedEmbedding speed-up vs this row", "target"], rows,
+            title=f"model.fit of a DLRM-style model (13 dense + 26 sparse, dim {DIM}), batch "
+                  f"{args.batch}, {steps} timed steps per variant in {args.rounds} rounds, "
+                  f"synthetic Criteo-like data ({vocab:,} ids, Zipf {args.alpha})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

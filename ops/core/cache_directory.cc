@@ -6,7 +6,7 @@
 
 namespace sfctr {
 namespace {
-constexpr uint8_t kMaxFreq = 15;
+constexpr uint8_t kMaxFreq = 63;
 constexpr uint64_t kDirSalt = 0x2545f4914f6cdd1dULL;
 inline uint64_t DirHash(int64_t id) {
   return Mix64(static_cast<uint64_t>(id) ^ kDirSalt);
@@ -137,6 +137,11 @@ void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
     slots[i] = slot;
     miss_positions->push_back(i);
   }
+}
+
+void CacheDirectory::SeedFrequency(int32_t slot, uint32_t past_uses) {
+  slots_[slot].freq = static_cast<uint8_t>(
+      past_uses < kMaxFreq ? past_uses : kMaxFreq);
 }
 
 void CacheDirectory::Entries(std::vector<Eviction>* out, bool reset_uses) {

@@ -55,6 +55,11 @@ class CacheDirectory {
               std::vector<int64_t>* miss_positions,
               std::vector<Eviction>* evicted);
 
+  // Starts the frequency counter of a just-admitted slot from the id's use
+  // history (steps it was used in before), so a hot id that was evicted
+  // comes back protected instead of first in line for eviction.
+  void SeedFrequency(int32_t slot, uint32_t past_uses);
+
   // Every cached (id, slot, uses) triple; resets the use counters when
   // `reset_uses` (used when flushing to the host table).
   void Entries(std::vector<Eviction>* out, bool reset_uses);

@@ -42,8 +42,12 @@ CoreStatus EmbeddingStore::Prepare(const int64_t* ids, int64_t n,
     r->miss_slots.push_back(r->slots[pos]);
   }
   r->miss_rows.resize(miss_ids.size() * table_.width());
+  std::vector<uint32_t> past_uses(miss_ids.size());
   table_.FindOrInsertReserved(miss_ids.data(), miss_ids.size(),
-                              r->miss_rows.data(), reserved);
+                              r->miss_rows.data(), reserved, past_uses.data());
+  for (size_t m = 0; m < past_uses.size(); ++m) {
+    directory_.SeedFrequency(r->miss_slots[m], past_uses[m]);
+  }
 
   r->evict_ids.clear();
   r->evict_slots.clear();

@@ -173,7 +173,7 @@ CoreStatus HostTable::Reserve(int64_t rows) {
 void HostTable::Release(int64_t rows) { reserved_.fetch_sub(rows); }
 
 void HostTable::FindOrInsertReserved(const int64_t* ids, int64_t n, float* out,
-                                     int64_t reserved) {
+                                     int64_t reserved, uint32_t* use_counts) {
   int64_t inserted = 0;
   for (int64_t i = 0; i < n; ++i) {
     const uint64_t h = HashId(ids[i]);
@@ -183,10 +183,12 @@ void HostTable::FindOrInsertReserved(const int64_t* ids, int64_t n, float* out,
     const Entry* e = Locate(s, ids[i], h);
     if (e != nullptr) {
       std::memcpy(dst, RowPtr(s, e->row), sizeof(float) * width_);
+      if (use_counts != nullptr) use_counts[i] = e->count;
     } else {
       float* row = InsertLocked(s, ids[i], h);
       InitialRow(ids[i], row);
       std::memcpy(dst, row, sizeof(float) * width_);
+      if (use_counts != nullptr) use_counts[i] = 0;
       ++inserted;
     }
   }

@@ -62,9 +62,10 @@ class HostTable {
   void Release(int64_t rows);
 
   // Like Find, but inserts missing ids with their initial row. `reserved` rows
-  // must have been reserved; unused reservations are released.
+  // must have been reserved; unused reservations are released. If given,
+  // `use_counts` receives each id's use counter (0 for new ids).
   void FindOrInsertReserved(const int64_t* ids, int64_t n, float* out,
-                            int64_t reserved);
+                            int64_t reserved, uint32_t* use_counts = nullptr);
 
   // Stores full-width rows (value and state), inserting missing ids.
   CoreStatus Write(const int64_t* ids, int64_t n, const float* rows);

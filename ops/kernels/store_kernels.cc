@@ -49,6 +49,21 @@ Status GetStore(OpKernelContext* ctx, core::RefCountPtr<StoreResource>* out) {
   return LookupResource(ctx, HandleFromInput(ctx, 0), out);
 }
 
+// Base of every kernel that works on a store: looks the resource up and
+// hands it to ComputeOnStore.
+class StoreOpKernel : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) final {
+    core::RefCountPtr<StoreResource> res;
+    OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
+    ComputeOnStore(ctx, res->store());
+  }
+
+ protected:
+  virtual void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) = 0;
+};
+
 Status CheckIds(const Tensor& ids) {
   if (!TensorShapeUtils::IsVector(ids.shape())) {
     return errors::InvalidArgument("ids must be a vector, got shape ",
@@ -136,34 +151,34 @@ class StoreCreateOp : public OpKernel {
   sfctr::StoreOptions options_;
 };
 
-class CachePrepareOp : public OpKernel {
+class CachePrepareOp : public StoreOpKernel {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    core::RefCountPtr<StoreResource> res;
-    OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
+  using StoreOpKernel::StoreOpKernel;
+
+ protected:
+  void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
     const Tensor& ids = ctx->input(1);
     OP_REQUIRES_OK(ctx, CheckIds(ids));
     sfctr::PrepareResult r;
-    OP_REQUIRES_OK(ctx, ToTf(res->store().Prepare(ids.flat<int64_t>().data(),
+    OP_REQUIRES_OK(ctx, ToTf(store.Prepare(ids.flat<int64_t>().data(),
                                                   ids.NumElements(), &r)));
     OutputVector(ctx, 0, r.slots);
     OutputVector(ctx, 1, r.miss_slots);
-    OutputMatrix(ctx, 2, r.miss_rows, res->store().table().width());
+    OutputMatrix(ctx, 2, r.miss_rows, store.table().width());
     OutputVector(ctx, 3, r.evict_slots);
     OutputVector(ctx, 4, r.evict_ids);
   }
 };
 
-class HostWriteOp : public OpKernel {
+class HostWriteOp : public StoreOpKernel {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    core::RefCountPtr<StoreResource> res;
-    OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
+  using StoreOpKernel::StoreOpKernel;
+
+ protected:
+  void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
     const Tensor& ids = ctx->input(1);
     const Tensor& rows = ctx->input(2);
-    sfctr::HostTable& table = res->store().table();
+    sfctr::HostTable& table = store.table();
     OP_REQUIRES_OK(ctx, CheckRows(ids, rows, table.width(), "rows"));
     OP_REQUIRES_OK(ctx, ToTf(table.Write(ids.flat<int64_t>().data(),
                                          ids.NumElements(),
@@ -171,15 +186,15 @@ class HostWriteOp : public OpKernel {
   }
 };
 
-class HostAssignOp : public OpKernel {
+class HostAssignOp : public StoreOpKernel {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    core::RefCountPtr<StoreResource> res;
-    OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
+  using StoreOpKernel::StoreOpKernel;
+
+ protected:
+  void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
     const Tensor& ids = ctx->input(1);
     const Tensor& values = ctx->input(2);
-    sfctr::HostTable& table = res->store().table();
+    sfctr::HostTable& table = store.table();
     OP_REQUIRES_OK(ctx, CheckRows(ids, values, table.dim(), "values"));
     const float* v = values.flat<float>().data();
     for (int64_t i = 0; i < values.NumElements(); ++i) {
@@ -194,15 +209,15 @@ class HostAssignOp : public OpKernel {
   }
 };
 
-class HostReadOp : public OpKernel {
+class HostReadOp : public StoreOpKernel {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    core::RefCountPtr<StoreResource> res;
-    OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
+  using StoreOpKernel::StoreOpKernel;
+
+ protected:
+  void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
     const Tensor& ids = ctx->input(1);
     OP_REQUIRES_OK(ctx, CheckIds(ids));
-    const sfctr::HostTable& table = res->store().table();
+    const sfctr::HostTable& table = store.table();
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(
                             0, TensorShape({ids.NumElements(), table.width()}),
@@ -212,56 +227,56 @@ class HostReadOp : public OpKernel {
   }
 };
 
-class CacheProbeOp : public OpKernel {
+class CacheProbeOp : public StoreOpKernel {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    core::RefCountPtr<StoreResource> res;
-    OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
+  using StoreOpKernel::StoreOpKernel;
+
+ protected:
+  void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
     const Tensor& ids = ctx->input(1);
     OP_REQUIRES_OK(ctx, CheckIds(ids));
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ids.shape(), &out));
-    res->store().Probe(ids.flat<int64_t>().data(), ids.NumElements(),
+    store.Probe(ids.flat<int64_t>().data(), ids.NumElements(),
                        out->flat<int32_t>().data());
   }
 };
 
-class CacheEntriesOp : public OpKernel {
+class CacheEntriesOp : public StoreOpKernel {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    core::RefCountPtr<StoreResource> res;
-    OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
+  using StoreOpKernel::StoreOpKernel;
+
+ protected:
+  void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
     std::vector<int64_t> ids;
     std::vector<int32_t> slots;
-    res->store().CachedEntries(&ids, &slots);
+    store.CachedEntries(&ids, &slots);
     OutputVector(ctx, 0, ids);
     OutputVector(ctx, 1, slots);
   }
 };
 
-class CacheClearOp : public OpKernel {
+class CacheClearOp : public StoreOpKernel {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    core::RefCountPtr<StoreResource> res;
-    OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
-    res->store().ClearCache();
+  using StoreOpKernel::StoreOpKernel;
+
+ protected:
+  void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
+    store.ClearCache();
   }
 };
 
-class HostExportOp : public OpKernel {
+class HostExportOp : public StoreOpKernel {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    core::RefCountPtr<StoreResource> res;
-    OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
-    const int64_t width = res->store().table().width();
+  using StoreOpKernel::StoreOpKernel;
+
+ protected:
+  void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
+    const int64_t width = store.table().width();
     Status status;
     std::vector<int64_t> scratch_ids, scratch_counts;
     std::vector<float> scratch_rows;
-    res->store().table().ExportTo(
+    store.table().ExportTo(
         [&](int64_t n, int64_t** ids, float** rows, int64_t** counts) {
           Tensor *t_ids = nullptr, *t_rows = nullptr, *t_counts = nullptr;
           status = ctx->allocate_output(0, TensorShape({n}), &t_ids);
@@ -288,12 +303,12 @@ class HostExportOp : public OpKernel {
   }
 };
 
-class HostAddCountsOp : public OpKernel {
+class HostAddCountsOp : public StoreOpKernel {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    core::RefCountPtr<StoreResource> res;
-    OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
+  using StoreOpKernel::StoreOpKernel;
+
+ protected:
+  void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
     const Tensor& ids = ctx->input(1);
     const Tensor& counts = ctx->input(2);
     OP_REQUIRES_OK(ctx, CheckIds(ids));
@@ -303,42 +318,42 @@ class HostAddCountsOp : public OpKernel {
     auto c = counts.flat<int64_t>();
     for (int64_t i = 0; i < ids.NumElements(); ++i) {
       const int64_t v = std::min<int64_t>(std::max<int64_t>(c(i), 0), 0xffffffffLL);
-      res->store().table().AddUseCount(id(i), static_cast<uint32_t>(v));
+      store.table().AddUseCount(id(i), static_cast<uint32_t>(v));
     }
   }
 };
 
-class HostSetSeedOp : public OpKernel {
+class HostSetSeedOp : public StoreOpKernel {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    core::RefCountPtr<StoreResource> res;
-    OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
+  using StoreOpKernel::StoreOpKernel;
+
+ protected:
+  void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
     const Tensor& seed = ctx->input(1);
     OP_REQUIRES(ctx, seed.NumElements() == 1,
                 errors::InvalidArgument("seed must be a scalar"));
-    res->store().table().SetInitSeed(
+    store.table().SetInitSeed(
         static_cast<uint64_t>(seed.flat<int64_t>()(0)));
   }
 };
 
-class HostClearOp : public OpKernel {
+class HostClearOp : public StoreOpKernel {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    core::RefCountPtr<StoreResource> res;
-    OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
-    res->store().table().Clear();
+  using StoreOpKernel::StoreOpKernel;
+
+ protected:
+  void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
+    store.table().Clear();
   }
 };
 
-class StoreStatsOp : public OpKernel {
+class StoreStatsOp : public StoreOpKernel {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    core::RefCountPtr<StoreResource> res;
-    OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
-    const sfctr::StoreStats s = res->store().Stats();
+  using StoreOpKernel::StoreOpKernel;
+
+ protected:
+  void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
+    const sfctr::StoreStats s = store.Stats();
     OutputVector(ctx, 0,
                  std::vector<int64_t>{s.hits, s.misses, s.evictions,
                                       s.host_rows, s.cache_capacity,
@@ -346,17 +361,17 @@ class StoreStatsOp : public OpKernel {
   }
 };
 
-class StoreSetCountersOp : public OpKernel {
+class StoreSetCountersOp : public StoreOpKernel {
  public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    core::RefCountPtr<StoreResource> res;
-    OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
+  using StoreOpKernel::StoreOpKernel;
+
+ protected:
+  void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
     const Tensor& c = ctx->input(1);
     OP_REQUIRES(ctx, c.NumElements() == 3,
                 errors::InvalidArgument("counters must hold 3 values"));
     auto v = c.flat<int64_t>();
-    res->store().SetCounters(v(0), v(1), v(2));
+    store.SetCounters(v(0), v(1), v(2));
   }
 };
 

@@ -33,6 +33,7 @@ import tensorflow as tf
 from tf_sfctr import initializers as _initializers
 from tf_sfctr import optimizers as _optimizers
 from tf_sfctr.distributed import _horovod
+from tf_sfctr.keras_layers._combine import combine_last_axis, combine_segments, output_shape
 from tf_sfctr.store import EmbeddingStore, StoreConfig
 
 COMBINERS = ("sum", "mean", "sqrtn")
@@ -307,23 +308,8 @@ class CachedEmbedding(keras.layers.Layer):
         if layout["kind"] == "dense":
             out = tf.reshape(rows, tf.concat([layout["shape"], [dim]], 0))
             out.set_shape(layout["static"].concatenate([dim]))
-            if self.combiner is None:
-                return out
-            total = tf.reduce_sum(out, axis=-2)
-            length = tf.cast(tf.shape(out)[-2], rows.dtype)
-            if self.combiner == "mean":
-                return total / tf.maximum(length, 1.0)
-            if self.combiner == "sqrtn":
-                return total / tf.sqrt(tf.maximum(length, 1.0))
-            return total
-        row_ids, nrows = layout["row_ids"], layout["nrows"]
-        total = tf.math.unsorted_segment_sum(rows, row_ids, nrows)
-        if self.combiner == "sum":
-            return total
-        counts = tf.math.unsorted_segment_sum(
-            tf.ones_like(row_ids, dtype=rows.dtype), row_ids, nrows)
-        counts = tf.maximum(counts, 1.0)[:, None]
-        return total / (counts if self.combiner == "mean" else tf.sqrt(counts))
+            return out if self.combiner is None else combine_last_axis(out, self.combiner)
+        return combine_segments(rows, layout["row_ids"], layout["nrows"], self.combiner)
 
     # -------------------------------------------------------- training path
     def _unique_rows(self, unique_ids: tf.Tensor, training: bool):
@@ -630,12 +616,7 @@ class CachedEmbedding(keras.layers.Layer):
 
     # ---------------------------------------------------------- Keras glue
     def compute_output_shape(self, input_shape: Any) -> tuple:
-        if isinstance(input_shape, dict):
-            input_shape = input_shape["ids"]
-        shape = tuple(input_shape)
-        if self.combiner is not None:
-            shape = shape[:-1]
-        return shape + (self.output_dim,)
+        return output_shape(input_shape, self.combiner, self.output_dim)
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()

@@ -19,6 +19,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_sfctr.keras_layers._combine import combine_last_axis, combine_segments, output_shape
+
 
 @keras.saving.register_keras_serializable(package="tf_sfctr")
 class ServingEmbedding(keras.layers.Layer):
@@ -89,37 +91,21 @@ class ServingEmbedding(keras.layers.Layer):
             else:
                 row_ids, nrows, values = inputs.value_rowids(), inputs.nrows(), inputs.values
             rows = self._lookup(tf.cast(values, tf.int64))
-            total = tf.math.unsorted_segment_sum(rows, row_ids, nrows)
-            if self.combiner in (None, "sum"):
-                return total
-            counts = tf.maximum(tf.math.unsorted_segment_sum(
-                tf.ones_like(row_ids, rows.dtype), row_ids, nrows), 1.0)[:, None]
-            return total / (counts if self.combiner == "mean" else tf.sqrt(counts))
+            return combine_segments(rows, row_ids, nrows, self.combiner)
         x = tf.cast(inputs, tf.int64)
         out = tf.reshape(self._lookup(tf.reshape(x, [-1])),
                          tf.concat([tf.shape(x), [self.output_dim]], 0))
         out.set_shape(x.shape.concatenate([self.output_dim]))
         if self.combiner is None:
             return tf.cast(out, self.compute_dtype)
-        if self.pad_id is None:
-            keep = tf.ones_like(x, out.dtype)
-        else:
+        keep = None
+        if self.pad_id is not None:
             keep = tf.cast(tf.not_equal(x, self.pad_id), out.dtype)
-        total = tf.reduce_sum(out * keep[..., None], axis=-2)
-        n = tf.reduce_sum(keep, axis=-1, keepdims=True)
-        if self.combiner == "mean":
-            total = total / tf.maximum(n, 1.0)
-        elif self.combiner == "sqrtn":
-            total = total / tf.sqrt(tf.maximum(n, 1.0))
+        total = combine_last_axis(out, self.combiner, keep)
         return tf.cast(total, self.compute_dtype)
 
     def compute_output_shape(self, input_shape: Any) -> tuple:
-        if isinstance(input_shape, dict):
-            input_shape = input_shape["ids"]
-        shape = tuple(input_shape)
-        if self.combiner is not None:
-            shape = shape[:-1]
-        return shape + (self.output_dim,)
+        return output_shape(input_shape, self.combiner, self.output_dim)
 
     def get_config(self) -> dict:
         config = super().get_config()

@@ -1,0 +1,47 @@
+"""Combiners shared by CachedEmbedding and ServingEmbedding: one vector per
+row of multi-hot ids, like ``tf.nn.embedding_lookup_sparse`` (empty rows
+give zeros)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import tensorflow as tf
+
+
+def combine_segments(rows: tf.Tensor, row_ids: tf.Tensor, nrows: tf.Tensor,
+                     combiner: Optional[str]) -> tf.Tensor:
+    """Reduces ``rows`` [N, D] into [nrows, D] by ``row_ids``."""
+    total = tf.math.unsorted_segment_sum(rows, row_ids, nrows)
+    if combiner in (None, "sum"):
+        return total
+    counts = tf.math.unsorted_segment_sum(tf.ones_like(row_ids, rows.dtype), row_ids, nrows)
+    counts = tf.maximum(counts, 1.0)[:, None]
+    return total / (counts if combiner == "mean" else tf.sqrt(counts))
+
+
+def combine_last_axis(rows: tf.Tensor, combiner: str,
+                      keep: Optional[tf.Tensor] = None) -> tf.Tensor:
+    """Reduces ``rows`` [..., L, D] over L; ``keep`` [..., L] (0/1) masks out
+    padding positions."""
+    if keep is None:
+        total = tf.reduce_sum(rows, axis=-2)
+        n = tf.cast(tf.shape(rows)[-2], rows.dtype)
+    else:
+        total = tf.reduce_sum(rows * keep[..., None], axis=-2)
+        n = tf.reduce_sum(keep, axis=-1, keepdims=True)
+    if combiner == "mean":
+        return total / tf.maximum(n, 1.0)
+    if combiner == "sqrtn":
+        return total / tf.sqrt(tf.maximum(n, 1.0))
+    return total
+
+
+def output_shape(input_shape: Any, combiner: Optional[str], dim: int) -> tuple:
+    """Output shape for ids of ``input_shape`` (or a VSI dict of them)."""
+    if isinstance(input_shape, dict):
+        input_shape = input_shape["ids"]
+    shape = tuple(input_shape)
+    if combiner is not None:
+        shape = shape[:-1]
+    return shape + (dim,)

@@ -126,6 +126,7 @@ def test_model_checkpoint_callback(rng, tmp_path):
     model.fit(x, y, batch_size=BATCH, verbose=0, callbacks=[
         keras.callbacks.ModelCheckpoint(path, save_weights_only=True)])
     other, other_emb = _model(seed=11)
+    other.optimizer.build(other.trainable_variables)  # so its state loads too
     other.load_weights(path)
     np.testing.assert_array_equal(other_emb.lookup_rows(vocab), emb.lookup_rows(vocab))
 

@@ -254,14 +254,16 @@ def lookahead_step(layer, loss_of, first_ids):
     ``loss_of(output)`` is the scalar loss."""
     import tensorflow as tf
 
-    u0, inv0 = tf.unique(tf.reshape(first_ids, [-1]), out_idx=tf.int32)
+    from tf_sfctr import _ops
+
+    u0, inv0, _ = _ops.unique(tf.reshape(first_ids, [-1]))
     u_var = tf.Variable(u0, shape=[None], trainable=False)
     inv_var = tf.Variable(inv0, shape=[None], trainable=False)
 
     @tf.function
     def step(pair):
         ids, next_ids = pair
-        u_next, inv_next = tf.unique(tf.reshape(next_ids, [-1]), out_idx=tf.int32)
+        u_next, inv_next, _ = _ops.unique(tf.reshape(next_ids, [-1]))
         feature = {"ids": ids, "unique_ids": u_var.read_value(),
                    "inverse": inv_var.read_value(), "next_unique_ids": u_next}
         with tf.GradientTape() as tape:

@@ -30,6 +30,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_sfctr import _ops
 from tf_sfctr import initializers as _initializers
 from tf_sfctr import optimizers as _optimizers
 from tf_sfctr.distributed import _horovod
@@ -293,25 +294,28 @@ class CachedEmbedding(keras.layers.Layer):
                 next_ids = tf.reshape(tf.cast(next_ids, tf.int64), [-1])
         else:
             ids, layout = self._flatten(inputs)
-            unique_ids, inverse = tf.unique(ids, out_idx=tf.int32)
-            next_ids = None
+            unique_ids = inverse = next_ids = None
+            if self._mode != "model_parallel":
+                unique_ids, inverse, _ = _ops.unique(ids)
         if self._mode == "local" and training:
             # One gather of the batch's rows straight from the cache.
             slots = self._cached_slots(unique_ids, next_ids)
             rows = tf.gather(self._cache_rows, tf.gather(slots, inverse))
             apply_update = lambda g, g_sq: self._apply_update(slots, g, g_sq)  # noqa: E731
+            num_unique = tf.size(unique_ids)
         elif self._mode == "model_parallel":
             # Rows come back in route order; index them (and sum gradients)
             # in that order directly, with no reordering gathers.
-            rows, apply_update, position = self._model_parallel_rows(
-                unique_ids, bool(training), next_ids)
-            inverse = tf.gather(position, inverse)
+            rows, apply_update, inverse = self._model_parallel_rows(
+                ids, unique_ids, inverse, bool(training), next_ids)
+            num_unique = tf.shape(rows)[0]
             rows = tf.gather(rows, inverse)
         else:
             rows, apply_update = self._unique_rows(unique_ids, bool(training))
+            num_unique = tf.size(unique_ids)
             rows = tf.gather(rows, inverse)
         if apply_update is not None:
-            rows = self._attach_update(rows, inverse, tf.size(unique_ids), apply_update)
+            rows = self._attach_update(rows, inverse, num_unique, apply_update)
         return tf.cast(self._combine(rows, layout), self.compute_dtype)
 
     @property
@@ -376,7 +380,8 @@ class CachedEmbedding(keras.layers.Layer):
         if self._mode == "local":
             return self._inference_rows(unique_ids), None
         if self._mode == "model_parallel":
-            rows, apply_update, position = self._model_parallel_rows(unique_ids, training)
+            rows, apply_update, position = self._model_parallel_rows(
+                None, unique_ids, None, training)
             return tf.gather(rows, position), apply_update
         return self._data_parallel_rows(unique_ids, training)
 
@@ -455,33 +460,41 @@ class CachedEmbedding(keras.layers.Layer):
 
         return tf.cond(plan.pending.read_value(), apply, lambda: tf.constant(False))
 
-    def _model_parallel_rows(self, unique_ids: tf.Tensor, training: bool,
+    def _model_parallel_rows(self, ids: Optional[tf.Tensor], unique_ids: Optional[tf.Tensor],
+                             inverse: Optional[tf.Tensor], training: bool,
                              next_ids: Optional[tf.Tensor] = None):
         """Rows of this rank's distinct ids in route order, the update
-        function (taking gradients in route order) and ``route.position``.
+        function (taking gradients in route order) and the route-order index
+        of every id: of each of ``ids`` when ``unique_ids`` is None (the batch
+        is de-duplicated and grouped by owner in one pass), else of each of
+        ``unique_ids`` (or of each of ``ids`` given their ``inverse``).
         With ``next_ids`` (training), the next batch's ids also go to their
         owners, which prepare their caches for it during this step."""
         from tf_sfctr.distributed import exchange
 
         name = f"sfctr_{self.name}_{'train' if training else 'infer'}"
-        route = exchange.send_ids(unique_ids, self._world_size, name)
+        if unique_ids is None:
+            route, index = exchange.route_batch(ids, self._world_size, name)
+        else:
+            route = exchange.send_ids(unique_ids, self._world_size, name)
+            index = route.position if inverse is None else tf.gather(route.position, inverse)
         if training:
-            self._ids_sent.var.assign_add(tf.cast(tf.size(unique_ids), tf.int64))
-        own_ids, own_inverse = tf.unique(route.recv_ids, out_idx=tf.int32)
+            self._ids_sent.var.assign_add(tf.cast(tf.size(route.position), tf.int64))
+        own_ids, own_inverse, _ = _ops.unique(route.recv_ids)
         if training:
             next_own = None
             if next_ids is not None:
                 # The same routing and de-duplication as the next step will
                 # do, so the owner's plan matches its next own ids.
                 ahead = exchange.send_ids(next_ids, self._world_size, f"{name}_next")
-                next_own, _ = tf.unique(ahead.recv_ids, out_idx=tf.int32)
+                next_own, _, _ = _ops.unique(ahead.recv_ids)
             slots = self._cached_slots(own_ids, next_own)
             rows_for_recv = tf.gather(self._cache_rows, tf.gather(slots, own_inverse))
         else:
             rows_for_recv = tf.gather(self._inference_rows(own_ids), own_inverse)
         rows = exchange.return_rows(rows_for_recv, route, name)
         if not training:
-            return rows, None, route.position
+            return rows, None, index
         dim, n = self.output_dim, float(self._world_size)
 
         def apply_update(g, g_sq):
@@ -494,7 +507,7 @@ class CachedEmbedding(keras.layers.Layer):
             g_sq_own = None if g_sq is None else total[:, dim:] / (n * n)
             return self._apply_update(slots, g_own, g_sq_own)
 
-        return rows, apply_update, route.position
+        return rows, apply_update, index
 
     def _data_parallel_rows(self, unique_ids: tf.Tensor, training: bool):
         if not training:  # every rank holds the whole table
@@ -507,7 +520,7 @@ class CachedEmbedding(keras.layers.Layer):
         offset = tf.reduce_sum(sizes[: hvd.rank()])
         # Every rank loads the union of the step's ids in the same order, so
         # the replicas stay identical.
-        glob_ids, glob_inverse = tf.unique(all_ids, out_idx=tf.int32)
+        glob_ids, glob_inverse, _ = _ops.unique(all_ids)
         mine = glob_inverse[offset: offset + tf.size(unique_ids)]
         slots = self._cached_slots(glob_ids)
         glob_rows = tf.gather(self._cache_rows, slots)

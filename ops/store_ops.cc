@@ -207,4 +207,27 @@ Owner rank of each id in a model-parallel table: Mix64(id) mod num_shards
 (splitmix64 finalizer, so structured ids spread evenly).
 )doc");
 
+REGISTER_OP("SfctrUnique")
+    .Input("ids: int64")
+    .Output("unique_ids: int64")
+    .Output("inverse: int32")
+    .Output("group_sizes: int32")
+    .Attr("num_groups: int >= 1 = 1")
+    .SetShapeFn([](InferenceContext* c) {
+      int num_groups = 1;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_groups", &num_groups));
+      c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
+      c->set_output(1, c->input(0));
+      c->set_output(2, c->Vector(num_groups));
+      return OkStatus();
+    })
+    .Doc(R"doc(
+The distinct ids of a batch (Virtual Sparse Ids) and, for every id, the index
+of its value among them (same shape as ids). With num_groups == 1 the result
+equals tf.unique: first-occurrence order. With num_groups > 1 the distinct ids
+are grouped by owner (Mix64(id) mod num_groups, as SfctrOwner), first-occurrence
+order within a group, and group_sizes counts each group: the send order of a
+model-parallel all-to-all, with the inverse already pointing into it.
+)doc");
+
 }  // namespace tensorflow

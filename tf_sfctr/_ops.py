@@ -39,6 +39,7 @@ _OP_TYPES = (
     "SfctrStoreStats",
     "SfctrStoreSetCounters",
     "SfctrOwner",
+    "SfctrUnique",
 )
 
 
@@ -89,3 +90,16 @@ def built_for_version() -> str | None:
             return json.load(f)["tensorflow_version"]
     except (OSError, ValueError, KeyError):
         return None
+
+
+def unique(ids: tf.Tensor, num_groups: int = 1):
+    """``(unique_ids, inverse, group_sizes)`` of int64 ids (any shape; the
+    inverse has the same shape).
+
+    With ``num_groups == 1`` this equals ``tf.unique(ids, out_idx=tf.int32)``
+    (first-occurrence order) and runs about twice as fast on CTR batches. With
+    ``num_groups > 1`` the distinct ids are grouped by owner
+    (``Mix64(id) mod num_groups``, first-occurrence order within a group):
+    the send order of a model-parallel all-to-all, ``group_sizes`` its splits.
+    """
+    return load().sfctr_unique(tf.convert_to_tensor(ids, tf.int64), num_groups=num_groups)

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -13,6 +14,7 @@
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/platform/threadpool.h"
 
+#include "../core/dedup.h"
 #include "../core/embedding_store.h"
 #include "../core/mix.h"
 
@@ -485,6 +487,42 @@ class OwnerOp : public OpKernel {
   }
 };
 
+class UniqueOp : public OpKernel {
+ public:
+  explicit UniqueOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_groups", &num_groups_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& ids = ctx->input(0);
+    const int64_t n = ids.NumElements();
+    OP_REQUIRES(ctx, n <= std::numeric_limits<int32_t>::max(),
+                errors::InvalidArgument("SfctrUnique takes at most 2^31 - 1 ids, got ", n));
+    Tensor* inverse = nullptr;
+    Tensor* sizes = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, ids.shape(), &inverse));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({num_groups_}), &sizes));
+    // One scratch table per thread, kept between batches (trimmed after a
+    // huge one).
+    thread_local sfctr::Deduplicator dedup;
+    thread_local std::vector<int64_t> unique;
+    dedup.Run(ids.flat<int64_t>().data(), n, num_groups_, &unique,
+              inverse->flat<int32_t>().data(), sizes->flat<int32_t>().data());
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0, TensorShape({static_cast<int64_t>(unique.size())}), &out));
+    std::copy(unique.begin(), unique.end(), out->flat<int64_t>().data());
+    dedup.Trim(kKeptScratchBytes);
+    if (unique.capacity() * sizeof(int64_t) > kKeptScratchBytes) {
+      std::vector<int64_t>().swap(unique);
+    }
+  }
+
+ private:
+  static constexpr size_t kKeptScratchBytes = size_t{64} << 20;
+  int32_t num_groups_ = 1;
+};
+
 #define SFCTR_CPU_KERNEL(name, cls) \
   REGISTER_KERNEL_BUILDER(Name(name).Device(DEVICE_CPU), cls)
 
@@ -503,6 +541,7 @@ SFCTR_CPU_KERNEL("SfctrHostSetSeed", HostSetSeedOp);
 SFCTR_CPU_KERNEL("SfctrStoreStats", StoreStatsOp);
 SFCTR_CPU_KERNEL("SfctrStoreSetCounters", StoreSetCountersOp);
 SFCTR_CPU_KERNEL("SfctrOwner", OwnerOp);
+SFCTR_CPU_KERNEL("SfctrUnique", UniqueOp);
 
 }  // namespace
 }  // namespace tensorflow

@@ -38,8 +38,7 @@ class Route(NamedTuple):
     by owner. ``position[i]`` is where local unique id ``i`` went.
     """
 
-    order: tf.Tensor        # local unique ids sorted by owner: positions
-    position: tf.Tensor     # inverse permutation of order
+    position: tf.Tensor     # local unique id i -> its index in route order
     splits: tf.Tensor       # ids sent to each rank
     recv_ids: tf.Tensor     # ids received by this rank (as owner)
     recv_splits: tf.Tensor  # how many came from each rank
@@ -47,17 +46,25 @@ class Route(NamedTuple):
 
 def send_ids(unique_ids: tf.Tensor, world_size: int, name: str) -> Route:
     """Buckets distinct ids by owner and delivers them (one all-to-all)."""
+    routed, position, splits = _ops.unique(unique_ids, num_groups=world_size)
+    return _deliver(routed, position, splits, name)
+
+
+def route_batch(ids: tf.Tensor, world_size: int, name: str) -> tuple[Route, tf.Tensor]:
+    """De-duplicates a batch's ids, grouped by owner, and delivers them (one
+    all-to-all). Returns the route and, for every id of ``ids``, the index of
+    its row in route order (what ``tf.gather(route.position, inverse)`` gives
+    after ``tf.unique`` and :func:`send_ids`, in one pass)."""
+    routed, inverse, splits = _ops.unique(ids, num_groups=world_size)
+    # The local unique ids are the routed ones: position is the identity.
+    return _deliver(routed, tf.range(tf.size(routed)), splits, name), inverse
+
+
+def _deliver(routed, position, splits, name) -> Route:
     hvd = require()
-    owners = _ops.load().sfctr_owner(unique_ids, tf.constant(world_size, tf.int32))
-    # Stable grouping by owner in O(n): owners are small integers, so a
-    # partition of the positions replaces a full (TopK-based) argsort.
-    positions = tf.range(tf.size(unique_ids))
-    order = tf.concat(tf.dynamic_partition(positions, owners, world_size), axis=0)
-    splits = tf.math.bincount(owners, minlength=world_size, maxlength=world_size,
-                              dtype=tf.int32)
-    recv_ids, recv_splits = hvd.alltoall(tf.gather(unique_ids, order), splits=splits,
+    recv_ids, recv_splits = hvd.alltoall(routed, splits=splits,
                                          name=f"{name}_ids", ignore_name_scope=True)
-    return Route(order, tf.math.invert_permutation(order), splits, recv_ids, recv_splits)
+    return Route(position, splits, recv_ids, recv_splits)
 
 
 def return_rows(rows_for_recv: tf.Tensor, route: Route, name: str) -> tf.Tensor:
@@ -75,7 +82,10 @@ def send_to_owners(per_unique: tf.Tensor, route: Route, name: str,
     already in route order if ``routed``), arriving in the order of
     ``route.recv_ids``."""
     hvd = require()
-    payload = per_unique if routed else tf.gather(per_unique, route.order)
+    # route.position is a permutation here (the ids were distinct); its
+    # inverse lists the local unique ids in route order.
+    payload = per_unique if routed else tf.gather(
+        per_unique, tf.math.invert_permutation(route.position))
     out, _ = hvd.alltoall(payload, splits=route.splits,
                           name=f"{name}_grads", ignore_name_scope=True)
     return out

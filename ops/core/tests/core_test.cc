@@ -11,9 +11,11 @@
 #include <unordered_map>
 
 #include "../cache_directory.h"
+#include "../dedup.h"
 #include "../embedding_store.h"
 #include "../host_table.h"
 #include "../initializer.h"
+#include "../mix.h"
 #include "check.h"
 
 using namespace sfctr;
@@ -441,6 +443,69 @@ TEST_CASE(StoreMaxRowsLeavesCacheUntouched) {
   const int64_t four = 4;
   store.Probe(&four, 1, &slot);
   CHECK_EQ(slot, -1);
+}
+
+// Reference de-duplication: first-occurrence order, then a stable grouping by
+// owner; the inverse follows the ids.
+void ReferenceDedup(const std::vector<int64_t>& ids, int32_t groups,
+                    std::vector<int64_t>* unique, std::vector<int32_t>* inverse,
+                    std::vector<int32_t>* sizes) {
+  std::vector<int64_t> first;
+  std::unordered_map<int64_t, int32_t> index;
+  std::vector<int32_t> first_inverse;
+  for (int64_t id : ids) {
+    auto it = index.emplace(id, static_cast<int32_t>(first.size())).first;
+    if (it->second == static_cast<int32_t>(first.size())) first.push_back(id);
+    first_inverse.push_back(it->second);
+  }
+  sizes->assign(groups, 0);
+  std::vector<int32_t> to(first.size());
+  unique->clear();
+  for (int32_t g = 0; g < groups; ++g) {
+    for (size_t k = 0; k < first.size(); ++k) {
+      if (static_cast<int32_t>(Mix64(static_cast<uint64_t>(first[k])) % groups) != g) continue;
+      to[k] = static_cast<int32_t>(unique->size());
+      unique->push_back(first[k]);
+      ++(*sizes)[g];
+    }
+  }
+  inverse->clear();
+  for (int32_t k : first_inverse) inverse->push_back(to[k]);
+}
+
+TEST_CASE(DedupMatchesReference) {
+  std::mt19937_64 rng(11);
+  Deduplicator dedup;  // one instance: later batches reuse its table
+  // Sizes cover the empty batch, all-distinct batches (the table doubles)
+  // and repeated ids; the id ranges include negatives and extremes.
+  const int64_t sizes[] = {0, 1, 7, 100, 5000, 40000, 3, 70000, 20};
+  for (int round = 0; round < 2; ++round) {
+    for (int64_t n : sizes) {
+      for (int32_t groups : {1, 2, 3, 8}) {
+        std::vector<int64_t> ids(n);
+        const uint64_t range = (n % 2 == 0) ? 1 + n / 4 : ~uint64_t{0};
+        for (auto& id : ids) {
+          const uint64_t r = rng() % range;
+          id = static_cast<int64_t>(range == ~uint64_t{0} ? rng() : r * 0x9e3779b97f4a7c15ULL);
+        }
+        if (n > 2) {
+          ids[1] = INT64_MIN;
+          ids[2] = INT64_MAX;
+        }
+        std::vector<int64_t> want_u;
+        std::vector<int32_t> want_inv, want_sizes;
+        ReferenceDedup(ids, groups, &want_u, &want_inv, &want_sizes);
+        std::vector<int64_t> got_u;
+        std::vector<int32_t> got_inv(n, -1), got_sizes(groups, -1);
+        dedup.Run(ids.data(), n, groups, &got_u, got_inv.data(), got_sizes.data());
+        CHECK(got_u == want_u);
+        CHECK(got_inv == want_inv);
+        CHECK(got_sizes == want_sizes);
+      }
+    }
+    dedup.Trim(0);  // the second round starts from an empty table
+    CHECK_EQ(dedup.ScratchBytes(), size_t{0});
+  }
 }
 
 int main() {

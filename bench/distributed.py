@@ -23,7 +23,9 @@ Step times are medians over the timed steps (robust to bursts of load from
 other processes). Both ranks share this machine's cores with each other (and with anything else
 running): each rank's TF thread pools get half the cores (``--rank-threads``, for ours and
 TFRA alike; with TF's defaults, 2 ranks x 4 pool threads on 2 cores measured 0.64-0.85x
-instead of 0.9-1.1x); the 1-process run keeps TF's defaults.
+instead of 0.9-1.1x), and each rank is bound to its half of the cores with
+``tf_sfctr.distributed.share_host_cores`` (``--no-pin`` to leave it to the OS; unbound,
+our step measured 10-20% slower); the 1-process run keeps TF's defaults.
 
     python bench/distributed.py
     python bench/distributed.py --tiny
@@ -127,6 +129,11 @@ def single(args) -> dict:
 
 def worker(args) -> int:
     """One rank under horovodrun: ours, then TFRA; rank 0 writes the results."""
+    if args.pin:
+        # Before TF starts its pools: each rank on its own cores.
+        from tf_sfctr.distributed import share_host_cores
+
+        share_host_cores(tf_threads=False)
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
@@ -236,6 +243,9 @@ def main(argv=None) -> int:
                    help="INTRA,INTER: TF thread pools of each of the 2 ranks (default: half "
                         "the cores each, as Horovod advises for ranks sharing a host; '' for "
                         "TF's defaults); the 1-process run keeps TF's defaults")
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="do not bind each rank to its own cores "
+                        "(tf_sfctr.distributed.share_host_cores), for ours and TFRA alike")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--profile-steps", type=int, default=5,
@@ -332,7 +342,8 @@ def main(argv=None) -> int:
                   f"Zipf {args.alpha}, dim {args.dim}, Adagrad ({args.accumulate}); cache "
                   f"{args.cache_frac:.0%} of "
                   f"the ids in total (1 process: all of it; 2 ranks: half each); TF "
-                  f"threads per rank (intra,inter): {args.rank_threads or 'TF defaults'}")
+                  f"threads per rank (intra,inter): {args.rank_threads or 'TF defaults'}; "
+                  f"ranks bound to their own cores: {'yes' if args.pin else 'no (--no-pin)'}")
     prof = result.get("profile")
     if prof:
         total = prof["kernels_s"]

@@ -55,11 +55,10 @@ def init_distributed() -> World:
     import horovod.tensorflow as hvd
 
     hvd.init()
-    # Ranks on one host share its cores: without a limit each one starts a
-    # thread per core and they spend their time preempting each other.
-    threads = max(1, (os.cpu_count() or 1) // hvd.local_size())
-    tf.config.threading.set_intra_op_parallelism_threads(threads)
-    tf.config.threading.set_inter_op_parallelism_threads(threads)
+    # Ranks on one host share its cores: each gets its own slice of them and
+    # thread pools of that size (without this, every rank starts a thread per
+    # core and they spend their time preempting each other).
+    tf_sfctr.distributed.share_host_cores()
     size, rank = tf_sfctr.distributed.world()
     return World(size, rank)
 

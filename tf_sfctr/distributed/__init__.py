@@ -3,6 +3,7 @@
 * ``DistributedOptimizer(keras_optimizer)``: averages dense gradients.
 * ``callbacks(root_rank=0)``: broadcast initial dense state, average metrics.
 * ``owner_of(ids, world_size)``: which rank owns an id in model-parallel mode.
+* ``share_host_cores()``: several ranks on one host each get their own cores.
 * ``save(checkpoint, dir)`` / ``restore(checkpoint, dir)``: per-rank shards,
   restorable on another number of ranks (rows re-partitioned to new owners).
 
@@ -10,10 +11,11 @@ Run with ``horovodrun -np 2 -H localhost:2 --gloo python train.py``.
 """
 
 from tf_sfctr.distributed._horovod import world
+from tf_sfctr.distributed.affinity import share_host_cores
 from tf_sfctr.distributed.callbacks import AverageMetrics, BroadcastInitialState, callbacks
 from tf_sfctr.distributed.checkpoint import restore, save
 from tf_sfctr.distributed.exchange import owner_of
 from tf_sfctr.distributed.optimizer import DistributedOptimizer
 
 __all__ = ["DistributedOptimizer", "callbacks", "BroadcastInitialState", "AverageMetrics",
-           "owner_of", "world", "save", "restore"]
+           "owner_of", "world", "save", "restore", "share_host_cores"]

@@ -92,8 +92,7 @@ def test_assign_rows_sets_values_and_resets_state(rng):
 
     for _ in range(3):
         train([10])  # builds up id 10's accumulator
-    for i in range(20, 32):
-        train([i])  # pushes id 10 out of the 4-slot cache (its hits age away)
+    train([20, 21, 22, 31])  # needs all 4 slots: pushes id 10 out of the cache
     probe = layer.store.cache_probe(tf.constant([10, 31], tf.int64)).numpy()
     assert probe[0] == -1 and probe[1] >= 0
     values = np.array([[0.5, 0.25], [1.0, 2.0]], np.float32)

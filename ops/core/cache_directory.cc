@@ -1,12 +1,16 @@
 #include "cache_directory.h"
 
+#include <algorithm>
 #include <string>
 
 #include "mix.h"
 
 namespace sfctr {
 namespace {
-constexpr uint8_t kMaxFreq = 63;
+constexpr uint8_t kMaxFreq = CacheDirectory::kFreqLevels - 1;
+// Counters are halved once hits since the last halving exceed this many
+// times the capacity: old popularity fades, recent popularity counts.
+constexpr uint64_t kHalvingPeriod = 16;
 constexpr uint64_t kDirSalt = 0x2545f4914f6cdd1dULL;
 inline uint64_t DirHash(int64_t id) {
   return Mix64(static_cast<uint64_t>(id) ^ kDirSalt);
@@ -84,21 +88,19 @@ CoreStatus CacheDirectory::Classify(const int64_t* ids, int64_t n,
 
 int32_t CacheDirectory::TakeSlot(std::vector<Eviction>* evicted) {
   if (never_used_ < capacity_) return static_cast<int32_t>(never_used_++);
-  // Classify guaranteed n <= capacity, so at least one slot is not used by
-  // this step; every full turn lowers all counters, so this terminates
-  // within kMaxFreq + 1 turns.
+  // Commit set evict_max_freq_ so that at least as many slots as this step
+  // evicts are unused by it and have a counter <= evict_max_freq_; so one
+  // turn of the hand finds each victim.
   for (;;) {
     Slot& s = slots_[hand_];
     const int32_t slot = static_cast<int32_t>(hand_);
     hand_ = hand_ + 1 == capacity_ ? 0 : hand_ + 1;
     if (s.step == step_) continue;  // used by the current step
     if (!s.occupied) return slot;
-    if (s.freq > 0) {
-      --s.freq;
-      continue;
-    }
+    if (s.freq > evict_max_freq_) continue;
     // The caller removes the id from the map.
     evicted->push_back(Eviction{s.id, slot, s.uses});
+    --freq_count_[s.freq];
     s.occupied = false;
     --size_;
     ++stats_.evictions;
@@ -106,23 +108,68 @@ int32_t CacheDirectory::TakeSlot(std::vector<Eviction>* evicted) {
   }
 }
 
+void CacheDirectory::SetEvictionThreshold(int64_t needed,
+                                          const int64_t* in_use_per_freq) {
+  // The lowest counter value c such that at least `needed` slots the step
+  // does not use have a counter <= c: the victims are the least used ids.
+  int64_t candidates = 0;
+  evict_max_freq_ = kMaxFreq;
+  for (int f = 0; f < kFreqLevels; ++f) {
+    candidates += freq_count_[f] - in_use_per_freq[f];
+    if (candidates >= needed) {
+      evict_max_freq_ = static_cast<uint8_t>(f);
+      return;
+    }
+  }
+}
+
+void CacheDirectory::HalveCounters() {
+  std::fill(freq_count_, freq_count_ + kFreqLevels, 0);
+  for (Slot& s : slots_) {
+    s.freq >>= 1;
+    if (s.occupied) ++freq_count_[s.freq];
+  }
+  hits_since_halving_ = 0;
+}
+
 void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
                             std::vector<int64_t>* miss_positions,
                             std::vector<Eviction>* evicted) {
   ++step_;
+  if (hits_since_halving_ > kHalvingPeriod * static_cast<uint64_t>(capacity_)) {
+    HalveCounters();
+  }
   // Mark hits first so no miss can evict a row this step uses.
   constexpr int64_t kAhead = 8;  // prefetch distance (entries in flight)
+  int64_t in_use_per_freq[kFreqLevels] = {};
+  int64_t num_misses = 0;
   for (int64_t i = 0; i < n; ++i) {
     if (i + kAhead < n && slots[i + kAhead] >= 0) {
       __builtin_prefetch(&slots_[slots[i + kAhead]]);
     }
-    if (slots[i] < 0) continue;
+    if (slots[i] < 0) {
+      ++num_misses;
+      continue;
+    }
     Slot& s = slots_[slots[i]];
+    if (s.step == step_) {  // a repeated id (callers should pass distinct ids)
+      ++s.uses;
+      ++stats_.hits;
+      continue;
+    }
     s.step = step_;
     ++s.uses;
-    if (s.freq < kMaxFreq) ++s.freq;
+    if (s.freq < kMaxFreq) {
+      --freq_count_[s.freq];
+      ++s.freq;
+      ++freq_count_[s.freq];
+    }
+    ++in_use_per_freq[s.freq];
     ++stats_.hits;
+    ++hits_since_halving_;
   }
+  const int64_t never_used = capacity_ - never_used_;
+  if (num_misses > never_used) SetEvictionThreshold(num_misses - never_used, in_use_per_freq);
   // Three passes over the misses, so that the random map accesses of each
   // pass can be prefetched: take a slot for each (the clock only reads the
   // slot array), remove the victims from the map, insert the new ids.
@@ -137,6 +184,7 @@ void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
     s.uses = 1;
     s.freq = 0;
     s.occupied = true;
+    ++freq_count_[0];
     ++size_;
     slots[i] = slot;
     misses.push_back(i);
@@ -161,6 +209,7 @@ void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
       Slot& unused = slots_[slots[i]];
       unused.occupied = false;
       unused.uses = 0;
+      --freq_count_[unused.freq];
       --size_;
       slots[i] = again;
       continue;
@@ -172,8 +221,10 @@ void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
 }
 
 void CacheDirectory::SeedFrequency(int32_t slot, uint32_t past_uses) {
-  slots_[slot].freq = static_cast<uint8_t>(
-      past_uses < kMaxFreq ? past_uses : kMaxFreq);
+  Slot& s = slots_[slot];
+  if (s.occupied) --freq_count_[s.freq];
+  s.freq = static_cast<uint8_t>(past_uses < kMaxFreq ? past_uses : kMaxFreq);
+  if (s.occupied) ++freq_count_[s.freq];
 }
 
 void CacheDirectory::Entries(std::vector<Eviction>* out, bool reset_uses) {
@@ -192,6 +243,8 @@ void CacheDirectory::Clear() {
   size_ = 0;
   hand_ = 0;
   never_used_ = 0;
+  std::fill(freq_count_, freq_count_ + kFreqLevels, 0);
+  hits_since_halving_ = 0;
 }
 
 }  // namespace sfctr

@@ -1,11 +1,16 @@
 // The cache directory: which id occupies which device cache slot. It only
 // manages indices; the rows themselves live in device variables.
 //
-// Eviction is a generalised CLOCK (an LFU approximation with ageing): a hit
-// raises a slot's small frequency counter, the clock hand lowers counters as it
-// passes and takes the first slot whose counter is zero and that the current
-// step does not use. A newly admitted id starts at zero, so a one-off id is the
-// first to go while hot ids stay. Not thread-safe: the owner serialises calls.
+// Eviction is least-frequently-used, found with a clock: every cached slot has
+// a use counter (steps that used the id, seeded from the id's whole history
+// in the host table when it is admitted, saturating at 255), and a histogram
+// of the counters gives, for each step, the lowest counter value c such that
+// enough slots the step does not use have a counter <= c. The hand then
+// takes the next such slot (ties go in clock order). Counters are halved
+// every 16 x capacity hits, so past popularity fades. On power-law traces
+// this keeps ~5% more hits than a generalised CLOCK (which lowers counters as
+// its hand passes) and is within 1% of an exact history LFU
+// (bench/cache_policy.py). Not thread-safe: the owner serialises calls.
 // TF-free.
 #ifndef TF_SFCTR_OPS_CORE_CACHE_DIRECTORY_H_
 #define TF_SFCTR_OPS_CORE_CACHE_DIRECTORY_H_
@@ -68,6 +73,8 @@ class CacheDirectory {
   // Forgets every id (the rows are assumed to be flushed already).
   void Clear();
 
+  static constexpr int kFreqLevels = 256;  // use counter values 0..255
+
  private:
   struct Slot {
     int64_t id = 0;
@@ -81,12 +88,19 @@ class CacheDirectory {
   void MapInsert(int64_t id, int32_t slot);
   void MapErase(int64_t id);
   int32_t TakeSlot(std::vector<Eviction>* evicted);
+  // Sets evict_max_freq_ for a step that must evict `needed` slots, given
+  // how many slots of each counter value the step uses.
+  void SetEvictionThreshold(int64_t needed, const int64_t* in_use_per_freq);
+  void HalveCounters();
 
   int64_t capacity_;
   int64_t size_ = 0;
   uint64_t step_ = 0;
   int64_t hand_ = 0;
   int64_t never_used_ = 0;     // slots [never_used_, capacity) never filled
+  int64_t freq_count_[kFreqLevels] = {};  // occupied slots per counter value
+  uint8_t evict_max_freq_ = 0;            // this step's victims: counter <= this
+  uint64_t hits_since_halving_ = 0;
   std::vector<Slot, LargeAllocator<Slot>> slots_;
   // Open-addressing id -> slot map with backward-shift deletion; slot -1
   // marks an empty entry. Id and slot share an entry (one cache line visit

@@ -319,6 +319,54 @@ TEST_CASE(DirectoryToleratesRepeatedIds) {
   CHECK_EQ(d.size(), 2);
 }
 
+// One step of a directory: the ids evicted (sorted).
+std::vector<int64_t> Step(CacheDirectory& d, std::vector<int64_t> ids) {
+  std::vector<int32_t> slots(ids.size());
+  int64_t misses = 0;
+  if (!d.Classify(ids.data(), ids.size(), slots.data(), &misses).ok()) return {-1};
+  std::vector<int64_t> pos;
+  std::vector<CacheDirectory::Eviction> ev;
+  d.Commit(ids.data(), ids.size(), slots.data(), &pos, &ev);
+  std::vector<int64_t> out;
+  for (const auto& e : ev) out.push_back(e.id);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+TEST_CASE(DirectoryEvictsTheLeastUsedIds) {
+  // Ids 1..6 used 1..6 times (id k in steps with every id >= k), then
+  // admitted ids 7, 8, 9 in one step: the victims are the three least used
+  // ids, 1, 2 and 3, wherever the clock hand stands.
+  CacheDirectory d(6);
+  for (int64_t k = 1; k <= 6; ++k) {
+    std::vector<int64_t> ids;
+    for (int64_t id = 7 - k; id <= 6; ++id) ids.push_back(id);
+    CHECK(Step(d, ids).empty());
+  }
+  CHECK(Step(d, {7, 8, 9}) == (std::vector<int64_t>{1, 2, 3}));
+  // A history seed counts like past uses: id 1 comes back with 5 past uses
+  // and outlives 7, 8 and 9 (used once each) and 4 (used 4 times).
+  std::vector<int64_t> ev = Step(d, {1});
+  CHECK(ev.size() == 1u && ev[0] >= 7);  // one of the ids used once leaves
+  d.SeedFrequency(d.Probe(1), 5);         // as the store does with the host's count
+  ev = Step(d, {10, 11, 12});
+  CHECK(std::find(ev.begin(), ev.end(), 1) == ev.end());
+  CHECK(std::find(ev.begin(), ev.end(), 6) == ev.end());
+}
+
+TEST_CASE(DirectoryLetsPastPopularityFade) {
+  // Counters halve every 16 x capacity hits. Id 1 used in 100 steps, then
+  // id 2 in 45: without halving 1 (99 hits) would outrank 2 (44 hits);
+  // with it, the recent id stays and the stale one leaves.
+  CacheDirectory d(3);
+  for (int i = 0; i < 100; ++i) CHECK(Step(d, {1}).empty());
+  for (int i = 0; i < 45; ++i) CHECK(Step(d, {2}).empty());
+  CHECK(Step(d, {3}).empty());  // the third slot was free
+  CHECK(Step(d, {4}) == (std::vector<int64_t>{3}));  // 3: used once
+  CHECK(Step(d, {5, 6}) == (std::vector<int64_t>{1, 4}));
+  CHECK(d.Probe(2) >= 0);
+}
+
 // Simulates the device side: a cache array, write-back of evicted rows (with
 // their use counts) and a fetch of missed rows, plus an "update" that adds 1
 // to the value and 10 to the state of every row used. Compares with a map

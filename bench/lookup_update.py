@@ -396,8 +396,9 @@ def main(argv=None) -> int:
         if args.tiny:
             warmup = min(warmup, 5)
         n_prof = args.profile_steps if alpha == ref[0] else 0
+        # + 1: the lookahead variants step on (batch i, batch i + 1) pairs.
         wl = Workload(args.vocab, alpha, args.batch, args.fields,
-                      warmup + args.steps + n_prof)
+                      warmup + args.steps + n_prof + 1)
         u_timed = float(wl.distinct[warmup:warmup + args.steps].mean())
         print(f"alpha {alpha}: {wl.n_ids:,} ids/step, {u_timed:,.0f} distinct/step "
               f"(timed steps), {warmup} warm-up steps", flush=True)

@@ -24,8 +24,9 @@ other processes). Both ranks share this machine's cores with each other (and wit
 running): each rank's TF thread pools get half the cores (``--rank-threads``, for ours and
 TFRA alike; with TF's defaults, 2 ranks x 4 pool threads on 2 cores measured 0.64-0.85x
 instead of 0.9-1.1x), and each rank is bound to its half of the cores with
-``tf_sfctr.distributed.share_host_cores`` (``--no-pin`` to leave it to the OS; unbound,
-our step measured 10-20% slower); the 1-process run keeps TF's defaults.
+``tf_sfctr.distributed.share_host_cores`` (``--no-pin`` to leave it to the OS; bound was
+faster in 5 of 7 paired runs, within this VM's noise); the 1-process run keeps TF's
+defaults.
 
     python bench/distributed.py
     python bench/distributed.py --tiny

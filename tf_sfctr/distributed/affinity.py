@@ -4,9 +4,10 @@
 TensorFlow sizes its thread pools to all of them, so the ranks' threads
 compete for every core and the OS moves them between cores. Horovod's MPI
 launcher can bind ranks to cores (``--bind-to``); with Gloo the process has
-to do it itself. On this project's 2-core test machine, binding each of 2
-ranks to one core made a model-parallel step 10-20% faster
-(``python bench/distributed.py --no-pin`` vs the default).
+to do it itself. On this project's 2-core test VM, binding each of 2 ranks
+to one core was faster in 5 of 7 paired runs of a model-parallel step
+(median 0.89x vs 0.82x the 1-process throughput; ``python
+bench/distributed.py`` vs ``--no-pin``), within the VM's run-to-run noise.
 """
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ formula TFRA's (Keras 2) Adagrad computes: the accumulator adds the square of
 each id's summed gradient.
 
 Step times are medians over the timed steps (robust to bursts of load from
-other processes). Both ranks share this machine's cores with each other (and with anything else
+other processes). In the 2-rank job the variants (ours with and without lookahead, TFRA) run
+their timed steps in ``--rounds`` rounds, taking turns on the same batches, so that a slow
+spell of the machine hits all of them alike. Both ranks share this machine's cores with each other (and with anything else
 running): each rank's TF thread pools get half the cores (``--rank-threads``, for ours and
 TFRA alike; with TF's defaults, 2 ranks x 4 pool threads on 2 cores measured 0.64-0.85x
 instead of 0.9-1.1x), and each rank is bound to its half of the cores with
@@ -157,25 +159,46 @@ def worker(args) -> int:
 
     data = batches(args, seed=100 + rank)
     w = tf.random.stateless_normal([args.batch, 26, args.dim], seed=[1, 2])
-    out = {"size": size}
-    # Lookahead first: batches warmup .. warmup + steps, each with its successor.
-    layer = ours_layer(args, int(args.cache_frac * args.vocab / size))
-    step = C.lookahead_step(layer, lambda out: tf.reduce_sum(out * w), data[0])
-    run_steps(step, pairs(data)[: args.warmup], args.warmup)
-    times = run_steps(step, pairs(data)[args.warmup: args.warmup + args.steps], 0, barrier)
-    stats = layer.cache_stats()
-    out["ours_lookahead"] = {"step_s": slowest(times), "hit": stats["hit_rate"],
-                             "prepared_ahead": stats["prepared_ahead"]}
-    layer = ours_layer(args, int(args.cache_frac * args.vocab / size))
+    cap = int(args.cache_frac * args.vocab / size)
+    # (key, step, inputs by batch number, layer); every variant trains on the
+    # same batches, each with its own table.
+    variants = []
+    layer = ours_layer(args, cap)
+    variants.append(("ours_lookahead", C.lookahead_step(
+        layer, lambda out: tf.reduce_sum(out * w), data[0]), pairs(data), layer))
+    layer = ours_layer(args, cap)
     assert layer.mode == "model_parallel", layer.mode
-    step = make_step(layer, w)
-    timed = data[args.warmup: args.warmup + args.steps]
-    run_steps(step, data[: args.warmup], args.warmup)  # warm-up only
-    sent0 = layer.cache_stats()["ids_sent"]
-    times = run_steps(step, timed, 0, barrier)
-    stats = layer.cache_stats()
-    out["ours"] = {"step_s": slowest(times), "hit": stats["hit_rate"],
-                   "ids_sent_per_step": (stats["ids_sent"] - sent0) / args.steps}
+    variants.append(("ours", make_step(layer, w), data, layer))
+    out = {"size": size}
+    if args.tfra:
+        step, err = _tfra_step(args, hvd, w)
+        if step is not None:
+            variants.append(("tfra", step, data, None))
+        else:
+            out["tfra"] = {"error": err}
+    for _, step, inputs, _ in variants:
+        run_steps(step, inputs[: args.warmup], args.warmup)  # tracing, cache fill
+    # The timed steps run in rounds, each variant in turn on the next batches,
+    # so that a slow spell of this shared machine hits every variant alike.
+    rounds = max(1, min(args.rounds, args.steps))
+    per_round = args.steps // rounds
+    times = {key: [] for key, *_ in variants}
+    sent0 = variants[1][3].cache_stats()["ids_sent"]
+    for r in range(rounds):
+        lo = args.warmup + r * per_round
+        for key, step, inputs, _ in variants:
+            times[key] += run_steps(step, inputs[lo: lo + per_round], 0, barrier)
+    timed_steps = rounds * per_round
+    for key, _, _, layer in variants:
+        out[key] = {"step_s": slowest(times[key])}
+        if layer is not None:
+            stats = layer.cache_stats()
+            out[key]["hit"] = stats["hit_rate"]
+            if key == "ours":
+                out[key]["ids_sent_per_step"] = (stats["ids_sent"] - sent0) / timed_steps
+            else:
+                out[key]["prepared_ahead"] = stats["prepared_ahead"]
+    step = variants[1][1]
     if args.profile_steps:
         # Both ranks run the steps (collectives); rank 0 traces its kernels.
         extra = data[args.warmup + args.steps:]
@@ -194,20 +217,17 @@ def worker(args) -> int:
         barrier()
     if rank == 0:
         _write(args.out, out)
-    if args.tfra:
-        out["tfra"] = _tfra_worker(args, hvd, data, w, barrier, slowest)
-        if rank == 0:
-            _write(args.out, out)
     return 0
 
 
-def _tfra_worker(args, hvd, data, w, barrier, slowest) -> dict:
+def _tfra_step(args, hvd, w):
+    """TFRA's ``HvdAllToAllEmbedding`` step, or (None, why not)."""
     import _tfra
     import tensorflow as tf
 
     de, tfk = _tfra.tfra(), _tfra.tf_keras()
     if de is None:
-        return {"error": _tfra.why_not()}
+        return None, _tfra.why_not()
     try:
         layer = de.keras.layers.HvdAllToAllEmbedding(
             mpi_size=hvd.size(), embedding_size=args.dim, key_dtype=tf.int64,
@@ -215,12 +235,9 @@ def _tfra_worker(args, hvd, data, w, barrier, slowest) -> dict:
             initializer=tfk.initializers.RandomUniform(-0.05, 0.05, seed=0))
         opt = de.DynamicEmbeddingOptimizer(tfk.optimizers.legacy.Adagrad(
             LR, initial_accumulator_value=ACC0, epsilon=EPS))
-        step = make_step(layer, w, opt)
-        run_steps(step, data[: args.warmup], args.warmup)
-        times = run_steps(step, data[args.warmup: args.warmup + args.steps], 0, barrier)
-        return {"step_s": slowest(times)}
+        return make_step(layer, w, opt), None
     except Exception as err:  # noqa: BLE001 - report, do not fail the benchmark
-        return {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"}
+        return None, f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
 
 
 def _write(path: str, out: dict) -> None:
@@ -249,6 +266,8 @@ def main(argv=None) -> int:
                         "(tf_sfctr.distributed.share_host_cores), for ours and TFRA alike")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=4,
+                   help="the timed steps run in this many rounds, the variants in turn")
     p.add_argument("--profile-steps", type=int, default=5,
                    help="steps of rank 0 traced with TF's profiler after the timed ones")
     p.add_argument("--no-tfra", dest="tfra", action="store_false")
@@ -258,7 +277,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.tiny:
-        args.vocab, args.batch, args.warmup, args.steps = 20_000, 256, 2, 3
+        args.vocab, args.batch, args.warmup, args.steps, args.rounds = 20_000, 256, 2, 4, 2
         args.tfra, args.profile_steps = False, 0
     if args.worker:
         return worker(args)

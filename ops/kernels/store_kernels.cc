@@ -519,7 +519,7 @@ class UniqueOp : public OpKernel {
   }
 
  private:
-  static constexpr size_t kKeptScratchBytes = size_t{64} << 20;
+  static constexpr size_t kKeptScratchBytes = size_t{16} << 20;  // batches up to ~1M ids
   int32_t num_groups_ = 1;
 };
 

@@ -92,3 +92,20 @@ def test_without_a_local_rank_says_what_is_missing():
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
                          text=True, timeout=300, env=env)
     assert "HOROVOD_LOCAL_RANK" in json.loads(out.stdout.strip().splitlines()[-1])["error"]
+
+
+def test_a_second_call_rebinds_to_the_same_slice_and_one_override_is_kept():
+    allowed = sorted(os.sched_getaffinity(0))
+    code = """
+        import json, os
+        from tf_sfctr.distributed import share_host_cores
+        first = share_host_cores(local_rank=1, local_size=2, tf_threads=False)
+        again = share_host_cores(local_rank=1, local_size=2, tf_threads=False)
+        # local_rank from horovodrun's variables, local_size as given.
+        os.environ.update(HOROVOD_LOCAL_RANK="0", HOROVOD_LOCAL_SIZE="9")
+        mixed = share_host_cores(local_size=1, tf_threads=False)
+        print(json.dumps({"first": first, "again": again, "mixed": mixed}))
+    """
+    got = _run(code)
+    assert got["first"] == got["again"] == cores_of(1, 2, allowed)
+    assert got["mixed"] == allowed

@@ -519,7 +519,9 @@ class UniqueOp : public OpKernel {
   }
 
  private:
-  static constexpr size_t kKeptScratchBytes = size_t{16} << 20;  // batches up to ~1M ids
+  // Per buffer (the table's scratch and the unique ids): batches up to ~1M ids
+  // keep theirs.
+  static constexpr size_t kKeptScratchBytes = size_t{16} << 20;
   int32_t num_groups_ = 1;
 };
 

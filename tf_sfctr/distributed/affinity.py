@@ -19,19 +19,30 @@ from typing import Optional
 from tf_sfctr.distributed._horovod import horovod
 
 
+# The cores the process could use before the first call: a second call
+# shares the same cores again instead of slicing its own slice.
+_process_cores: Optional[list[int]] = None
+
+
 def _local_rank_and_size(local_rank: Optional[int], local_size: Optional[int]):
+    """The given values; a missing one comes from Horovod (after hvd.init())
+    or from the variables horovodrun sets."""
     if local_rank is not None and local_size is not None:
         return local_rank, local_size
     hvd = horovod()
     if hvd is not None and hvd.is_initialized():
-        return hvd.local_rank(), hvd.local_size()
-    env_rank, env_size = os.environ.get("HOROVOD_LOCAL_RANK"), os.environ.get("HOROVOD_LOCAL_SIZE")
-    if env_rank is None or env_size is None:
-        raise ValueError(
-            "share_host_cores needs this rank's local rank and the number of ranks on "
-            "this host: pass local_rank and local_size, call hvd.init() first, or run "
-            "under horovodrun (which sets HOROVOD_LOCAL_RANK and HOROVOD_LOCAL_SIZE)")
-    return int(env_rank), int(env_size)
+        found = hvd.local_rank(), hvd.local_size()
+    else:
+        env_rank = os.environ.get("HOROVOD_LOCAL_RANK")
+        env_size = os.environ.get("HOROVOD_LOCAL_SIZE")
+        if env_rank is None or env_size is None:
+            raise ValueError(
+                "share_host_cores needs this rank's local rank and the number of ranks on "
+                "this host: pass local_rank and local_size, call hvd.init() first, or run "
+                "under horovodrun (which sets HOROVOD_LOCAL_RANK and HOROVOD_LOCAL_SIZE)")
+        found = int(env_rank), int(env_size)
+    return (found[0] if local_rank is None else local_rank,
+            found[1] if local_size is None else local_size)
 
 
 def cores_of(local_rank: int, local_size: int, cores: list[int]) -> list[int]:
@@ -61,7 +72,11 @@ def share_host_cores(local_rank: Optional[int] = None, local_size: Optional[int]
     pools keep their size and a warning says so, but the binding still
     applies). ``local_rank`` / ``local_size`` default to Horovod's (after
     ``hvd.init()``) or to the ``HOROVOD_LOCAL_*`` variables ``horovodrun``
-    sets. Returns the cores of this rank, or None where the OS has no
+    sets. The cores shared are those the process could use at the first
+    call (calling it again re-binds, it does not slice further). Do not call
+    it when the launcher already binds each rank to its cores (e.g. MPI's
+    ``--bind-to core``): it would share that rank's cores among all local
+    ranks. Returns the cores of this rank, or None where the OS has no
     affinity call (not Linux), with a warning.
 
     Example, in a script run by ``horovodrun -np 2 -H localhost:2 --gloo``::
@@ -76,7 +91,10 @@ def share_host_cores(local_rank: Optional[int] = None, local_size: Optional[int]
         warnings.warn("share_host_cores: this OS has no sched_setaffinity; cores are not "
                       "bound", RuntimeWarning, stacklevel=2)
         return None
-    mine = cores_of(rank, size, list(os.sched_getaffinity(0)))
+    global _process_cores
+    if _process_cores is None:
+        _process_cores = sorted(os.sched_getaffinity(0))
+    mine = cores_of(rank, size, _process_cores)
     # Threads started later inherit the mask of the thread that starts them,
     # so bind every existing thread (twice: one may have started meanwhile).
     for _ in range(2):

@@ -473,21 +473,26 @@ class CachedEmbedding(keras.layers.Layer):
         from tf_sfctr.distributed import exchange
 
         name = f"sfctr_{self.name}_{'train' if training else 'infer'}"
+        next_recv = None
         if unique_ids is None:
             route, index = exchange.route_batch(ids, self._world_size, name)
         else:
-            route = exchange.send_ids(unique_ids, self._world_size, name)
+            if training and next_ids is not None:
+                # The next batch's ids travel in the same all-to-all.
+                route, next_recv = exchange.send_ids_and_next(
+                    unique_ids, next_ids, self._world_size, name)
+            else:
+                route = exchange.send_ids(unique_ids, self._world_size, name)
             index = route.position if inverse is None else tf.gather(route.position, inverse)
         if training:
             self._ids_sent.var.assign_add(tf.cast(tf.size(route.position), tf.int64))
         own_ids, own_inverse, _ = _ops.unique(route.recv_ids)
         if training:
             next_own = None
-            if next_ids is not None:
+            if next_recv is not None:
                 # The same routing and de-duplication as the next step will
                 # do, so the owner's plan matches its next own ids.
-                ahead = exchange.send_ids(next_ids, self._world_size, f"{name}_next")
-                next_own, _, _ = _ops.unique(ahead.recv_ids)
+                next_own, _, _ = _ops.unique(next_recv)
             slots = self._cached_slots(own_ids, next_own)
             rows_for_recv = tf.gather(self._cache_rows, tf.gather(slots, own_inverse))
         else:

@@ -22,6 +22,9 @@ SCENARIOS = {
     "mp_adagrad_fit": ("adagrad", "dense", "model_parallel", "fit"),
     # Each step also prepares the next batch's cache (next_unique_ids).
     "mp_adagrad_lookahead": ("adagrad", "dense", "model_parallel", "lookahead"),
+    # Ragged rows (some empty) with lookahead: uneven splits in the one
+    # all-to-all that carries this step's and the next step's ids.
+    "mp_sgd_ragged_lookahead": ("sgd", "ragged", "model_parallel", "lookahead"),
     "dp_sgd_dense": ("sgd", "dense", "data_parallel", "loop"),
     "dp_adagrad_ragged": ("adagrad", "ragged", "data_parallel", "loop"),
 }
@@ -105,9 +108,12 @@ def train_loop(emb, dense, opt, batches, lookahead=False):
     from tf_sfctr.data import deduplicate
 
     losses = []
+    def as_tensor(ids):
+        return ids if isinstance(ids, tf.RaggedTensor) else tf.constant(ids)
+
     for t, (ids, y) in enumerate(batches):
-        feature = deduplicate(tf.constant(ids))
-        nxt = (deduplicate(tf.constant(batches[t + 1][0]))["unique_ids"]
+        feature = deduplicate(as_tensor(ids))
+        nxt = (deduplicate(as_tensor(batches[t + 1][0]))["unique_ids"]
                if t + 1 < len(batches) else tf.zeros([0], tf.int64))
         losses.append(float(step(dict(feature, next_unique_ids=nxt), y)))
     return losses

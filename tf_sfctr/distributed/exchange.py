@@ -60,6 +60,40 @@ def route_batch(ids: tf.Tensor, world_size: int, name: str) -> tuple[Route, tf.T
     return _deliver(routed, tf.range(tf.size(routed)), splits, name), inverse
 
 
+def send_ids_and_next(unique_ids: tf.Tensor, next_ids: tf.Tensor, world_size: int,
+                      name: str) -> tuple[Route, tf.Tensor]:
+    """:func:`send_ids` for this step's distinct ids and the next step's, in
+    one all-to-all. Returns this step's route and the next ids this rank
+    received as owner, in the order a later ``send_ids(next_ids)`` would
+    deliver them.
+
+    Each rank's message to rank r is ``[count, this step's ids for r, next
+    step's ids for r]``: the count tells the owner where this step's ids end.
+    """
+    hvd = require()
+    routed, position, splits = _ops.unique(unique_ids, num_groups=world_size)
+    routed_next, _, splits_next = _ops.unique(next_ids, num_groups=world_size)
+    starts = tf.cumsum(splits, exclusive=True)
+    starts_next = tf.cumsum(splits_next, exclusive=True)
+    this_part = tf.ragged.range(starts, starts + splits)
+    next_part = tf.ragged.range(starts_next, starts_next + splits_next) + tf.size(routed)
+    header = tf.size(routed) + tf.size(routed_next) + tf.range(world_size)
+    head = tf.RaggedTensor.from_tensor(header[:, None])
+    picks = tf.concat([head, this_part, next_part], axis=1).flat_values
+    source = tf.concat([routed, routed_next, tf.cast(splits, tf.int64)], axis=0)
+    message = tf.gather(source, picks)
+    received, recv_sizes = hvd.alltoall(message, splits=1 + splits + splits_next,
+                                        name=f"{name}_ids", ignore_name_scope=True)
+    heads = tf.cumsum(recv_sizes, exclusive=True)
+    recv_splits = tf.cast(tf.gather(received, heads), tf.int32)
+    first = heads + 1
+    recv_ids = tf.gather(received, tf.ragged.range(first, first + recv_splits).flat_values)
+    next_first = first + recv_splits
+    next_recv = tf.gather(received, tf.ragged.range(
+        next_first, heads + recv_sizes).flat_values)
+    return Route(position, splits, recv_ids, recv_splits), next_recv
+
+
 def _deliver(routed, position, splits, name) -> Route:
     hvd = require()
     recv_ids, recv_splits = hvd.alltoall(routed, splits=splits,

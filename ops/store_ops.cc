@@ -194,19 +194,6 @@ REGISTER_OP("SfctrStoreSetCounters")
     .SetShapeFn(shape_inference::NoOutputs)
     .Doc("Sets [hits, misses, evictions] (used when restoring a checkpoint).");
 
-REGISTER_OP("SfctrOwner")
-    .Input("ids: int64")
-    .Input("num_shards: int32")
-    .Output("owners: int32")
-    .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->input(0));
-      return OkStatus();
-    })
-    .Doc(R"doc(
-Owner rank of each id in a model-parallel table: Mix64(id) mod num_shards
-(splitmix64 finalizer, so structured ids spread evenly).
-)doc");
-
 REGISTER_OP("SfctrUnique")
     .Input("ids: int64")
     .Output("unique_ids: int64")
@@ -225,7 +212,8 @@ REGISTER_OP("SfctrUnique")
 The distinct ids of a batch (Virtual Sparse Ids) and, for every id, the index
 of its value among them (same shape as ids). With num_groups == 1 the result
 equals tf.unique: first-occurrence order. With num_groups > 1 the distinct ids
-are grouped by owner (Mix64(id) mod num_groups, as SfctrOwner), first-occurrence
+are grouped by owner (Mix64(id) mod num_groups, the owner function of a
+model-parallel table), first-occurrence
 order within a group, and group_sizes counts each group: the send order of a
 model-parallel all-to-all, with the inverse already pointing into it.
 )doc");

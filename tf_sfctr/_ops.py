@@ -38,7 +38,6 @@ _OP_TYPES = (
     "SfctrHostSetSeed",
     "SfctrStoreStats",
     "SfctrStoreSetCounters",
-    "SfctrOwner",
     "SfctrUnique",
 )
 

@@ -16,7 +16,6 @@
 
 #include "../core/dedup.h"
 #include "../core/embedding_store.h"
-#include "../core/mix.h"
 
 namespace tensorflow {
 namespace {
@@ -465,28 +464,6 @@ class StoreSetCountersOp : public StoreOpKernel {
   }
 };
 
-class OwnerOp : public OpKernel {
- public:
-  using OpKernel::OpKernel;
-  void Compute(OpKernelContext* ctx) override {
-    const Tensor& ids = ctx->input(0);
-    const Tensor& shards = ctx->input(1);
-    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(shards.shape()),
-                errors::InvalidArgument("num_shards must be a scalar"));
-    const int32_t n = shards.scalar<int32_t>()();
-    OP_REQUIRES(ctx, n >= 1,
-                errors::InvalidArgument("num_shards must be >= 1, got ", n));
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ids.shape(), &out));
-    auto in = ids.flat<int64_t>();
-    auto owners = out->flat<int32_t>();
-    for (int64_t i = 0; i < ids.NumElements(); ++i) {
-      owners(i) = static_cast<int32_t>(
-          sfctr::Mix64(static_cast<uint64_t>(in(i))) % static_cast<uint64_t>(n));
-    }
-  }
-};
-
 class UniqueOp : public OpKernel {
  public:
   explicit UniqueOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -542,7 +519,6 @@ SFCTR_CPU_KERNEL("SfctrHostClear", HostClearOp);
 SFCTR_CPU_KERNEL("SfctrHostSetSeed", HostSetSeedOp);
 SFCTR_CPU_KERNEL("SfctrStoreStats", StoreStatsOp);
 SFCTR_CPU_KERNEL("SfctrStoreSetCounters", StoreSetCountersOp);
-SFCTR_CPU_KERNEL("SfctrOwner", OwnerOp);
 SFCTR_CPU_KERNEL("SfctrUnique", UniqueOp);
 
 }  // namespace

@@ -20,7 +20,8 @@ from tf_sfctr.distributed._horovod import require
 
 
 def owner_of(ids: np.ndarray, world_size: int) -> np.ndarray:
-    """NumPy twin of the owner op: Mix64(id) mod world_size."""
+    """Owner rank of each id, Mix64(id) mod world_size: the grouping
+    ``SfctrUnique(ids, num_groups=world_size)`` routes by, in NumPy."""
     x = np.asarray(ids, np.int64).astype(np.uint64)
     with np.errstate(over="ignore"):
         x = x ^ (x >> np.uint64(30))

@@ -306,8 +306,9 @@ class CachedEmbedding(keras.layers.Layer):
         elif self._mode == "model_parallel":
             # Rows come back in route order; index them (and sum gradients)
             # in that order directly, with no reordering gathers.
-            rows, apply_update, inverse = self._model_parallel_rows(
-                ids, unique_ids, inverse, bool(training), next_ids)
+            route, inverse, next_recv = self._route(ids, unique_ids, inverse, bool(training),
+                                                    next_ids)
+            rows, apply_update = self._model_parallel_rows(route, bool(training), next_recv)
             num_unique = tf.shape(rows)[0]
             rows = tf.gather(rows, inverse)
         else:
@@ -380,8 +381,8 @@ class CachedEmbedding(keras.layers.Layer):
         if self._mode == "local":
             return self._inference_rows(unique_ids), None
         if self._mode == "model_parallel":
-            rows, apply_update, position = self._model_parallel_rows(
-                None, unique_ids, None, training)
+            route, position, _ = self._route(None, unique_ids, None, training)
+            rows, apply_update = self._model_parallel_rows(route, training)
             return tf.gather(rows, position), apply_update
         return self._data_parallel_rows(unique_ids, training)
 
@@ -460,30 +461,44 @@ class CachedEmbedding(keras.layers.Layer):
 
         return tf.cond(plan.pending.read_value(), apply, lambda: tf.constant(False))
 
-    def _model_parallel_rows(self, ids: Optional[tf.Tensor], unique_ids: Optional[tf.Tensor],
-                             inverse: Optional[tf.Tensor], training: bool,
-                             next_ids: Optional[tf.Tensor] = None):
-        """Rows of this rank's distinct ids in route order, the update
-        function (taking gradients in route order) and the route-order index
-        of every id: of each of ``ids`` when ``unique_ids`` is None (the batch
-        is de-duplicated and grouped by owner in one pass), else of each of
-        ``unique_ids`` (or of each of ``ids`` given their ``inverse``).
-        With ``next_ids`` (training), the next batch's ids also go to their
-        owners, which prepare their caches for it during this step."""
+    def _exchange_name(self, training: bool) -> str:
+        return f"sfctr_{self.name}_{'train' if training else 'infer'}"
+
+    def _route(self, ids: Optional[tf.Tensor], unique_ids: Optional[tf.Tensor],
+               inverse: Optional[tf.Tensor], training: bool,
+               next_ids: Optional[tf.Tensor] = None):
+        """Sends this rank's distinct ids to their owners. Returns the route,
+        the route-order index of every id, and the next batch's ids received
+        as owner (None without ``next_ids``).
+
+        The index is of each of ``ids`` when ``unique_ids`` is None (the
+        batch is de-duplicated and grouped by owner in one pass), else of each
+        of ``unique_ids``, or of each of ``ids`` given their ``inverse``. With
+        ``next_ids`` (training), the next batch's distinct ids travel in the
+        same all-to-all."""
         from tf_sfctr.distributed import exchange
 
-        name = f"sfctr_{self.name}_{'train' if training else 'infer'}"
-        next_recv = None
+        name, world = self._exchange_name(training), self._world_size
         if unique_ids is None:
-            route, index = exchange.route_batch(ids, self._world_size, name)
+            route, index = exchange.route_batch(ids, world, name)
+            return route, index, None
+        next_recv = None
+        if training and next_ids is not None:
+            route, next_recv = exchange.send_ids_and_next(unique_ids, next_ids, world, name)
         else:
-            if training and next_ids is not None:
-                # The next batch's ids travel in the same all-to-all.
-                route, next_recv = exchange.send_ids_and_next(
-                    unique_ids, next_ids, self._world_size, name)
-            else:
-                route = exchange.send_ids(unique_ids, self._world_size, name)
-            index = route.position if inverse is None else tf.gather(route.position, inverse)
+            route = exchange.send_ids(unique_ids, world, name)
+        index = route.position if inverse is None else tf.gather(route.position, inverse)
+        return route, index, next_recv
+
+    def _model_parallel_rows(self, route, training: bool,
+                             next_recv: Optional[tf.Tensor] = None):
+        """Rows of this rank's distinct ids (sent along ``route``) in route
+        order and, when training, the update function (taking gradients in
+        route order). With ``next_recv`` (the next batch's ids this rank owns),
+        the owner prepares its cache for them during this step."""
+        from tf_sfctr.distributed import exchange
+
+        name = self._exchange_name(training)
         if training:
             self._ids_sent.var.assign_add(tf.cast(tf.size(route.position), tf.int64))
         own_ids, own_inverse, _ = _ops.unique(route.recv_ids)
@@ -499,7 +514,7 @@ class CachedEmbedding(keras.layers.Layer):
             rows_for_recv = tf.gather(self._inference_rows(own_ids), own_inverse)
         rows = exchange.return_rows(rows_for_recv, route, name)
         if not training:
-            return rows, None, index
+            return rows, None
         dim, n = self.output_dim, float(self._world_size)
 
         def apply_update(g, g_sq):
@@ -512,7 +527,7 @@ class CachedEmbedding(keras.layers.Layer):
             g_sq_own = None if g_sq is None else total[:, dim:] / (n * n)
             return self._apply_update(slots, g_own, g_sq_own)
 
-        return rows, apply_update, index
+        return rows, apply_update
 
     def _data_parallel_rows(self, unique_ids: tf.Tensor, training: bool):
         if not training:  # every rank holds the whole table

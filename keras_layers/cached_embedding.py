@@ -520,7 +520,7 @@ class CachedEmbedding(keras.layers.Layer):
         def apply_update(g, g_sq):
             payload = g if g_sq is None else tf.concat([g, g_sq], axis=1)
             received = exchange.send_to_owners(payload, route, name, routed=True)
-            total = tf.math.unsorted_segment_sum(received, own_inverse, tf.size(own_ids))
+            total, _ = _ops.segment_sums(received, own_inverse, tf.size(own_ids))
             # Mean over ranks, like the dense gradients: N ranks with batch B
             # train like one process with batch N * B.
             g_own = total[:, :dim] / n
@@ -548,7 +548,7 @@ class CachedEmbedding(keras.layers.Layer):
 
         def apply_update(g, g_sq):
             payload = g if g_sq is None else tf.concat([g, g_sq], axis=1)
-            local = tf.math.unsorted_segment_sum(payload, mine, tf.size(glob_ids))
+            local, _ = _ops.segment_sums(payload, mine, tf.size(glob_ids))
             total = hvd.allreduce(local, op=hvd.Sum, name=f"{name}_grads",
                                   ignore_name_scope=True)
             g_glob = total[:, :dim] / n
@@ -564,11 +564,11 @@ class CachedEmbedding(keras.layers.Layer):
         def with_update(rows_in, trigger_in):
             def grad(d_rows):
                 g_occ = tf.cast(tf.convert_to_tensor(d_rows), tf.float32)
-                g = tf.math.unsorted_segment_sum(g_occ, inverse, num_unique)
-                g_sq = None
-                if self.table_optimizer.needs_squared_occurrences:
-                    # Separate sums: concatenating [g, g^2] first measured slower.
-                    g_sq = tf.math.unsorted_segment_sum(tf.square(g_occ), inverse, num_unique)
+                # Sum per unique id (and of squares for per-occurrence
+                # Adagrad) in one pass over the occurrences.
+                g, g_sq = _ops.segment_sums(
+                    g_occ, inverse, num_unique,
+                    squares=self.table_optimizer.needs_squared_occurrences)
                 # A NaN or Inf anywhere makes the sum non-finite: checking one
                 # scalar is much cheaper than CheckNumerics on [U, dim].
                 finite = tf.debugging.check_numerics(

@@ -1,7 +1,8 @@
 // Op declarations of tf_sfctr. Naming rule: C++ op `Sfctr<Name>` is exposed in
 // Python as `sfctr_<name>` (tf_sfctr/_ops.py), so our ops never collide with
-// TensorFlow's or another plugin's. Every op takes the store as a resource
-// and works on host memory; device-side rows are stock tf.Variables.
+// TensorFlow's or another plugin's. The store ops take the store as a
+// resource and work on host memory; device-side rows are stock tf.Variables.
+// SfctrUnique and SfctrSegmentSums are stateless batch kernels (CPU).
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -216,6 +217,37 @@ are grouped by owner (Mix64(id) mod num_groups, the owner function of a
 model-parallel table), first-occurrence
 order within a group, and group_sizes counts each group: the send order of a
 model-parallel all-to-all, with the inverse already pointing into it.
+)doc");
+
+REGISTER_OP("SfctrSegmentSums")
+    .Input("data: float")
+    .Input("segment_ids: int32")
+    .Input("num_segments: int32")
+    .Attr("squares: bool = false")
+    .Output("sums: float")
+    .Output("sums_of_squares: float")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle data, segments;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &data));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &segments));
+      shape_inference::DimensionHandle unused;
+      TF_RETURN_IF_ERROR(c->Merge(c->Dim(data, 0), c->Dim(segments, 0), &unused));
+      shape_inference::DimensionHandle n;
+      TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(2, &n));
+      bool squares = false;
+      TF_RETURN_IF_ERROR(c->GetAttr("squares", &squares));
+      c->set_output(0, c->Matrix(n, c->Dim(data, 1)));
+      c->set_output(1, squares ? c->Matrix(n, c->Dim(data, 1)) : c->Matrix(0, c->Dim(data, 1)));
+      return OkStatus();
+    })
+    .Doc(R"doc(
+Sums of the rows of data [N, D] per segment: sums[s] adds the rows i with
+segment_ids[i] == s, in row order (tf.math.unsorted_segment_sum on CPU adds in
+the same order). With squares, sums_of_squares[s] adds their element-wise
+squares in the same pass; otherwise it is [0, D]. Segment ids must be in
+[0, num_segments). The backward of a de-duplicated embedding lookup: one read
+of the per-occurrence gradient gives both sums Adagrad needs. Multi-threaded
+over segment ranges; the result does not depend on the number of threads.
 )doc");
 
 }  // namespace tensorflow

@@ -16,6 +16,7 @@
 
 #include "../core/dedup.h"
 #include "../core/embedding_store.h"
+#include "../core/segment_sum.h"
 
 namespace tensorflow {
 namespace {
@@ -502,6 +503,70 @@ class UniqueOp : public OpKernel {
   int32_t num_groups_ = 1;
 };
 
+class SegmentSumsOp : public OpKernel {
+ public:
+  explicit SegmentSumsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("squares", &squares_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& data = ctx->input(0);
+    const Tensor& segments = ctx->input(1);
+    const Tensor& num_segments_t = ctx->input(2);
+    OP_REQUIRES(ctx, data.dims() == 2,
+                errors::InvalidArgument("data must be a matrix [N, D], got shape ",
+                                        data.shape().DebugString()));
+    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(segments.shape()) &&
+                         segments.dim_size(0) == data.dim_size(0),
+                errors::InvalidArgument(
+                    "segment_ids must be a vector with one id per row of data (",
+                    data.dim_size(0), "), got shape ", segments.shape().DebugString()));
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(num_segments_t.shape()),
+                errors::InvalidArgument("num_segments must be a scalar, got shape ",
+                                        num_segments_t.shape().DebugString()));
+    const int64_t num_segments = num_segments_t.scalar<int32_t>()();
+    OP_REQUIRES(ctx, num_segments >= 0,
+                errors::InvalidArgument("num_segments must be >= 0, got ", num_segments));
+    const int64_t n = data.dim_size(0);
+    const int64_t dim = data.dim_size(1);
+    const int32_t* seg = segments.flat<int32_t>().data();
+    const int64_t bad = sfctr::FirstBadSegment(seg, n, num_segments);
+    OP_REQUIRES(ctx, bad < 0,
+                errors::InvalidArgument("segment_ids[", bad, "] = ", bad < 0 ? 0 : seg[bad],
+                                        " is not in [0, ", num_segments, ")"));
+    Tensor* sums = nullptr;
+    Tensor* squares = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({num_segments, dim}), &sums));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            1, TensorShape({squares_ ? num_segments : 0, dim}), &squares));
+    const float* in = data.flat<float>().data();
+    float* out = sums->flat<float>().data();
+    float* out_sq = squares_ ? squares->flat<float>().data() : nullptr;
+    // Each shard owns a range of segments and scans all the segment ids:
+    // shards are worth it only when the rows outweigh that scan.
+    thread::ThreadPool* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    const int64_t work = n * dim * (squares_ ? 2 : 1);
+    int64_t shards = pool == nullptr ? 1 : pool->NumThreads();
+    shards = std::max<int64_t>(1, std::min({shards, work / kMinWorkPerShard, num_segments}));
+    if (shards == 1) {
+      sfctr::SegmentSums(in, seg, n, dim, 0, num_segments, out, out_sq);
+      return;
+    }
+    const int64_t per = (num_segments + shards - 1) / shards;
+    pool->ParallelFor(shards, kMinWorkPerShard * 1000, [&](int64_t first, int64_t last) {
+      for (int64_t s = first; s < last; ++s) {
+        const int64_t begin = s * per;
+        sfctr::SegmentSums(in, seg, n, dim, begin, std::min(num_segments, begin + per),
+                           out, out_sq);
+      }
+    });
+  }
+
+ private:
+  static constexpr int64_t kMinWorkPerShard = 1 << 18;
+  bool squares_ = false;
+};
+
 #define SFCTR_CPU_KERNEL(name, cls) \
   REGISTER_KERNEL_BUILDER(Name(name).Device(DEVICE_CPU), cls)
 
@@ -520,6 +585,7 @@ SFCTR_CPU_KERNEL("SfctrHostSetSeed", HostSetSeedOp);
 SFCTR_CPU_KERNEL("SfctrStoreStats", StoreStatsOp);
 SFCTR_CPU_KERNEL("SfctrStoreSetCounters", StoreSetCountersOp);
 SFCTR_CPU_KERNEL("SfctrUnique", UniqueOp);
+SFCTR_CPU_KERNEL("SfctrSegmentSums", SegmentSumsOp);
 
 }  // namespace
 }  // namespace tensorflow

@@ -16,6 +16,7 @@
 #include "../host_table.h"
 #include "../initializer.h"
 #include "../mix.h"
+#include "../segment_sum.h"
 #include "check.h"
 
 using namespace sfctr;
@@ -573,6 +574,45 @@ TEST_CASE(DedupMatchesReference) {
     dedup.Trim(0);  // the second round starts from an empty table
     CHECK_EQ(dedup.ScratchBytes(), size_t{0});
   }
+}
+
+// Any split of the segments into ranges gives the bits of one sequential
+// pass, for the unrolled widths and the generic one; FirstBadSegment finds
+// the first id out of range.
+TEST_CASE(SegmentSumsSplitInvariant) {
+  std::mt19937_64 rng(7);
+  for (int64_t dim : {1, 5, 16, 64}) {
+    const int64_t n = 2000, segments = 300;
+    std::vector<float> data(n * dim);
+    std::vector<int32_t> seg(n);
+    std::normal_distribution<float> normal;
+    for (float& x : data) x = normal(rng);
+    for (int32_t& s : seg) s = static_cast<int32_t>(rng() % (rng() % 2 ? 10 : segments));
+    std::vector<float> want(segments * dim, 0.0f), want_sq(segments * dim, 0.0f);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t k = 0; k < dim; ++k) {
+        want[seg[i] * dim + k] += data[i * dim + k];
+        want_sq[seg[i] * dim + k] += data[i * dim + k] * data[i * dim + k];
+      }
+    }
+    for (int64_t parts : {1, 2, 7, 300}) {
+      std::vector<float> sums(segments * dim, -1.0f), sq(segments * dim, -1.0f);
+      const int64_t per = (segments + parts - 1) / parts;
+      for (int64_t b = 0; b < segments; b += per) {
+        sfctr::SegmentSums(data.data(), seg.data(), n, dim, b, std::min(segments, b + per),
+                           sums.data(), sq.data());
+      }
+      CHECK(std::memcmp(sums.data(), want.data(), want.size() * sizeof(float)) == 0);
+      CHECK(std::memcmp(sq.data(), want_sq.data(), want_sq.size() * sizeof(float)) == 0);
+    }
+    std::vector<float> only(segments * dim, -1.0f);
+    sfctr::SegmentSums(data.data(), seg.data(), n, dim, 0, segments, only.data(), nullptr);
+    CHECK(only == want);
+  }
+  const std::vector<int32_t> ids = {0, 2, 3, -1};
+  CHECK_EQ(sfctr::FirstBadSegment(ids.data(), 4, 4), int64_t{3});
+  CHECK_EQ(sfctr::FirstBadSegment(ids.data(), 4, 3), int64_t{2});
+  CHECK_EQ(sfctr::FirstBadSegment(ids.data(), 3, 4), int64_t{-1});
 }
 
 int main() {

@@ -1,0 +1,32 @@
+// Per-distinct-id sums of gradient rows (the backward of a de-duplicated
+// lookup). TF-free.
+//
+// Given rows data[0..n) of `dim` floats and, for each row, the index of its
+// id among the batch's distinct ids (the inverse of a de-duplication),
+// SegmentSums writes
+//
+//   sums[s]    = sum of data[i]      over the rows i with segment[i] == s,
+//   squares[s] = sum of data[i] ** 2 over the same rows (optional),
+//
+// for the segments s in [begin, end) only, adding in row order: the result
+// is the one a sequential loop gives, whatever the split into segment ranges.
+// Several threads can therefore fill disjoint segment ranges of the same
+// output; each scans every segment id and reads only its own rows.
+#ifndef TF_SFCTR_OPS_CORE_SEGMENT_SUM_H_
+#define TF_SFCTR_OPS_CORE_SEGMENT_SUM_H_
+
+#include <cstdint>
+
+namespace sfctr {
+
+// Index of the first segment id outside [0, num_segments), or -1.
+int64_t FirstBadSegment(const int32_t* segment, int64_t n, int64_t num_segments);
+
+// Zeroes, then fills, rows [begin, end) of sums (and of squares unless it is
+// null), each [num_segments x dim] row-major. Segment ids must be valid.
+void SegmentSums(const float* data, const int32_t* segment, int64_t n, int64_t dim,
+                 int64_t begin, int64_t end, float* sums, float* squares);
+
+}  // namespace sfctr
+
+#endif  // TF_SFCTR_OPS_CORE_SEGMENT_SUM_H_

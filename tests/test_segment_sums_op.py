@@ -1,0 +1,72 @@
+"""SfctrSegmentSums (tf_sfctr._ops.segment_sums), the backward of a
+de-duplicated lookup, against tf.math.unsorted_segment_sum."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_sfctr import _ops
+
+
+def _reference(data, segments, n):
+    return (tf.math.unsorted_segment_sum(data, segments, n).numpy(),
+            tf.math.unsorted_segment_sum(tf.square(data), segments, n).numpy())
+
+
+@pytest.mark.parametrize("n,dim,num_segments", [
+    (1, 16, 1),            # one row
+    (1000, 16, 300),       # the unrolled width
+    (1000, 7, 300),        # any width
+    (5000, 64, 2000),
+    (300_000, 16, 40_000),  # large enough to be split over threads
+    (50, 4, 1000),         # most segments empty
+])
+def test_equals_unsorted_segment_sum(n, dim, num_segments):
+    rng = np.random.default_rng(n + dim)
+    data = rng.standard_normal((n, dim)).astype(np.float32)
+    # Zipf-like: a few segments take most rows, like a CTR batch's inverse.
+    segments = np.minimum(rng.zipf(1.3, n) - 1, num_segments - 1).astype(np.int32)
+    rng.shuffle(segments)
+    want, want_sq = _reference(data, segments, num_segments)
+    sums, squares = _ops.segment_sums(data, segments, num_segments, squares=True)
+    # Same rows added in the same order as TF's CPU kernel: the same bits.
+    np.testing.assert_array_equal(sums.numpy(), want)
+    np.testing.assert_array_equal(squares.numpy(), want_sq)
+    only, none = _ops.segment_sums(data, segments, num_segments)
+    assert none is None
+    np.testing.assert_array_equal(only.numpy(), want)
+
+
+def test_in_a_function_and_shapes():
+    @tf.function(input_signature=[tf.TensorSpec([None, 3]), tf.TensorSpec([None], tf.int32),
+                                  tf.TensorSpec([], tf.int32)])
+    def f(data, segments, n):
+        sums, squares = _ops.segment_sums(data, segments, n, squares=True)
+        assert sums.shape.as_list() == [None, 3]
+        return sums, squares
+
+    data = tf.constant([[1.0, 2, 3], [4, 5, 6], [-1, -1, -1]])
+    sums, squares = f(data, tf.constant([2, 0, 2]), tf.constant(4))
+    np.testing.assert_array_equal(sums.numpy(), [[4, 5, 6], [0, 0, 0], [0, 1, 2], [0, 0, 0]])
+    np.testing.assert_array_equal(squares.numpy(), [[16, 25, 36], [0, 0, 0], [2, 5, 10], [0, 0, 0]])
+
+
+def test_empty_inputs():
+    sums, squares = _ops.segment_sums(tf.zeros([0, 5]), tf.zeros([0], tf.int32), 3, squares=True)
+    np.testing.assert_array_equal(sums.numpy(), np.zeros([3, 5]))
+    np.testing.assert_array_equal(squares.numpy(), np.zeros([3, 5]))
+    sums, _ = _ops.segment_sums(tf.zeros([0, 5]), tf.zeros([0], tf.int32), 0)
+    assert sums.shape == (0, 5)
+
+
+@pytest.mark.parametrize("bad", [-1, 3])
+def test_rejects_segment_out_of_range(bad):
+    with pytest.raises(tf.errors.InvalidArgumentError, match=rf"segment_ids\[1\] = {bad} is not in \[0, 3\)"):
+        _ops.segment_sums(tf.ones([2, 2]), tf.constant([0, bad]), 3)
+
+
+def test_rejects_mismatched_shapes():
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="segment_ids|rank|Dimensions"):
+        _ops.segment_sums(tf.ones([3, 2]), tf.constant([0, 1]), 3)
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="rank|matrix"):
+        _ops.segment_sums(tf.ones([3]), tf.constant([0, 1, 2]), 3)

@@ -1,7 +1,6 @@
 #include "embedding_store.h"
 
 #include <algorithm>
-#include <condition_variable>
 
 namespace sfctr {
 
@@ -41,37 +40,22 @@ CoreStatus EmbeddingStore::Prepare(const int64_t* ids, int64_t n,
   }
 
   // The host fetch needs only the miss ids and the table; the directory
-  // commit needs only the directory. With a scheduler they run at once.
+  // commit needs only the directory. With a scheduler they can run at once
+  // (RunShards: a pool thread takes one if it is free).
   const int width = table_.width();
   std::vector<float> fetched(miss_ids.size() * width);
   std::vector<uint32_t> past_uses(miss_ids.size());
-  auto fetch = [&] {
-    table_.FindOrInsertReserved(miss_ids.data(), miss_ids.size(),
-                                fetched.data(), reserved, past_uses.data());
-  };
-  std::mutex done_mu;
-  std::condition_variable done_cv;
-  bool fetch_done = false;
-  if (schedule != nullptr && *schedule && !miss_ids.empty()) {
-    (*schedule)([&] {
-      fetch();
-      std::lock_guard<std::mutex> done_lock(done_mu);
-      fetch_done = true;
-      done_cv.notify_one();
-    });
-  } else {
-    fetch();
-    fetch_done = true;
-  }
-
   std::vector<int64_t> miss_positions;
   std::vector<CacheDirectory::Eviction> evicted;
   miss_positions.reserve(num_misses);
-  directory_.Commit(ids, n, r->slots.data(), &miss_positions, &evicted);
-  {
-    std::unique_lock<std::mutex> done_lock(done_mu);
-    done_cv.wait(done_lock, [&] { return fetch_done; });
-  }
+  RunShards(schedule, miss_ids.empty() ? 1 : 2, 1, [&](int64_t part) {
+    if (part == 0) {
+      directory_.Commit(ids, n, r->slots.data(), &miss_positions, &evicted);
+    } else {
+      table_.FindOrInsertReserved(miss_ids.data(), miss_ids.size(), fetched.data(),
+                                  reserved, past_uses.data());
+    }
+  });
 
   // miss_positions is a subsequence of classified_misses (equal unless an id
   // repeated): keep the fetched rows of the positions Commit placed.

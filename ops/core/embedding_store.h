@@ -11,6 +11,7 @@
 
 #include "cache_directory.h"
 #include "host_table.h"
+#include "parallel.h"
 #include "status.h"
 
 namespace sfctr {
@@ -33,9 +34,6 @@ struct PrepareResult {
 struct StoreStats {
   int64_t hits, misses, evictions, host_rows, cache_capacity, cached_rows;
 };
-
-// Runs a task, possibly on another thread (e.g. a thread pool's Schedule).
-using Scheduler = std::function<void(std::function<void()>)>;
 
 class EmbeddingStore {
  public:

@@ -546,19 +546,17 @@ class SegmentSumsOp : public OpKernel {
     // shards are worth it only when the rows outweigh that scan.
     thread::ThreadPool* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
     const int64_t work = n * dim * (squares_ ? 2 : 1);
-    int64_t shards = pool == nullptr ? 1 : pool->NumThreads();
-    shards = std::max<int64_t>(1, std::min({shards, work / kMinWorkPerShard, num_segments}));
-    if (shards == 1) {
-      sfctr::SegmentSums(in, seg, n, dim, 0, num_segments, out, out_sq);
-      return;
-    }
+    const int64_t threads = pool == nullptr ? 1 : pool->NumThreads();
+    const int64_t shards =
+        std::max<int64_t>(1, std::min({threads, work / kMinWorkPerShard, num_segments}));
     const int64_t per = (num_segments + shards - 1) / shards;
-    pool->ParallelFor(shards, kMinWorkPerShard * 1000, [&](int64_t first, int64_t last) {
-      for (int64_t s = first; s < last; ++s) {
-        const int64_t begin = s * per;
-        sfctr::SegmentSums(in, seg, n, dim, begin, std::min(num_segments, begin + per),
-                           out, out_sq);
-      }
+    const sfctr::Scheduler schedule = [pool](std::function<void()> task) {
+      pool->Schedule(std::move(task));
+    };
+    sfctr::RunShards(&schedule, shards, shards - 1, [&](int64_t s) {
+      const int64_t begin = s * per;
+      sfctr::SegmentSums(in, seg, n, dim, begin, std::min(num_segments, begin + per), out,
+                         out_sq);
     });
   }
 

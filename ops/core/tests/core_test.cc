@@ -16,6 +16,7 @@
 #include "../host_table.h"
 #include "../initializer.h"
 #include "../mix.h"
+#include "../parallel.h"
 #include "../segment_sum.h"
 #include "check.h"
 
@@ -613,6 +614,38 @@ TEST_CASE(SegmentSumsSplitInvariant) {
   CHECK_EQ(sfctr::FirstBadSegment(ids.data(), 4, 4), int64_t{3});
   CHECK_EQ(sfctr::FirstBadSegment(ids.data(), 4, 3), int64_t{2});
   CHECK_EQ(sfctr::FirstBadSegment(ids.data(), 3, 4), int64_t{-1});
+}
+
+// Every shard runs exactly once whether helpers start at once, never start
+// before the work is done (a busy pool), or run on real threads; a helper
+// that starts after RunShards returned finds nothing to do.
+TEST_CASE(RunShardsNeverWaitsForABusyPool) {
+  std::vector<std::function<void()>> deferred;
+  const sfctr::Scheduler busy = [&](std::function<void()> task) {
+    deferred.push_back(std::move(task));
+  };
+  std::vector<int> runs(10, 0);
+  sfctr::RunShards(&busy, 10, 3, [&](int64_t s) { ++runs[s]; });
+  CHECK(runs == std::vector<int>(10, 1));  // the caller ran them all
+  CHECK_EQ(deferred.size(), size_t{3});
+  for (auto& task : deferred) task();      // late helpers: no shard left
+  CHECK(runs == std::vector<int>(10, 1));
+
+  std::vector<std::thread> threads;
+  std::mutex mu;
+  const sfctr::Scheduler spawn = [&](std::function<void()> task) {
+    std::lock_guard<std::mutex> lock(mu);
+    threads.emplace_back(std::move(task));
+  };
+  for (int round = 0; round < 50; ++round) {
+    std::vector<std::atomic<int>> counts(64);
+    sfctr::RunShards(&spawn, 64, 3, [&](int64_t s) { counts[s].fetch_add(1); });
+    for (auto& c : counts) CHECK_EQ(c.load(), 1);
+  }
+  for (auto& t : threads) t.join();
+  int inline_runs = 0;
+  sfctr::RunShards(nullptr, 4, 2, [&](int64_t) { ++inline_runs; });
+  CHECK_EQ(inline_runs, 4);
 }
 
 int main() {

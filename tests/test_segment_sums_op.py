@@ -70,3 +70,15 @@ def test_rejects_mismatched_shapes():
         _ops.segment_sums(tf.ones([3, 2]), tf.constant([0, 1]), 3)
     with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="rank|matrix"):
         _ops.segment_sums(tf.ones([3]), tf.constant([0, 1, 2]), 3)
+
+
+def test_tf_fallback_gives_the_same_sums():
+    # The path a GPU machine takes (TF's own segment sums) against our kernel.
+    rng = np.random.default_rng(3)
+    data = rng.standard_normal((5000, 16)).astype(np.float32)
+    segments = rng.integers(0, 700, 5000).astype(np.int32)
+    ours = _ops.segment_sums(data, segments, 700, squares=True, use_kernel=True)
+    tfs = _ops.segment_sums(data, segments, 700, squares=True, use_kernel=False)
+    for a, b in zip(ours, tfs):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert _ops.segment_sums(data, segments, 700, use_kernel=False)[1] is None

@@ -106,7 +106,7 @@ def unique(ids: tf.Tensor, num_groups: int = 1):
 
 
 def segment_sums(data: tf.Tensor, segment_ids: tf.Tensor, num_segments,
-                 squares: bool = False):
+                 squares: bool = False, use_kernel: bool | None = None):
     """``(sums, sums_of_squares)`` of the rows of ``data`` [N, D] per segment.
 
     ``sums`` equals ``tf.math.unsorted_segment_sum(data, segment_ids,
@@ -116,11 +116,14 @@ def segment_sums(data: tf.Tensor, segment_ids: tf.Tensor, num_segments,
     On CPU this is one pass of our ``SfctrSegmentSums`` kernel, several times
     faster than TF's kernel and reading ``data`` once for both sums. With a GPU
     visible it is TF's own ops, so the gradient never leaves the device.
+    ``use_kernel`` forces one or the other (None: decide as above).
     """
     data = tf.cast(data, tf.float32)
     segment_ids = tf.cast(segment_ids, tf.int32)
     num_segments = tf.cast(num_segments, tf.int32)
-    if tf.config.list_logical_devices("GPU"):
+    if use_kernel is None:
+        use_kernel = not tf.config.list_logical_devices("GPU")
+    if not use_kernel:
         sums = tf.math.unsorted_segment_sum(data, segment_ids, num_segments)
         if not squares:
             return sums, None

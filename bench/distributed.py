@@ -202,6 +202,9 @@ def worker(args) -> int:
     if args.profile_steps:
         # Both ranks run the steps (collectives); rank 0 traces its kernels.
         extra = data[args.warmup + args.steps:]
+        if args.profile_lookahead:  # steps on (batch i, batch i + 1) pairs
+            step = variants[0][1]
+            extra = pairs(data[args.warmup + args.steps:])
         barrier()
         if rank == 0:
             import _profile
@@ -268,6 +271,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--rounds", type=int, default=4,
                    help="the timed steps run in this many rounds, the variants in turn")
+    p.add_argument("--profile-lookahead", action="store_true",
+                   help="profile the lookahead variant's step instead of the plain one")
     p.add_argument("--profile-steps", type=int, default=5,
                    help="steps of rank 0 traced with TF's profiler after the timed ones")
     p.add_argument("--no-tfra", dest="tfra", action="store_false")
@@ -375,7 +380,9 @@ def main(argv=None) -> int:
         rows.append(("no kernel running: waiting in Horovod all-to-alls (Gloo) for the other "
                      "rank, dispatch", (prof["wall_s"] - prof["busy_s"]) * 1e3, ""))
         C.table(["kernel type (rank 0)", "ms/step", "% of kernel time"], rows,
-                title=f"Where a 2-rank model-parallel step goes on rank 0 (TF profiler, "
+                title=f"Where a 2-rank model-parallel step"
+                      f"{' with lookahead' if args.profile_lookahead else ''} goes on rank 0 "
+                      f"(TF profiler, "
                       f"{args.profile_steps} steps; Horovod's asynchronous all-to-all kernels "
                       f"return at once, their waiting shows as time with no kernel running)")
     return 0

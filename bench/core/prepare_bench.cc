@@ -1,6 +1,6 @@
 // Microbenchmark of the C++ cache path of one training step, without
 // TensorFlow: EmbeddingStore::Prepare on a batch's distinct ids, then the
-// write-back of the evicted rows (HostTable::Write), on the reference
+// write-back of the evicted rows (EmbeddingStore::WriteBack), on the reference
 // workload of issue 6 (Zipf 1.05 over 1M ids permuted over int64, 4096 x 26
 // ids per batch, dim 16 + one Adagrad state row, cache 20% of the ids).
 //
@@ -139,8 +139,8 @@ int main(int argc, char** argv) {
     }
     // Stand-in for the evicted device rows: any values of the right shape.
     evicted_rows.assign(result.evict_ids.size() * width, 0.5f);
-    store.table().Write(result.evict_ids.data(), result.evict_ids.size(),
-                        evicted_rows.data(), result.evict_uses.data());
+    store.WriteBack(result.evict_ids.data(), result.evict_ids.size(),
+                    evicted_rows.data(), result.evict_uses.data());
     const auto t2 = Clock::now();
     if (b >= warmup) {
       t_prepare.push_back(Ms(t0, t1));

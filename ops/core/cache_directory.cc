@@ -99,7 +99,7 @@ int32_t CacheDirectory::TakeSlot(std::vector<Eviction>* evicted) {
     if (!s.occupied) return slot;
     if (s.freq > evict_max_freq_) continue;
     // The caller removes the id from the map.
-    evicted->push_back(Eviction{s.id, slot, s.uses});
+    evicted->push_back(Eviction{s.id, slot, s.uses, s.handle});
     --freq_count_[s.freq];
     s.occupied = false;
     --size_;
@@ -184,6 +184,7 @@ void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
     s.uses = 1;
     s.freq = 0;
     s.occupied = true;
+    s.handle = 0;  // until the fetch tells where its host row is
     ++freq_count_[0];
     ++size_;
     slots[i] = slot;
@@ -227,12 +228,16 @@ void CacheDirectory::SeedFrequency(int32_t slot, uint32_t past_uses) {
   if (s.occupied) ++freq_count_[s.freq];
 }
 
+void CacheDirectory::ClearHandles() {
+  for (Slot& s : slots_) s.handle = 0;
+}
+
 void CacheDirectory::Entries(std::vector<Eviction>* out, bool reset_uses) {
   out->clear();
   for (int64_t k = 0; k < capacity_; ++k) {
     Slot& s = slots_[k];
     if (!s.occupied) continue;
-    out->push_back(Eviction{s.id, static_cast<int32_t>(k), s.uses});
+    out->push_back(Eviction{s.id, static_cast<int32_t>(k), s.uses, s.handle});
     if (reset_uses) s.uses = 0;
   }
 }

@@ -34,7 +34,8 @@ class CacheDirectory {
   struct Eviction {
     int64_t id;
     int32_t slot;
-    uint32_t uses;  // steps that used the id while it was cached
+    uint32_t uses;        // steps that used the id while it was cached
+    uint64_t handle = 0;  // where its host row lives (SetHandle), 0 if unknown
   };
 
   explicit CacheDirectory(int64_t capacity);
@@ -66,6 +67,12 @@ class CacheDirectory {
   // comes back protected instead of first in line for eviction.
   void SeedFrequency(int32_t slot, uint32_t past_uses);
 
+  // Remembers where the host row of the id in `slot` lives (a HostTable
+  // handle), handed back with its eviction; ClearHandles forgets them all
+  // (when the host table is cleared).
+  void SetHandle(int32_t slot, uint64_t handle) { slots_[slot].handle = handle; }
+  void ClearHandles();
+
   // Every cached (id, slot, uses) triple; resets the use counters when
   // `reset_uses` (used when flushing to the host table).
   void Entries(std::vector<Eviction>* out, bool reset_uses);
@@ -82,6 +89,7 @@ class CacheDirectory {
     uint32_t uses = 0;
     uint8_t freq = 0;
     bool occupied = false;
+    uint64_t handle = 0;  // host row of the id (0: unknown)
   };
 
   int64_t FindEntry(int64_t id) const;  // index into map_ or -1

@@ -45,6 +45,7 @@ CoreStatus EmbeddingStore::Prepare(const int64_t* ids, int64_t n,
   const int width = table_.width();
   std::vector<float> fetched(miss_ids.size() * width);
   std::vector<uint32_t> past_uses(miss_ids.size());
+  std::vector<uint64_t> handles(miss_ids.size());
   std::vector<int64_t> miss_positions;
   std::vector<CacheDirectory::Eviction> evicted;
   miss_positions.reserve(num_misses);
@@ -53,7 +54,7 @@ CoreStatus EmbeddingStore::Prepare(const int64_t* ids, int64_t n,
       directory_.Commit(ids, n, r->slots.data(), &miss_positions, &evicted);
     } else {
       table_.FindOrInsertReserved(miss_ids.data(), miss_ids.size(), fetched.data(),
-                                  reserved, past_uses.data());
+                                  reserved, past_uses.data(), handles.data());
     }
   });
 
@@ -76,17 +77,49 @@ CoreStatus EmbeddingStore::Prepare(const int64_t* ids, int64_t n,
                 r->miss_rows.begin() + m * width);
     }
     directory_.SeedFrequency(slot, past_uses[k]);
+    directory_.SetHandle(slot, handles[k]);
   }
 
   r->evict_ids.clear();
   r->evict_slots.clear();
   r->evict_uses.clear();
+  pending_ids_.clear();
+  pending_handles_.clear();
   for (const auto& e : evicted) {
     r->evict_ids.push_back(e.id);
     r->evict_slots.push_back(e.slot);
     r->evict_uses.push_back(e.uses);
+    pending_ids_.push_back(e.id);
+    pending_handles_.push_back(e.handle);
   }
   return CoreStatus::Ok();
+}
+
+CoreStatus EmbeddingStore::WriteBack(const int64_t* ids, int64_t n, const float* rows,
+                                     const uint32_t* counts) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // A handle is valid until the host table is cleared (ClearHost forgets
+  // them), and it belongs to the id it was recorded with: matching the ids
+  // one by one is what makes the shortcut safe.
+  bool known = n > 0 && static_cast<size_t>(n) == pending_ids_.size() &&
+               std::equal(ids, ids + n, pending_ids_.begin());
+  for (int64_t i = 0; known && i < n; ++i) known = pending_handles_[i] != 0;
+  if (known) {
+    table_.WriteRows(pending_handles_.data(), n, rows, counts);
+    ++write_backs_by_handle_;
+    pending_ids_.clear();
+    pending_handles_.clear();
+    return CoreStatus::Ok();
+  }
+  return table_.Write(ids, n, rows, counts);
+}
+
+void EmbeddingStore::ClearHost() {
+  std::lock_guard<std::mutex> lock(mu_);
+  table_.Clear();
+  directory_.ClearHandles();
+  pending_ids_.clear();
+  pending_handles_.clear();
 }
 
 void EmbeddingStore::Probe(const int64_t* ids, int64_t n,
@@ -115,6 +148,8 @@ void EmbeddingStore::CachedEntries(std::vector<int64_t>* ids,
 void EmbeddingStore::ClearCache() {
   std::lock_guard<std::mutex> lock(mu_);
   directory_.Clear();
+  pending_ids_.clear();
+  pending_handles_.clear();
 }
 
 StoreStats EmbeddingStore::Stats() const {

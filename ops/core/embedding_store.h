@@ -48,12 +48,29 @@ class EmbeddingStore {
   // the missing rows from the host table (creating new ids). Fails without
   // changing anything if the ids do not fit in the cache or the host table
   // would exceed max_rows. The caller writes the evicted rows back with
-  // table().Write(evict_ids, rows, evict_uses) before reusing their slots
-  // (the uses ride along so that the host index is visited once per row).
+  // WriteBack(evict_ids, rows, evict_uses) before reusing their slots (the
+  // uses ride along so that each host row is visited once).
   // With a `schedule`, the host fetch runs on it while this thread updates
   // the directory; Prepare returns when both are done.
   CoreStatus Prepare(const int64_t* ids, int64_t n, PrepareResult* result,
                      const Scheduler* schedule = nullptr);
+
+  // Stores full-width rows of `ids` in the host table, adding `counts` (if
+  // given) to their use counters. When `ids` are exactly the last Prepare's
+  // evictions, the rows go straight to where the cache remembered them
+  // (HostTable::WriteRows: no hashing, no index probe); any other ids take
+  // HostTable::Write.
+  CoreStatus WriteBack(const int64_t* ids, int64_t n, const float* rows,
+                       const uint32_t* counts);
+
+  // Removes every host row (the cache must be cleared or flushed first).
+  void ClearHost();
+
+  // Write-backs that took the by-handle path (for tests).
+  int64_t write_backs_by_handle() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return write_backs_by_handle_;
+  }
 
   // Slots of `ids` (-1 when not cached), without side effects.
   void Probe(const int64_t* ids, int64_t n, int32_t* slots) const;
@@ -69,8 +86,12 @@ class EmbeddingStore {
 
  private:
   HostTable table_;
-  mutable std::mutex mu_;  // guards directory_
+  mutable std::mutex mu_;  // guards directory_ and the pending write-back
   CacheDirectory directory_;
+  // The last Prepare's evictions and where their host rows live.
+  std::vector<int64_t> pending_ids_;
+  std::vector<uint64_t> pending_handles_;
+  int64_t write_backs_by_handle_ = 0;
 };
 
 }  // namespace sfctr

@@ -226,21 +226,26 @@ CoreStatus HostTable::Reserve(int64_t rows) {
 void HostTable::Release(int64_t rows) { reserved_.fetch_sub(rows); }
 
 void HostTable::FindOrInsertReserved(const int64_t* ids, int64_t n, float* out,
-                                     int64_t reserved, uint32_t* use_counts) {
+                                     int64_t reserved, uint32_t* use_counts,
+                                     uint64_t* handles) {
   int64_t inserted = 0;
   ForEachByShard(ids, n, [&](int64_t i, Shard& s, uint64_t h) {
     float* dst = out + i * width_;
     const Entry* e = Locate(s, ids[i], h);
+    uint32_t row;
     if (e != nullptr) {
-      std::memcpy(dst, RowPtr(s, e->row), sizeof(float) * width_);
-      if (use_counts != nullptr) use_counts[i] = CountOf(s, e->row);
+      row = e->row;
+      std::memcpy(dst, RowPtr(s, row), sizeof(float) * width_);
+      if (use_counts != nullptr) use_counts[i] = CountOf(s, row);
     } else {
-      float* row = RowPtr(s, InsertLocked(s, ids[i], h)->row);
-      InitialRow(ids[i], row);
-      std::memcpy(dst, row, sizeof(float) * width_);
+      row = InsertLocked(s, ids[i], h)->row;
+      float* fresh = RowPtr(s, row);
+      InitialRow(ids[i], fresh);
+      std::memcpy(dst, fresh, sizeof(float) * width_);
       if (use_counts != nullptr) use_counts[i] = 0;
       ++inserted;
     }
+    if (handles != nullptr) handles[i] = MakeHandle(ShardIndex(h), row);
   });
   size_.fetch_add(inserted);
   // Another writer may have inserted some of these ids first; give back what
@@ -273,11 +278,38 @@ CoreStatus HostTable::Write(const int64_t* ids, int64_t n, const float* rows,
     }
     dst = RowPtr(s, e->row);
     std::memcpy(dst, rows + i * width_, sizeof(float) * width_);
-    if (add_counts != nullptr) AddSaturating(s, e, add_counts[i]);
+    if (add_counts != nullptr) AddSaturating(s, e->row, add_counts[i]);
   }, presize);
   size_.fetch_add(inserted);
   if (need > inserted) Release(need - inserted);
   return CoreStatus::Ok();
+}
+
+void HostTable::WriteRows(const uint64_t* handles, int64_t n, const float* rows,
+                          const uint32_t* add_counts) {
+  if (n <= 0) return;
+  // Grouped by shard (one lock per shard), in input order within a shard.
+  const uint64_t num_shards = shard_mask_ + 1;
+  std::vector<uint32_t> start(num_shards + 1, 0);
+  for (int64_t i = 0; i < n; ++i) ++start[((handles[i] - 1) >> 32) + 1];
+  for (uint64_t k = 0; k < num_shards; ++k) start[k + 1] += start[k];
+  std::vector<uint32_t> order(n);
+  {
+    std::vector<uint32_t> next(start.begin(), start.end() - 1);
+    for (int64_t i = 0; i < n; ++i) order[next[(handles[i] - 1) >> 32]++] = i;
+  }
+  for (uint64_t k = 0; k < num_shards; ++k) {
+    if (start[k] == start[k + 1]) continue;
+    Shard& s = shards_[k];
+    std::lock_guard<std::mutex> lock(s.mu);
+    for (uint32_t j = start[k]; j < start[k + 1]; ++j) {
+      const uint32_t i = order[j];
+      const uint32_t row = static_cast<uint32_t>(handles[i] - 1);
+      std::memcpy(RowPtr(s, row), rows + static_cast<int64_t>(i) * width_,
+                  sizeof(float) * width_);
+      if (add_counts != nullptr) AddSaturating(s, row, add_counts[i]);
+    }
+  }
 }
 
 CoreStatus HostTable::AssignValues(const int64_t* ids, int64_t n,
@@ -295,8 +327,8 @@ CoreStatus HostTable::AssignValues(const int64_t* ids, int64_t n,
   return Write(ids, n, rows.data());
 }
 
-void HostTable::AddSaturating(const Shard& s, const Entry* e, uint32_t count) const {
-  uint16_t& c = CountOf(s, e->row);
+void HostTable::AddSaturating(const Shard& s, uint32_t row, uint32_t count) const {
+  uint16_t& c = CountOf(s, row);
   const uint64_t sum = static_cast<uint64_t>(c) + count;
   c = static_cast<uint16_t>(sum > kMaxCount ? kMaxCount : sum);
 }
@@ -309,7 +341,7 @@ void HostTable::AddUseCounts(const int64_t* ids, int64_t n,
                              const uint32_t* counts) {
   ForEachByShard(ids, n, [&](int64_t i, Shard& s, uint64_t h) {
     Entry* e = Locate(s, ids[i], h);
-    if (e != nullptr) AddSaturating(s, e, counts[i]);
+    if (e != nullptr) AddSaturating(s, e->row, counts[i]);
   });
 }
 

@@ -66,8 +66,20 @@ class HostTable {
   // Like Find, but inserts missing ids with their initial row. `reserved` rows
   // must have been reserved; unused reservations are released. If given,
   // `use_counts` receives each id's use counter (0 for new ids).
+  // If given, `handles` receives where each id's row lives (see WriteRows).
   void FindOrInsertReserved(const int64_t* ids, int64_t n, float* out,
-                            int64_t reserved, uint32_t* use_counts = nullptr);
+                            int64_t reserved, uint32_t* use_counts = nullptr,
+                            uint64_t* handles = nullptr);
+
+  // A row's place in the table: never 0, valid until Clear() (rows never
+  // move). Writing by handle skips hashing and the index probe.
+  static uint64_t MakeHandle(uint64_t shard, uint32_t row) {
+    return (shard << 32 | row) + 1;
+  }
+  // Stores full-width rows at handles from FindOrInsertReserved, adding
+  // add_counts (if given) to their use counters.
+  void WriteRows(const uint64_t* handles, int64_t n, const float* rows,
+                 const uint32_t* add_counts = nullptr);
 
   // Stores full-width rows (value and state), inserting missing ids. If
   // given, add_counts[i] is added to the use counter of ids[i] on the way
@@ -144,7 +156,7 @@ class HostTable {
     return static_cast<uint64_t>((static_cast<unsigned __int128>(hash) * size) >> 64);
   }
   uint16_t& CountOf(const Shard& s, uint32_t row) const;
-  void AddSaturating(const Shard& s, const Entry* e, uint32_t count) const;
+  void AddSaturating(const Shard& s, uint32_t row, uint32_t count) const;
   // Returns the entry of `id` or nullptr. Caller holds the shard lock.
   Entry* Locate(Shard& s, int64_t id, uint64_t hash) const;
   // Inserts `id` (must be absent) with a fresh arena row; returns its entry.

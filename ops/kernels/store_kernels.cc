@@ -274,8 +274,8 @@ class HostWriteOp : public StoreOpKernel {
       }
       rows = joined.data();
     }
-    OP_REQUIRES_OK(ctx, ToTf(table.Write(ids.flat<int64_t>().data(), n, rows,
-                                         add.empty() ? nullptr : add.data())));
+    OP_REQUIRES_OK(ctx, ToTf(store.WriteBack(ids.flat<int64_t>().data(), n, rows,
+                                             add.empty() ? nullptr : add.data())));
   }
 };
 
@@ -433,7 +433,7 @@ class HostClearOp : public StoreOpKernel {
 
  protected:
   void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
-    store.table().Clear();
+    store.ClearHost();
   }
 };
 

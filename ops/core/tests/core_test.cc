@@ -416,9 +416,8 @@ void RunStoreAgainstModel(const Scheduler* schedule) {
     for (int32_t s : r.evict_slots) {
       back.insert(back.end(), cache.begin() + s * w, cache.begin() + (s + 1) * w);
     }
-    CHECK(store.table()
-              .Write(r.evict_ids.data(), r.evict_ids.size(), back.data(),
-                     r.evict_uses.data())
+    CHECK(store.WriteBack(r.evict_ids.data(), r.evict_ids.size(), back.data(),
+                          r.evict_uses.data())
               .ok());
     for (size_t m = 0; m < r.miss_slots.size(); ++m) {
       std::copy(r.miss_rows.begin() + m * w, r.miss_rows.begin() + (m + 1) * w,
@@ -461,6 +460,8 @@ void RunStoreAgainstModel(const Scheduler* schedule) {
   for (size_t i = 0; i < all_ids.size(); ++i) CHECK_EQ(counts[i], uses[all_ids[i]]);
   StoreStats st = store.Stats();
   CHECK(st.hits > 0 && st.misses > 0 && st.evictions > 0);
+  // The write-backs went to the rows the cache remembered.
+  CHECK(store.write_backs_by_handle() > 0);
 }
 
 TEST_CASE(StoreKeepsRowsAndStateThroughEvictions) { RunStoreAgainstModel(nullptr); }
@@ -646,6 +647,61 @@ TEST_CASE(RunShardsNeverWaitsForABusyPool) {
   int inline_runs = 0;
   sfctr::RunShards(nullptr, 4, 2, [&](int64_t) { ++inline_runs; });
   CHECK_EQ(inline_runs, 4);
+}
+
+// A write-back finds its rows by handle only when its ids are the last
+// Prepare's evictions and the host table was not cleared since; otherwise
+// it takes the by-id path, with the same result.
+TEST_CASE(StoreWriteBackByHandleOnlyWhenItIsSafe) {
+  StoreOptions o;
+  o.table = Options(2, 0);
+  o.cache_capacity = 4;
+  EmbeddingStore store(o);
+  const int w = store.table().width();
+  bool prepared = true;
+  const auto prepare = [&](std::vector<int64_t> ids) -> PrepareResult {
+    PrepareResult r;
+    prepared = prepared && store.Prepare(ids.data(), ids.size(), &r).ok();
+    return r;
+  };
+  const auto row_of = [&](int64_t id) {
+    std::vector<float> got(w);
+    store.table().Find(&id, 1, got.data());
+    return got;
+  };
+  prepare({1, 2, 3, 4});
+  PrepareResult r = prepare({5, 6});
+  CHECK_EQ(r.evict_ids.size(), size_t{2});
+  // Reversed: not the evictions as recorded, so written by id.
+  std::vector<int64_t> reversed(r.evict_ids.rbegin(), r.evict_ids.rend());
+  std::vector<float> rows = {7, 7, 8, 8};
+  CHECK(store.WriteBack(reversed.data(), 2, rows.data(), nullptr).ok());
+  CHECK_EQ(store.write_backs_by_handle(), int64_t{0});
+  CHECK(row_of(reversed[0]) == std::vector<float>({7, 7}));
+  CHECK(row_of(reversed[1]) == std::vector<float>({8, 8}));
+  // As recorded: by handle.
+  r = prepare({7, 8});
+  rows = {1, 2, 3, 4};
+  CHECK(store.WriteBack(r.evict_ids.data(), 2, rows.data(), nullptr).ok());
+  CHECK_EQ(store.write_backs_by_handle(), int64_t{1});
+  CHECK(row_of(r.evict_ids[0]) == std::vector<float>({1, 2}));
+  CHECK(row_of(r.evict_ids[1]) == std::vector<float>({3, 4}));
+  // The same evictions again: consumed, so by id (same rows, same result).
+  rows = {5, 6, 7, 8};
+  CHECK(store.WriteBack(r.evict_ids.data(), 2, rows.data(), nullptr).ok());
+  CHECK_EQ(store.write_backs_by_handle(), int64_t{1});
+  CHECK(row_of(r.evict_ids[1]) == std::vector<float>({7, 8}));
+  // A host table cleared between Prepare and write-back: the handles are
+  // void, the rows are inserted by id.
+  r = prepare({9, 10});
+  store.ClearHost();
+  rows = {9, 9, 10, 10};
+  CHECK(store.WriteBack(r.evict_ids.data(), 2, rows.data(), nullptr).ok());
+  CHECK_EQ(store.write_backs_by_handle(), int64_t{1});
+  CHECK_EQ(store.table().size(), int64_t{2});
+  CHECK(row_of(r.evict_ids[0]) == std::vector<float>({9, 9}));
+  CHECK(row_of(r.evict_ids[1]) == std::vector<float>({10, 10}));
+  CHECK(prepared);
 }
 
 int main() {

@@ -737,12 +737,15 @@ class CachedEmbedding(keras.layers.Layer):
         ``ids_sent`` (model parallel: ids this rank sent to their owners in
         training steps, one per distinct (id, owner) pair) and
         ``prepared_ahead`` (training steps whose cache was prepared during
-        the previous step, with ``next_unique_ids``). Under Horovod the
+        the previous step, with ``next_unique_ids``) and
+        ``write_backs_by_handle`` (write-backs of evicted rows that went
+        straight to their host rows, without an id lookup; normally every
+        step that evicted). Under Horovod the
         numbers are this rank's shard. Hits, misses and evictions are counted
         when a batch's cache is prepared.
         """
         self._require_built()
-        hits, misses, evictions, host_rows, capacity, cached = (
+        hits, misses, evictions, host_rows, capacity, cached, by_handle = (
             int(v) for v in self._store.stats().numpy())
         lookups = hits + misses
         return {
@@ -755,6 +758,7 @@ class CachedEmbedding(keras.layers.Layer):
             "hit_rate": hits / lookups if lookups else 0.0,
             "ids_sent": int(self._ids_sent.var.numpy()),
             "prepared_ahead": int(self._prepared_ahead.var.numpy()),
+            "write_backs_by_handle": by_handle,
         }
 
     # ------------------------------------------------ Keras saving format

@@ -181,11 +181,12 @@ REGISTER_OP("SfctrStoreStats")
     .Output("stats: int64")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Vector(6));
+      c->set_output(0, c->Vector(7));
       return OkStatus();
     })
     .Doc(R"doc(
-[hits, misses, evictions, host_rows, cache_capacity, cached_rows].
+[hits, misses, evictions, host_rows, cache_capacity, cached_rows,
+write_backs_by_handle].
 )doc");
 
 REGISTER_OP("SfctrStoreSetCounters")

@@ -157,3 +157,18 @@ def test_with_unique_ids_lookahead_pairs_each_batch_with_the_next():
     for t, (u, nxt) in enumerate(got):
         np.testing.assert_array_equal(u, plain[t])
         np.testing.assert_array_equal(nxt, plain[t + 1] if t + 1 < len(plain) else [])
+
+
+def test_every_write_back_goes_straight_to_its_host_rows():
+    """The write-back of a step's evicted rows finds them by the handles the
+    fetch recorded, not by id lookups: one such write-back per step that
+    evicted. (With lookahead the count is the same:
+    test_true_lookahead_matches_plain_training compares all the stats.)"""
+    layer = _layer()
+    evicting_steps = 0
+    for ids in _batches(5, 20):
+        before = layer.cache_stats()["evictions"] if layer.built else 0
+        _step(layer, ids)
+        evicting_steps += layer.cache_stats()["evictions"] > before
+    assert evicting_steps > 0
+    assert layer.cache_stats()["write_backs_by_handle"] == evicting_steps

@@ -136,7 +136,8 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
 
     # Counters ----------------------------------------------------------------
     def stats(self) -> tf.Tensor:
-        """[hits, misses, evictions, host_rows, cache_capacity, cached_rows]."""
+        """[hits, misses, evictions, host_rows, cache_capacity, cached_rows,
+        write_backs_by_handle]."""
         return _ops.load().sfctr_store_stats(self.resource_handle)
 
     def set_counters(self, counters: tf.Tensor):

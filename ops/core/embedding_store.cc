@@ -155,8 +155,9 @@ void EmbeddingStore::ClearCache() {
 StoreStats EmbeddingStore::Stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   const CacheStats& c = directory_.stats();
-  return StoreStats{c.hits,       c.misses,           c.evictions,
-                    table_.size(), directory_.capacity(), directory_.size()};
+  return StoreStats{c.hits,        c.misses,           c.evictions,
+                    table_.size(), directory_.capacity(), directory_.size(),
+                    write_backs_by_handle_};
 }
 
 void EmbeddingStore::SetCounters(int64_t hits, int64_t misses,

@@ -33,6 +33,7 @@ struct PrepareResult {
 
 struct StoreStats {
   int64_t hits, misses, evictions, host_rows, cache_capacity, cached_rows;
+  int64_t write_backs_by_handle;  // write-backs that skipped the id lookup
 };
 
 class EmbeddingStore {

@@ -447,7 +447,7 @@ class StoreStatsOp : public StoreOpKernel {
     OutputVector(ctx, 0,
                  std::vector<int64_t>{s.hits, s.misses, s.evictions,
                                       s.host_rows, s.cache_capacity,
-                                      s.cached_rows});
+                                      s.cached_rows, s.write_backs_by_handle});
   }
 };
 

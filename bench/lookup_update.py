@@ -200,7 +200,7 @@ def classify(name: str, typ: str) -> str:
             return "write-back of evicted rows (gather + SfctrHostWrite)"
         if typ == "ResourceScatterUpdate":
             return "fill missed rows (scatter_update)"
-        if typ in ("ResourceGather", "GatherV2"):
+        if typ in ("ResourceGather", "GatherV2", "SfctrGatherIndex"):
             return "forward gathers (cache[slots[inverse]])"
         return "other small ops"
     if typ in ("SfctrSegmentSums", "UnsortedSegmentSum", "Square", "ConcatV2", "StridedSlice",

@@ -300,7 +300,7 @@ class CachedEmbedding(keras.layers.Layer):
         if self._mode == "local" and training:
             # One gather of the batch's rows straight from the cache.
             slots = self._cached_slots(unique_ids, next_ids)
-            rows = tf.gather(self._cache_rows, tf.gather(slots, inverse))
+            rows = tf.gather(self._cache_rows, _ops.gather_index(slots, inverse))
             apply_update = lambda g, g_sq: self._apply_update(slots, g, g_sq)  # noqa: E731
             num_unique = tf.size(unique_ids)
         elif self._mode == "model_parallel":
@@ -487,7 +487,7 @@ class CachedEmbedding(keras.layers.Layer):
             route, next_recv = exchange.send_ids_and_next(unique_ids, next_ids, world, name)
         else:
             route = exchange.send_ids(unique_ids, world, name)
-        index = route.position if inverse is None else tf.gather(route.position, inverse)
+        index = route.position if inverse is None else _ops.gather_index(route.position, inverse)
         return route, index, next_recv
 
     def _model_parallel_rows(self, route, training: bool,
@@ -509,7 +509,7 @@ class CachedEmbedding(keras.layers.Layer):
                 # do, so the owner's plan matches its next own ids.
                 next_own, _, _ = _ops.unique(next_recv)
             slots = self._cached_slots(own_ids, next_own)
-            rows_for_recv = tf.gather(self._cache_rows, tf.gather(slots, own_inverse))
+            rows_for_recv = tf.gather(self._cache_rows, _ops.gather_index(slots, own_inverse))
         else:
             rows_for_recv = tf.gather(self._inference_rows(own_ids), own_inverse)
         rows = exchange.return_rows(rows_for_recv, route, name)

@@ -251,4 +251,22 @@ of the per-occurrence gradient gives both sums Adagrad needs. Multi-threaded
 over segment ranges; the result does not depend on the number of threads.
 )doc");
 
+REGISTER_OP("SfctrGatherIndex")
+    .Input("params: int32")
+    .Input("indices: int32")
+    .Output("output: int32")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle params;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &params));
+      c->set_output(0, c->input(1));
+      return OkStatus();
+    })
+    .Doc(R"doc(
+params[indices] for an int32 vector params and int32 indices of any shape (the
+result has their shape): tf.gather's result, on one thread. For the small
+index tables of a step (slots[inverse]): TF's kernel splits such a gather over
+the intra-op pool, and inside a busy step waiting for the pool costs more than
+the gather.
+)doc");
+
 }  // namespace tensorflow

@@ -40,6 +40,7 @@ _OP_TYPES = (
     "SfctrStoreSetCounters",
     "SfctrUnique",
     "SfctrSegmentSums",
+    "SfctrGatherIndex",
 )
 
 
@@ -130,3 +131,20 @@ def segment_sums(data: tf.Tensor, segment_ids: tf.Tensor, num_segments,
         return sums, tf.math.unsorted_segment_sum(tf.square(data), segment_ids, num_segments)
     sums, sums_sq = load().sfctr_segment_sums(data, segment_ids, num_segments, squares=squares)
     return sums, (sums_sq if squares else None)
+
+
+def gather_index(params: tf.Tensor, indices: tf.Tensor, use_kernel: bool | None = None):
+    """``tf.gather(params, indices)`` for int32 index tables (``slots[inverse]``).
+
+    On CPU this is our single-threaded ``SfctrGatherIndex``: TF's kernel splits
+    the gather over the intra-op pool, and inside a busy training step waiting
+    for a pool thread costs more than the gather itself. With a GPU visible it
+    is ``tf.gather``. ``use_kernel`` forces one or the other.
+    """
+    params = tf.convert_to_tensor(params, tf.int32)
+    indices = tf.convert_to_tensor(indices, tf.int32)
+    if use_kernel is None:
+        use_kernel = not tf.config.list_logical_devices("GPU")
+    if not use_kernel:
+        return tf.gather(params, indices)
+    return load().sfctr_gather_index(params, indices)

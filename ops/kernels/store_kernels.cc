@@ -565,6 +565,31 @@ class SegmentSumsOp : public OpKernel {
   bool squares_ = false;
 };
 
+class GatherIndexOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& params = ctx->input(0);
+    const Tensor& indices = ctx->input(1);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(params.shape()),
+                errors::InvalidArgument("params must be a vector, got shape ",
+                                        params.shape().DebugString()));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, indices.shape(), &out));
+    const int32_t* p = params.flat<int32_t>().data();
+    const int32_t* idx = indices.flat<int32_t>().data();
+    int32_t* o = out->flat<int32_t>().data();
+    const int64_t m = params.NumElements(), n = indices.NumElements();
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t k = idx[i];
+      OP_REQUIRES(ctx, k >= 0 && k < m,
+                  errors::InvalidArgument("indices[", i, "] = ", k, " is not in [0, ", m, ")"));
+      o[i] = p[k];
+    }
+  }
+};
+
 #define SFCTR_CPU_KERNEL(name, cls) \
   REGISTER_KERNEL_BUILDER(Name(name).Device(DEVICE_CPU), cls)
 
@@ -584,6 +609,7 @@ SFCTR_CPU_KERNEL("SfctrStoreStats", StoreStatsOp);
 SFCTR_CPU_KERNEL("SfctrStoreSetCounters", StoreSetCountersOp);
 SFCTR_CPU_KERNEL("SfctrUnique", UniqueOp);
 SFCTR_CPU_KERNEL("SfctrSegmentSums", SegmentSumsOp);
+SFCTR_CPU_KERNEL("SfctrGatherIndex", GatherIndexOp);
 
 }  // namespace
 }  // namespace tensorflow

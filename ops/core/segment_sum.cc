@@ -6,30 +6,16 @@
 namespace sfctr {
 namespace {
 
-// The common widths get a loop the compiler fully unrolls and vectorises.
+// kDim > 0 fixes the width at compile time: the common widths get a loop the
+// compiler fully unrolls and vectorises. kDim == 0 takes `dim` at run time.
 template <int kDim>
-void AddRows(const float* data, const int32_t* segment, int64_t n, int64_t begin,
-             int64_t end, float* sums, float* squares) {
+void AddRows(const float* data, const int32_t* segment, int64_t n, int64_t dim_arg,
+             int64_t begin, int64_t end, float* sums, float* squares) {
+  const int64_t dim = kDim > 0 ? kDim : dim_arg;
   const uint64_t span = static_cast<uint64_t>(end - begin);
   for (int64_t i = 0; i < n; ++i) {
     const uint64_t s = static_cast<uint64_t>(segment[i] - begin);
     if (s >= span) continue;  // another range's segment (or below begin)
-    const float* row = data + i * kDim;
-    float* out = sums + (begin + static_cast<int64_t>(s)) * kDim;
-    for (int k = 0; k < kDim; ++k) out[k] += row[k];
-    if (squares != nullptr) {
-      float* sq = squares + (begin + static_cast<int64_t>(s)) * kDim;
-      for (int k = 0; k < kDim; ++k) sq[k] += row[k] * row[k];
-    }
-  }
-}
-
-void AddRowsAnyDim(const float* data, const int32_t* segment, int64_t n, int64_t dim,
-                   int64_t begin, int64_t end, float* sums, float* squares) {
-  const uint64_t span = static_cast<uint64_t>(end - begin);
-  for (int64_t i = 0; i < n; ++i) {
-    const uint64_t s = static_cast<uint64_t>(segment[i] - begin);
-    if (s >= span) continue;
     const float* row = data + i * dim;
     float* out = sums + (begin + static_cast<int64_t>(s)) * dim;
     for (int64_t k = 0; k < dim; ++k) out[k] += row[k];
@@ -56,12 +42,12 @@ void SegmentSums(const float* data, const int32_t* segment, int64_t n, int64_t d
   std::memset(sums + begin * dim, 0, bytes);
   if (squares != nullptr) std::memset(squares + begin * dim, 0, bytes);
   switch (dim) {
-    case 8: return AddRows<8>(data, segment, n, begin, end, sums, squares);
-    case 16: return AddRows<16>(data, segment, n, begin, end, sums, squares);
-    case 32: return AddRows<32>(data, segment, n, begin, end, sums, squares);
-    case 64: return AddRows<64>(data, segment, n, begin, end, sums, squares);
-    case 128: return AddRows<128>(data, segment, n, begin, end, sums, squares);
-    default: return AddRowsAnyDim(data, segment, n, dim, begin, end, sums, squares);
+    case 8: return AddRows<8>(data, segment, n, dim, begin, end, sums, squares);
+    case 16: return AddRows<16>(data, segment, n, dim, begin, end, sums, squares);
+    case 32: return AddRows<32>(data, segment, n, dim, begin, end, sums, squares);
+    case 64: return AddRows<64>(data, segment, n, dim, begin, end, sums, squares);
+    case 128: return AddRows<128>(data, segment, n, dim, begin, end, sums, squares);
+    default: return AddRows<0>(data, segment, n, dim, begin, end, sums, squares);
   }
 }
 

@@ -9,7 +9,9 @@ the dense layers with the framework's Adagrad, the table with
 * ``CachedEmbedding``: ``tf_sfctr.optimizers.Adagrad``, cache ``--cache-frac``
   of the ids (also rows with de-duplication in tf.data,
   ``tf_sfctr.data.with_unique_ids``, and with ScaleFreeCTR's full pipeline,
-  where each step also prepares the next batch's cache, ``lookahead=True``);
+  where each step also prepares the next batch's cache, ``lookahead=True``,
+  and with that plus eviction hints from the two batches after it,
+  ``eviction_hints=2``);
 * ``Keras 3 Embedding``: the whole table as a Keras weight, ``keras.optimizers.Adagrad``;
 * ``tf_keras Embedding`` (Keras 2, for reference): ``tf_keras.optimizers.legacy.Adagrad``;
 * ``TFRA``: ``de.keras.layers.Embedding`` in a tf_keras model, compiled with
@@ -52,6 +54,8 @@ import tensorflow as tf  # noqa: E402
 LR = 0.05
 OURS, OURS_VSI = "CachedEmbedding", "CachedEmbedding, VSI in tf.data"
 OURS_LA = "CachedEmbedding, VSI in tf.data + lookahead"
+HINT_BATCHES = 2
+OURS_HINTS = f"CachedEmbedding, VSI in tf.data + lookahead + {HINT_BATCHES}-batch eviction hints"
 OURS_SUMMED = "CachedEmbedding (Adagrad summed)"
 K3, TFK, TFRA = "Keras 3 Embedding", "tf_keras Embedding", "TFRA dynamic_embedding"
 TARGETS = {K3: 2.0, TFRA: 1.5}
@@ -86,7 +90,8 @@ def dlrm(K, embed, dense_in, sparse_in):
     return K.layers.Dense(1, activation="sigmoid", name="top_2")(x)
 
 
-def model_ours(capacity: int, vsi: bool, lookahead: bool = False, summed: bool = False):
+def model_ours(capacity: int, vsi: bool, lookahead: bool = False, summed: bool = False,
+               hints: bool = False):
     import keras
 
     import tf_sfctr
@@ -94,7 +99,8 @@ def model_ours(capacity: int, vsi: bool, lookahead: bool = False, summed: bool =
     from tf_sfctr.keras_layers import CachedEmbedding
 
     dense_in = keras.Input((NUM_DENSE,), name="dense")
-    sparse_in = (vsi_inputs("sparse", (NUM_SPARSE,), lookahead=lookahead) if vsi
+    sparse_in = (vsi_inputs("sparse", (NUM_SPARSE,), lookahead=lookahead, eviction_hints=hints)
+                 if vsi
                  else keras.Input((NUM_SPARSE,), dtype="int64", name="sparse"))
     layer = CachedEmbedding(DIM, cache_capacity=capacity, seed=0,
                             optimizer=tf_sfctr.optimizers.Adagrad(
@@ -142,7 +148,7 @@ def model_tfra():
 
 def batched_dataset(dense: np.ndarray, sparse: np.ndarray, label: np.ndarray, batch: int,
                     start: int, count: int, vsi: bool = False,
-                    lookahead: bool = False) -> tf.data.Dataset:
+                    lookahead: bool = False, hints: int = 0) -> tf.data.Dataset:
     """Batches number ``start`` .. ``start + count - 1``, one dataset element each.
 
     Only those batches become tensors: converting the whole sample on every
@@ -156,7 +162,7 @@ def batched_dataset(dense: np.ndarray, sparse: np.ndarray, label: np.ndarray, ba
     if vsi:
         from tf_sfctr.data import with_unique_ids
 
-        return with_unique_ids(ds, lookahead=lookahead)
+        return with_unique_ids(ds, lookahead=lookahead, eviction_hints=hints)
     return ds.prefetch(2)
 
 
@@ -201,18 +207,20 @@ def main(argv=None) -> int:
 
     variants = []  # (name, model, layer, dataset from a batch number)
 
-    def add(name, make, ids, vsi=False, lookahead=False):
+    def add(name, make, ids, vsi=False, lookahead=False, hints=0):
         made = make()
         model, layer = made if isinstance(made, tuple) else (made, None)
         variants.append([name, model, layer,
-                         lambda start, n, ids=ids, vsi=vsi, la=lookahead: batched_dataset(
-                             dense, ids, label, args.batch, start, n, vsi, la)])
+                         lambda start, n, ids=ids, vsi=vsi, la=lookahead, h=hints:
+                         batched_dataset(dense, ids, label, args.batch, start, n, vsi, la, h)])
 
     add(OURS, lambda: model_ours(capacity, vsi=False), sparse)
     add(OURS_SUMMED, lambda: model_ours(capacity, vsi=False, summed=True), sparse)
     add(OURS_VSI, lambda: model_ours(capacity, vsi=True), sparse, vsi=True)
     add(OURS_LA, lambda: model_ours(capacity, vsi=True, lookahead=True), sparse, vsi=True,
         lookahead=True)
+    add(OURS_HINTS, lambda: model_ours(capacity, vsi=True, lookahead=True, hints=True), sparse,
+        vsi=True, lookahead=True, hints=HINT_BATCHES)
     add(K3, lambda: model_keras3(vocab), index)
     if not args.tf_keras:
         print(f"{TFK} not run (--no-tf-keras)")
@@ -277,7 +285,7 @@ def main(argv=None) -> int:
             same = SAME_MATH[name]
             C.report_target(f"model.fit samples/s, {same} vs {name} (same Adagrad formula)",
                             step_s[name] / step_s[same], TARGETS[name])
-            for ours in (OURS, OURS_VSI, OURS_LA):
+            for ours in (OURS, OURS_VSI, OURS_LA, OURS_HINTS):
                 if ours != same:
                     C.report_target(f"model.fit samples/s, {ours} vs {name}",
                                     step_s[name] / step_s[ours], TARGETS[name])

@@ -45,6 +45,21 @@ def _compute_device() -> str:
     return "/GPU:0" if tf.config.list_logical_devices("GPU") else "/CPU:0"
 
 
+def _eviction_hints(inputs: dict) -> Optional[tuple]:
+    """(ids, steps) of a de-duplicated feature's eviction hints, or None."""
+    has_ids, has_steps = "hint_ids" in inputs, "hint_steps" in inputs
+    if has_ids != has_steps:
+        raise ValueError(
+            "CachedEmbedding: eviction hints need both 'hint_ids' and 'hint_steps' "
+            f"(tf_sfctr.data.with_unique_ids(..., eviction_hints=k) gives both); got only "
+            f"{'hint_ids' if has_ids else 'hint_steps'}")
+    if not has_ids:
+        return None
+    hint_ids = tf.reshape(tf.cast(inputs["hint_ids"], tf.int64), [-1])
+    hint_steps = tf.reshape(tf.cast(inputs["hint_steps"], tf.int32), [-1])
+    return hint_ids, tf.ensure_shape(hint_steps, hint_ids.shape)
+
+
 def _check_id_dtype(dtype: tf.DType, what: str = "ids") -> None:
     if dtype not in (tf.int32, tf.int64):
         raise TypeError(
@@ -149,7 +164,10 @@ class CachedEmbedding(keras.layers.Layer):
     writes back evicted rows and fills the fetched ones. Results are the same
     as without lookahead. (Local and model-parallel tables; a model-parallel
     step also sends the next ids to their owners. Data-parallel tables
-    ignore the key.)
+    ignore the key.) With ``"hint_ids"`` and ``"hint_steps"`` (ids that
+    later batches use and how many batches after the one being prepared,
+    ``with_unique_ids(..., eviction_hints=k)``) the cache keeps those rows
+    when others can go; values are unchanged. Local tables only.
 
     Example:
 
@@ -292,14 +310,15 @@ class CachedEmbedding(keras.layers.Layer):
             next_ids = inputs.get("next_unique_ids")
             if next_ids is not None:
                 next_ids = tf.reshape(tf.cast(next_ids, tf.int64), [-1])
+            hints = _eviction_hints(inputs)
         else:
             ids, layout = self._flatten(inputs)
-            unique_ids = inverse = next_ids = None
+            unique_ids = inverse = next_ids = hints = None
             if self._mode != "model_parallel":
                 unique_ids, inverse, _ = _ops.unique(ids)
         if self._mode == "local" and training:
             # One gather of the batch's rows straight from the cache.
-            slots = self._cached_slots(unique_ids, next_ids)
+            slots = self._cached_slots(unique_ids, next_ids, hints)
             rows = _ops.gather_rows(self._cache_rows, _ops.gather_index(slots, inverse))
             apply_update = lambda g, g_sq: self._apply_update(slots, g, g_sq)  # noqa: E731
             num_unique = tf.size(unique_ids)
@@ -386,10 +405,13 @@ class CachedEmbedding(keras.layers.Layer):
             return tf.gather(rows, position), apply_update
         return self._data_parallel_rows(unique_ids, training)
 
-    def _cached_slots(self, unique_ids: tf.Tensor, next_ids: Optional[tf.Tensor] = None):
+    def _cached_slots(self, unique_ids: tf.Tensor, next_ids: Optional[tf.Tensor] = None,
+                      hints: Optional[tuple] = None):
         """Loads distinct ids into the cache (this rank's shard); returns
         their slots, valid once the cache holds their rows. With ``next_ids``,
-        also prepares the cache for the next batch (see the class docstring)."""
+        also prepares the cache for the next batch (see the class docstring).
+        ``hints`` (ids, steps) go to the batch prepared: the next one with
+        ``next_ids``, else this one."""
         plan = self._plan
         # A prepared plan is applied first, whichever batch it was for: the
         # directory already reflects it.
@@ -404,12 +426,14 @@ class CachedEmbedding(keras.layers.Layer):
                 return tf.identity(plan.slots.read_value())
 
         with tf.control_dependencies([self._settle()]):
-            slots = tf.cond(use_plan, planned_slots, lambda: self._prepare_now(unique_ids))
+            now_hints = None if next_ids is not None else hints
+            slots = tf.cond(use_plan, planned_slots,
+                            lambda: self._prepare_now(unique_ids, now_hints))
         if next_ids is not None:
             # After this batch's write-back (the host then holds every evicted
             # row), concurrently with the rest of the step.
             with tf.control_dependencies([slots]):
-                self._prepare_next(next_ids)
+                self._prepare_next(next_ids, hints)
         return slots
 
     def _apply_plan(self, miss_slots, miss_rows, evict_slots, evict_ids, evict_uses):
@@ -424,19 +448,24 @@ class CachedEmbedding(keras.layers.Layer):
         with tf.control_dependencies(fills):
             return tf.constant(True)
 
-    def _prepare_now(self, unique_ids: tf.Tensor) -> tf.Tensor:
+    def _prepare(self, unique_ids: tf.Tensor, hints: Optional[tuple]):
+        hint_ids, hint_steps = hints if hints is not None else (None, None)
+        return self._store.cache_prepare(unique_ids, num_parts=len(self._device_variables),
+                                         hint_ids=hint_ids, hint_steps=hint_steps)
+
+    def _prepare_now(self, unique_ids: tf.Tensor, hints: Optional[tuple] = None) -> tf.Tensor:
         slots, miss_slots, miss_rows, evict_slots, evict_ids, evict_uses = \
-            self._store.cache_prepare(unique_ids, num_parts=len(self._device_variables))
+            self._prepare(unique_ids, hints)
         done = self._apply_plan(miss_slots, miss_rows, evict_slots, evict_ids, evict_uses)
         with tf.control_dependencies([done]):
             return tf.identity(slots)
 
-    def _prepare_next(self, next_ids: tf.Tensor) -> tf.Tensor:
+    def _prepare_next(self, next_ids: tf.Tensor, hints: Optional[tuple] = None) -> tf.Tensor:
         plan = self._plan
 
         def prepare():
             slots, miss_slots, miss_rows, evict_slots, evict_ids, evict_uses = \
-                self._store.cache_prepare(next_ids, num_parts=len(self._device_variables))
+                self._prepare(next_ids, hints)
             saved = [plan.ids.assign(next_ids), plan.slots.assign(slots),
                      plan.miss_slots.assign(miss_slots), plan.evict_slots.assign(evict_slots),
                      plan.evict_ids.assign(evict_ids), plan.evict_uses.assign(evict_uses)]

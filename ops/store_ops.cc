@@ -41,6 +41,8 @@ returns a reference-counted handle; the store is freed with its last handle.
 REGISTER_OP("SfctrCachePrepare")
     .Input("store: resource")
     .Input("ids: int64")
+    .Input("hint_ids: int64")
+    .Input("hint_steps: int32")
     .Attr("num_parts: int >= 1 = 1")
     .Output("slots: int32")
     .Output("miss_slots: int32")
@@ -52,6 +54,10 @@ REGISTER_OP("SfctrCachePrepare")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle ids;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &ids));
+      ShapeHandle hint_ids, hint_steps;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &hint_ids));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 1, &hint_steps));
+      TF_RETURN_IF_ERROR(c->Merge(hint_ids, hint_steps, &hint_ids));
       c->set_output(0, ids);
       TF_RETURN_IF_ERROR(VectorOfUnknown(c, 1));
       int num_parts;
@@ -71,8 +77,11 @@ are returned for SfctrHostWrite) and fetches the rows (value and optimizer
 state) that must be loaded into `miss_slots`, split column-wise into
 `num_parts` equal parts (one per device variable: value, then each state row).
 The host fetch runs on TF's intra-op thread pool while the directory is
-updated. Fails, changing nothing, when the ids exceed the
-cache capacity or the host table's max_rows.
+updated. `hint_ids` (may be empty) are ids that later batches use,
+`hint_steps` (>= 1) how many batches later: cached ones are evicted only after
+every unhinted slot, the furthest use first. Fails, changing nothing, when the
+ids exceed the cache capacity or the host table's max_rows, or the hints are
+malformed.
 )doc");
 
 REGISTER_OP("SfctrHostWrite")

@@ -87,13 +87,23 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         )
 
     # Training-step cache management -------------------------------------
-    def cache_prepare(self, unique_ids: tf.Tensor, num_parts: int = 1):
+    def cache_prepare(self, unique_ids: tf.Tensor, num_parts: int = 1,
+                      hint_ids: Optional[tf.Tensor] = None,
+                      hint_steps: Optional[tf.Tensor] = None):
         """(slots, miss_slots, miss_rows, evict_slots, evict_ids, evict_uses) of
         one step, ``miss_rows`` a list of ``num_parts`` column blocks of the
         fetched rows; write the evicted rows back with
-        ``host_write(evict_ids, rows, evict_uses)``."""
+        ``host_write(evict_ids, rows, evict_uses)``.
+
+        Eviction hints: ``hint_ids`` are used ``hint_steps`` (int32, >= 1)
+        batches after this one; the cache keeps them if other rows can go."""
+        if (hint_ids is None) != (hint_steps is None):
+            raise ValueError("cache_prepare: pass hint_ids and hint_steps together")
+        if hint_ids is None:
+            hint_ids = tf.zeros([0], tf.int64)
+            hint_steps = tf.zeros([0], tf.int32)
         out = _ops.load().sfctr_cache_prepare(self.resource_handle, unique_ids,
-                                              num_parts=num_parts)
+                                              hint_ids, hint_steps, num_parts=num_parts)
         return (out[0], out[1], list(out[2]), *out[3:])
 
     def cache_probe(self, ids: tf.Tensor) -> tf.Tensor:

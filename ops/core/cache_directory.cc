@@ -88,8 +88,8 @@ CoreStatus CacheDirectory::Classify(const int64_t* ids, int64_t n,
 
 int32_t CacheDirectory::TakeSlot(std::vector<Eviction>* evicted) {
   if (never_used_ < capacity_) return static_cast<int32_t>(never_used_++);
-  // Commit set evict_max_freq_ so that at least as many slots as this step
-  // evicts are unused by it and have a counter <= evict_max_freq_; so one
+  // Commit set evict_max_level_ so that at least as many slots as this step
+  // evicts are unused by it and have a level <= evict_max_level_; so one
   // turn of the hand finds each victim.
   for (;;) {
     Slot& s = slots_[hand_];
@@ -97,7 +97,7 @@ int32_t CacheDirectory::TakeSlot(std::vector<Eviction>* evicted) {
     hand_ = hand_ + 1 == capacity_ ? 0 : hand_ + 1;
     if (s.step == step_) continue;  // used by the current step
     if (!s.occupied) return slot;
-    if (s.freq > evict_max_freq_) continue;
+    if (Level(s) > evict_max_level_) continue;
     // The caller removes the id from the map.
     evicted->push_back(Eviction{s.id, slot, s.uses, s.handle});
     --freq_count_[s.freq];
@@ -108,16 +108,62 @@ int32_t CacheDirectory::TakeSlot(std::vector<Eviction>* evicted) {
   }
 }
 
+void CacheDirectory::MarkHints(const EvictionHints& hints,
+                               std::vector<int32_t>* marked,
+                               int64_t* hinted_per_freq,
+                               int64_t* hinted_per_distance) {
+  // Two passes so that each pass's random reads can be prefetched: the map
+  // entries of the hinted ids, then the slots they point to.
+  constexpr int64_t kAhead = 8;
+  std::vector<int32_t> found(hints.n);
+  for (int64_t i = 0; i < hints.n; ++i) {
+    if (i + kAhead < hints.n) {
+      __builtin_prefetch(&map_[DirHash(hints.ids[i + kAhead]) & map_mask_]);
+    }
+    found[i] = Probe(hints.ids[i]);
+  }
+  for (int64_t i = 0; i < hints.n; ++i) {
+    if (i + kAhead < hints.n && found[i + kAhead] >= 0) {
+      __builtin_prefetch(&slots_[found[i + kAhead]]);
+    }
+    if (found[i] < 0) continue;
+    Slot& s = slots_[found[i]];
+    if (s.step == step_) continue;  // the step uses it: kept anyway
+    const int32_t steps = hints.steps[i];
+    const uint8_t d = static_cast<uint8_t>(
+        steps < 1 ? 1 : (steps > kHintLevels ? kHintLevels : steps));
+    if (s.hint == 0) {
+      s.hint = d;
+      marked->push_back(found[i]);
+      ++hinted_per_freq[s.freq];
+      ++hinted_per_distance[d];
+    } else if (d < s.hint) {
+      --hinted_per_distance[s.hint];
+      s.hint = d;
+      ++hinted_per_distance[d];
+    }
+  }
+}
+
 void CacheDirectory::SetEvictionThreshold(int64_t needed,
-                                          const int64_t* in_use_per_freq) {
-  // The lowest counter value c such that at least `needed` slots the step
-  // does not use have a counter <= c: the victims are the least used ids.
+                                          const int64_t* kept_per_freq,
+                                          const int64_t* hinted_per_distance) {
+  // The lowest level such that at least `needed` slots the step does not use
+  // are at or below it: unhinted slots by counter value, then hinted slots,
+  // the furthest use first.
   int64_t candidates = 0;
-  evict_max_freq_ = kMaxFreq;
+  evict_max_level_ = kFreqLevels + kHintLevels - 1;
   for (int f = 0; f < kFreqLevels; ++f) {
-    candidates += freq_count_[f] - in_use_per_freq[f];
+    candidates += freq_count_[f] - kept_per_freq[f];
     if (candidates >= needed) {
-      evict_max_freq_ = static_cast<uint8_t>(f);
+      evict_max_level_ = f;
+      return;
+    }
+  }
+  for (int d = kHintLevels; d >= 1; --d) {
+    candidates += hinted_per_distance[d];
+    if (candidates >= needed) {
+      evict_max_level_ = kFreqLevels + kHintLevels - d;
       return;
     }
   }
@@ -134,7 +180,8 @@ void CacheDirectory::HalveCounters() {
 
 void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
                             std::vector<int64_t>* miss_positions,
-                            std::vector<Eviction>* evicted) {
+                            std::vector<Eviction>* evicted,
+                            const EvictionHints& hints) {
   ++step_;
   if (hits_since_halving_ > kHalvingPeriod * static_cast<uint64_t>(capacity_)) {
     HalveCounters();
@@ -169,7 +216,13 @@ void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
     ++hits_since_halving_;
   }
   const int64_t never_used = capacity_ - never_used_;
-  if (num_misses > never_used) SetEvictionThreshold(num_misses - never_used, in_use_per_freq);
+  std::vector<int32_t> hinted;
+  if (num_misses > never_used) {
+    // in_use_per_freq becomes "kept per counter value": used or hinted.
+    int64_t hinted_per_distance[kHintLevels + 1] = {};
+    if (hints.n > 0) MarkHints(hints, &hinted, in_use_per_freq, hinted_per_distance);
+    SetEvictionThreshold(num_misses - never_used, in_use_per_freq, hinted_per_distance);
+  }
   // Three passes over the misses, so that the random map accesses of each
   // pass can be prefetched: take a slot for each (the clock only reads the
   // slot array), remove the victims from the map, insert the new ids.
@@ -183,6 +236,7 @@ void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
     s.step = step_;
     s.uses = 1;
     s.freq = 0;
+    s.hint = 0;
     s.occupied = true;
     s.handle = 0;  // until the fetch tells where its host row is
     ++freq_count_[0];
@@ -190,6 +244,7 @@ void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
     slots[i] = slot;
     misses.push_back(i);
   }
+  for (int32_t slot : hinted) slots_[slot].hint = 0;  // hints last one Commit
   const size_t num_evicted = evicted->size() - first_eviction;
   for (size_t j = 0; j < num_evicted; ++j) {
     if (j + kAhead < num_evicted) {

@@ -10,7 +10,17 @@
 // every 16 x capacity hits, so past popularity fades. On power-law traces
 // this keeps ~5% more hits than a generalised CLOCK (which lowers counters as
 // its hand passes) and is within 1% of an exact history LFU
-// (bench/cache_policy.py). Not thread-safe: the owner serialises calls.
+// (bench/cache_policy.py).
+//
+// Eviction hints: a step may also name ids that later batches will use, with
+// how many batches ahead (the input pipeline reads ahead, so it knows). A
+// cached id with a hint is evicted only after every unhinted slot the step
+// does not use, and among hinted ids the furthest use goes first: Belady's
+// rule inside the hint window, frequency outside it. No policy that does not
+// look ahead can get close to Belady on an i.i.d. power-law stream (the best,
+// keeping the most probable ids, reaches 0.87x of it at 5% cache); a window
+// of two batches reaches 0.93x (bench/cache_policy.py).
+// Not thread-safe: the owner serialises calls.
 // TF-free.
 #ifndef TF_SFCTR_OPS_CORE_CACHE_DIRECTORY_H_
 #define TF_SFCTR_OPS_CORE_CACHE_DIRECTORY_H_
@@ -22,6 +32,14 @@
 #include "status.h"
 
 namespace sfctr {
+
+// Ids later batches use: ids[i] is used `steps[i]` batches after the one
+// being committed (1 = the next). Repeated ids keep their smallest distance.
+struct EvictionHints {
+  const int64_t* ids = nullptr;
+  const int32_t* steps = nullptr;
+  int64_t n = 0;
+};
 
 struct CacheStats {
   int64_t hits = 0;
@@ -57,10 +75,13 @@ class CacheDirectory {
   // Second half of a step, after Classify filled `slots`: marks the hits as in
   // use, gives every miss a slot (evicting ids the step does not use) and
   // appends the evicted ids to `evicted`. `miss_positions` receives the
-  // indices i of the misses, in order.
+  // indices i of the misses, in order. `hints` (ids of later batches) keep
+  // their slots if enough others can go; they are only read when the step
+  // has to evict.
   void Commit(const int64_t* ids, int64_t n, int32_t* slots,
               std::vector<int64_t>* miss_positions,
-              std::vector<Eviction>* evicted);
+              std::vector<Eviction>* evicted,
+              const EvictionHints& hints = EvictionHints());
 
   // Starts the frequency counter of a just-admitted slot from the id's use
   // history (steps it was used in before), so a hot id that was evicted
@@ -81,6 +102,8 @@ class CacheDirectory {
   void Clear();
 
   static constexpr int kFreqLevels = 256;  // use counter values 0..255
+  // Hint distances 1..kHintLevels; larger ones count as kHintLevels.
+  static constexpr int kHintLevels = 16;
 
  private:
   struct Slot {
@@ -88,6 +111,7 @@ class CacheDirectory {
     uint64_t step = 0;   // last step that used this slot
     uint32_t uses = 0;
     uint8_t freq = 0;
+    uint8_t hint = 0;  // batches until a hinted later use (0: no hint), this Commit only
     bool occupied = false;
     uint64_t handle = 0;  // host row of the id (0: unknown)
   };
@@ -96,9 +120,20 @@ class CacheDirectory {
   void MapInsert(int64_t id, int32_t slot);
   void MapErase(int64_t id);
   int32_t TakeSlot(std::vector<Eviction>* evicted);
-  // Sets evict_max_freq_ for a step that must evict `needed` slots, given
-  // how many slots of each counter value the step uses.
-  void SetEvictionThreshold(int64_t needed, const int64_t* in_use_per_freq);
+  // Eviction order: counter values 0..255, then hinted slots, furthest use
+  // first (levels 256.. up to 256 + kHintLevels - 1).
+  int Level(const Slot& s) const {
+    return s.hint == 0 ? s.freq : kFreqLevels + kHintLevels - s.hint;
+  }
+  // Marks the cached ids of `hints` that the step does not use; returns the
+  // marked slots and counts them per counter value and per distance.
+  void MarkHints(const EvictionHints& hints, std::vector<int32_t>* marked,
+                 int64_t* hinted_per_freq, int64_t* hinted_per_distance);
+  // Sets evict_max_level_ for a step that must evict `needed` slots, given
+  // how many slots of each counter value the step uses or keeps for a hint,
+  // and how many hinted slots there are per distance.
+  void SetEvictionThreshold(int64_t needed, const int64_t* kept_per_freq,
+                            const int64_t* hinted_per_distance);
   void HalveCounters();
 
   int64_t capacity_;
@@ -107,7 +142,7 @@ class CacheDirectory {
   int64_t hand_ = 0;
   int64_t never_used_ = 0;     // slots [never_used_, capacity) never filled
   int64_t freq_count_[kFreqLevels] = {};  // occupied slots per counter value
-  uint8_t evict_max_freq_ = 0;            // this step's victims: counter <= this
+  int evict_max_level_ = 0;               // this step's victims: Level <= this
   uint64_t hits_since_halving_ = 0;
   std::vector<Slot, LargeAllocator<Slot>> slots_;
   // Open-addressing id -> slot map with backward-shift deletion; slot -1

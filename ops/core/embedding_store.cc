@@ -8,7 +8,8 @@ EmbeddingStore::EmbeddingStore(const StoreOptions& options)
     : table_(options.table), directory_(options.cache_capacity) {}
 
 CoreStatus EmbeddingStore::Prepare(const int64_t* ids, int64_t n,
-                                   PrepareResult* r, const Scheduler* schedule) {
+                                   PrepareResult* r, const Scheduler* schedule,
+                                   const EvictionHints& hints) {
   std::lock_guard<std::mutex> lock(mu_);
   r->slots.resize(n);
   int64_t num_misses = 0;
@@ -51,7 +52,7 @@ CoreStatus EmbeddingStore::Prepare(const int64_t* ids, int64_t n,
   miss_positions.reserve(num_misses);
   RunShards(schedule, miss_ids.empty() ? 1 : 2, 1, [&](int64_t part) {
     if (part == 0) {
-      directory_.Commit(ids, n, r->slots.data(), &miss_positions, &evicted);
+      directory_.Commit(ids, n, r->slots.data(), &miss_positions, &evicted, hints);
     } else {
       table_.FindOrInsertReserved(miss_ids.data(), miss_ids.size(), fetched.data(),
                                   reserved, past_uses.data(), handles.data());

@@ -52,9 +52,11 @@ class EmbeddingStore {
   // WriteBack(evict_ids, rows, evict_uses) before reusing their slots (the
   // uses ride along so that each host row is visited once).
   // With a `schedule`, the host fetch runs on it while this thread updates
-  // the directory; Prepare returns when both are done.
+  // the directory; Prepare returns when both are done. `hints` name ids of
+  // later batches, kept in the cache when others can go (CacheDirectory).
   CoreStatus Prepare(const int64_t* ids, int64_t n, PrepareResult* result,
-                     const Scheduler* schedule = nullptr);
+                     const Scheduler* schedule = nullptr,
+                     const EvictionHints& hints = EvictionHints());
 
   // Stores full-width rows of `ids` in the host table, adding `counts` (if
   // given) to their use counters. When `ids` are exactly the last Prepare's

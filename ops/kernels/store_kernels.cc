@@ -200,6 +200,25 @@ class CachePrepareOp : public StoreOpKernel {
   void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
     const Tensor& ids = ctx->input(1);
     OP_REQUIRES_OK(ctx, CheckIds(ids));
+    const Tensor& hint_ids = ctx->input(2);
+    const Tensor& hint_steps = ctx->input(3);
+    OP_REQUIRES(ctx,
+                TensorShapeUtils::IsVector(hint_ids.shape()) &&
+                    hint_steps.shape() == hint_ids.shape(),
+                errors::InvalidArgument(
+                    "hint_ids and hint_steps must be vectors of one length, got ",
+                    hint_ids.shape().DebugString(), " and ",
+                    hint_steps.shape().DebugString()));
+    sfctr::EvictionHints hints;
+    hints.ids = hint_ids.flat<int64_t>().data();
+    hints.steps = hint_steps.flat<int32_t>().data();
+    hints.n = hint_ids.NumElements();
+    for (int64_t i = 0; i < hints.n; ++i) {
+      OP_REQUIRES(ctx, hints.steps[i] >= 1,
+                  errors::InvalidArgument(
+                      "hint_steps[", i, "] = ", hints.steps[i],
+                      ": a hint names a later batch, 1 (the next) or more"));
+    }
     const int64_t width = store.table().width();
     OP_REQUIRES(ctx, width % num_parts_ == 0,
                 errors::InvalidArgument("num_parts=", num_parts_,
@@ -214,7 +233,7 @@ class CachePrepareOp : public StoreOpKernel {
     const bool parallel = pool != nullptr && pool->NumThreads() > 1;
     OP_REQUIRES_OK(ctx, ToTf(store.Prepare(ids.flat<int64_t>().data(),
                                            ids.NumElements(), &r,
-                                           parallel ? &schedule : nullptr)));
+                                           parallel ? &schedule : nullptr, hints)));
     OutputVector(ctx, 0, r.slots);
     OutputVector(ctx, 1, r.miss_slots);
     OutputColumnBlocks(ctx, 2, num_parts_, r.miss_rows, width);

@@ -379,14 +379,26 @@ TEST_CASE(DirectoryToleratesRepeatedIds) {
   CHECK_EQ(d.size(), 2);
 }
 
-// One step of a directory: the ids evicted (sorted).
-std::vector<int64_t> Step(CacheDirectory& d, std::vector<int64_t> ids) {
+// One step of a directory: the ids evicted (sorted). `hints`: (id, batches
+// ahead) pairs.
+std::vector<int64_t> Step(CacheDirectory& d, std::vector<int64_t> ids,
+                          std::vector<std::pair<int64_t, int32_t>> hints = {}) {
   std::vector<int32_t> slots(ids.size());
   int64_t misses = 0;
   if (!d.Classify(ids.data(), ids.size(), slots.data(), &misses).ok()) return {-1};
   std::vector<int64_t> pos;
   std::vector<CacheDirectory::Eviction> ev;
-  d.Commit(ids.data(), ids.size(), slots.data(), &pos, &ev);
+  std::vector<int64_t> hint_ids;
+  std::vector<int32_t> hint_steps;
+  for (const auto& h : hints) {
+    hint_ids.push_back(h.first);
+    hint_steps.push_back(h.second);
+  }
+  EvictionHints eh;
+  eh.ids = hint_ids.data();
+  eh.steps = hint_steps.data();
+  eh.n = static_cast<int64_t>(hints.size());
+  d.Commit(ids.data(), ids.size(), slots.data(), &pos, &ev, eh);
   std::vector<int64_t> out;
   for (const auto& e : ev) out.push_back(e.id);
   std::sort(out.begin(), out.end());
@@ -412,6 +424,28 @@ TEST_CASE(DirectoryEvictsTheLeastUsedIds) {
   ev = Step(d, {10, 11, 12});
   CHECK(std::find(ev.begin(), ev.end(), 1) == ev.end());
   CHECK(std::find(ev.begin(), ev.end(), 6) == ev.end());
+}
+
+TEST_CASE(DirectoryKeepsHintedIds) {
+  // Ids 1..6 used 1..6 times, as above. Hints for 1 and 2 keep them: the
+  // three least used unhinted ids go instead.
+  CacheDirectory d(6);
+  for (int64_t k = 1; k <= 6; ++k) {
+    std::vector<int64_t> ids;
+    for (int64_t id = 7 - k; id <= 6; ++id) ids.push_back(id);
+    CHECK(Step(d, ids).empty());
+  }
+  CHECK(Step(d, {7, 8, 9}, {{1, 1}, {2, 3}, {7, 1}, {1000, 2}}) ==
+        (std::vector<int64_t>{3, 4, 5}));
+  // Cached now: 1, 2, 6, 7, 8, 9. Every slot the step does not use is
+  // hinted: the furthest uses leave first (2 at 20 batches counts as 16, the
+  // window's end); a repeated hint keeps its nearest distance (9: 1, not 5).
+  CHECK(Step(d, {10, 11}, {{1, 2}, {2, 20}, {6, 4}, {7, 1}, {8, 3}, {9, 5}, {9, 1}}) ==
+        (std::vector<int64_t>{2, 6}));
+  // Hints last one step: without them the least used go (the ids used once
+  // since they were admitted, not 1, whose history is longer).
+  std::vector<int64_t> ev = Step(d, {12});
+  CHECK(ev.size() == 1u && ev[0] != 1);
 }
 
 TEST_CASE(DirectoryLetsPastPopularityFade) {

@@ -74,6 +74,9 @@ def _check_build() -> None:
         )
 
 
+# Not converted by AutoGraph: called from traced functions (e.g. a tf.data
+# map), it would otherwise try to convert os.path.exists and warn.
+@tf.autograph.experimental.do_not_convert
 def load():
     """Returns the loaded op module, loading it on first call."""
     global _module

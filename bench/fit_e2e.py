@@ -14,6 +14,8 @@ the dense layers with the framework's Adagrad, the table with
   ``eviction_hints=2``);
 * ``Keras 3 Embedding``: the whole table as a Keras weight, ``keras.optimizers.Adagrad``;
 * ``tf_keras Embedding`` (Keras 2, for reference): ``tf_keras.optimizers.legacy.Adagrad``;
+* ``no table``: the same model and ``fit`` with a fixed vector per id instead
+  of a table: the floor every variant pays besides its embedding;
 * ``TFRA``: ``de.keras.layers.Embedding`` in a tf_keras model, compiled with
   ``de.DynamicEmbeddingOptimizer(tf_keras.optimizers.legacy.Adagrad)``
   (TFRA's Keras layers are Keras 2 layers).
@@ -58,6 +60,7 @@ HINT_BATCHES = 2
 OURS_HINTS = f"CachedEmbedding, VSI in tf.data + lookahead + {HINT_BATCHES}-batch eviction hints"
 OURS_SUMMED = "CachedEmbedding (Adagrad summed)"
 K3, TFK, TFRA = "Keras 3 Embedding", "tf_keras Embedding", "TFRA dynamic_embedding"
+FLOOR = "no table (floor: the rest of the model and fit)"
 TARGETS = {K3: 2.0, TFRA: 1.5}
 #: The CachedEmbedding row each baseline's target uses: the same Adagrad formula
 #: (Keras 3 adds the squares of the occurrences' gradients; tf_keras and TFRA,
@@ -119,6 +122,28 @@ def model_keras3(vocab: int):
     emb = keras.layers.Embedding(vocab, DIM)(sparse_in)
     model = keras.Model({"dense": dense_in, "sparse": sparse_in},
                         dlrm(keras, emb, dense_in, sparse_in))
+    model.compile(optimizer=keras.optimizers.Adagrad(LR), loss="binary_crossentropy")
+    return model
+
+
+def model_floor():
+    """The same model and fit with no embedding table: each id becomes a fixed
+    vector computed from its value (nothing to look up, nothing to train).
+    What every variant pays besides its embedding."""
+    import keras
+
+    class FixedVectors(keras.layers.Layer):
+        def call(self, ids):
+            x = tf.cast(ids % 97, tf.float32)[..., None] * 0.01
+            return x * tf.linspace(-1.0, 1.0, DIM)
+
+        def compute_output_shape(self, input_shape):
+            return (*input_shape, DIM)
+
+    dense_in = keras.Input((NUM_DENSE,), name="dense")
+    sparse_in = keras.Input((NUM_SPARSE,), dtype="int64", name="sparse")
+    model = keras.Model({"dense": dense_in, "sparse": sparse_in},
+                        dlrm(keras, FixedVectors()(sparse_in), dense_in, sparse_in))
     model.compile(optimizer=keras.optimizers.Adagrad(LR), loss="binary_crossentropy")
     return model
 
@@ -222,6 +247,7 @@ def main(argv=None) -> int:
     add(OURS_HINTS, lambda: model_ours(capacity, vsi=True, lookahead=True, hints=True), sparse,
         vsi=True, lookahead=True, hints=HINT_BATCHES)
     add(K3, lambda: model_keras3(vocab), index)
+    add(FLOOR, model_floor, sparse)
     if not args.tf_keras:
         print(f"{TFK} not run (--no-tf-keras)")
     elif _tfra.tf_keras() is not None:
@@ -289,6 +315,13 @@ def main(argv=None) -> int:
                 if ours != same:
                     C.report_target(f"model.fit samples/s, {ours} vs {name}",
                                     step_s[name] / step_s[ours], TARGETS[name])
+    floor = 1e3 * step_s[FLOOR]
+    need = 1e3 * step_s[K3] / TARGETS[K3]
+    print(f"The rest of the model and fit (row '{FLOOR}') takes {floor:.1f} ms/step; "
+          f"{TARGETS[K3]:g}x Keras 3 ({1e3 * step_s[K3]:.1f} ms) needs a step of {need:.1f} ms, "
+          f"leaving {need - floor:.1f} ms for the embedding (each variant's step minus the "
+          "floor: " + ", ".join(f"{n} {1e3 * step_s[n] - floor:.1f} ms" for n, *_ in variants
+                                if n != FLOOR) + ")")
     C.table(["variant (baseline)", "samples/s", "ms/step (median step interval)", "cache hit rate",
              "CachedEmbedding speed-up vs this row", "target"], rows,
             title=f"model.fit of a DLRM-style model (13 dense + 26 sparse, dim {DIM}), batch "

@@ -173,6 +173,9 @@ def with_unique_ids(
     return ds.prefetch(tf.data.AUTOTUNE) if prefetch else ds
 
 
+_HINT_PAD = -(2**63)  # padding of the hinted ids' block (int64 min)
+
+
 def _with_later_unique_ids(ds: tf.data.Dataset, keys: tuple, lookahead: bool,
                            hints: int) -> tf.data.Dataset:
     """Adds later batches' ``unique_ids`` to each batch: the next batch's as
@@ -182,26 +185,24 @@ def _with_later_unique_ids(ds: tf.data.Dataset, keys: tuple, lookahead: bool,
     first_hint = 1 if lookahead else 0  # index in `later` of the first hinted batch
 
     def group(*window: Any) -> tf.data.Dataset:
-        batches = tf.data.Dataset.zip(window)  # this batch and up to 1 + hints later ones
-        later = batches.skip(1).map(
-            lambda features, *rest: tuple(features[k]["unique_ids"] for k in keys))
+        # This batch and up to 1 + hints later ones; of the later ones only the
+        # unique ids' datasets are read (zipping every feature cost more).
+        batches = tf.data.Dataset.zip(window)
+        later = tf.data.Dataset.zip(tuple(window[0][k]["unique_ids"] for k in keys)).skip(1)
         parts = [batches.take(1)]
         if lookahead:
             no_next = tf.data.Dataset.from_tensors(
                 tuple(tf.zeros([0], tf.int64) for _ in keys))
             parts.append(later.concatenate(no_next).take(1))
         if hints:
-            empty = tuple((tf.zeros([0], tf.int64), tf.zeros([0], tf.int32)) for _ in keys)
-
-            def add(acc, item):
-                steps, ids = item
-                return tuple((tf.concat([a_ids, u], 0),
-                              tf.concat([a_steps, tf.fill(tf.shape(u), tf.cast(steps, tf.int32))],
-                                        0))
-                             for (a_ids, a_steps), u in zip(acc, ids))
-
-            window_hints = later.skip(first_hint).enumerate(start=1).reduce(empty, add)
-            parts.append(tf.data.Dataset.from_tensors(window_hints))
+            # The hinted batches' ids as one padded [k, longest] block per key
+            # (a reduce over the window cost ~14 ms per batch); merge()
+            # flattens it. Padding is the smallest int64: were it a real id,
+            # that id would only lose its hint (hints never change values).
+            none = tf.data.Dataset.from_tensors(
+                tuple(tf.zeros([0, 0], tf.int64) for _ in keys))
+            parts.append(later.skip(first_hint).padded_batch(
+                hints, padding_values=tuple(tf.constant(_HINT_PAD, tf.int64) for _ in keys)).concatenate(none).take(1))
         return tf.data.Dataset.zip(tuple(parts))
 
     def merge(batch: tuple, *extra: tuple):
@@ -215,7 +216,13 @@ def _with_later_unique_ids(ds: tf.data.Dataset, keys: tuple, lookahead: bool,
             if lookahead:
                 feature["next_unique_ids"] = next_ids[j]
             if hints:
-                feature["hint_ids"], feature["hint_steps"] = window_hints[j]
+                padded = window_hints[j]
+                valid = tf.not_equal(padded, tf.constant(_HINT_PAD, tf.int64))
+                # Batch i of the block is used i + 1 batches after the prepared one.
+                steps = tf.broadcast_to(tf.range(1, tf.shape(padded)[0] + 1)[:, None],
+                                        tf.shape(padded))
+                feature["hint_ids"] = tf.boolean_mask(padded, valid)
+                feature["hint_steps"] = tf.boolean_mask(steps, valid)
             out[key] = feature
         return (out, *rest)
 

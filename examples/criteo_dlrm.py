@@ -93,9 +93,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0.0 < args.test_fraction < 1.0:
         p.error("--test-fraction must be in (0, 1)")
-    if args.export and args.vsi:
-        p.error("--export with --vsi is not supported yet: the serving layer takes plain "
-                "ids, not the {ids, unique_ids, inverse} dict; train without --vsi to export")
     return args
 
 

@@ -113,3 +113,59 @@ def test_serving_embedding_skips_padding_in_multi_hot_rows():
     np.testing.assert_allclose(total(padded).numpy(), [[1, 1], [4, 6], [0, 0]])
     # Dict inputs of models trained with pipeline de-duplication.
     np.testing.assert_allclose(mean({"ids": padded}).numpy(), mean(padded).numpy())
+
+
+NAMED_LOADER = textwrap.dedent("""
+    import json, sys
+    import numpy as np, tensorflow as tf
+    served = tf.saved_model.load(sys.argv[1])
+    fn = served.signatures["serving_default"]
+    inputs = dict(np.load(sys.argv[2]))
+    spec = fn.structured_input_signature[1]
+    out = fn(**{k: tf.constant(v) for k, v in inputs.items()})
+    np.save(sys.argv[3], next(iter(out.values())).numpy())
+    print(json.dumps({"inputs": sorted(spec), "tf_sfctr_imported":
+                      any(m.startswith("tf_sfctr") for m in sys.modules)}))
+""")
+
+
+def test_a_model_trained_on_the_vsi_pipeline_serves_plain_ids(rng, tmp_path):
+    """Trained on with_unique_ids(lookahead, eviction hints) features, the
+    export takes the plain ids under the feature's key and predicts what
+    the trained model predicts."""
+    import tensorflow as tf
+
+    from tf_sfctr.data import deduplicate, vsi_inputs, with_unique_ids
+
+    vocab = random_vocab(rng, 300)
+    ids = powerlaw_ids(rng, vocab, (400, 3), alpha=1.1)
+    dense = rng.random((400, 2)).astype("float32")
+    y = rng.random((400, 1)).astype("float32")
+    ds = tf.data.Dataset.from_tensor_slices(({"sparse": ids, "dense": dense}, y)).batch(20)
+    ds = with_unique_ids(ds, lookahead=True, eviction_hints=2)
+    inputs = {"sparse": vsi_inputs("sparse", (3,), lookahead=True, eviction_hints=True),
+              "dense": keras.Input((2,), name="dense")}
+    emb = CachedEmbedding(4, cache_capacity=40, seed=0, name="emb")
+    h = keras.layers.Concatenate()([keras.layers.Flatten()(emb(inputs["sparse"])),
+                                    inputs["dense"]])
+    model = keras.Model(inputs, keras.layers.Dense(1, name="out")(h))
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(ds, epochs=2, verbose=0)
+    assert emb.cache_stats()["evictions"] > 0
+
+    tf_sfctr.export_for_serving(model, str(tmp_path / "served"))
+    x = {"sparse": ids[:50], "dense": dense[:50]}
+    np.savez(tmp_path / "x.npz", **x)
+    script = tmp_path / "load.py"
+    script.write_text(NAMED_LOADER)
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "served"), str(tmp_path / "x.npz"),
+         str(tmp_path / "out.npy")], cwd=tmp_path, capture_output=True, text=True,
+        check=True, env={"TF_CPP_MIN_LOG_LEVEL": "2", "PATH": "/usr/bin:/bin"})
+    flags = json.loads(result.stdout.strip().splitlines()[-1])
+    assert flags == {"inputs": ["dense", "sparse"], "tf_sfctr_imported": False}
+    feature = deduplicate(tf.constant(x["sparse"]))
+    feature["next_unique_ids"] = feature["hint_ids"] = tf.zeros([0], tf.int64)
+    feature["hint_steps"] = tf.zeros([0], tf.int32)
+    want = model({"sparse": feature, "dense": tf.constant(x["dense"])}).numpy()
+    np.testing.assert_allclose(np.load(tmp_path / "out.npy"), want, rtol=1e-6, atol=1e-6)

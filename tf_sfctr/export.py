@@ -40,10 +40,72 @@ def _frozen_rows(layer: CachedEmbedding, max_rows: Optional[int]):
     return ids, rows
 
 
+class _UnusedPipelineKey(keras.layers.Layer):
+    """Stands in for a key of the input pipeline's de-duplication
+    (``unique_ids``, ``inverse``, ...) in a served model: ``ServingEmbedding``
+    reads only ``ids``, so an empty vector is enough (and pruned from the
+    SavedModel's graph)."""
+
+    def __init__(self, out_dtype: str, **kwargs):
+        super().__init__(**kwargs)
+        self.out_dtype = out_dtype
+
+    def call(self, ids):
+        return tf.zeros([0], self.out_dtype)
+
+    def compute_output_shape(self, input_shape):
+        return (0,)
+
+    def get_config(self):
+        return {**super().get_config(), "out_dtype": self.out_dtype}
+
+
+def _is_vsi_feature(x) -> bool:
+    return isinstance(x, dict) and "ids" in x and "unique_ids" in x
+
+
+def _plain_inputs(struct, key: Optional[str] = None):
+    """(inputs, feed): new ``keras.Input``s mirroring ``struct`` (a model's
+    input structure) where each de-duplicated feature (``vsi_inputs``) is one
+    plain ids input named after its feature key, and what to feed the model
+    from them."""
+    if _is_vsi_feature(struct):
+        ids = struct["ids"]
+        plain = keras.Input(shape=ids.shape[1:], dtype=ids.dtype, sparse=ids.sparse,
+                            name=key or ids.name)
+        feed = {k: plain if k == "ids" else _UnusedPipelineKey(v.dtype)(plain)
+                for k, v in struct.items()}
+        return plain, feed
+    if isinstance(struct, dict):
+        pairs = {k: _plain_inputs(v, k) for k, v in struct.items()}
+        return {k: p[0] for k, p in pairs.items()}, {k: p[1] for k, p in pairs.items()}
+    if isinstance(struct, (list, tuple)):
+        pairs = [_plain_inputs(v) for v in struct]
+        return type(struct)(p[0] for p in pairs), type(struct)(p[1] for p in pairs)
+    new = keras.Input(shape=struct.shape[1:], dtype=struct.dtype, sparse=struct.sparse,
+                      name=struct.name)
+    return new, new
+
+
+def _has_vsi_feature(struct) -> bool:
+    if _is_vsi_feature(struct):
+        return True
+    if isinstance(struct, dict):
+        return any(_has_vsi_feature(v) for v in struct.values())
+    if isinstance(struct, (list, tuple)):
+        return any(_has_vsi_feature(v) for v in struct)
+    return False
+
+
 def serving_model(model: keras.Model, max_rows: Optional[int] = None,
                   pad_id: Optional[int] = 0) -> keras.Model:
     """A copy of ``model`` whose CachedEmbedding layers are frozen
-    ServingEmbedding layers (same names, same outputs for known ids)."""
+    ServingEmbedding layers (same names, same outputs for known ids).
+
+    A model trained on de-duplicated features (``tf_sfctr.data.vsi_inputs``:
+    ``{"ids", "unique_ids", "inverse", ...}``) is served on plain ids: each
+    such feature becomes one input named after its key (e.g. ``"sparse"``),
+    holding what ``"ids"`` held."""
     if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 0):
         raise ValueError(f"max_rows must be None or an int >= 0, got {max_rows!r}")
     if not isinstance(model, keras.Model) or not hasattr(model, "inputs") or model.inputs is None:
@@ -68,14 +130,19 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None,
         if isinstance(layer, CachedEmbedding) or not layer.weights:
             continue
         copy.get_layer(layer.name).set_weights(layer.get_weights())
-    return copy
+    if not _has_vsi_feature(model.input):
+        return copy
+    inputs, feed = _plain_inputs(model.input)
+    return keras.Model(inputs, copy(feed), name=f"{model.name}_served")
 
 
 def export_for_serving(model: keras.Model, export_dir: str,
                        max_rows: Optional[int] = None, pad_id: Optional[int] = 0) -> keras.Model:
     """Writes a SavedModel of ``model`` that uses only stock TensorFlow ops.
 
-    Its ``serving_default`` signature takes the model's inputs; it loads with
+    Its ``serving_default`` signature takes the model's inputs (a feature
+    trained through ``with_unique_ids`` / ``vsi_inputs`` is served as its
+    plain ids, under the feature's key); it loads with
     ``tf.saved_model.load`` (or TF Serving) in a process that never imported
     tf_sfctr. ``max_rows`` keeps the most used rows of each table (use counts
     since the table was created); the others, like never-seen ids, get zeros.

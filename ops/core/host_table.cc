@@ -7,10 +7,6 @@
 
 #include "mix.h"
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
 namespace sfctr {
 namespace {
 
@@ -50,37 +46,6 @@ inline void BlockOf(uint64_t row, uint64_t* block, uint64_t* offset) {
 inline uint64_t BlockRows(uint64_t block) {
   return static_cast<uint64_t>(kBaseRows)
          << std::min<uint64_t>(block, kMaxShift);
-}
-
-// Rows fill a block in order, each first written when its id is inserted:
-// left alone, every 4 KiB page of row memory costs one page fault in the
-// middle of a training step's fetch. When a row is the first to reach a new
-// kPopulateBytes-aligned chunk, the chunk's pages are faulted in with one
-// madvise(MADV_POPULATE_WRITE) call instead (Linux 5.14+; elsewhere the call
-// fails and pages fault one by one as before). At most one chunk per shard
-// is resident ahead of its rows.
-constexpr uintptr_t kPopulateBytes = 32 << 10;
-constexpr uintptr_t kPageBytes = 4096;
-
-inline void PopulateAhead(const float* row, size_t row_bytes, const float* block,
-                          size_t block_bytes) {
-#if defined(__linux__) && defined(MADV_POPULATE_WRITE)
-  const uintptr_t start = reinterpret_cast<uintptr_t>(row);
-  const uintptr_t end = start + row_bytes;
-  const uintptr_t block_start = reinterpret_cast<uintptr_t>(block);
-  // Chunk of the row's last byte, and of the byte before the row (if that
-  // is in the block): equal means the previous row already populated it.
-  const uintptr_t chunk = (end - 1) & ~(kPopulateBytes - 1);
-  if (start > block_start && ((start - 1) & ~(kPopulateBytes - 1)) == chunk) return;
-  const uintptr_t page_end = (block_start + block_bytes + kPageBytes - 1) & ~(kPageBytes - 1);
-  const uintptr_t from = start & ~(kPageBytes - 1);
-  const uintptr_t to = std::min(chunk + kPopulateBytes, page_end);
-  if (to > from) {
-    madvise(reinterpret_cast<void*>(from), to - from, MADV_POPULATE_WRITE);  // a hint
-  }
-#else
-  (void)row, (void)row_bytes, (void)block, (void)block_bytes;
-#endif
 }
 
 }  // namespace
@@ -136,10 +101,7 @@ float* HostTable::AllocateRowLocked(Shard& s) const {
     }
   }
   ++s.rows;
-  float* row = s.blocks[block].get() + offset * width_;
-  const size_t row_bytes = sizeof(float) * width_;
-  PopulateAhead(row, row_bytes, s.blocks[block].get(), row_bytes * BlockRows(block));
-  return row;
+  return s.blocks[block].get() + offset * width_;
 }
 
 template <typename Fn, typename BeforeShard>

@@ -29,20 +29,15 @@ constexpr size_t kHugePage = size_t{2} << 20;
 // which showed as ~15 B/row of resident memory in a growing host table).
 constexpr size_t kOwnMapping = size_t{64} << 10;
 
-// Memory for `bytes` bytes; free it with FreeLarge(p, bytes). `populate`:
-// the caller writes the whole array at once, so its pages are faulted in
-// here with one call (MAP_POPULATE / MADV_POPULATE_WRITE) rather than one
-// page fault per 4 KiB page (~2.5 us each on our VMs).
-inline void* AllocateLarge(size_t bytes, bool populate = false) {
+// Memory for `bytes` bytes; free it with FreeLarge(p, bytes).
+inline void* AllocateLarge(size_t bytes) {
 #if defined(__linux__)
   if (bytes >= kOwnMapping) {
     const bool huge = bytes >= kHugePage;
     // A huge page needs a 2 MiB aligned range: map 2 MiB more, trim it.
     const size_t extra = huge ? kHugePage : 0;
-    // Huge mappings populate after madvise, so the pages come as huge pages.
-    const int flags = MAP_PRIVATE | MAP_ANONYMOUS | (populate && !huge ? MAP_POPULATE : 0);
     char* raw = static_cast<char*>(mmap(nullptr, bytes + extra, PROT_READ | PROT_WRITE,
-                                        flags, -1, 0));
+                                        MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
     if (raw == MAP_FAILED) throw std::bad_alloc();
     char* p = raw;
     if (huge) {
@@ -53,9 +48,6 @@ inline void* AllocateLarge(size_t bytes, bool populate = false) {
       if (tail > 0) munmap(p + bytes, tail);
 #if defined(MADV_HUGEPAGE)
       madvise(p, bytes, MADV_HUGEPAGE);  // a hint: failure is harmless
-#endif
-#if defined(MADV_POPULATE_WRITE)
-      if (populate) madvise(p, bytes, MADV_POPULATE_WRITE);  // Linux 5.14+; a hint
 #endif
     }
     return p;
@@ -83,8 +75,7 @@ struct LargeAllocator {
   LargeAllocator() = default;
   template <typename U>
   LargeAllocator(const LargeAllocator<U>&) {}  // NOLINT: rebinding
-  // Vectors are filled when they are sized (resize, assign).
-  T* allocate(size_t n) { return static_cast<T*>(AllocateLarge(n * sizeof(T), true)); }
+  T* allocate(size_t n) { return static_cast<T*>(AllocateLarge(n * sizeof(T))); }
   void deallocate(T* p, size_t n) { FreeLarge(p, n * sizeof(T)); }
   template <typename U>
   bool operator==(const LargeAllocator<U>&) const { return true; }

@@ -55,9 +55,10 @@ def _eviction_hints(inputs: dict) -> Optional[tuple]:
             f"{'hint_ids' if has_ids else 'hint_steps'}")
     if not has_ids:
         return None
+    # Equal lengths and steps >= 1 are checked by SfctrCachePrepare.
     hint_ids = tf.reshape(tf.cast(inputs["hint_ids"], tf.int64), [-1])
     hint_steps = tf.reshape(tf.cast(inputs["hint_steps"], tf.int32), [-1])
-    return hint_ids, tf.ensure_shape(hint_steps, hint_ids.shape)
+    return hint_ids, hint_steps
 
 
 def _check_id_dtype(dtype: tf.DType, what: str = "ids") -> None:
@@ -165,7 +166,7 @@ class CachedEmbedding(keras.layers.Layer):
     as without lookahead. (Local and model-parallel tables; a model-parallel
     step also sends the next ids to their owners. Data-parallel tables
     ignore the key.) With ``"hint_ids"`` and ``"hint_steps"`` (ids that
-    later batches use and how many batches after the one being prepared,
+    later batches use and how many batches after this one, from
     ``with_unique_ids(..., eviction_hints=k)``) the cache keeps those rows
     when others can go; values are unchanged. Local tables only.
 
@@ -410,8 +411,8 @@ class CachedEmbedding(keras.layers.Layer):
         """Loads distinct ids into the cache (this rank's shard); returns
         their slots, valid once the cache holds their rows. With ``next_ids``,
         also prepares the cache for the next batch (see the class docstring).
-        ``hints`` (ids, steps) go to the batch prepared: the next one with
-        ``next_ids``, else this one."""
+        ``hints`` (ids, batches after this one) go to the batch prepared:
+        the next one with ``next_ids``, else this one."""
         plan = self._plan
         # A prepared plan is applied first, whichever batch it was for: the
         # directory already reflects it.
@@ -426,9 +427,8 @@ class CachedEmbedding(keras.layers.Layer):
                 return tf.identity(plan.slots.read_value())
 
         with tf.control_dependencies([self._settle()]):
-            now_hints = None if next_ids is not None else hints
             slots = tf.cond(use_plan, planned_slots,
-                            lambda: self._prepare_now(unique_ids, now_hints))
+                            lambda: self._prepare_now(unique_ids, hints))
         if next_ids is not None:
             # After this batch's write-back (the host then holds every evicted
             # row), concurrently with the rest of the step.
@@ -462,6 +462,11 @@ class CachedEmbedding(keras.layers.Layer):
 
     def _prepare_next(self, next_ids: tf.Tensor, hints: Optional[tuple] = None) -> tf.Tensor:
         plan = self._plan
+        if hints is not None:
+            # Counted from this batch; the plan is for the next one (whose
+            # own ids, at distance 1, are in use there anyway).
+            later = hints[1] > 1
+            hints = (tf.boolean_mask(hints[0], later), tf.boolean_mask(hints[1], later) - 1)
 
         def prepare():
             slots, miss_slots, miss_rows, evict_slots, evict_ids, evict_uses = \

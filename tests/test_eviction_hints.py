@@ -28,22 +28,28 @@ def _layer() -> CachedEmbedding:
                            optimizer=tf_sfctr.optimizers.Adagrad(0.1))
 
 
-def _hints(batches, t, k):
-    """Distinct ids of the k batches after batch t, with their distances."""
-    later = [deduplicate(tf.constant(b))["unique_ids"] for b in batches[t + 1:t + 1 + k]]
+def _hints(batches, t, k, first=1):
+    """Distinct ids of the k batches from batch t + first on, with how many
+    batches after batch t each is."""
+    later = [deduplicate(tf.constant(b))["unique_ids"]
+             for b in batches[t + first:t + first + k]]
     ids = tf.concat([tf.zeros([0], tf.int64)] + later, 0)
     steps = tf.concat([tf.zeros([0], tf.int32)]
-                      + [tf.fill(tf.shape(u), j + 1) for j, u in enumerate(later)], 0)
+                      + [tf.fill(tf.shape(u), j + first) for j, u in enumerate(later)], 0)
     return ids, steps
 
 
-def _train(batches, k):
+def _train(batches, k, lookahead=False):
     layer = _layer()
     w = tf.reshape(tf.range(DIM, dtype=tf.float32) - 1.5, [1, 1, DIM])
     for t, ids in enumerate(batches):
         feature = deduplicate(tf.constant(ids))
+        if lookahead and t + 1 < len(batches):
+            feature["next_unique_ids"] = deduplicate(tf.constant(batches[t + 1]))["unique_ids"]
         if k:
-            feature["hint_ids"], feature["hint_steps"] = _hints(batches, t, k)
+            # The window starts after the batch the step prepares.
+            feature["hint_ids"], feature["hint_steps"] = _hints(
+                batches, t, k, first=2 if lookahead else 1)
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(tf.square(layer(feature, training=True) - w))
         tape.gradient(loss, layer.trainable_variables)
@@ -58,6 +64,34 @@ def test_hints_keep_every_trained_value_and_raise_the_hit_rate():
     assert p["evictions"] > 0
     assert p["hits"] + p["misses"] == h["hits"] + h["misses"]
     assert h["hits"] > p["hits"], (h, p)
+
+
+def test_hints_work_through_the_lookahead_plan():
+    """With lookahead the step prepares the next batch: hints (counted from
+    this batch) are shifted to it; values equal plain training and hits rise."""
+    batches = _batches(3, 40)
+    plain, ahead, both = _train(batches, 0), _train(batches, 0, True), _train(batches, 3, True)
+    np.testing.assert_array_equal(both.lookup_rows(VOCAB), plain.lookup_rows(VOCAB))
+    np.testing.assert_array_equal(ahead.lookup_rows(VOCAB), plain.lookup_rows(VOCAB))
+    a, b = ahead.cache_stats(), both.cache_stats()
+    assert b["prepared_ahead"] == a["prepared_ahead"] == len(batches) - 1
+    assert b["hits"] > a["hits"], (b, a)
+
+
+def test_a_hint_for_the_prepared_batch_itself_is_dropped():
+    """Counted from this batch, distance 1 is the batch a lookahead step
+    prepares: such hints are dropped there (not sent as distance 0, which the
+    op refuses), and training goes on."""
+    batches = _batches(4, 6)
+    layer = _layer()
+    for t, ids in enumerate(batches[:-1]):
+        feature = deduplicate(tf.constant(ids))
+        feature["next_unique_ids"] = deduplicate(tf.constant(batches[t + 1]))["unique_ids"]
+        feature["hint_ids"], feature["hint_steps"] = _hints(batches, t, 2, first=1)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(feature, training=True))
+        tape.gradient(loss, layer.trainable_variables)
+    assert layer.cache_stats()["prepared_ahead"] == len(batches) - 2
 
 
 def _store(capacity):
@@ -122,14 +156,17 @@ def test_with_unique_ids_hints_name_the_batches_after_the_prepared_one():
             np.testing.assert_array_equal(s["unique_ids"], plain[t])
             later = plain[t + first:t + first + 2]
             want_ids = np.concatenate([np.zeros(0, np.int64)] + later)
-            want_steps = np.concatenate([np.zeros(0, np.int32)]
-                                        + [np.full(len(u), j + 1) for j, u in enumerate(later)])
+            # Counted from this batch.
+            want_steps = np.concatenate([np.zeros(0, np.int32)] + [
+                np.full(len(u), j + first) for j, u in enumerate(later)])
             np.testing.assert_array_equal(s["hint_ids"], want_ids)
             np.testing.assert_array_equal(s["hint_steps"], want_steps)
             assert s["hint_steps"].dtype == tf.int32
     assert int(with_unique_ids(ds, eviction_hints=2).cardinality()) == 6
-    with pytest.raises(ValueError, match="eviction_hints must be an int >= 0"):
-        with_unique_ids(ds, eviction_hints=-1)
+    assert int(with_unique_ids(ds, eviction_hints=np.int64(16)).cardinality()) == 6
+    for bad in (-1, 17, 1.5, True):
+        with pytest.raises(ValueError, match="eviction_hints must be an int from 0"):
+            with_unique_ids(ds, eviction_hints=bad)
 
 
 def test_fit_with_hints_in_the_pipeline_matches_fit_without():

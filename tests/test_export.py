@@ -169,3 +169,39 @@ def test_a_model_trained_on_the_vsi_pipeline_serves_plain_ids(rng, tmp_path):
     feature["hint_steps"] = tf.zeros([0], tf.int32)
     want = model({"sparse": feature, "dense": tf.constant(x["dense"])}).numpy()
     np.testing.assert_allclose(np.load(tmp_path / "out.npy"), want, rtol=1e-6, atol=1e-6)
+
+
+def test_vsi_export_refuses_what_it_cannot_serve():
+    """A layer other than CachedEmbedding reading the pipeline keys, or two
+    de-duplicated features with one key name, give a clear error before
+    anything is exported; a plain dict with an 'ids' key is not mistaken for
+    a de-duplicated feature."""
+    import pytest
+
+    from tf_sfctr.data import vsi_inputs
+    from tf_sfctr.export import serving_model
+
+    feat = vsi_inputs("sparse", (3,))
+    emb = CachedEmbedding(4, cache_capacity=64, seed=0, name="emb")
+    count = keras.layers.Lambda(lambda u: keras.ops.cast(keras.ops.shape(u)[0], "float32")
+                                * keras.ops.ones((1, 1)), name="count")(feat["unique_ids"])
+    out = keras.layers.Add()([keras.layers.Dense(1)(keras.layers.Flatten()(emb(feat))), count])
+    with pytest.raises(ValueError, match="'count'.*reads the input pipeline"):
+        serving_model(keras.Model({"sparse": feat}, out))
+    assert emb.store.host_export()[0].shape[0] == 0  # refused before any flush or export
+
+    a, b = vsi_inputs("a", (2,)), vsi_inputs("b", (2,))
+    ea = CachedEmbedding(2, cache_capacity=16, seed=0, name="ea")
+    eb = CachedEmbedding(2, cache_capacity=16, seed=0, name="eb")
+    out = keras.layers.Concatenate()([keras.layers.Flatten()(ea(a)),
+                                      keras.layers.Flatten()(eb(b))])
+    with pytest.raises(ValueError, match=r"share the names \['cat'\]"):
+        serving_model(keras.Model({"user": {"cat": a}, "item": {"cat": b}}, out))
+
+    ids_in = keras.Input((2,), dtype="int64", name="ids")
+    other = keras.Input((2,), dtype="int64", name="unique_ids")
+    ec = CachedEmbedding(2, cache_capacity=16, seed=0, name="ec")
+    out = keras.layers.Concatenate()([keras.layers.Flatten()(ec(ids_in)),
+                                      keras.ops.cast(other, "float32")])
+    served = serving_model(keras.Model({"ids": ids_in, "unique_ids": other}, out))
+    assert sorted(t.name for t in keras.tree.flatten(served.input)) == ["ids", "unique_ids"]

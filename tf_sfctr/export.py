@@ -60,8 +60,41 @@ class _UnusedPipelineKey(keras.layers.Layer):
         return {**super().get_config(), "out_dtype": self.out_dtype}
 
 
+_VSI_REQUIRED = {"ids", "unique_ids", "inverse"}
+_VSI_KEYS = _VSI_REQUIRED | {"next_unique_ids", "hint_ids", "hint_steps"}
+
+
 def _is_vsi_feature(x) -> bool:
-    return isinstance(x, dict) and "ids" in x and "unique_ids" in x
+    """A de-duplicated feature's inputs (``vsi_inputs``): exactly its keys."""
+    return isinstance(x, dict) and _VSI_REQUIRED <= set(x) and set(x) <= _VSI_KEYS
+
+
+def _check_vsi_consumers(model: keras.Model, struct) -> None:
+    """Only CachedEmbedding layers may read a de-duplicated feature's
+    pipeline keys: the served model feeds them nothing."""
+    pipeline = set()
+
+    def collect(x):
+        if _is_vsi_feature(x):
+            pipeline.update(id(t) for k, t in x.items() if k != "ids")
+        elif isinstance(x, dict):
+            for v in x.values():
+                collect(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                collect(v)
+
+    collect(struct)
+    for layer in model.layers:
+        if isinstance(layer, (CachedEmbedding, keras.layers.InputLayer)):
+            continue
+        for node in layer._inbound_nodes:
+            read = [t.name for t in node.input_tensors if id(t) in pipeline]
+            if read:
+                raise ValueError(
+                    f"export_for_serving: layer {layer.name!r} ({type(layer).__name__}) reads "
+                    f"the input pipeline's de-duplication inputs {read}; a served model takes "
+                    "plain ids and has no such inputs. Only CachedEmbedding may read them.")
 
 
 def _plain_inputs(struct, key: Optional[str] = None):
@@ -118,6 +151,19 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None,
             "rebuilds the graph with frozen tables); wrap a subclassed model's "
             "layers in a functional model first") from err
 
+    plain = None  # (inputs, feed) when de-duplicated features are served as plain ids
+    if _has_vsi_feature(model.input):
+        _check_vsi_consumers(model, model.input)
+        plain = _plain_inputs(model.input)
+        names = [t.name for t in keras.tree.flatten(plain[0])]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(
+                f"export_for_serving: served inputs would share the names {repeated}: a "
+                "de-duplicated feature is served as one input named after its key, and that "
+                "name is taken by another input. Give the features distinct keys (or rename "
+                "the other input).")
+
     def clone(layer):
         if isinstance(layer, CachedEmbedding):
             ids, rows = _frozen_rows(layer, max_rows)
@@ -130,9 +176,9 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None,
         if isinstance(layer, CachedEmbedding) or not layer.weights:
             continue
         copy.get_layer(layer.name).set_weights(layer.get_weights())
-    if not _has_vsi_feature(model.input):
+    if plain is None:
         return copy
-    inputs, feed = _plain_inputs(model.input)
+    inputs, feed = plain
     return keras.Model(inputs, copy(feed), name=f"{model.name}_served")
 
 

@@ -88,16 +88,29 @@ CoreStatus CacheDirectory::Classify(const int64_t* ids, int64_t n,
 
 int32_t CacheDirectory::TakeSlot(std::vector<Eviction>* evicted) {
   if (never_used_ < capacity_) return static_cast<int32_t>(never_used_++);
-  // Commit set evict_max_level_ so that at least as many slots as this step
-  // evicts are unused by it and have a level <= evict_max_level_; so one
-  // turn of the hand finds each victim.
+  // Commit set evict_max_level_ and budget_at_max_ so that the slots the step
+  // does not use below that level, plus budget_at_max_ of those at it, are
+  // exactly the victims it needs: every victim is of a lower level than any
+  // slot kept, and one turn of the hand finds each.
+  int64_t passed = 0;
   for (;;) {
     Slot& s = slots_[hand_];
     const int32_t slot = static_cast<int32_t>(hand_);
     hand_ = hand_ + 1 == capacity_ ? 0 : hand_ + 1;
+    if (++passed > capacity_) {
+      // Only if the level counts disagreed with the slots (a bug): take any
+      // slot the step does not use rather than turn forever.
+      evict_max_level_ = kFreqLevels + kHintLevels;
+      budget_at_max_ = capacity_;
+    }
     if (s.step == step_) continue;  // used by the current step
     if (!s.occupied) return slot;
-    if (Level(s) > evict_max_level_) continue;
+    const int level = Level(s);
+    if (level > evict_max_level_) continue;
+    if (level == evict_max_level_) {
+      if (budget_at_max_ == 0) continue;
+      --budget_at_max_;
+    }
     // The caller removes the id from the map.
     evicted->push_back(Eviction{s.id, slot, s.uses, s.handle});
     --freq_count_[s.freq];
@@ -149,24 +162,28 @@ void CacheDirectory::SetEvictionThreshold(int64_t needed,
                                           const int64_t* kept_per_freq,
                                           const int64_t* hinted_per_distance) {
   // The lowest level such that at least `needed` slots the step does not use
-  // are at or below it: unhinted slots by counter value, then hinted slots,
-  // the furthest use first.
+  // are at or below it (unhinted slots by counter value, then hinted slots,
+  // the furthest use first), and how many of those at that level must go.
   int64_t candidates = 0;
-  evict_max_level_ = kFreqLevels + kHintLevels - 1;
-  for (int f = 0; f < kFreqLevels; ++f) {
-    candidates += freq_count_[f] - kept_per_freq[f];
-    if (candidates >= needed) {
-      evict_max_level_ = f;
-      return;
+  auto reached = [&](int level, int64_t at_level) {
+    if (candidates + at_level < needed) {
+      candidates += at_level;
+      return false;
     }
+    evict_max_level_ = level;
+    budget_at_max_ = needed - candidates;
+    return true;
+  };
+  for (int f = 0; f < kFreqLevels; ++f) {
+    if (reached(f, freq_count_[f] - kept_per_freq[f])) return;
   }
   for (int d = kHintLevels; d >= 1; --d) {
-    candidates += hinted_per_distance[d];
-    if (candidates >= needed) {
-      evict_max_level_ = kFreqLevels + kHintLevels - d;
-      return;
-    }
+    if (reached(kFreqLevels + kHintLevels - d, hinted_per_distance[d])) return;
   }
+  // Not enough candidates (cannot happen: Classify bounds a step by the
+  // capacity); any slot the step does not use may go.
+  evict_max_level_ = kFreqLevels + kHintLevels;
+  budget_at_max_ = capacity_;
 }
 
 void CacheDirectory::HalveCounters() {

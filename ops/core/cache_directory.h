@@ -6,7 +6,8 @@
 // in the host table when it is admitted, saturating at 255), and a histogram
 // of the counters gives, for each step, the lowest counter value c such that
 // enough slots the step does not use have a counter <= c. The hand then
-// takes the next such slot (ties go in clock order). Counters are halved
+// takes the slots below c it passes and, of those at c, as many as are still
+// needed (ties go in clock order). Counters are halved
 // every 16 x capacity hits, so past popularity fades. On power-law traces
 // this keeps ~5% more hits than a generalised CLOCK (which lowers counters as
 // its hand passes) and is within 1% of an exact history LFU
@@ -129,9 +130,9 @@ class CacheDirectory {
   // marked slots and counts them per counter value and per distance.
   void MarkHints(const EvictionHints& hints, std::vector<int32_t>* marked,
                  int64_t* hinted_per_freq, int64_t* hinted_per_distance);
-  // Sets evict_max_level_ for a step that must evict `needed` slots, given
-  // how many slots of each counter value the step uses or keeps for a hint,
-  // and how many hinted slots there are per distance.
+  // Sets evict_max_level_ and budget_at_max_ for a step that must evict
+  // `needed` slots, given how many slots of each counter value the step uses
+  // or keeps for a hint, and how many hinted slots there are per distance.
   void SetEvictionThreshold(int64_t needed, const int64_t* kept_per_freq,
                             const int64_t* hinted_per_distance);
   void HalveCounters();
@@ -142,7 +143,8 @@ class CacheDirectory {
   int64_t hand_ = 0;
   int64_t never_used_ = 0;     // slots [never_used_, capacity) never filled
   int64_t freq_count_[kFreqLevels] = {};  // occupied slots per counter value
-  int evict_max_level_ = 0;               // this step's victims: Level <= this
+  int evict_max_level_ = 0;    // this step's victims: Level below this, and ...
+  int64_t budget_at_max_ = 0;  // ... this many more at it
   uint64_t hits_since_halving_ = 0;
   std::vector<Slot, LargeAllocator<Slot>> slots_;
   // Open-addressing id -> slot map with backward-shift deletion; slot -1

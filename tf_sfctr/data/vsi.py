@@ -18,6 +18,7 @@ number of distinct ids and of ids in the batch), so feed them from a
 from __future__ import annotations
 
 import inspect
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
@@ -111,16 +112,17 @@ def with_unique_ids(
         the current step trains (see its docstring); use
         ``vsi_inputs(..., lookahead=True)`` in a functional model.
       eviction_hints: also give the distinct ids of this many later batches
-        as ``features[key]["hint_ids"]``, with ``"hint_steps"`` (int32) saying
-        how many batches after the one the step prepares each is used (1 =
-        the batch after it; with ``lookahead`` the step prepares the next
-        batch, so the hints start two batches ahead). ``CachedEmbedding``
-        keeps those ids cached when other rows can go: Belady's rule inside
-        the window. 2 lifts the hit rate of a cache of 5% of the ids from
-        0.83x to 0.93x of Belady's optimum (``bench/cache_policy.py``); it
-        helps most when the cache is small, and costs a directory probe per
-        hinted id. Use ``vsi_inputs(..., eviction_hints=True)``. Local tables
-        only: model- and data-parallel tables ignore the keys.
+        (at most 16) as ``features[key]["hint_ids"]``, with ``"hint_steps"``
+        (int32) saying how many batches after this one each is used (1 = the
+        next). The window starts after the batch the step prepares: with
+        ``lookahead`` that is the next batch, so the hints are batches 2 ..
+        k + 1. ``CachedEmbedding`` keeps those ids cached when other rows can
+        go: Belady's rule inside the window. 2 lifts the hit rate of a cache
+        of 5% of the ids from 0.84x to 0.93x of Belady's optimum
+        (``bench/cache_policy.py``); it helps most when the cache is small,
+        and costs a directory probe per hinted id. Use ``vsi_inputs(...,
+        eviction_hints=True)``. Local tables only: model- and data-parallel
+        tables ignore the keys.
 
     Raises:
       ValueError: a key is missing, features are not a dict, or a key is
@@ -159,11 +161,17 @@ def with_unique_ids(
             out[key] = deduplicate(features[key], key)
         return (out, *rest)
 
-    if isinstance(eviction_hints, bool) or not isinstance(eviction_hints, int) \
-            or eviction_hints < 0:
+    try:
+        if isinstance(eviction_hints, bool):
+            raise TypeError
+        eviction_hints = operator.index(eviction_hints)
+    except TypeError:
+        eviction_hints = -1
+    if not 0 <= eviction_hints <= MAX_HINT_BATCHES:
         raise ValueError(
-            f"with_unique_ids: eviction_hints must be an int >= 0 (later batches whose ids "
-            f"are hints; 0 = none), got {eviction_hints!r}")
+            f"with_unique_ids: eviction_hints must be an int from 0 (none) to "
+            f"{MAX_HINT_BATCHES} (later batches whose ids are hints; the cache tells "
+            f"distances apart up to {MAX_HINT_BATCHES}), got {eviction_hints!r}")
     ds = dataset.map(dedup, num_parallel_calls=num_parallel_calls, deterministic=True)
     if lookahead or eviction_hints:
         ds = _with_later_unique_ids(ds, keys, lookahead, eviction_hints)
@@ -174,6 +182,9 @@ def with_unique_ids(
 
 
 _HINT_PAD = -(2**63)  # padding of the hinted ids' block (int64 min)
+#: Most later batches ``with_unique_ids`` gives as eviction hints (the cache
+#: directory's hint levels).
+MAX_HINT_BATCHES = 16
 
 
 def _with_later_unique_ids(ds: tf.data.Dataset, keys: tuple, lookahead: bool,
@@ -218,9 +229,10 @@ def _with_later_unique_ids(ds: tf.data.Dataset, keys: tuple, lookahead: bool,
             if hints:
                 padded = window_hints[j]
                 valid = tf.not_equal(padded, tf.constant(_HINT_PAD, tf.int64))
-                # Batch i of the block is used i + 1 batches after the prepared one.
-                steps = tf.broadcast_to(tf.range(1, tf.shape(padded)[0] + 1)[:, None],
-                                        tf.shape(padded))
+                # Row i of the block is batch first_hint + 1 + i after this one.
+                steps = tf.broadcast_to(
+                    tf.range(first_hint + 1, first_hint + 1 + tf.shape(padded)[0])[:, None],
+                    tf.shape(padded))
                 feature["hint_ids"] = tf.boolean_mask(padded, valid)
                 feature["hint_steps"] = tf.boolean_mask(steps, valid)
             out[key] = feature

@@ -442,10 +442,36 @@ TEST_CASE(DirectoryKeepsHintedIds) {
   // window's end); a repeated hint keeps its nearest distance (9: 1, not 5).
   CHECK(Step(d, {10, 11}, {{1, 2}, {2, 20}, {6, 4}, {7, 1}, {8, 3}, {9, 5}, {9, 1}}) ==
         (std::vector<int64_t>{2, 6}));
-  // Hints last one step: without them the least used go (the ids used once
-  // since they were admitted, not 1, whose history is longer).
+  // Hints last one step: without them the least used go. Cached: 1 (2 uses),
+  // 7, 8, 9, 10, 11 (1 use each since admitted); 1 stays.
   std::vector<int64_t> ev = Step(d, {12});
   CHECK(ev.size() == 1u && ev[0] != 1);
+}
+
+TEST_CASE(DirectoryEvictsUnhintedIdsBeforeAnyHintedOne) {
+  // More slots are eligible at the threshold level than must go: only as
+  // many as needed leave, wherever the clock hand stands, so an unhinted id
+  // never outlives a hinted one and a nearer use never leaves before a
+  // further one.
+  for (int64_t rotate = 0; rotate < 6; ++rotate) {
+    CacheDirectory d(6);
+    std::vector<int64_t> fill;
+    for (int64_t i = 0; i < 6; ++i) fill.push_back(1 + (i + rotate) % 6);
+    CHECK(Step(d, fill).empty());  // 1..6, one use each, slots rotated
+    // 1..4 hinted (distance 1), 5 and 6 not: 3 misses take 5, 6 and one of 1..4.
+    std::vector<int64_t> ev = Step(d, {7, 8, 9}, {{1, 1}, {2, 1}, {3, 1}, {4, 1}});
+    CHECK(ev.size() == 3u && ev[1] == 5 && ev[2] == 6 && ev[0] >= 1 && ev[0] <= 4);
+  }
+  for (int64_t rotate = 0; rotate < 6; ++rotate) {
+    CacheDirectory d(6);
+    std::vector<int64_t> fill;
+    for (int64_t i = 0; i < 6; ++i) fill.push_back(1 + (i + rotate) % 6);
+    CHECK(Step(d, fill).empty());
+    // 1, 2 at distance 1, 3, 4 at distance 2, 5, 6 unhinted; 4 misses: 5, 6,
+    // then 3 and 4 (the further use), never 1 or 2.
+    CHECK(Step(d, {7, 8, 9, 10}, {{1, 1}, {2, 1}, {3, 2}, {4, 2}}) ==
+          (std::vector<int64_t>{3, 4, 5, 6}));
+  }
 }
 
 TEST_CASE(DirectoryLetsPastPopularityFade) {

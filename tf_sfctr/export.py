@@ -69,22 +69,23 @@ def _is_vsi_feature(x) -> bool:
     return isinstance(x, dict) and _VSI_REQUIRED <= set(x) and set(x) <= _VSI_KEYS
 
 
-def _check_vsi_consumers(model: keras.Model, struct) -> None:
+def _vsi_features(struct):
+    """The de-duplicated features in a model's input structure."""
+    if _is_vsi_feature(struct):
+        yield struct
+    elif isinstance(struct, dict):
+        for v in struct.values():
+            yield from _vsi_features(v)
+    elif isinstance(struct, (list, tuple)):
+        for v in struct:
+            yield from _vsi_features(v)
+
+
+def _check_vsi_consumers(model: keras.Model) -> None:
     """Only CachedEmbedding layers may read a de-duplicated feature's
     pipeline keys: the served model feeds them nothing."""
-    pipeline = set()
-
-    def collect(x):
-        if _is_vsi_feature(x):
-            pipeline.update(id(t) for k, t in x.items() if k != "ids")
-        elif isinstance(x, dict):
-            for v in x.values():
-                collect(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                collect(v)
-
-    collect(struct)
+    pipeline = {id(t) for feature in _vsi_features(model.input)
+                for k, t in feature.items() if k != "ids"}
     for layer in model.layers:
         if isinstance(layer, (CachedEmbedding, keras.layers.InputLayer)):
             continue
@@ -120,16 +121,6 @@ def _plain_inputs(struct, key: Optional[str] = None):
     return new, new
 
 
-def _has_vsi_feature(struct) -> bool:
-    if _is_vsi_feature(struct):
-        return True
-    if isinstance(struct, dict):
-        return any(_has_vsi_feature(v) for v in struct.values())
-    if isinstance(struct, (list, tuple)):
-        return any(_has_vsi_feature(v) for v in struct)
-    return False
-
-
 def serving_model(model: keras.Model, max_rows: Optional[int] = None,
                   pad_id: Optional[int] = 0) -> keras.Model:
     """A copy of ``model`` whose CachedEmbedding layers are frozen
@@ -152,8 +143,8 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None,
             "layers in a functional model first") from err
 
     plain = None  # (inputs, feed) when de-duplicated features are served as plain ids
-    if _has_vsi_feature(model.input):
-        _check_vsi_consumers(model, model.input)
+    if any(True for _ in _vsi_features(model.input)):
+        _check_vsi_consumers(model)
         plain = _plain_inputs(model.input)
         names = [t.name for t in keras.tree.flatten(plain[0])]
         repeated = sorted({n for n in names if names.count(n) > 1})

@@ -5,7 +5,7 @@
 // ids per batch, dim 16 + one Adagrad state row, cache 20% of the ids).
 //
 //   make bench-core          # builds build/prepare_bench and runs it
-//   build/prepare_bench [vocab] [cache_rows] [batches] [alpha] [threads]
+//   build/prepare_bench [vocab] [cache_rows] [batches] [alpha] [threads] [dim]
 //
 // threads=2 (default) gives Prepare a second thread for the host fetch, as
 // the TF kernel does with TF's thread pool; threads=1 runs it inline.
@@ -91,6 +91,7 @@ int main(int argc, char** argv) {
   const int batches = argc > 3 ? std::atoi(argv[3]) : 60;
   const double alpha = argc > 4 ? std::atof(argv[4]) : 1.05;
   const int threads = argc > 5 ? std::atoi(argv[5]) : 2;
+  const int dim = argc > 6 ? std::atoi(argv[6]) : 16;
   Worker worker;
   const Scheduler schedule = [&worker](std::function<void()> task) {
     worker.Schedule(std::move(task));
@@ -109,7 +110,7 @@ int main(int argc, char** argv) {
   std::uniform_real_distribution<double> unif(0.0, total);
 
   StoreOptions options;
-  options.table.dim = 16;
+  options.table.dim = dim;
   options.table.num_state = 1;
   options.table.state_init = {0.1f};
   options.table.init.seed = 1;
@@ -150,9 +151,9 @@ int main(int argc, char** argv) {
   }
   const double distinct = static_cast<double>(ids.size());
   std::printf("vocab %lld, cache %lld rows, %d timed batches of %lld ids "
-              "(%.0f distinct in the last), alpha %.2f, %d thread(s)\n",
+              "(%.0f distinct in the last), alpha %.2f, dim %d, %d thread(s)\n",
               static_cast<long long>(vocab), static_cast<long long>(cache), batches,
-              static_cast<long long>(per_batch), distinct, alpha, threads);
+              static_cast<long long>(per_batch), distinct, alpha, dim, threads);
   std::printf("misses/batch %.0f; prepare %.2f ms (%.3f us/miss); write-back %.2f ms; "
               "sum %.2f ms\n",
               Median(misses), Median(t_prepare), 1e3 * Median(t_prepare) / Median(misses),

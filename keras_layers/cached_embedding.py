@@ -168,7 +168,9 @@ class CachedEmbedding(keras.layers.Layer):
     ignore the key.) With ``"hint_ids"`` and ``"hint_steps"`` (ids that
     later batches use and how many batches after this one, from
     ``with_unique_ids(..., eviction_hints=k)``) the cache keeps those rows
-    when others can go; values are unchanged. Local tables only.
+    when others can go; values are unchanged. (Local and model-parallel
+    tables; a model-parallel step sends each hint to the owner of its id in
+    the ids all-to-all. Data-parallel tables ignore the keys.)
 
     Example:
 
@@ -326,9 +328,9 @@ class CachedEmbedding(keras.layers.Layer):
         elif self._mode == "model_parallel":
             # Rows come back in route order; index them (and sum gradients)
             # in that order directly, with no reordering gathers.
-            route, inverse, next_recv = self._route(ids, unique_ids, inverse, bool(training),
-                                                    next_ids)
-            rows, apply_update = self._model_parallel_rows(route, bool(training), next_recv)
+            route, inverse, extras = self._route(ids, unique_ids, inverse, bool(training),
+                                                 next_ids, hints)
+            rows, apply_update = self._model_parallel_rows(route, bool(training), extras)
             num_unique = tf.shape(rows)[0]
             rows = tf.gather(rows, inverse)
         else:
@@ -500,36 +502,38 @@ class CachedEmbedding(keras.layers.Layer):
 
     def _route(self, ids: Optional[tf.Tensor], unique_ids: Optional[tf.Tensor],
                inverse: Optional[tf.Tensor], training: bool,
-               next_ids: Optional[tf.Tensor] = None):
+               next_ids: Optional[tf.Tensor] = None, hints: Optional[tuple] = None):
         """Sends this rank's distinct ids to their owners. Returns the route,
-        the route-order index of every id, and the next batch's ids received
-        as owner (None without ``next_ids``).
+        the route-order index of every id, and what this rank received as
+        owner beside them (``exchange.Extras``, or None).
 
         The index is of each of ``ids`` when ``unique_ids`` is None (the
         batch is de-duplicated and grouped by owner in one pass), else of each
-        of ``unique_ids``, or of each of ``ids`` given their ``inverse``. With
-        ``next_ids`` (training), the next batch's distinct ids travel in the
-        same all-to-all."""
+        of ``unique_ids``, or of each of ``ids`` given their ``inverse``. When
+        training, the next batch's distinct ids (``next_ids``) and eviction
+        ``hints`` travel in the same all-to-all, to the owners of their ids."""
         from tf_sfctr.distributed import exchange
 
         name, world = self._exchange_name(training), self._world_size
         if unique_ids is None:
             route, index = exchange.route_batch(ids, world, name)
             return route, index, None
-        next_recv = None
-        if training and next_ids is not None:
-            route, next_recv = exchange.send_ids_and_next(unique_ids, next_ids, world, name)
+        extras = None
+        if training and (next_ids is not None or hints is not None):
+            route, extras = exchange.send_ids_with_extras(unique_ids, world, name,
+                                                          next_ids=next_ids, hints=hints)
         else:
             route = exchange.send_ids(unique_ids, world, name)
         index = route.position if inverse is None else _ops.gather_index(route.position, inverse)
-        return route, index, next_recv
+        return route, index, extras
 
-    def _model_parallel_rows(self, route, training: bool,
-                             next_recv: Optional[tf.Tensor] = None):
+    def _model_parallel_rows(self, route, training: bool, extras=None):
         """Rows of this rank's distinct ids (sent along ``route``) in route
         order and, when training, the update function (taking gradients in
-        route order). With ``next_recv`` (the next batch's ids this rank owns),
-        the owner prepares its cache for them during this step."""
+        route order). ``extras`` (``exchange.Extras``) are what this rank
+        received as owner beside the ids: with the next batch's ids it
+        prepares its cache for them during this step, and eviction hints go
+        to its cache directory."""
         from tf_sfctr.distributed import exchange
 
         name = self._exchange_name(training)
@@ -537,12 +541,14 @@ class CachedEmbedding(keras.layers.Layer):
             self._ids_sent.var.assign_add(tf.cast(tf.size(route.position), tf.int64))
         own_ids, own_inverse, _ = _ops.unique(route.recv_ids)
         if training:
-            next_own = None
-            if next_recv is not None:
+            next_own = hints = None
+            if extras is not None and extras.next_ids is not None:
                 # The same routing and de-duplication as the next step will
                 # do, so the owner's plan matches its next own ids.
-                next_own, _, _ = _ops.unique(next_recv)
-            slots = self._cached_slots(own_ids, next_own)
+                next_own, _, _ = _ops.unique(extras.next_ids)
+            if extras is not None and extras.hint_ids is not None:
+                hints = (extras.hint_ids, extras.hint_steps)
+            slots = self._cached_slots(own_ids, next_own, hints)
             rows_for_recv = _ops.gather_rows(self._cache_rows,
                                              _ops.gather_index(slots, own_inverse))
         else:

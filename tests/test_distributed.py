@@ -52,7 +52,8 @@ def _reference(name):
     if trainer == "fit":
         model = sc.fit_model(emb, dense, opt, batches)
     else:
-        sc.train_loop(emb, dense, opt, batches, lookahead=trainer == "lookahead")
+        sc.train_loop(emb, dense, opt, batches, lookahead=trainer == "lookahead",
+                      hints=2 if trainer == "hints" else 0)
     assert emb.mode == "local"
     return emb.lookup_rows(sc.vocab()), dense.kernel.numpy(), dense.bias.numpy(), emb, model
 
@@ -94,6 +95,43 @@ def test_uneven_and_empty_splits(results):
     # De-duplicated payload: ids sent = distinct ids, not the batch size.
     assert results("routing", 0)["sent"].tolist() == [5, 2]
     assert results("routing", 1)["sent"].tolist() == [2, 0]
+
+
+@pytest.mark.parametrize("kind", ["mp_adagrad", "mp_sgd_ragged"])
+def test_hints_raise_the_owners_hit_rate(results, kind):
+    """The same run with and without eviction hints (both with lookahead):
+    equal values (test above), the same accesses, more hits on the owners."""
+    def total(name, key):
+        return sum(int(results(name, r)[key]) for r in range(sc.WORLD))
+
+    hinted, plain = f"{kind}_hints", f"{kind}_lookahead"
+    assert (total(hinted, "hits") + total(hinted, "misses")
+            == total(plain, "hits") + total(plain, "misses"))
+    assert total(hinted, "hits") > total(plain, "hits")
+
+
+def test_next_ids_and_hints_reach_their_owners(results):
+    """One all-to-all carries this step's ids, the next step's and the
+    eviction hints; each owner gets exactly the ids it owns, hints with the
+    smallest steps per sender (a rank with an empty batch included)."""
+    sent = [sc.extras_inputs(rank) for rank in range(sc.WORLD)]
+    for owner in range(sc.WORLD):
+        got = results("extras", owner)
+        want_this = [x for this, _, _, _ in sent for x in this if sc_owner([x])[0] == owner]
+        assert sorted(got["recv_ids"].tolist()) == sorted(want_this)
+        assert got["recv_splits"].tolist() == [
+            sum(sc_owner(this) == owner) for this, _, _, _ in sent]
+        want_next = [x for _, nxt, _, _ in sent for x in nxt if sc_owner([x])[0] == owner]
+        assert sorted(got["next_ids"].tolist()) == sorted(want_next)
+        want_hints = []
+        for _, _, ids, steps in sent:
+            best = {}
+            for i, s in zip(ids.tolist(), steps.tolist()):
+                best[i] = min(s, best.get(i, s))
+            want_hints += [(i, s) for i, s in best.items() if sc_owner([i])[0] == owner]
+        assert sorted(zip(got["hint_ids"].tolist(), got["hint_steps"].tolist())) == \
+            sorted(want_hints)
+        assert got["hint_steps"].dtype == np.int32
 
 
 def sc_owner(ids):

@@ -25,6 +25,10 @@ SCENARIOS = {
     # Ragged rows (some empty) with lookahead: uneven splits in the one
     # all-to-all that carries this step's and the next step's ids.
     "mp_sgd_ragged_lookahead": ("sgd", "ragged", "model_parallel", "lookahead"),
+    # Lookahead plus eviction hints (2 batches) from the VSI pipeline: the
+    # hints ride in the ids all-to-all to the owners; values are unchanged.
+    "mp_adagrad_hints": ("adagrad", "dense", "model_parallel", "hints"),
+    "mp_sgd_ragged_hints": ("sgd", "ragged", "model_parallel", "hints"),
     "dp_sgd_dense": ("sgd", "dense", "data_parallel", "loop"),
     "dp_adagrad_ragged": ("adagrad", "ragged", "data_parallel", "loop"),
 }
@@ -86,9 +90,11 @@ def _features(emb, ids, training):
     return tf.reshape(x, [tf.shape(x)[0], -1])
 
 
-def train_loop(emb, dense, opt, batches, lookahead=False):
+def train_loop(emb, dense, opt, batches, lookahead=False, hints=0):
     """Custom loop; returns per-step losses. With ``lookahead``, each step's
-    ids enter as a VSI dict with the next batch's distinct ids."""
+    ids enter as a VSI dict with the next batch's distinct ids; with
+    ``hints`` > 0 the dicts come from ``with_unique_ids(..., lookahead=True,
+    eviction_hints=hints)``."""
     emb.build(None)
     if not dense.built:
         dense.build((None, DIM * FIELDS if emb.combiner is None else DIM))
@@ -103,6 +109,15 @@ def train_loop(emb, dense, opt, batches, lookahead=False):
         opt.apply_gradients(zip(grads, variables))
         return loss
 
+    if hints:
+        from tf_sfctr.data import with_unique_ids
+
+        ds = None
+        for ids, y in batches:
+            one = tf.data.Dataset.from_tensors(({"sparse": ids}, y))
+            ds = one if ds is None else ds.concatenate(one)
+        ds = with_unique_ids(ds, lookahead=True, eviction_hints=hints)
+        return [float(step(features["sparse"], y)) for features, y in ds]
     if not lookahead:
         return [float(step(ids, y)) for ids, y in batches]
     from tf_sfctr.data import deduplicate
@@ -128,3 +143,14 @@ def fit_model(emb, dense, opt, batches, callbacks=()):
     n = len(batches[0][1])
     model.fit(x, y, batch_size=n, shuffle=False, verbose=0, callbacks=list(callbacks))
     return model
+
+
+def extras_inputs(rank):
+    """What each rank sends in the extras test: this step's distinct ids,
+    the next step's, and hints (one id twice, with steps 4 and 2). Rank 1's
+    batch and next batch are empty."""
+    v = vocab()
+    if rank == 0:
+        return v[:7], v[5:12], v[[20, 21, 22, 20, 3]], np.array([4, 2, 3, 2, 5], np.int32)
+    empty = np.zeros(0, np.int64)
+    return empty, empty, v[[21, 30, 31]], np.array([6, 2, 2], np.int32)

@@ -27,18 +27,19 @@ def run_equivalence(out_dir, name, rank):
     if trainer == "fit":
         sc.fit_model(emb, dense, opt, batches, callbacks())
     else:
-        sc.train_loop(emb, dense, opt, batches, lookahead=trainer == "lookahead")
+        sc.train_loop(emb, dense, opt, batches, lookahead=trainer == "lookahead",
+                      hints=2 if trainer == "hints" else 0)
     assert emb.mode == distribution, emb.mode
     stats = emb.cache_stats()
     assert stats["evictions"] > 0, stats
     # With lookahead, every step after the first used its prepared plan.
-    planned = len(batches) - 1 if trainer == "lookahead" else 0
+    planned = len(batches) - 1 if trainer in ("lookahead", "hints") else 0
     assert stats["prepared_ahead"] == planned, stats
     # Collective lookup: every rank asks for the whole vocabulary.
     rows = emb.lookup_rows(sc.vocab())
     np.savez(os.path.join(out_dir, f"{name}_rank{rank}.npz"), rows=rows,
              kernel=dense.kernel.numpy(), bias=dense.bias.numpy(),
-             host_rows=stats["host_rows"])
+             host_rows=stats["host_rows"], hits=stats["hits"], misses=stats["misses"])
 
 
 def run_routing(out_dir, rank, size):
@@ -67,6 +68,22 @@ def run_routing(out_dir, rank, size):
         assert len(ids) == 0 or sent[-1] < ids.size or len(np.unique(ids)) == ids.size
     np.savez(os.path.join(out_dir, f"routing_rank{rank}.npz"), before=before,
              after=emb.lookup_rows(v), sent=np.array(sent))
+
+
+def run_extras(out_dir, rank, size):
+    """exchange.send_ids_with_extras: every section reaches the owners."""
+    from tf_sfctr.distributed import exchange
+
+    this, nxt, hint_ids, hint_steps = sc.extras_inputs(rank)
+    route, extras = exchange.send_ids_with_extras(
+        tf.constant(this), size, "extras_test", next_ids=tf.constant(nxt),
+        hints=(tf.constant(hint_ids), tf.constant(hint_steps)))
+    _, plain = exchange.send_ids_with_extras(tf.constant(this), size, "extras_plain")
+    assert plain.next_ids is None and plain.hint_ids is None
+    np.savez(os.path.join(out_dir, f"extras_rank{rank}.npz"),
+             recv_ids=route.recv_ids.numpy(), recv_splits=route.recv_splits.numpy(),
+             next_ids=extras.next_ids.numpy(), hint_ids=extras.hint_ids.numpy(),
+             hint_steps=extras.hint_steps.numpy())
 
 
 def run_broadcast(out_dir, rank):
@@ -147,7 +164,7 @@ def run_resume(out_dir, rank):
 
 def main():
     out_dir = sys.argv[1]
-    only = sys.argv[2:] or list(sc.SCENARIOS) + ["routing", "broadcast", "checkpoint", "resume"]
+    only = sys.argv[2:] or list(sc.SCENARIOS) + ["routing", "extras", "broadcast", "checkpoint", "resume"]
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     assert size == sc.WORLD, size
@@ -155,6 +172,8 @@ def main():
     for name in only:
         if name == "routing":
             run_routing(out_dir, rank, size)
+        elif name == "extras":
+            run_extras(out_dir, rank, size)
         elif name == "broadcast":
             run_broadcast(out_dir, rank)
         elif name == "resume":

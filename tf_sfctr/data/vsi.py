@@ -121,7 +121,8 @@ def with_unique_ids(
         of 5% of the ids from 0.84x to 0.93x of Belady's optimum
         (``bench/cache_policy.py``); it helps most when the cache is small,
         and costs a directory probe per hinted id. Use ``vsi_inputs(...,
-        eviction_hints=True)``. Local tables only: model- and data-parallel
+        eviction_hints=True)``. Local and model-parallel tables (each hint
+        travels to the owner of its id with the step's ids); data-parallel
         tables ignore the keys.
 
     Raises:

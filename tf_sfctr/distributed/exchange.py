@@ -10,7 +10,7 @@ are bucketed. Uneven and empty splits are normal.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import numpy as np
 import tensorflow as tf
@@ -61,38 +61,91 @@ def route_batch(ids: tf.Tensor, world_size: int, name: str) -> tuple[Route, tf.T
     return _deliver(routed, tf.range(tf.size(routed)), splits, name), inverse
 
 
-def send_ids_and_next(unique_ids: tf.Tensor, next_ids: tf.Tensor, world_size: int,
-                      name: str) -> tuple[Route, tf.Tensor]:
-    """:func:`send_ids` for this step's distinct ids and the next step's, in
-    one all-to-all. Returns this step's route and the next ids this rank
-    received as owner, in the order a later ``send_ids(next_ids)`` would
-    deliver them.
+class Extras(NamedTuple):
+    """What an owner received beside a step's ids (see :func:`send_ids_with_extras`)."""
 
-    Each rank's message to rank r is ``[count, this step's ids for r, next
-    step's ids for r]``: the count tells the owner where this step's ids end.
+    next_ids: Optional[tf.Tensor]    # the next batch's ids this rank owns
+    hint_ids: Optional[tf.Tensor]    # hinted ids this rank owns (may repeat)
+    hint_steps: Optional[tf.Tensor]  # int32, batches after this one
+
+
+# Sections of a framed ids message, in order; the header holds their sizes.
+_THIS, _NEXT, _HINT_IDS, _HINT_STEPS = range(4)
+_SECTIONS = 4
+
+
+def send_ids_with_extras(unique_ids: tf.Tensor, world_size: int, name: str,
+                         next_ids: Optional[tf.Tensor] = None,
+                         hints: Optional[tuple[tf.Tensor, tf.Tensor]] = None
+                         ) -> tuple[Route, Extras]:
+    """:func:`send_ids` for this step's distinct ids plus, in the same
+    all-to-all, the next step's distinct ids (lookahead) and eviction hints
+    ``(ids, steps)``, each sent to the owner of its id.
+
+    The next ids arrive in the order a later ``send_ids(next_ids)`` would
+    deliver them. Hints keep the smallest ``steps`` of an id that repeats in
+    ``hints``; an owner may still receive one id from several ranks.
+
+    Each rank's message to rank r is a header of four counts followed by
+    those sections: this step's ids for r, next ids for r, hinted ids for r
+    and their steps. Every rank sends the four sections (empty when it has
+    nothing), so ranks always agree on the framing.
     """
     hvd = require()
     routed, position, splits = _ops.unique(unique_ids, num_groups=world_size)
-    routed_next, _, splits_next = _ops.unique(next_ids, num_groups=world_size)
-    starts = tf.cumsum(splits, exclusive=True)
-    starts_next = tf.cumsum(splits_next, exclusive=True)
-    this_part = tf.ragged.range(starts, starts + splits)
-    next_part = tf.ragged.range(starts_next, starts_next + splits_next) + tf.size(routed)
-    header = tf.size(routed) + tf.size(routed_next) + tf.range(world_size)
-    head = tf.RaggedTensor.from_tensor(header[:, None])
-    picks = tf.concat([head, this_part, next_part], axis=1).flat_values
-    source = tf.concat([routed, routed_next, tf.cast(splits, tf.int64)], axis=0)
+    sections, counts = [routed], [splits]
+    empty = tf.zeros([0], tf.int64)
+    no_split = tf.zeros([world_size], tf.int32)
+    if next_ids is not None:
+        routed_next, _, splits_next = _ops.unique(next_ids, num_groups=world_size)
+        sections.append(routed_next)
+        counts.append(splits_next)
+    else:
+        sections.append(empty)
+        counts.append(no_split)
+    if hints is not None:
+        hint_ids, hint_steps = hints
+        routed_hints, where, splits_hints = _ops.unique(hint_ids, num_groups=world_size)
+        steps = tf.math.unsorted_segment_min(hint_steps, where, tf.size(routed_hints))
+        sections += [routed_hints, tf.cast(steps, tf.int64)]
+        counts += [splits_hints, splits_hints]
+    else:
+        sections += [empty, empty]
+        counts += [no_split, no_split]
+
+    # Gather indices into `source` = [sections..., header table], per
+    # destination: its header row, then its part of each section.
+    header = tf.cast(tf.stack(counts, axis=1), tf.int64)         # [world, 4]
+    sizes = [tf.size(x) for x in sections]
+    offsets = tf.cumsum(tf.stack(sizes), exclusive=True)
+    header_at = tf.reduce_sum(tf.stack(sizes))
+    pieces = [tf.RaggedTensor.from_tensor(
+        header_at + tf.reshape(tf.range(world_size * _SECTIONS), [world_size, _SECTIONS]))]
+    for k, c in enumerate(counts):
+        starts = tf.cumsum(c, exclusive=True) + tf.cast(offsets[k], tf.int32)
+        pieces.append(tf.ragged.range(starts, starts + c))
+    picks = tf.concat(pieces, axis=1).flat_values
+    source = tf.concat(sections + [tf.reshape(header, [-1])], axis=0)
     message = tf.gather(source, picks)
-    received, recv_sizes = hvd.alltoall(message, splits=1 + splits + splits_next,
+    send_splits = _SECTIONS + tf.add_n(counts)
+    received, recv_sizes = hvd.alltoall(message, splits=send_splits,
                                         name=f"{name}_ids", ignore_name_scope=True)
+
     heads = tf.cumsum(recv_sizes, exclusive=True)
-    recv_splits = tf.cast(tf.gather(received, heads), tf.int32)
-    first = heads + 1
-    recv_ids = tf.gather(received, tf.ragged.range(first, first + recv_splits).flat_values)
-    next_first = first + recv_splits
-    next_recv = tf.gather(received, tf.ragged.range(
-        next_first, heads + recv_sizes).flat_values)
-    return Route(position, splits, recv_ids, recv_splits), next_recv
+    got = tf.cast(tf.gather(received, heads[:, None] + tf.range(_SECTIONS)[None, :]),
+                  tf.int32)                                       # [world, 4]
+    section_starts = heads[:, None] + _SECTIONS + tf.cumsum(got, axis=1, exclusive=True)
+
+    def section(k):
+        first = section_starts[:, k]
+        return tf.gather(received, tf.ragged.range(first, first + got[:, k]).flat_values)
+
+    route = Route(position, splits, section(_THIS), got[:, _THIS])
+    extras = Extras(
+        next_ids=section(_NEXT) if next_ids is not None else None,
+        hint_ids=section(_HINT_IDS) if hints is not None else None,
+        hint_steps=(tf.cast(section(_HINT_STEPS), tf.int32) if hints is not None else None))
+    return route, extras
 
 
 def _deliver(routed, position, splits, name) -> Route:

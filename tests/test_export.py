@@ -9,8 +9,10 @@ import textwrap
 
 import keras
 import numpy as np
+import pytest
 
 import tf_sfctr
+from tf_sfctr.export import serving_model
 from tf_sfctr.keras_layers import CachedEmbedding
 
 from conftest import powerlaw_ids, random_vocab
@@ -62,6 +64,30 @@ def test_export_predicts_like_the_trained_model_without_tf_sfctr(rng, tmp_path):
     served, flags = _serve_in_subprocess(tmp_path, tmp_path / "served", x)
     assert flags == {"tf_sfctr_imported": False, "op_library_loaded": False}
     np.testing.assert_allclose(served, model.predict(x, verbose=0), rtol=1e-6, atol=1e-6)
+
+
+def test_sequential_and_dense_multi_hot_rows_serve_like_training(rng, tmp_path):
+    """A Sequential model exports; dense multi-hot rows with a combiner count
+    every position when served, as in training (id 0 is a real id); pad_id=0
+    opts into skipping it."""
+    x = np.array([[3, 5, 0, 0], [0, 7, 7, 9], [5, 0, 2, 2]] * 4, np.int64)
+    model = keras.Sequential([
+        keras.Input((4,), dtype="int64"),
+        CachedEmbedding(3, cache_capacity=16, seed=0, combiner="mean", name="emb"),
+        keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(x, rng.random((12, 1)), batch_size=6, verbose=0)
+    tf_sfctr.export_for_serving(model, str(tmp_path / "served"))
+    served, _ = _serve_in_subprocess(tmp_path, tmp_path / "served", x)
+    np.testing.assert_allclose(served, model.predict(x, verbose=0), rtol=1e-6, atol=1e-6)
+    skipping = serving_model(model, pad_id=0)
+    rows = model.get_layer("emb").lookup_rows([3, 5])
+    np.testing.assert_allclose(skipping.get_layer("emb")(x[:1]).numpy()[0], rows.mean(0),
+                               rtol=1e-6)
+    for bad in (True, 1.5, "0"):
+        with pytest.raises(ValueError, match="pad_id must be None or an int"):
+            tf_sfctr.export_for_serving(model, str(tmp_path / "x"), pad_id=bad)
+    tf_sfctr.export_for_serving(model, str(tmp_path / "capped"), max_rows=np.int64(2))
 
 
 def _identity_model(emb):

@@ -122,7 +122,7 @@ def _plain_inputs(struct, key: Optional[str] = None):
 
 
 def serving_model(model: keras.Model, max_rows: Optional[int] = None,
-                  pad_id: Optional[int] = 0) -> keras.Model:
+                  pad_id: Optional[int] = None) -> keras.Model:
     """A copy of ``model`` whose CachedEmbedding layers are frozen
     ServingEmbedding layers (same names, same outputs for known ids).
 
@@ -130,8 +130,15 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None,
     ``{"ids", "unique_ids", "inverse", ...}``) is served on plain ids: each
     such feature becomes one input named after its key (e.g. ``"sparse"``),
     holding what ``"ids"`` held."""
-    if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 0):
+    if max_rows is not None and (isinstance(max_rows, bool)
+                                 or not isinstance(max_rows, (int, np.integer))
+                                 or max_rows < 0):
         raise ValueError(f"max_rows must be None or an int >= 0, got {max_rows!r}")
+    if max_rows is not None:
+        max_rows = int(max_rows)
+    if pad_id is not None and (isinstance(pad_id, bool)
+                               or not isinstance(pad_id, (int, np.integer))):
+        raise ValueError(f"pad_id must be None or an int id, got {pad_id!r}")
     if not isinstance(model, keras.Model) or not hasattr(model, "inputs") or model.inputs is None:
         raise ValueError("export_for_serving needs a functional or Sequential keras.Model")
     try:
@@ -142,10 +149,12 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None,
             "rebuilds the graph with frozen tables); wrap a subclassed model's "
             "layers in a functional model first") from err
 
+    # A Sequential model has no `input` structure (Keras raises), only its one input.
+    structure = model.inputs[0] if isinstance(model, keras.Sequential) else model.input
     plain = None  # (inputs, feed) when de-duplicated features are served as plain ids
-    if any(True for _ in _vsi_features(model.input)):
+    if any(True for _ in _vsi_features(structure)):
         _check_vsi_consumers(model)
-        plain = _plain_inputs(model.input)
+        plain = _plain_inputs(structure)
         names = [t.name for t in keras.tree.flatten(plain[0])]
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
@@ -174,7 +183,7 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None,
 
 
 def export_for_serving(model: keras.Model, export_dir: str,
-                       max_rows: Optional[int] = None, pad_id: Optional[int] = 0) -> keras.Model:
+                       max_rows: Optional[int] = None, pad_id: Optional[int] = None) -> keras.Model:
     """Writes a SavedModel of ``model`` that uses only stock TensorFlow ops.
 
     Its ``serving_default`` signature takes the model's inputs (a feature
@@ -183,9 +192,11 @@ def export_for_serving(model: keras.Model, export_dir: str,
     ``tf.saved_model.load`` (or TF Serving) in a process that never imported
     tf_sfctr. ``max_rows`` keeps the most used rows of each table (use counts
     since the table was created); the others, like never-seen ids, get zeros.
-    Multi-hot inputs (layers with a combiner) are served as dense rows padded
-    with ``pad_id`` (default 0, the padding of ``RaggedTensor.to_tensor()``),
-    which the combiner skips; ``pad_id=None`` counts every position.
+    Multi-hot inputs (layers with a combiner) are served as the model takes
+    them. Dense rows count every position, as in training (where every id,
+    0 included, is a real id); give ``pad_id`` (e.g. 0, the padding of
+    ``RaggedTensor.to_tensor()``) to have the served combiners skip that id
+    in dense rows, for clients that pad variable-length rows.
     Returns the frozen Keras model that was exported. Under Horovod, call it
     on every rank: the sharded tables are gathered and rank 0 writes one
     complete SavedModel.

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import random
 import threading
+import weakref
 from typing import Any, Optional, Sequence
 
 import keras
@@ -39,6 +40,11 @@ from tf_sfctr.store import EmbeddingStore, StoreConfig
 
 COMBINERS = ("sum", "mean", "sqrtn")
 DISTRIBUTIONS = ("auto", "model_parallel", "data_parallel")
+
+
+# Graphs being traced -> ids of the layers a training call was traced for in
+# them (see CachedEmbedding._check_one_training_call).
+_TRAINING_CALLS: "weakref.WeakKeyDictionary[tf.Graph, set]" = weakref.WeakKeyDictionary()
 
 
 def _compute_device() -> str:
@@ -68,6 +74,24 @@ def _check_id_dtype(dtype: tf.DType, what: str = "ids") -> None:
             f"{dtype.name}. Raw 64-bit ids are fine as int64; hash strings to "
             f"int64 first (e.g. tf_sfctr.data.hash_categorical)."
         )
+
+
+def _keras_shape_inference() -> bool:
+    """True while Keras traces a call only to infer shapes, never to run it:
+    building a subclassed model from its saved input shapes (load_model)
+    feeds float32 placeholders."""
+    try:
+        from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+    except ImportError:  # another Keras layout: no relaxation
+        return False
+    return in_symbolic_scope()
+
+
+def _float_as_ids(x: Any) -> Any:
+    dtype = getattr(x, "dtype", None)
+    if isinstance(dtype, tf.DType) and dtype.is_floating:
+        return tf.cast(x, tf.int64)
+    return x
 
 
 class _Counter:
@@ -172,6 +196,13 @@ class CachedEmbedding(keras.layers.Layer):
     tables; a model-parallel step sends each hint to the owner of its id in
     the ids all-to-all. Data-parallel tables ignore the keys.)
 
+    One training call per step: a layer shared by two inputs is refused
+    when the training step is traced (a second call could evict rows the
+    first still updates); concatenate the features and call it once, or
+    use one layer each. Mixed precision: ``"mixed_bfloat16"`` works (the
+    table stays float32); ``"mixed_float16"`` is refused, since Keras's loss
+    scaling would reach the table's updates.
+
     Example:
 
     >>> import keras, tensorflow as tf
@@ -237,6 +268,13 @@ class CachedEmbedding(keras.layers.Layer):
     def build(self, input_shape: Any = None) -> None:
         if self._store is not None:
             return
+        policies = {self.dtype_policy.name, keras.config.dtype_policy().name}
+        if "mixed_float16" in policies:
+            raise ValueError(
+                f"CachedEmbedding {self.name!r}: the 'mixed_float16' dtype policy is not "
+                "supported. Keras trains it with a scaled loss (LossScaleOptimizer), and the "
+                "table's optimizer, which updates rows in the backward pass, would get the "
+                "scaled gradients. Use 'mixed_bfloat16' (no loss scaling) or float32.")
         opt = self.table_optimizer
         shape = [self.cache_capacity, self.output_dim]
         with tf.init_scope(), tf.device(_compute_device()):
@@ -264,6 +302,7 @@ class CachedEmbedding(keras.layers.Layer):
             seed=self.seed,
             max_rows=self.max_rows or 0,
             cache_capacity=self.cache_capacity,
+            state_kind=opt.state_kind,
         ))
         self._store.before_save = self.flush
         # A restored table replaces the cache: a prepared plan is void.
@@ -273,6 +312,7 @@ class CachedEmbedding(keras.layers.Layer):
             self._mode = "data_parallel" if self.distribution == "data_parallel" \
                 else "model_parallel"
             self._world_size = size
+            self._store.replicated = self._mode == "data_parallel"
         with tf.init_scope():
             # Create the resource eagerly: a handle first made inside a traced
             # function would belong to that graph only.
@@ -302,7 +342,35 @@ class CachedEmbedding(keras.layers.Layer):
         return [self._cache.rows, *self._cache.state]
 
     # ------------------------------------------------------------------- call
+    def _check_one_training_call(self) -> None:
+        """A training call prepares the cache for its own ids and updates
+        their rows in the backward pass; a second training call in the same
+        step could evict rows the first still has to update. Refused when a
+        step's graph is traced (model.fit, tf.function); eager loops must
+        call the layer once per step themselves."""
+        if tf.executing_eagerly():
+            return
+        graph = tf.compat.v1.get_default_graph()
+        seen = _TRAINING_CALLS.setdefault(graph, set())
+        if id(self) in seen:
+            raise ValueError(
+                f"CachedEmbedding {self.name!r} is called more than once in one training "
+                "step. Each training call loads its own ids into the cache, so a second call "
+                "could evict rows the first still has to update (wrong rows would be trained). "
+                "To share one table between features, concatenate their ids, call the layer "
+                "once and split its output (ragged or sparse ids work with a combiner), or "
+                "give each feature its own layer. Inference calls (training=False) may be "
+                "repeated.")
+        seen.add(id(self))
+
     def call(self, inputs: Any, training: Optional[bool] = None) -> tf.Tensor:
+        if training:
+            self._check_one_training_call()
+        if _keras_shape_inference():
+            # Only shapes matter here (the graph never runs): take Keras's
+            # float32 placeholders as ids rather than fail the model's build.
+            inputs = ({k: _float_as_ids(v) for k, v in inputs.items()}
+                      if isinstance(inputs, dict) else _float_as_ids(inputs))
         if isinstance(inputs, dict):
             # Virtual Sparse Ids computed in the input pipeline
             # (tf_sfctr.data.with_unique_ids): skip de-duplication here.
@@ -339,7 +407,32 @@ class CachedEmbedding(keras.layers.Layer):
             rows = tf.gather(rows, inverse)
         if apply_update is not None:
             rows = self._attach_update(rows, inverse, num_unique, apply_update)
-        return tf.cast(self._combine(rows, layout), self.compute_dtype)
+        out = tf.cast(self._combine(rows, layout), self.compute_dtype)
+        if training is None and not _keras_shape_inference():
+            out = self._refuse_gradient(out)
+        return out
+
+    def _refuse_gradient(self, out: tf.Tensor) -> tf.Tensor:
+        """Output of a call that got no training flag: inference rows, and a
+        clear error if anyone differentiates through them. (Keras calls a
+        subclassed model whose ``call`` has no ``training`` argument without
+        one, so the table would silently never train.)"""
+        trigger = tf.convert_to_tensor(self._trigger.value)
+        name = self.name
+
+        @tf.custom_gradient
+        def inference_rows(x, trigger_in):
+            def grad(d_out):
+                raise ValueError(
+                    f"CachedEmbedding {name!r} was called without a training flag "
+                    "(inference: the table is not updated), yet a gradient reached it. Pass "
+                    "training=True in training steps (a subclassed model's call() needs a "
+                    "`training` argument; Keras then hands the flag on). To train the rest "
+                    "of the model with the table frozen, pass training=False.")
+
+            return tf.identity(x), grad
+
+        return inference_rows(out, trigger)
 
     @property
     def mode(self) -> str:
@@ -428,7 +521,17 @@ class CachedEmbedding(keras.layers.Layer):
             with tf.control_dependencies([self._prepared_ahead.var.assign_add(1)]):
                 return tf.identity(plan.slots.read_value())
 
-        with tf.control_dependencies([self._settle()]):
+        checks = [self._settle()]
+        if next_ids is not None:
+            # The next batch is prepared late in this step: check that it
+            # fits now, before this step changes anything.
+            checks.append(tf.debugging.assert_less_equal(
+                tf.size(next_ids), tf.constant(self.cache_capacity, tf.int32), message=(
+                    f"CachedEmbedding {self.name!r}: the next batch (prepared ahead, "
+                    f"lookahead) has more distinct ids than cache_capacity="
+                    f"{self.cache_capacity}; raise cache_capacity or use smaller batches. "
+                    f"Nothing was changed")))
+        with tf.control_dependencies(checks):
             slots = tf.cond(use_plan, planned_slots,
                             lambda: self._prepare_now(unique_ids, hints))
         if next_ids is not None:
@@ -614,7 +717,8 @@ class CachedEmbedding(keras.layers.Layer):
                 # cheaper to check than CheckNumerics on [U, dim].
                 finite = tf.debugging.check_numerics(
                     _ops.non_finite_marker(g), f"CachedEmbedding {self.name}: the embedding "
-                    f"gradient is not finite (NaN or Inf); the table was not updated")
+                    f"gradient is not finite (NaN or Inf); the table was not updated, but "
+                    f"other weights of this step may have been (restore a checkpoint)")
                 with tf.control_dependencies([finite]):
                     g = tf.identity(g)
                 step = apply_update(g, g_sq)
@@ -655,6 +759,8 @@ class CachedEmbedding(keras.layers.Layer):
         if isinstance(ids, (tf.RaggedTensor, tf.SparseTensor)):
             raise TypeError("ids must be a dense 1-D array of int ids")
         arr = ids if isinstance(ids, tf.Tensor) else np.asarray(ids)
+        if not isinstance(arr, tf.Tensor) and arr.size == 0 and arr.dtype.kind == "f":
+            arr = arr.astype(np.int64)  # [] comes as float64: no ids at all
         if not isinstance(arr, tf.Tensor) and arr.dtype.kind not in "iu":
             raise TypeError(
                 f"ids must be integers (int32 or int64), got dtype {arr.dtype}")
@@ -674,7 +780,15 @@ class CachedEmbedding(keras.layers.Layer):
         none) and gets the rows of any id, wherever its owner is.
         """
         self._require_built()
-        ids = self._ids_vector(ids)
+        error = None
+        try:
+            ids = self._ids_vector(ids)
+        except (TypeError, ValueError) as err:
+            error = err
+        if self._mode == "model_parallel":  # collective: all ranks go on, or none
+            error = self._agree(error, "lookup_rows")
+        if error is not None:
+            raise error
         unique_ids, inverse = tf.unique(ids, out_idx=tf.int32)
         rows, _ = self._unique_rows(unique_ids, training=False)
         return tf.gather(rows, inverse).numpy()
@@ -693,11 +807,7 @@ class CachedEmbedding(keras.layers.Layer):
             error = err
         if self._mode != "local":
             # All ranks must reach the collectives below, or none.
-            failed = _horovod.require().allreduce(
-                tf.constant(0 if error is None else 1, tf.int32), op=_horovod.require().Sum,
-                name=f"sfctr_{self.name}_assign_check", ignore_name_scope=True)
-            if error is None and int(failed) > 0:
-                error = ValueError("assign_rows failed on another rank; nothing was changed")
+            error = self._agree(error, "assign_rows")
         if error is not None:
             raise error
         if self._mode == "model_parallel":
@@ -709,7 +819,31 @@ class CachedEmbedding(keras.layers.Layer):
             values = hvd.allgather(tf.constant(values), name=f"sfctr_{self.name}_assign_values",
                                    ignore_name_scope=True)
             ids, values = self._last_wins(ids, values)
-        self._assign_local(ids, np.asarray(values, np.float32))
+        error = None
+        try:
+            self._assign_local(ids, np.asarray(values, np.float32))
+        except ValueError as err:  # the owner's host table is full (max_rows)
+            error = err
+        if self._mode != "local":
+            # An owner that failed set none of the rows it owns; tell every rank.
+            error = self._agree(error, "assign_rows", changed=True)
+        if error is not None:
+            raise error
+
+    def _agree(self, error: Optional[Exception], what: str,
+               changed: bool = False) -> Optional[Exception]:
+        """Collective: returns this rank's error, or one saying that another
+        rank failed, so that every rank raises when any does (and none waits
+        in a collective for a rank that gave up)."""
+        hvd = _horovod.require()
+        failed = hvd.allreduce(tf.constant(0 if error is None else 1, tf.int32), op=hvd.Sum,
+                               name=f"sfctr_{self.name}_{what}_agree", ignore_name_scope=True)
+        if error is None and int(failed) > 0:
+            error = ValueError(
+                f"{what} failed on another rank (see its error). " + (
+                    "Rows owned by ranks that did not fail were set; rows owned by a rank "
+                    "that failed were not." if changed else "Nothing was changed."))
+        return error
 
     def _check_assign(self, ids, values):
         ids = self._ids_vector(ids)
@@ -805,8 +939,19 @@ class CachedEmbedding(keras.layers.Layer):
     # ------------------------------------------------ Keras saving format
     # model.save("m.keras"), save_weights and ModelCheckpoint call these. The
     # whole table is saved (after a flush), not the device cache.
+    def _refuse_keras_format_when_sharded(self, what: str) -> None:
+        if self._mode == "model_parallel" and self._world_size > 1:
+            raise ValueError(
+                f"CachedEmbedding {self.name!r}: {what} of a model-parallel table is not "
+                f"supported in the Keras format: each of the {self._world_size} ranks holds "
+                "only its shard, so a weights file would hold one shard (or load a whole "
+                "table onto every rank). Use tf_sfctr.distributed.save / restore (sharded, "
+                "restorable on any number of ranks), or export_for_serving for a complete "
+                "SavedModel.")
+
     def save_own_variables(self, store) -> None:
         self._require_built()
+        self._refuse_keras_format_when_sharded("saving")
         saved = self._store._serialize_to_tensors()
         for key, value in saved.items():
             store[f"table_{key}"] = value.numpy()
@@ -815,6 +960,7 @@ class CachedEmbedding(keras.layers.Layer):
 
     def load_own_variables(self, store) -> None:
         self._require_built()
+        self._refuse_keras_format_when_sharded("loading")
         keys = ("header", "ids", "rows", "counts", "counters")
         present = set(store.keys())
         missing = [k for k in keys if f"table_{k}" not in present]
@@ -830,6 +976,15 @@ class CachedEmbedding(keras.layers.Layer):
     # ---------------------------------------------------------- Keras glue
     def compute_output_shape(self, input_shape: Any) -> tuple:
         return output_shape(input_shape, self.combiner, self.output_dim)
+
+    def compute_output_spec(self, inputs: Any, training: Optional[bool] = None) -> Any:
+        # A functional model is wired here, before any data: refuse ids of
+        # another dtype now rather than at the first fit.
+        ids = inputs["ids"] if isinstance(inputs, dict) and "ids" in inputs else inputs
+        for x in keras.tree.flatten(ids):
+            if isinstance(x, keras.KerasTensor):
+                _check_id_dtype(tf.as_dtype(x.dtype))
+        return super().compute_output_spec(inputs, training=training)
 
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()

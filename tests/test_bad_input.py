@@ -150,7 +150,12 @@ def test_bad_constructor_arguments(kwargs, match):
 
 
 @pytest.mark.parametrize("factory,match", [
-    (lambda: tf_sfctr.optimizers.SGD(learning_rate=-1), "learning_rate must be > 0"),
+    (lambda: tf_sfctr.optimizers.SGD(learning_rate=-1),
+     "learning_rate must be a finite number > 0, got -1"),
+    (lambda: tf_sfctr.optimizers.Adagrad(learning_rate=float("inf")),
+     "learning_rate must be a finite number > 0, got inf"),
+    (lambda: tf_sfctr.optimizers.Adam(epsilon=float("nan")),
+     "epsilon must be a finite number >= 0, got nan"),
     (lambda: tf_sfctr.optimizers.SGD(momentum=1.0), r"momentum must be in \[0, 1\)"),
     (lambda: tf_sfctr.optimizers.Adagrad(accumulate="x"), "accumulate must be"),
     (lambda: tf_sfctr.optimizers.Adam(beta_1=1.5), r"beta_1 must be in \[0, 1\)"),

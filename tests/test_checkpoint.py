@@ -28,7 +28,8 @@ def _data(rng, steps):
 def _model(opt="adam", dim=DIM, seed=5):
     table_opt = {"adam": tf_sfctr.optimizers.Adam(0.05),
                  "adagrad": tf_sfctr.optimizers.Adagrad(0.1),
-                 "sgd": tf_sfctr.optimizers.SGD(0.1)}[opt]
+                 "sgd": tf_sfctr.optimizers.SGD(0.1),
+                 "momentum": tf_sfctr.optimizers.SGD(0.1, momentum=0.9)}[opt]
     inp = keras.Input(shape=(FIELDS,), dtype="int64")
     emb = CachedEmbedding(dim, cache_capacity=CAPACITY, optimizer=table_opt, seed=seed,
                           name="emb")
@@ -160,6 +161,36 @@ def test_checkpoint_with_other_optimizer_is_refused(rng, tmp_path):
     with pytest.raises(CheckpointMismatchError, match="2 optimizer state rows"):
         tf.train.Checkpoint(model=other).restore(path)
     np.testing.assert_array_equal(_snapshot(other_emb, vocab)[0], before[0])
+
+
+@pytest.mark.parametrize("fmt", ["checkpoint", "keras"])
+def test_same_state_size_from_another_optimizer_is_refused(rng, tmp_path, fmt):
+    """Adagrad's accumulator and SGD's momentum are both one state row: the
+    header's state kind tells them apart, so nothing is restored."""
+    vocab, x, y = _data(rng, 5)
+    model, _ = _model("adagrad")
+    _fit(model, x, y)
+    other, other_emb = _model("momentum")
+    _fit(other, x, y)
+    before = _snapshot(other_emb, vocab)
+    # (Keras's loader re-raises the CheckpointMismatchError as a ValueError.)
+    with pytest.raises(ValueError, match="optimizer state of Adagrad but this "
+                       "layer's table optimizer is SGD with momentum"):
+        if fmt == "checkpoint":
+            tf.train.Checkpoint(model=other).restore(_ckpt(model).save(str(tmp_path / "c")))
+        else:
+            model.save_weights(str(tmp_path / "w.weights.h5"))
+            other.load_weights(str(tmp_path / "w.weights.h5"))
+    after = _snapshot(other_emb, vocab)
+    np.testing.assert_array_equal(after[0], before[0])
+
+
+def test_version_1_tables_without_a_state_kind_still_load(rng):
+    _, emb = _model("adagrad")
+    rows = np.full((1, 2 * DIM), 0.25, np.float32)
+    emb.store.load_table(np.array([1, DIM, 1, 7]), np.array([42]), rows,
+                         np.ones(1, np.int64), np.zeros(3, np.int64))
+    np.testing.assert_array_equal(emb.lookup_rows([42]), rows[:, :DIM])
 
 
 def test_future_format_version_is_refused(rng):

@@ -30,6 +30,15 @@ def results(tmp_path_factory):
 
     save(tf.train.Checkpoint(model=ref[4], optimizer=ref[4].optimizer), str(out / "ckpt_1rank"))
     np.save(out / "ckpt_1rank_rows.npy", ref[0])
+    # For the data-parallel restore (1 -> 2 ranks) and a format-1 table.
+    dp = _reference("dp_sgd_dense", trainer="fit")
+    save(tf.train.Checkpoint(model=dp[4]), str(out / "ckpt_dp_1rank"))
+    np.save(out / "ckpt_dp_1rank_rows.npy", dp[0])
+    np.save(out / "ckpt_dp_1rank_host_rows.npy", dp[3].cache_stats()["host_rows"])
+    store, full = dp[3].store, dp[3].store.header()
+    store.header = lambda: np.array([1, *full[1:4]], np.int64)  # format 1 (test only)
+    save(tf.train.Checkpoint(model=dp[4]), str(out / "ckpt_v1_1rank"))
+    del store.header
     proc = subprocess.run(
         [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, WORKER,
          str(out)], capture_output=True, text=True, timeout=900, env=env)
@@ -43,9 +52,10 @@ def results(tmp_path_factory):
     return load
 
 
-def _reference(name):
+def _reference(name, trainer=None):
     """1-process run on the global batches: (rows, kernel, bias, layer, model)."""
-    opt_name, kind, _, trainer = sc.SCENARIOS[name]
+    opt_name, kind, _, default_trainer = sc.SCENARIOS[name]
+    trainer = trainer or default_trainer
     emb, dense, opt = sc.build(opt_name, kind, "auto")
     batches = sc.global_batches(kind)
     model = None
@@ -132,6 +142,29 @@ def test_next_ids_and_hints_reach_their_owners(results):
         assert sorted(zip(got["hint_ids"].tolist(), got["hint_steps"].tolist())) == \
             sorted(want_hints)
         assert got["hint_steps"].dtype == np.int32
+
+
+def test_data_parallel_checkpoints_and_refusals_on_every_rank(results):
+    """Data-parallel tables restore 1 -> 2 ranks (each rank holds the whole
+    table) and 2 -> 1; a format-1 table restores on 2 ranks; mode mismatches,
+    unbuilt layers, Keras weight files of a sharded table, bad ids on one
+    rank and a full owner are refused on every rank (the worker asserts each
+    message; a rank left waiting would time the job out)."""
+    import tf_sfctr
+
+    ref_rows = np.load(results("ckpt_dp_1rank_rows.npy", None))
+    for rank in range(sc.WORLD):
+        assert int(results("robust_done", rank)["ok"]) == 1
+        np.testing.assert_array_equal(results("robust", rank)["rows"], ref_rows)
+        # The whole table on each rank, not a share.
+        assert int(results("robust", rank)["host_rows"]) == int(
+            np.load(results("ckpt_dp_1rank_host_rows.npy", None)))
+        np.testing.assert_array_equal(results("robust_v1", rank)["rows"], ref_rows)
+    emb, dense, opt = sc.build("sgd", "dense", "auto")
+    model = sc.fit_model(emb, dense, opt, sc.global_batches("dense")[:1])
+    tf_sfctr.distributed.restore(tf.train.Checkpoint(model=model),
+                                 str(results("ckpt_dp_2ranks", None)))
+    np.testing.assert_array_equal(emb.lookup_rows(sc.vocab()), ref_rows)
 
 
 def sc_owner(ids):

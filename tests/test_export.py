@@ -68,8 +68,8 @@ def test_export_predicts_like_the_trained_model_without_tf_sfctr(rng, tmp_path):
 
 def test_sequential_and_dense_multi_hot_rows_serve_like_training(rng, tmp_path):
     """A Sequential model exports; dense multi-hot rows with a combiner count
-    every position when served, as in training (id 0 is a real id); pad_id=0
-    opts into skipping it."""
+    every position when served, as in training (id 0 is a real id; a layer
+    trained on sparse ids skips 0, see test_examples); pad_id=0 opts in."""
     x = np.array([[3, 5, 0, 0], [0, 7, 7, 9], [5, 0, 2, 2]] * 4, np.int64)
     model = keras.Sequential([
         keras.Input((4,), dtype="int64"),
@@ -85,7 +85,7 @@ def test_sequential_and_dense_multi_hot_rows_serve_like_training(rng, tmp_path):
     np.testing.assert_allclose(skipping.get_layer("emb")(x[:1]).numpy()[0], rows.mean(0),
                                rtol=1e-6)
     for bad in (True, 1.5, "0"):
-        with pytest.raises(ValueError, match="pad_id must be None or an int"):
+        with pytest.raises(ValueError, match="pad_id must be 'auto', None or an int"):
             tf_sfctr.export_for_serving(model, str(tmp_path / "x"), pad_id=bad)
     tf_sfctr.export_for_serving(model, str(tmp_path / "capped"), max_rows=np.int64(2))
 

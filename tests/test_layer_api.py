@@ -78,6 +78,9 @@ def test_lookup_rows_has_no_side_effects(rng):
     np.testing.assert_array_equal(rows[3], rows[4])
     assert layer.cache_stats() == stats  # no counters, no insertion
     np.testing.assert_array_equal(layer.lookup_rows([99]), rows[3:4])
+    assert layer.lookup_rows([]).shape == (0, 3)  # an empty list is no ids, not floats
+    with pytest.raises(TypeError, match="ids must be integers"):
+        layer.lookup_rows([1.5])
 
 
 def test_assign_rows_sets_values_and_resets_state(rng):
@@ -136,6 +139,113 @@ def test_predict_and_evaluate_do_not_change_rows(rng):
     # Unknown ids at inference: their initial value, and they are not inserted.
     model.predict(np.array([[7, 8, 9]], np.int64), verbose=0)
     assert emb.cache_stats()["host_rows"] == stats["host_rows"]
+
+
+def test_one_layer_trained_twice_in_a_step_is_refused_before_any_change():
+    """Sharing a layer between two inputs: a second training call could
+    evict rows the first still updates (wrong rows trained), so fit refuses
+    it at trace time; inference may share the layer."""
+    a, b = keras.Input((2,), dtype="int64"), keras.Input((2,), dtype="int64")
+    emb = CachedEmbedding(4, cache_capacity=24, seed=0)
+    flat = keras.layers.Flatten()
+    model = keras.Model([a, b], keras.layers.Dense(1)(
+        keras.layers.Concatenate()([flat(emb(a)), flat(emb(b))])))
+    model.compile(optimizer="sgd", loss="mse")
+    x = [np.arange(16).reshape(8, 2), np.arange(16, 32).reshape(8, 2)]
+    before = emb.lookup_rows(np.arange(32))
+    assert model.predict(x, verbose=0).shape == (8, 1)
+    with pytest.raises(ValueError, match="called more than once in one training step"):
+        model.fit(x, np.ones((8, 1)), verbose=0)
+    np.testing.assert_array_equal(emb.lookup_rows(np.arange(32)), before)
+    # One call per step in a tf.function is fine, step after step.
+    other = CachedEmbedding(4, cache_capacity=24, seed=0)
+
+    @tf.function
+    def step(ids):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(other(ids, training=True))
+        return tape.gradient(loss, other.trainable_weights)
+
+    for _ in range(2):
+        step(tf.constant(x[0]))
+
+
+@pytest.mark.parametrize("how", ["global", "layer"])
+def test_mixed_float16_is_refused(how):
+    """Keras scales the loss under mixed_float16; the table would be updated
+    with scaled gradients, so the policy is refused (bfloat16 works)."""
+    old = keras.config.dtype_policy()
+    try:
+        if how == "global":
+            keras.config.set_dtype_policy("mixed_float16")
+            layer = CachedEmbedding(4, cache_capacity=8)
+        else:
+            layer = CachedEmbedding(4, cache_capacity=8, dtype="mixed_float16")
+        with pytest.raises(ValueError, match="'mixed_float16' dtype policy is not supported"):
+            layer.build(None)
+        keras.config.set_dtype_policy("mixed_bfloat16")
+        out = CachedEmbedding(4, cache_capacity=8, seed=0)(tf.constant([[1, 2]], tf.int64))
+        assert out.dtype == tf.bfloat16
+    finally:
+        keras.config.set_dtype_policy(old)
+
+
+@keras.saving.register_keras_serializable("tf_sfctr_tests")
+class SubclassedModel(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.emb = CachedEmbedding(4, cache_capacity=64, seed=1)
+        self.flat = keras.layers.Flatten()
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x, training=None):
+        return self.out(self.flat(self.emb(x)))
+
+
+class NoTrainingArgModel(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.emb = CachedEmbedding(4, cache_capacity=64, seed=1)
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x):  # no `training`: Keras calls it without a flag
+        return self.out(keras.ops.sum(self.emb(x), axis=1))
+
+
+def test_subclassed_model_round_trips_through_the_keras_format(rng, tmp_path):
+    """load_model builds a subclassed model by calling it on float32
+    placeholders; the layer takes them (shape inference only), so every
+    layer is built and every weight restored."""
+    x = rng.integers(0, 100, (64, 3)).astype("int64")
+    model = SubclassedModel()
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(x, rng.random((64, 1)), batch_size=16, verbose=0)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    np.testing.assert_array_equal(loaded.out.kernel.numpy(), model.out.kernel.numpy())
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
+def test_a_gradient_through_a_call_without_training_flag_is_refused(rng):
+    """Keras gives no training flag to a subclassed model whose call() lacks
+    the argument; the table would silently never train, so fit refuses."""
+    x = rng.integers(0, 100, (32, 3)).astype("int64")
+    model = NoTrainingArgModel()
+    model.compile(optimizer="sgd", loss="mse")
+    assert model.predict(x, verbose=0).shape == (32, 1)  # inference is fine
+    with pytest.raises(ValueError, match="called without a training flag"):
+        model.fit(x, np.ones((32, 1)), verbose=0)
+    # With the argument, the flag reaches the layer and the table trains.
+    trained = SubclassedModel()
+    trained.compile(optimizer="sgd", loss="mse")
+    trained.fit(x, np.ones((32, 1)), batch_size=32, verbose=0)
+    assert trained.emb.cache_stats()["misses"] > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "string"])
+def test_functional_input_of_another_dtype_is_refused_when_wired(dtype):
+    with pytest.raises(TypeError, match=f"expects integer ids .*got {dtype}"):
+        CachedEmbedding(4, cache_capacity=8)(keras.Input((3,), dtype=dtype))
 
 
 def test_fit_needs_no_jit_flag(rng):

@@ -172,3 +172,19 @@ def test_every_write_back_goes_straight_to_its_host_rows():
         evicting_steps += layer.cache_stats()["evictions"] > before
     assert evicting_steps > 0
     assert layer.cache_stats()["write_backs_by_handle"] == evicting_steps
+
+
+def test_a_next_batch_larger_than_the_cache_fails_before_the_step_changes_anything():
+    """The next batch is prepared late in the step; its size is checked first,
+    with a message naming the next batch, and the table is untouched."""
+    layer = _layer()
+    batches = _batches(5, 2)
+    _step(layer, batches[0])
+    before = layer.lookup_rows(VOCAB)
+    stats = layer.cache_stats()
+    too_many = tf.constant(VOCAB[:CAPACITY + 1])
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="the next batch .* has more distinct ids than cache_capacity=48"):
+        _step(layer, batches[1], next_ids=too_many)
+    np.testing.assert_array_equal(layer.lookup_rows(VOCAB), before)
+    assert layer.cache_stats() == stats

@@ -10,7 +10,7 @@ with CPU and GPU kernels. Ids absent from the table (never seen, or dropped by
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Optional, Union
 
 import keras
 import numpy as np
@@ -121,8 +121,21 @@ def _plain_inputs(struct, key: Optional[str] = None):
     return new, new
 
 
+def _served_pad_id(layer: CachedEmbedding) -> Optional[int]:
+    """The id a served layer's combiner skips in dense rows: 0 when it was
+    trained on sparse ids (dense clients pad with 0), None when it was
+    trained on dense rows (every position counted)."""
+    try:
+        x = layer.input
+    except (AttributeError, ValueError):  # shared or never wired: as before
+        return 0
+    if isinstance(x, dict):
+        x = x.get("ids")
+    return 0 if getattr(x, "sparse", False) else None
+
+
 def serving_model(model: keras.Model, max_rows: Optional[int] = None,
-                  pad_id: Optional[int] = None) -> keras.Model:
+                  pad_id: Union[int, None, str] = "auto") -> keras.Model:
     """A copy of ``model`` whose CachedEmbedding layers are frozen
     ServingEmbedding layers (same names, same outputs for known ids).
 
@@ -136,9 +149,9 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None,
         raise ValueError(f"max_rows must be None or an int >= 0, got {max_rows!r}")
     if max_rows is not None:
         max_rows = int(max_rows)
-    if pad_id is not None and (isinstance(pad_id, bool)
-                               or not isinstance(pad_id, (int, np.integer))):
-        raise ValueError(f"pad_id must be None or an int id, got {pad_id!r}")
+    if pad_id is not None and pad_id != "auto" and (
+            isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer))):
+        raise ValueError(f"pad_id must be 'auto', None or an int id, got {pad_id!r}")
     if not isinstance(model, keras.Model) or not hasattr(model, "inputs") or model.inputs is None:
         raise ValueError("export_for_serving needs a functional or Sequential keras.Model")
     try:
@@ -167,7 +180,8 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None,
     def clone(layer):
         if isinstance(layer, CachedEmbedding):
             ids, rows = _frozen_rows(layer, max_rows)
-            return ServingEmbedding(ids, rows, combiner=layer.combiner, pad_id=pad_id,
+            pad = _served_pad_id(layer) if isinstance(pad_id, str) else pad_id
+            return ServingEmbedding(ids, rows, combiner=layer.combiner, pad_id=pad,
                                     name=layer.name, dtype=layer.dtype_policy)
         return layer.__class__.from_config(layer.get_config())
 
@@ -183,7 +197,8 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None,
 
 
 def export_for_serving(model: keras.Model, export_dir: str,
-                       max_rows: Optional[int] = None, pad_id: Optional[int] = None) -> keras.Model:
+                       max_rows: Optional[int] = None,
+                       pad_id: Union[int, None, str] = "auto") -> keras.Model:
     """Writes a SavedModel of ``model`` that uses only stock TensorFlow ops.
 
     Its ``serving_default`` signature takes the model's inputs (a feature
@@ -192,11 +207,12 @@ def export_for_serving(model: keras.Model, export_dir: str,
     ``tf.saved_model.load`` (or TF Serving) in a process that never imported
     tf_sfctr. ``max_rows`` keeps the most used rows of each table (use counts
     since the table was created); the others, like never-seen ids, get zeros.
-    Multi-hot inputs (layers with a combiner) are served as the model takes
-    them. Dense rows count every position, as in training (where every id,
-    0 included, is a real id); give ``pad_id`` (e.g. 0, the padding of
-    ``RaggedTensor.to_tensor()``) to have the served combiners skip that id
-    in dense rows, for clients that pad variable-length rows.
+    Multi-hot inputs (layers with a combiner) may reach the served model as
+    dense rows; ``pad_id`` says which id their combiner skips. ``"auto"``
+    (default) serves each layer as it was trained: one trained on sparse ids
+    skips 0 (what ``tf.sparse.to_dense`` and ``RaggedTensor.to_tensor()``
+    pad with), one trained on dense rows counts every position, id 0
+    included, as training did. An int or ``None`` applies to every layer.
     Returns the frozen Keras model that was exported. Under Horovod, call it
     on every rank: the sharded tables are gathered and rank 0 writes one
     complete SavedModel.

@@ -37,6 +37,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Union
 
 import keras
@@ -54,9 +55,9 @@ def _check_positive(name: str, value: float, allow_zero: bool = False) -> float:
         value = float(value)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{name} must be a number, got {value!r}") from err
-    if not (value >= 0 if allow_zero else value > 0) or value != value:
+    if not (value >= 0 if allow_zero else value > 0) or not math.isfinite(value):
         bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be {bound}, got {value}")
+        raise ValueError(f"{name} must be a finite number {bound}, got {value}")
     return value
 
 
@@ -77,6 +78,12 @@ class TableOptimizer:
     def state_initial_values(self) -> list[float]:
         """Initial value of each state row (a constant per state row)."""
         return []
+
+    @property
+    def state_kind(self) -> str:
+        """What the state rows mean (saved with a table so that a checkpoint
+        is not restored into an optimizer that reads them differently)."""
+        return type(self).__name__
 
     def _lr(self, step: tf.Tensor) -> tf.Tensor:
         if callable(self.learning_rate):
@@ -132,6 +139,10 @@ class SGD(TableOptimizer):
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         self.nesterov = bool(nesterov)
         self.num_state = 1 if self.momentum > 0 else 0
+
+    @property
+    def state_kind(self) -> str:
+        return "SGD with momentum" if self.num_state else "SGD"
 
     def state_initial_values(self) -> list[float]:
         return [0.0] * self.num_state
@@ -249,7 +260,9 @@ _BY_NAME: dict[str, Callable[..., TableOptimizer]] = {
 def get(identifier: Any) -> TableOptimizer:
     """An optimizer from an instance, a name ("sgd", "adagrad", "adam") or a config.
 
-    ``None`` gives the default: ``Adagrad(learning_rate=0.01)``.
+    ``None`` gives the default: ``Adagrad(learning_rate=0.01)``. A name gives
+    that class with its own defaults, as Keras does (``"adagrad"``:
+    ``Adagrad(learning_rate=0.001)``).
     """
     if identifier is None:
         return Adagrad(learning_rate=0.01)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Optional
+import zlib
 
 import numpy as np
 import tensorflow as tf
@@ -28,6 +29,8 @@ class StoreConfig:
     seed: int
     max_rows: int  # 0: unbounded
     cache_capacity: int
+    #: What the state rows mean (TableOptimizer.state_kind); "" if unknown.
+    state_kind: str = ""
 
     @property
     def num_state(self) -> int:
@@ -40,7 +43,16 @@ class StoreConfig:
 
 
 #: Version of the saved table layout; bump on any incompatible change.
-FORMAT_VERSION = 1
+#: 2 added the optimizer's state kind and the replicated flag to the header;
+#: version 1 still loads.
+FORMAT_VERSION = 2
+_READABLE_VERSIONS = {1: 4, 2: 6}  # version -> header length
+_KNOWN_STATE_KINDS = ("SGD", "SGD with momentum", "Adagrad", "Adam")
+
+
+def state_kind_code(kind: str) -> int:
+    """A stable int64 for a TableOptimizer.state_kind (0: unknown)."""
+    return zlib.crc32(kind.encode()) if kind else 0
 
 
 class CheckpointMismatchError(ValueError):
@@ -70,6 +82,10 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         # shards, restored tables are collected here instead of loaded.
         self.collecting = False
         self.collected: Optional[list] = None
+        # Set by the owning layer under Horovod: every rank holds the whole
+        # table (data parallel), so a restore loads one complete copy per rank
+        # instead of re-partitioning rows by owner.
+        self.replicated = False
         super().__init__(device="/CPU:0")
 
     def _create_resource(self):
@@ -161,10 +177,8 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
             self.before_save()
         ids, rows, counts = self.host_export()
         stats = self.stats()
-        c = self.config
-        header = tf.constant([FORMAT_VERSION, c.dim, c.num_state, self.seed], tf.int64)
-        return {"header": header, "ids": ids, "rows": rows, "counts": counts,
-                "counters": stats[:3]}
+        return {"header": tf.constant(self.header(), tf.int64), "ids": ids, "rows": rows,
+                "counts": counts, "counters": stats[:3]}
 
     def _restore_from_tensors(self, restored_tensors):
         t = {k: v.numpy() if hasattr(v, "numpy") else np.asarray(v)
@@ -176,15 +190,22 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         self.load_table(t["header"], t["ids"], t["rows"], t["counts"], t["counters"])
         return tf.no_op()
 
+    def header(self) -> np.ndarray:
+        """[format version, output_dim, state rows, seed, state kind code,
+        replicated (1: a data-parallel replica, a complete table)]."""
+        c = self.config
+        return np.array([FORMAT_VERSION, c.dim, c.num_state, self.seed,
+                         state_kind_code(c.state_kind), int(self.replicated)], np.int64)
+
     def check_table(self, header, ids, rows) -> None:
         """Raises CheckpointMismatchError if a saved table cannot be loaded."""
         c = self.config
         header = np.asarray(header).ravel()
-        if header.size != 4 or int(header[0]) != FORMAT_VERSION:
-            version = int(header[0]) if header.size else None
+        version = int(header[0]) if header.size else None
+        if _READABLE_VERSIONS.get(version) != header.size:
             raise CheckpointMismatchError(
                 f"saved table has format version {version}; this tf_sfctr reads "
-                f"version {FORMAT_VERSION}. The current table was left untouched.")
+                f"versions {sorted(_READABLE_VERSIONS)}. The current table was left untouched.")
         dim, num_state = int(header[1]), int(header[2])
         if dim != c.dim:
             raise CheckpointMismatchError(
@@ -195,6 +216,17 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
                 f"saved table keeps {num_state} optimizer state rows per id but this "
                 f"layer's optimizer keeps {c.num_state}; use the same table "
                 f"optimizer type. The current table was left untouched.")
+        saved_kind = int(header[4]) if header.size > 4 else 0
+        mine = state_kind_code(c.state_kind)
+        if saved_kind and mine and saved_kind != mine:
+            names = {state_kind_code(k): k for k in _KNOWN_STATE_KINDS}
+            raise CheckpointMismatchError(
+                f"saved table keeps the optimizer state of "
+                f"{names.get(saved_kind, 'another optimizer')} but this layer's table "
+                f"optimizer is {c.state_kind}, which would read "
+                f"that state as its own; use the same table optimizer type (or "
+                f"assign_rows the values into a fresh table). The current table was left "
+                f"untouched.")
         ids, rows = np.asarray(ids), np.asarray(rows)
         if ids.ndim != 1 or rows.shape != (ids.shape[0], c.width):
             raise CheckpointMismatchError(

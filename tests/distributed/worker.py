@@ -131,6 +131,68 @@ def run_checkpoint_and_export(out_dir, rank, size):
                  kernel=dense2.kernel.numpy())
 
 
+def _expect_error(fn, match):
+    try:
+        fn()
+    except (ValueError, TypeError) as err:
+        assert match in str(err), str(err)
+        return
+    raise AssertionError(f"no error (wanted {match!r})")
+
+
+def run_robustness(out_dir, rank, size):
+    """Data-parallel checkpoints across world sizes, refusals that must come
+    on every rank (never a rank left waiting in a collective)."""
+    from tf_sfctr.distributed import restore, save
+
+    v = sc.vocab()
+    opt_name, kind, _, _ = sc.SCENARIOS["dp_sgd_dense"]
+    # 1 process (written by the test) -> 2 ranks, data parallel: every rank
+    # holds the whole table afterwards.
+    emb, dense, opt = sc.build(opt_name, kind, "data_parallel")
+    model = sc.fit_model(emb, dense, DistributedOptimizer(opt),
+                         [sc.local_part(b, rank) for b in sc.global_batches(kind)[:1]])
+    restore(tf.train.Checkpoint(model=model), os.path.join(out_dir, "ckpt_dp_1rank"))
+    host_rows = emb.cache_stats()["host_rows"]
+    # 2 ranks -> (the test) 1 process.
+    save(tf.train.Checkpoint(model=model), os.path.join(out_dir, "ckpt_dp_2ranks"))
+    np.savez(os.path.join(out_dir, f"robust_rank{rank}.npz"), rows=emb.lookup_rows(v),
+             host_rows=host_rows)
+
+    # A sharded (model-parallel) checkpoint into data-parallel layers: refused.
+    emb4, dense4, opt4 = sc.build("adagrad", kind, "data_parallel")
+    model4 = sc.fit_model(emb4, dense4, DistributedOptimizer(opt4),
+                          [sc.local_part(b, rank) for b in sc.global_batches(kind)[:1]])
+    _expect_error(lambda: restore(tf.train.Checkpoint(model=model4),
+                                  os.path.join(out_dir, "ckpt_2ranks")),
+                  "restore it with the distribution it was saved with")
+    # Restoring on another number of ranks into layers not built yet: refused.
+    emb2, dense2, _ = sc.build(opt_name, kind, "model_parallel")
+    _expect_error(lambda: restore(tf.train.Checkpoint(emb=emb2, dense=dense2),
+                                  os.path.join(out_dir, "ckpt_1rank")),
+                  "needs built layers")
+    # A format-1 table (no state kind) restores on 2 ranks.
+    emb3, dense3, opt3 = sc.build(opt_name, kind, "model_parallel")
+    model3 = sc.fit_model(emb3, dense3, DistributedOptimizer(opt3),
+                          [sc.local_part(b, rank) for b in sc.global_batches(kind)[:1]])
+    restore(tf.train.Checkpoint(model=model3), os.path.join(out_dir, "ckpt_v1_1rank"))
+    np.savez(os.path.join(out_dir, f"robust_v1_rank{rank}.npz"), rows=emb3.lookup_rows(v))
+    # Keras weight files would hold one shard: refused on every rank.
+    _expect_error(lambda: model3.save_weights(os.path.join(out_dir, f"w{rank}.weights.h5")),
+                  "not supported in the Keras format")
+    # Bad ids on one rank only: both ranks raise, nobody hangs.
+    ids = v[:3].astype(np.float32) if rank == 1 else v[:3]
+    _expect_error(lambda: emb3.lookup_rows(ids),
+                  "ids must be integers" if rank == 1 else "failed on another rank")
+    # An owner whose host table is full: both ranks hear of it.
+    small = CachedEmbedding(2, cache_capacity=8, max_rows=3, seed=0, name="small",
+                            distribution="model_parallel")
+    owned_by_0 = v[owner_of(v, size) == 0][:4]
+    _expect_error(lambda: small.assign_rows(owned_by_0, np.ones((4, 2), np.float32)),
+                  "host table is full" if rank == 0 else "failed on another rank")
+    np.savez(os.path.join(out_dir, f"robust_done_rank{rank}.npz"), ok=np.array(1))
+
+
 def run_resume(out_dir, rank):
     """Exact resume on 2 ranks: train N steps, save, train M more; versus a
     fresh model restored from the save training the same M steps."""
@@ -164,7 +226,8 @@ def run_resume(out_dir, rank):
 
 def main():
     out_dir = sys.argv[1]
-    only = sys.argv[2:] or list(sc.SCENARIOS) + ["routing", "extras", "broadcast", "checkpoint", "resume"]
+    only = sys.argv[2:] or list(sc.SCENARIOS) + ["routing", "extras", "broadcast", "checkpoint",
+                                            "robustness", "resume"]
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     assert size == sc.WORLD, size
@@ -176,6 +239,8 @@ def main():
             run_extras(out_dir, rank, size)
         elif name == "broadcast":
             run_broadcast(out_dir, rank)
+        elif name == "robustness":
+            run_robustness(out_dir, rank, size)
         elif name == "resume":
             run_resume(out_dir, rank)
         elif name == "checkpoint":

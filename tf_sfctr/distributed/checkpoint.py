@@ -8,7 +8,11 @@ with the same number of ranks, each rank reads its own shard; with another
 number, rank r reads shards s with ``s % world_size == r``, and the table rows
 are sent to their new owners (``owner(id) = Mix64(id) mod world_size``) with
 one all-to-all, so every row ends up exactly once on its owner. Dense weights
-and optimizer state are replicated, so any shard restores them.
+and optimizer state are replicated, so any shard restores them. A
+data-parallel table's shards are complete copies (their header says so):
+each rank loads one whole. Restoring a sharded table into a data-parallel
+layer, or a replicated one into a model-parallel layer on several ranks, is
+refused, as is a restore across rank counts into layers not built yet.
 
 Without Horovod (or with one rank) the same calls work in a single process,
 which is how a 2-rank checkpoint is loaded for evaluation or export.
@@ -62,10 +66,43 @@ def _stores(checkpoint: tf.train.Checkpoint) -> list[EmbeddingStore]:
             if isinstance(obj, EmbeddingStore)]
 
 
+def _check_built(checkpoint: tf.train.Checkpoint) -> None:
+    """A table restored on another number of ranks is collected shard by
+    shard and re-partitioned; a layer not built yet would get each shard
+    loaded whole later (TF defers restores into objects that do not exist),
+    losing or duplicating rows. Refused instead."""
+    from tf_sfctr.keras_layers.cached_embedding import CachedEmbedding
+
+    unbuilt = [obj.name for obj in tf.train.TrackableView(checkpoint).descendants()
+               if isinstance(obj, CachedEmbedding) and not obj.built]
+    if unbuilt:
+        raise CheckpointMismatchError(
+            f"tf_sfctr.distributed.restore on a different number of ranks needs built "
+            f"layers, but CachedEmbedding {unbuilt} are not built yet: build the model "
+            f"first (call it on one batch, or model.build), then restore. Nothing was "
+            f"restored.")
+
+
+def _normalized_header(header) -> np.ndarray:
+    """A saved header in the current layout (format 1 had no state kind,
+    now 0 = unknown, and no replicated flag), so that every rank broadcasts
+    the same shape."""
+    h = np.asarray(header, np.int64).ravel()
+    if h.size == 4:  # format 1
+        h = np.concatenate([h, [0, 0]])
+        h[0] = 2
+    return h
+
+
+def _replicated(header) -> bool:
+    h = np.asarray(header).ravel()
+    return h.size >= 6 and int(h[5]) == 1
+
+
 @contextlib.contextmanager
-def _collecting(stores, keep: bool):
+def _collecting(stores):
     for store in stores:
-        store.collected = [] if keep else None
+        store.collected = []
         store.collecting = True
     try:
         yield
@@ -86,29 +123,54 @@ def restore(checkpoint: tf.train.Checkpoint, directory: str) -> None:
             f"{manifest_path} is missing or unreadable: {directory} was not written by "
             f"tf_sfctr.distributed.save") from err
     size, rank = world()
-    if saved_size == size:
+    stores = _stores(checkpoint)
+    if saved_size == size and not any(store.replicated for store in stores):
+        # Each rank's shard is exactly its rows (or, for a data-parallel
+        # layer not built yet, a complete copy, loaded when it is built).
         checkpoint.read(_shard_prefix(directory, rank, size)).expect_partial()
         return
-    stores = _stores(checkpoint)
+    _check_built(checkpoint)
     mine = [s for s in range(saved_size) if s % size == rank]
     # Read this rank's shards, collecting table rows instead of loading them;
-    # a rank without a shard still needs the replicated dense state.
-    with _collecting(stores, keep=bool(mine)):
+    # a rank without a shard still needs the replicated dense state (and
+    # sees, like every rank, whether the tables were saved replicated).
+    with _collecting(stores):
         for s in mine or [0]:
             checkpoint.read(_shard_prefix(directory, s, saved_size)).expect_partial()
     for k, store in enumerate(stores):
         parts = store.collected or []
         store.collected = None
-        _load_repartitioned(store, parts, size, f"sfctr_restore_{k}")
+        _load_repartitioned(store, parts, size, f"sfctr_restore_{k}", bool(mine),
+                            saved_size)
 
 
-def _load_repartitioned(store: EmbeddingStore, parts: list, size: int, name: str) -> None:
+def _load_repartitioned(store: EmbeddingStore, parts: list, size: int, name: str,
+                        mine: bool, saved_size: int) -> None:
     c = store.config
     width = c.width
-    header = parts[0]["header"] if parts else np.array([1, c.dim, c.num_state, store.seed])
     if parts:
         for p in parts:
             store.check_table(p["header"], p["ids"], p["rows"])
+    saved_replicated = any(_replicated(p["header"]) for p in parts)
+    # A data-parallel shard, like a 1-process table, is a complete table.
+    complete = saved_replicated or saved_size == 1
+    if store.replicated or saved_replicated:
+        # Data parallel: a complete copy is loaded whole on each rank (each
+        # has read one; no collective). Refused across modes.
+        if not complete or (saved_replicated and not store.replicated and size > 1):
+            raise CheckpointMismatchError(
+                "this checkpoint holds a " + ("model-parallel (sharded)" if store.replicated
+                                              else "data-parallel (replicated)") +
+                " table but the layer is " + ("data parallel" if store.replicated
+                                              else "model parallel") +
+                "; restore it with the distribution it was saved with (or on one "
+                "process, which reads either). Nothing was restored.")
+        p = parts[0]
+        store.load_table(p["header"], p["ids"], p["rows"], p["counts"], p["counters"])
+        return
+    if not mine:  # shard 0 was read for the dense state only
+        parts = []
+    header = _normalized_header(parts[0]["header"] if parts else store.header())
     ids = np.concatenate([p["ids"] for p in parts]) if parts else np.zeros(0, np.int64)
     rows = (np.concatenate([p["rows"] for p in parts]) if parts
             else np.zeros((0, width), np.float32))

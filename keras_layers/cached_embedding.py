@@ -651,6 +651,17 @@ class CachedEmbedding(keras.layers.Layer):
                 next_own, _, _ = _ops.unique(extras.next_ids)
             if extras is not None and extras.hint_ids is not None:
                 hints = (extras.hint_ids, extras.hint_steps)
+            # An owner's step holds the distinct ids every rank sent it; say
+            # so if they do not fit (the store's message counts only them).
+            fits = tf.debugging.assert_less_equal(
+                tf.size(own_ids), tf.constant(self.cache_capacity, tf.int32), message=(
+                    f"CachedEmbedding {self.name!r} (model parallel): the ids this rank "
+                    f"owns in this step, from all {self._world_size} ranks' batches, are "
+                    f"more than its cache_capacity={self.cache_capacity}; raise "
+                    f"cache_capacity (each rank caches its shard) or use smaller batches. "
+                    f"Nothing was changed on this rank"))
+            with tf.control_dependencies([fits]):
+                own_ids = tf.identity(own_ids)
             slots = self._cached_slots(own_ids, next_own, hints)
             rows_for_recv = _ops.gather_rows(self._cache_rows,
                                              _ops.gather_index(slots, own_inverse))

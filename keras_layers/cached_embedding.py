@@ -42,9 +42,12 @@ COMBINERS = ("sum", "mean", "sqrtn")
 DISTRIBUTIONS = ("auto", "model_parallel", "data_parallel")
 
 
-# Graphs being traced -> ids of the layers a training call was traced for in
-# them (see CachedEmbedding._check_one_training_call).
+# Graphs being traced -> ids of the layers whose training call in them still
+# awaits its table update (see CachedEmbedding._check_one_training_call).
 _TRAINING_CALLS: "weakref.WeakKeyDictionary[tf.Graph, set]" = weakref.WeakKeyDictionary()
+# Graphs being traced -> {layer id: calls traced so far}, to give each call's
+# collectives their own names (see CachedEmbedding._exchange_name).
+_CALLS_TRACED: "weakref.WeakKeyDictionary[tf.Graph, dict]" = weakref.WeakKeyDictionary()
 
 
 def _compute_device() -> str:
@@ -199,9 +202,12 @@ class CachedEmbedding(keras.layers.Layer):
     One training call per step: a layer shared by two inputs is refused
     when the training step is traced (a second call could evict rows the
     first still updates); concatenate the features and call it once, or
-    use one layer each. Mixed precision: ``"mixed_bfloat16"`` works (the
-    table stays float32); ``"mixed_float16"`` is refused, since Keras's loss
-    scaling would reach the table's updates.
+    use one layer each. Only calls with ``training=True`` train the table: a
+    subclassed model's ``call`` needs a ``training`` argument (Keras passes
+    the flag on from it). Mixed precision: ``"mixed_bfloat16"`` works (the
+    table stays float32); ``"mixed_float16"`` is refused, and a
+    ``LossScaleOptimizer`` must not be used, since loss scaling would reach
+    the table's updates.
 
     Example:
 
@@ -253,6 +259,7 @@ class CachedEmbedding(keras.layers.Layer):
         self.distribution = distribution
         self._mode = "local"
         self._world_size = 1
+        self._call_suffix = ""  # see _call_suffix_for_trace
         # Custom ops have no XLA kernels: tell Keras not to jit-compile.
         self.supports_jit = False
         self._store: Optional[EmbeddingStore] = None
@@ -342,30 +349,51 @@ class CachedEmbedding(keras.layers.Layer):
         return [self._cache.rows, *self._cache.state]
 
     # ------------------------------------------------------------------- call
-    def _check_one_training_call(self) -> None:
+    def _check_one_training_call(self) -> Optional[tf.Graph]:
         """A training call prepares the cache for its own ids and updates
-        their rows in the backward pass; a second training call in the same
-        step could evict rows the first still has to update. Refused when a
-        step's graph is traced (model.fit, tf.function); eager loops must
-        call the layer once per step themselves."""
+        their rows in the backward pass; another training call traced before
+        that update could evict rows the first still has to update (a layer
+        shared by two inputs). Refused when a graph is traced (model.fit,
+        tf.function); consecutive steps in one graph are fine, since each
+        update is traced before the next call. Returns the graph whose
+        registry the update must clear (None when eager: eager loops must
+        call the layer once per step themselves)."""
         if tf.executing_eagerly():
-            return
+            return None
         graph = tf.compat.v1.get_default_graph()
-        seen = _TRAINING_CALLS.setdefault(graph, set())
-        if id(self) in seen:
+        pending = _TRAINING_CALLS.setdefault(graph, set())
+        if id(self) in pending:
             raise ValueError(
-                f"CachedEmbedding {self.name!r} is called more than once in one training "
-                "step. Each training call loads its own ids into the cache, so a second call "
-                "could evict rows the first still has to update (wrong rows would be trained). "
-                "To share one table between features, concatenate their ids, call the layer "
-                "once and split its output (ragged or sparse ids work with a combiner), or "
-                "give each feature its own layer. Inference calls (training=False) may be "
-                "repeated.")
-        seen.add(id(self))
+                f"CachedEmbedding {self.name!r} is called again for training before the "
+                "table update of its previous training call (as when one layer serves two "
+                "inputs of one step). Each training call loads its own ids into the cache, "
+                "so a second call could evict rows the first still has to update (wrong "
+                "rows would be trained). To share one table between features, concatenate "
+                "their ids, call the layer once and split its output (ragged or sparse ids "
+                "work with a combiner), or give each feature its own layer. Inference calls "
+                "(training=False) may be repeated.")
+        pending.add(id(self))
+        return graph
+
+    def _update_traced(self, graph: Optional[tf.Graph]) -> None:
+        if graph is not None:
+            _TRAINING_CALLS.get(graph, set()).discard(id(self))
+
+    def _call_suffix_for_trace(self) -> str:
+        """"" for the first call traced into a graph, "_k" for the k-th
+        after it (several steps unrolled in one tf.function, or Keras's
+        steps_per_execution), so that their collectives have distinct names;
+        every rank traces the same calls, so the names match across ranks."""
+        if tf.executing_eagerly():
+            return ""
+        counts = _CALLS_TRACED.setdefault(tf.compat.v1.get_default_graph(), {})
+        k = counts.get(id(self), 0)
+        counts[id(self)] = k + 1
+        return f"_{k}" if k else ""
 
     def call(self, inputs: Any, training: Optional[bool] = None) -> tf.Tensor:
-        if training:
-            self._check_one_training_call()
+        update_graph = self._check_one_training_call() if training else None
+        self._call_suffix = self._call_suffix_for_trace()
         if _keras_shape_inference():
             # Only shapes matter here (the graph never runs): take Keras's
             # float32 placeholders as ids rather than fail the model's build.
@@ -406,33 +434,8 @@ class CachedEmbedding(keras.layers.Layer):
             num_unique = tf.size(unique_ids)
             rows = tf.gather(rows, inverse)
         if apply_update is not None:
-            rows = self._attach_update(rows, inverse, num_unique, apply_update)
-        out = tf.cast(self._combine(rows, layout), self.compute_dtype)
-        if training is None and not _keras_shape_inference():
-            out = self._refuse_gradient(out)
-        return out
-
-    def _refuse_gradient(self, out: tf.Tensor) -> tf.Tensor:
-        """Output of a call that got no training flag: inference rows, and a
-        clear error if anyone differentiates through them. (Keras calls a
-        subclassed model whose ``call`` has no ``training`` argument without
-        one, so the table would silently never train.)"""
-        trigger = tf.convert_to_tensor(self._trigger.value)
-        name = self.name
-
-        @tf.custom_gradient
-        def inference_rows(x, trigger_in):
-            def grad(d_out):
-                raise ValueError(
-                    f"CachedEmbedding {name!r} was called without a training flag "
-                    "(inference: the table is not updated), yet a gradient reached it. Pass "
-                    "training=True in training steps (a subclassed model's call() needs a "
-                    "`training` argument; Keras then hands the flag on). To train the rest "
-                    "of the model with the table frozen, pass training=False.")
-
-            return tf.identity(x), grad
-
-        return inference_rows(out, trigger)
+            rows = self._attach_update(rows, inverse, num_unique, apply_update, update_graph)
+        return tf.cast(self._combine(rows, layout), self.compute_dtype)
 
     @property
     def mode(self) -> str:
@@ -601,7 +604,8 @@ class CachedEmbedding(keras.layers.Layer):
         return tf.cond(plan.pending.read_value(), apply, lambda: tf.constant(False))
 
     def _exchange_name(self, training: bool) -> str:
-        return f"sfctr_{self.name}_{'train' if training else 'infer'}"
+        suffix = "" if tf.executing_eagerly() else self._call_suffix
+        return f"sfctr_{self.name}_{'train' if training else 'infer'}{suffix}"
 
     def _route(self, ids: Optional[tf.Tensor], unique_ids: Optional[tf.Tensor],
                inverse: Optional[tf.Tensor], training: bool,
@@ -688,7 +692,7 @@ class CachedEmbedding(keras.layers.Layer):
         if not training:  # every rank holds the whole table
             return self._inference_rows(unique_ids), None
         hvd = _horovod.require()
-        name = f"sfctr_{self.name}_dp"
+        name = f"sfctr_{self.name}_dp{'' if tf.executing_eagerly() else self._call_suffix}"
         all_ids = hvd.allgather(unique_ids, name=f"{name}_ids", ignore_name_scope=True)
         sizes = hvd.allgather(tf.size(unique_ids)[None], name=f"{name}_sizes",
                               ignore_name_scope=True)
@@ -712,7 +716,7 @@ class CachedEmbedding(keras.layers.Layer):
 
         return tf.gather(glob_rows, mine), apply_update
 
-    def _attach_update(self, rows, inverse, num_unique, apply_update):
+    def _attach_update(self, rows, inverse, num_unique, apply_update, update_graph=None):
         trigger = tf.convert_to_tensor(self._trigger.value)
 
         @tf.custom_gradient
@@ -733,6 +737,7 @@ class CachedEmbedding(keras.layers.Layer):
                 with tf.control_dependencies([finite]):
                     g = tf.identity(g)
                 step = apply_update(g, g_sq)
+                self._update_traced(update_graph)  # a later call may follow now
                 # The trigger's gradient must data-depend on the update: Keras
                 # nests its train step in a second tf.function, and after
                 # inlining, grappler folds `x * 0` to a constant and prunes an

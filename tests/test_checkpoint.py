@@ -185,6 +185,30 @@ def test_same_state_size_from_another_optimizer_is_refused(rng, tmp_path, fmt):
     np.testing.assert_array_equal(after[0], before[0])
 
 
+def test_restore_across_world_sizes_refuses_to_mix_sharded_and_replicated_tables():
+    """The rule tf_sfctr.distributed.restore applies per table when the
+    number of ranks changed (the 2-rank tests cover the allowed cases)."""
+    from tf_sfctr.distributed.checkpoint import _load_repartitioned
+
+    _, emb = _model("adagrad")
+    emb.lookup_rows([1])
+    store = emb.store
+    part = {"header": store.header(), "ids": np.array([5]), "counts": np.ones(1, np.int64),
+            "rows": np.zeros((1, 2 * DIM), np.float32), "counters": np.zeros(3, np.int64)}
+    sharded, replicated = dict(part), dict(part, header=part["header"].copy())
+    replicated["header"][5] = 1
+    store.replicated = True  # a data-parallel layer, fed a 2-rank sharded table
+    with pytest.raises(CheckpointMismatchError, match="holds a model-parallel .* but the "
+                       "layer is data parallel"):
+        _load_repartitioned(store, [sharded], 3, "x", True, 2)
+    store.replicated = False  # a model-parallel layer on 3 ranks, fed replicas
+    with pytest.raises(CheckpointMismatchError, match="holds a data-parallel .* but the "
+                       "layer is model parallel"):
+        _load_repartitioned(store, [replicated], 3, "x", True, 2)
+    _load_repartitioned(store, [replicated], 1, "x", True, 2)  # one process reads either
+    assert store.host_export()[0].numpy().tolist() == [5]
+
+
 def test_version_1_tables_without_a_state_kind_still_load(rng):
     _, emb = _model("adagrad")
     rows = np.full((1, 2 * DIM), 0.25, np.float32)

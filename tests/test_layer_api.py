@@ -154,20 +154,33 @@ def test_one_layer_trained_twice_in_a_step_is_refused_before_any_change():
     x = [np.arange(16).reshape(8, 2), np.arange(16, 32).reshape(8, 2)]
     before = emb.lookup_rows(np.arange(32))
     assert model.predict(x, verbose=0).shape == (8, 1)
-    with pytest.raises(ValueError, match="called more than once in one training step"):
+    with pytest.raises(ValueError, match="called again for training before the table update"):
         model.fit(x, np.ones((8, 1)), verbose=0)
     np.testing.assert_array_equal(emb.lookup_rows(np.arange(32)), before)
-    # One call per step in a tf.function is fine, step after step.
-    other = CachedEmbedding(4, cache_capacity=24, seed=0)
+    # Steps unrolled in one tf.function are fine (each update is traced
+    # before the next call) and train like the same steps run eagerly.
+    batches = [(np.arange(16).reshape(8, 2) * k + k) % 37 for k in (1, 3, 5, 7)]
 
-    @tf.function
-    def step(ids):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(other(ids, training=True))
-        return tape.gradient(loss, other.trainable_weights)
+    def train(unrolled):
+        layer = CachedEmbedding(4, cache_capacity=16, seed=0,
+                                optimizer=tf_sfctr.optimizers.Adagrad(0.3))
 
-    for _ in range(2):
-        step(tf.constant(x[0]))
+        def one(ids):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.square(layer(ids, training=True) - 1.0))
+            tape.gradient(loss, layer.trainable_weights)
+
+        if unrolled:
+            tf.function(lambda *all_ids: [one(ids) for ids in all_ids])(*batches)
+        else:
+            for ids in batches:
+                one(tf.constant(ids))
+        return layer
+
+    eager, graph = train(False), train(True)
+    assert graph.cache_stats()["evictions"] > 0
+    np.testing.assert_array_equal(graph.lookup_rows(np.arange(37)),
+                                  eager.lookup_rows(np.arange(37)))
 
 
 @pytest.mark.parametrize("how", ["global", "layer"])
@@ -226,16 +239,25 @@ def test_subclassed_model_round_trips_through_the_keras_format(rng, tmp_path):
     np.testing.assert_array_equal(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
 
 
-def test_a_gradient_through_a_call_without_training_flag_is_refused(rng):
-    """Keras gives no training flag to a subclassed model whose call() lacks
-    the argument; the table would silently never train, so fit refuses."""
+def test_calls_without_training_flag_stay_inference_under_a_tape(rng):
+    """A frozen teacher called without a flag inside the student's tape (as
+    in distillation): no table update, no error; a subclassed model whose
+    call() takes `training` gets the flag from Keras and trains its table."""
     x = rng.integers(0, 100, (32, 3)).astype("int64")
-    model = NoTrainingArgModel()
-    model.compile(optimizer="sgd", loss="mse")
-    assert model.predict(x, verbose=0).shape == (32, 1)  # inference is fine
-    with pytest.raises(ValueError, match="called without a training flag"):
-        model.fit(x, np.ones((32, 1)), verbose=0)
-    # With the argument, the flag reaches the layer and the table trains.
+    teacher = NoTrainingArgModel()
+    teacher.predict(x, verbose=0)
+    before = teacher.emb.lookup_rows(np.arange(100))
+    student = keras.layers.Dense(1)
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            target = teacher(x)
+            loss = tf.reduce_mean(tf.square(student(tf.cast(x, tf.float32)) - target))
+        return tape.gradient(loss, student.trainable_variables)
+
+    assert all(g is not None for g in step(tf.constant(x)))
+    np.testing.assert_array_equal(teacher.emb.lookup_rows(np.arange(100)), before)
     trained = SubclassedModel()
     trained.compile(optimizer="sgd", loss="mse")
     trained.fit(x, np.ones((32, 1)), batch_size=32, verbose=0)

@@ -131,6 +131,8 @@ def _served_pad_id(layer: CachedEmbedding) -> Optional[int]:
         return 0
     if isinstance(x, dict):
         x = x.get("ids")
+    elif isinstance(x, (list, tuple)) and x:  # a dict input, flattened: "ids" sorts first
+        x = x[0]
     return 0 if getattr(x, "sparse", False) else None
 
 

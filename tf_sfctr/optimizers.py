@@ -172,6 +172,7 @@ class Adagrad(TableOptimizer):
     """
 
     num_state = 1
+    state_kind = "Adagrad"  # subclasses keep the state's meaning
 
     def __init__(self, learning_rate: LearningRate = 0.001,
                  initial_accumulator_value: float = 0.1, epsilon: float = 1e-7,
@@ -220,6 +221,7 @@ class Adam(TableOptimizer):
     """
 
     num_state = 2
+    state_kind = "Adam"  # subclasses keep the state's meaning
 
     def __init__(self, learning_rate: LearningRate = 0.001, beta_1: float = 0.9,
                  beta_2: float = 0.999, epsilon: float = 1e-7):

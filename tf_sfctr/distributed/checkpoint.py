@@ -10,9 +10,9 @@ are sent to their new owners (``owner(id) = Mix64(id) mod world_size``) with
 one all-to-all, so every row ends up exactly once on its owner. Dense weights
 and optimizer state are replicated, so any shard restores them. A
 data-parallel table's shards are complete copies (their header says so):
-each rank loads one whole. Restoring a sharded table into a data-parallel
-layer, or a replicated one into a model-parallel layer on several ranks, is
-refused, as is a restore across rank counts into layers not built yet.
+each rank loads one whole. Across rank counts, restoring a sharded table
+into a data-parallel layer, or a replicated one into a model-parallel layer
+on several ranks, is refused, as is a restore into layers not built yet.
 
 Without Horovod (or with one rank) the same calls work in a single process,
 which is how a 2-rank checkpoint is loaded for evaluation or export.
@@ -123,12 +123,12 @@ def restore(checkpoint: tf.train.Checkpoint, directory: str) -> None:
             f"{manifest_path} is missing or unreadable: {directory} was not written by "
             f"tf_sfctr.distributed.save") from err
     size, rank = world()
-    stores = _stores(checkpoint)
-    if saved_size == size and not any(store.replicated for store in stores):
-        # Each rank's shard is exactly its rows (or, for a data-parallel
-        # layer not built yet, a complete copy, loaded when it is built).
+    if saved_size == size:
+        # Each rank's shard is exactly its rows (model parallel) or a
+        # complete copy (data parallel); also for layers not built yet.
         checkpoint.read(_shard_prefix(directory, rank, size)).expect_partial()
         return
+    stores = _stores(checkpoint)
     _check_built(checkpoint)
     mine = [s for s in range(saved_size) if s % size == rank]
     # Read this rank's shards, collecting table rows instead of loading them;
@@ -159,12 +159,15 @@ def _load_repartitioned(store: EmbeddingStore, parts: list, size: int, name: str
         # has read one; no collective). Refused across modes.
         if not complete or (saved_replicated and not store.replicated and size > 1):
             raise CheckpointMismatchError(
-                "this checkpoint holds a " + ("model-parallel (sharded)" if store.replicated
-                                              else "data-parallel (replicated)") +
-                " table but the layer is " + ("data parallel" if store.replicated
-                                              else "model parallel") +
-                "; restore it with the distribution it was saved with (or on one "
-                "process, which reads either). Nothing was restored.")
+                "this checkpoint holds a " + (
+                    "model-parallel (sharded) table, or was written by a tf_sfctr that did "
+                    "not record data-parallel replicas (format 1)," if store.replicated
+                    else "data-parallel (replicated) table") +
+                " but the layer is " + ("data parallel" if store.replicated
+                                        else "model parallel") +
+                "; restore it with the distribution it was saved with, on as many ranks "
+                "as saved it (or on one process, which reads either). Nothing was "
+                "restored.")
         p = parts[0]
         store.load_table(p["header"], p["ids"], p["rows"], p["counts"], p["counters"])
         return

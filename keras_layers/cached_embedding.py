@@ -45,8 +45,8 @@ DISTRIBUTIONS = ("auto", "model_parallel", "data_parallel")
 # Graphs being traced -> ids of the layers whose training call in them still
 # awaits its table update (see CachedEmbedding._check_one_training_call).
 _TRAINING_CALLS: "weakref.WeakKeyDictionary[tf.Graph, set]" = weakref.WeakKeyDictionary()
-# Graphs being traced -> {layer id: calls traced so far}, to give each call's
-# collectives their own names (see CachedEmbedding._exchange_name).
+# Graphs being traced -> {collective name prefix: calls that used it so far},
+# to give each call's collectives their own names (CachedEmbedding._collective_name).
 _CALLS_TRACED: "weakref.WeakKeyDictionary[tf.Graph, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -259,7 +259,7 @@ class CachedEmbedding(keras.layers.Layer):
         self.distribution = distribution
         self._mode = "local"
         self._world_size = 1
-        self._call_suffix = ""  # see _call_suffix_for_trace
+        self._call_suffixes: dict = {}  # this call's collective names (_collective_name)
         # Custom ops have no XLA kernels: tell Keras not to jit-compile.
         self.supports_jit = False
         self._store: Optional[EmbeddingStore] = None
@@ -366,7 +366,8 @@ class CachedEmbedding(keras.layers.Layer):
             raise ValueError(
                 f"CachedEmbedding {self.name!r} is called again for training before the "
                 "table update of its previous training call (as when one layer serves two "
-                "inputs of one step). Each training call loads its own ids into the cache, "
+                "inputs of one step, or a training=True call is never differentiated: call "
+                "it with training=False then). Each training call loads its own ids into the cache, "
                 "so a second call could evict rows the first still has to update (wrong "
                 "rows would be trained). To share one table between features, concatenate "
                 "their ids, call the layer once and split its output (ragged or sparse ids "
@@ -379,21 +380,29 @@ class CachedEmbedding(keras.layers.Layer):
         if graph is not None:
             _TRAINING_CALLS.get(graph, set()).discard(id(self))
 
-    def _call_suffix_for_trace(self) -> str:
-        """"" for the first call traced into a graph, "_k" for the k-th
-        after it (several steps unrolled in one tf.function, or Keras's
-        steps_per_execution), so that their collectives have distinct names;
-        every rank traces the same calls, so the names match across ranks."""
+    def _collective_name(self, kind: str) -> str:
+        """Prefix of one call's Horovod collectives of one kind ("train",
+        "infer", "dp"). Calls traced into one graph (steps unrolled in a
+        tf.function, Keras's steps_per_execution, two layers of one name)
+        get "_1", "_2", ... in the order they first issue collectives of that
+        kind, so that no two share a name. Only calls that issue collectives
+        are counted, and every rank traces those alike, so names match across
+        ranks. Eager calls run one at a time and need no suffix."""
+        base = f"sfctr_{self.name}_{kind}"
         if tf.executing_eagerly():
-            return ""
-        counts = _CALLS_TRACED.setdefault(tf.compat.v1.get_default_graph(), {})
-        k = counts.get(id(self), 0)
-        counts[id(self)] = k + 1
-        return f"_{k}" if k else ""
+            return base
+        if base not in self._call_suffixes:
+            counts = _CALLS_TRACED.setdefault(tf.compat.v1.get_default_graph(), {})
+            k = counts.get(base, 0)
+            counts[base] = k + 1
+            self._call_suffixes[base] = f"{base}_{k}" if k else base
+        return self._call_suffixes[base]
 
     def call(self, inputs: Any, training: Optional[bool] = None) -> tf.Tensor:
+        # A frozen layer (trainable=False) serves its rows like inference.
+        training = bool(training) and self.trainable
         update_graph = self._check_one_training_call() if training else None
-        self._call_suffix = self._call_suffix_for_trace()
+        self._call_suffixes = {}
         if _keras_shape_inference():
             # Only shapes matter here (the graph never runs): take Keras's
             # float32 placeholders as ids rather than fail the model's build.
@@ -604,8 +613,7 @@ class CachedEmbedding(keras.layers.Layer):
         return tf.cond(plan.pending.read_value(), apply, lambda: tf.constant(False))
 
     def _exchange_name(self, training: bool) -> str:
-        suffix = "" if tf.executing_eagerly() else self._call_suffix
-        return f"sfctr_{self.name}_{'train' if training else 'infer'}{suffix}"
+        return self._collective_name("train" if training else "infer")
 
     def _route(self, ids: Optional[tf.Tensor], unique_ids: Optional[tf.Tensor],
                inverse: Optional[tf.Tensor], training: bool,
@@ -692,7 +700,7 @@ class CachedEmbedding(keras.layers.Layer):
         if not training:  # every rank holds the whole table
             return self._inference_rows(unique_ids), None
         hvd = _horovod.require()
-        name = f"sfctr_{self.name}_dp{'' if tf.executing_eagerly() else self._call_suffix}"
+        name = self._collective_name("dp")
         all_ids = hvd.allgather(unique_ids, name=f"{name}_ids", ignore_name_scope=True)
         sizes = hvd.allgather(tf.size(unique_ids)[None], name=f"{name}_sizes",
                               ignore_name_scope=True)
@@ -718,10 +726,18 @@ class CachedEmbedding(keras.layers.Layer):
 
     def _attach_update(self, rows, inverse, num_unique, apply_update, update_graph=None):
         trigger = tf.convert_to_tensor(self._trigger.value)
+        applied = []  # the update of this call, once traced or run
 
         @tf.custom_gradient
         def with_update(rows_in, trigger_in):
             def grad(d_rows):
+                if applied:
+                    raise ValueError(
+                        f"CachedEmbedding {self.name!r}: a second gradient through one "
+                        "training call; its table update was already applied with the first. "
+                        "Take one gradient per training step (sum the losses before "
+                        "tape.gradient).")
+                applied.append(True)
                 g_occ = tf.cast(tf.convert_to_tensor(d_rows), tf.float32)
                 # Sum per unique id (and of squares for per-occurrence
                 # Adagrad) in one pass over the occurrences.

@@ -183,6 +183,32 @@ def test_one_layer_trained_twice_in_a_step_is_refused_before_any_change():
                                   eager.lookup_rows(np.arange(37)))
 
 
+def test_a_frozen_layer_does_not_train_its_table(rng):
+    x = rng.integers(0, 50, (32, 3)).astype("int64")
+    inp = keras.Input((3,), dtype="int64")
+    emb = CachedEmbedding(4, cache_capacity=64, seed=0)
+    model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
+    emb.trainable = False
+    model.compile(optimizer="sgd", loss="mse")
+    before = emb.lookup_rows(np.arange(50))
+    model.fit(x, np.ones((32, 1)), batch_size=8, verbose=0)
+    np.testing.assert_array_equal(emb.lookup_rows(np.arange(50)), before)
+
+
+def test_a_second_gradient_through_one_training_call_is_refused():
+    """The update runs in the gradient: a second tape.gradient would apply
+    it twice."""
+    emb = CachedEmbedding(2, cache_capacity=8, seed=0,
+                          optimizer=tf_sfctr.optimizers.SGD(1.0))
+    with tf.GradientTape(persistent=True) as tape:
+        loss = tf.reduce_sum(emb(tf.constant([[1, 2]], tf.int64), training=True))
+    tape.gradient(loss, emb.trainable_weights)
+    after_one = emb.lookup_rows([1, 2])
+    with pytest.raises(ValueError, match="a second gradient through one training call"):
+        tape.gradient(loss, emb.trainable_weights)
+    np.testing.assert_array_equal(emb.lookup_rows([1, 2]), after_one)
+
+
 @pytest.mark.parametrize("how", ["global", "layer"])
 def test_mixed_float16_is_refused(how):
     """Keras scales the loss under mixed_float16; the table would be updated

@@ -129,11 +129,10 @@ def _served_pad_id(layer: CachedEmbedding) -> Optional[int]:
         x = layer.input
     except (AttributeError, ValueError):  # shared or never wired: as before
         return 0
-    if isinstance(x, dict):
-        x = x.get("ids")
-    elif isinstance(x, (list, tuple)) and x:  # a dict input, flattened: "ids" sorts first
-        x = x[0]
-    return 0 if getattr(x, "sparse", False) else None
+    # A de-duplicated feature's dict may come flattened; only its "ids" can
+    # be sparse (the other keys are dense vectors).
+    parts = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else [x]
+    return 0 if any(getattr(t, "sparse", False) for t in parts) else None
 
 
 def serving_model(model: keras.Model, max_rows: Optional[int] = None,

@@ -159,6 +159,16 @@ def run_robustness(out_dir, rank, size):
     np.savez(os.path.join(out_dir, f"robust_rank{rank}.npz"), rows=emb.lookup_rows(v),
              host_rows=host_rows)
 
+    # A sharded (model-parallel) checkpoint into data-parallel layers, on as
+    # many ranks as saved it: refused, nothing loaded.
+    emb4, dense4, opt4 = sc.build("adagrad", kind, "data_parallel")
+    model4 = sc.fit_model(emb4, dense4, DistributedOptimizer(opt4),
+                          [sc.local_part(b, rank) for b in sc.global_batches(kind)[:1]])
+    before4 = emb4.lookup_rows(v)
+    _expect_error(lambda: restore(tf.train.Checkpoint(model=model4),
+                                  os.path.join(out_dir, "ckpt_2ranks")),
+                  "restore it with the distribution it was saved with")
+    np.testing.assert_array_equal(emb4.lookup_rows(v), before4)
     # Restoring on another number of ranks into layers not built yet: refused.
     emb2, dense2, _ = sc.build(opt_name, kind, "model_parallel")
     _expect_error(lambda: restore(tf.train.Checkpoint(emb=emb2, dense=dense2),
@@ -194,6 +204,32 @@ def run_robustness(out_dir, rank, size):
     m.fit(x, np.ones((48, 1)), batch_size=8, verbose=0)
     m.evaluate(x, np.ones((48, 1)), batch_size=8, verbose=0)
     assert m.predict(x, batch_size=8, verbose=0).shape == (48, 1)
+    # Two towers whose layers share a name, and a data-parallel step in which
+    # rank 0 alone makes an extra inference call: collective names still
+    # match across ranks and never clash.
+    def tower():
+        t_in = keras.Input((2,), dtype="int64")
+        t_emb = CachedEmbedding(2, cache_capacity=64, seed=3, name="emb",
+                                distribution="model_parallel")
+        return keras.Model(t_in, keras.layers.Flatten()(t_emb(t_in)))
+
+    inp2 = keras.Input((2,), dtype="int64")
+    towers = keras.Model(inp2, keras.layers.Dense(1)(
+        keras.layers.Concatenate()([tower()(inp2), tower()(inp2)])))
+    towers.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    towers.fit(x[:24, :2], np.ones((24, 1)), batch_size=8, verbose=0, callbacks=callbacks())
+    dp = CachedEmbedding(2, cache_capacity=64, seed=3, name="dp_extra",
+                         distribution="data_parallel")
+
+    @tf.function
+    def dp_step(ids):
+        if rank == 0:  # a monitoring read on one rank only: no collective
+            tf.debugging.assert_all_finite(dp(ids, training=False), "monitor")
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(dp(ids, training=True))
+        return tape.gradient(loss, dp.trainable_weights)
+
+    dp_step(tf.constant(x[:8, :2]))
     np.savez(os.path.join(out_dir, f"robust_done_rank{rank}.npz"), ok=np.array(1))
 
 

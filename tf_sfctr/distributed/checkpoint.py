@@ -123,13 +123,14 @@ def restore(checkpoint: tf.train.Checkpoint, directory: str) -> None:
             f"{manifest_path} is missing or unreadable: {directory} was not written by "
             f"tf_sfctr.distributed.save") from err
     size, rank = world()
-    if saved_size == size:
-        # Each rank's shard is exactly its rows (model parallel) or a
-        # complete copy (data parallel); also for layers not built yet.
+    stores = _stores(checkpoint)
+    if saved_size == size and not stores:
+        # No table built yet: each rank's shard (its rows, or a data-parallel
+        # complete copy) is loaded whole when its layer is built.
         checkpoint.read(_shard_prefix(directory, rank, size)).expect_partial()
         return
-    stores = _stores(checkpoint)
-    _check_built(checkpoint)
+    if saved_size != size:
+        _check_built(checkpoint)
     mine = [s for s in range(saved_size) if s % size == rank]
     # Read this rank's shards, collecting table rows instead of loading them;
     # a rank without a shard still needs the replicated dense state (and
@@ -152,8 +153,12 @@ def _load_repartitioned(store: EmbeddingStore, parts: list, size: int, name: str
         for p in parts:
             store.check_table(p["header"], p["ids"], p["rows"])
     saved_replicated = any(_replicated(p["header"]) for p in parts)
-    # A data-parallel shard, like a 1-process table, is a complete table.
-    complete = saved_replicated or saved_size == 1
+    format1 = any(np.asarray(p["header"]).size == 4 for p in parts)
+    # A data-parallel shard, like a 1-process table, is a complete table. A
+    # format-1 shard does not say; on as many ranks as saved it, trust the
+    # layer's mode (as format 1 always did).
+    complete = (saved_replicated or saved_size == 1
+                or (format1 and store.replicated and saved_size == size))
     if store.replicated or saved_replicated:
         # Data parallel: a complete copy is loaded whole on each rank (each
         # has read one; no collective). Refused across modes.

@@ -726,19 +726,23 @@ class CachedEmbedding(keras.layers.Layer):
 
     def _attach_update(self, rows, inverse, num_unique, apply_update, update_graph=None):
         trigger = tf.convert_to_tensor(self._trigger.value)
-        applied = []  # the update of this call, once traced or run
+        # Updates so far: a call's update must be the next one. Checked when
+        # it runs (TF may trace a backward function more than once, e.g.
+        # under an outer tape, and run it once).
+        step_at_call = self._table_step.read_value()
 
         @tf.custom_gradient
         def with_update(rows_in, trigger_in):
             def grad(d_rows):
-                if applied:
-                    raise ValueError(
+                once = tf.debugging.assert_equal(
+                    self._table_step.read_value(), step_at_call, message=(
                         f"CachedEmbedding {self.name!r}: a second gradient through one "
-                        "training call; its table update was already applied with the first. "
-                        "Take one gradient per training step (sum the losses before "
-                        "tape.gradient).")
-                applied.append(True)
-                g_occ = tf.cast(tf.convert_to_tensor(d_rows), tf.float32)
+                        "training call; its table update was already applied with the "
+                        "first. Take one gradient per training step (sum the losses "
+                        "before tape.gradient); note that any gradient of a loss that a "
+                        "training call feeds applies its update"))
+                with tf.control_dependencies([once]):
+                    g_occ = tf.cast(tf.convert_to_tensor(d_rows), tf.float32)
                 # Sum per unique id (and of squares for per-occurrence
                 # Adagrad) in one pass over the occurrences.
                 g, g_sq = _ops.segment_sums(

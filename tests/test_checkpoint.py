@@ -257,3 +257,21 @@ def test_corrupt_or_truncated_checkpoint(rng, tmp_path):
     after = _snapshot(other_emb, vocab)
     np.testing.assert_array_equal(after[0], before[0])
     assert after[1] == before[1]
+
+
+def test_distributed_restore_leaves_tables_the_checkpoint_lacks_alone(rng, tmp_path):
+    """tf_sfctr.distributed.restore (one process here) loads the tables it
+    finds and, like tf.train.Checkpoint, leaves other built tables as they are."""
+    from tf_sfctr.distributed import restore, save
+
+    vocab, x, y = _data(rng, 5)
+    model, emb = _model("adagrad")
+    _fit(model, x, y)
+    save(tf.train.Checkpoint(model=model), str(tmp_path / "ckpt"))
+    other, other_emb = _model("adagrad", seed=9)
+    extra = CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=2, name="extra")
+    extra.assign_rows([7, 8], np.ones((2, DIM), np.float32))
+    restore(tf.train.Checkpoint(model=other, extra=extra), str(tmp_path / "ckpt"))
+    np.testing.assert_array_equal(other_emb.lookup_rows(vocab), emb.lookup_rows(vocab))
+    np.testing.assert_array_equal(extra.lookup_rows([7, 8]), np.ones((2, DIM)))
+    assert extra.cache_stats()["host_rows"] == 2

@@ -141,6 +141,10 @@ def restore(checkpoint: tf.train.Checkpoint, directory: str) -> None:
     for k, store in enumerate(stores):
         parts = store.collected or []
         store.collected = None
+        if not parts:
+            # Not in this checkpoint (every rank read at least one shard, so
+            # all agree): left as it is, like any object the checkpoint lacks.
+            continue
         _load_repartitioned(store, parts, size, f"sfctr_restore_{k}", bool(mine),
                             saved_size)
 

@@ -437,11 +437,11 @@ class CachedEmbedding(keras.layers.Layer):
                                                  next_ids, hints)
             rows, apply_update = self._model_parallel_rows(route, bool(training), extras)
             num_unique = tf.shape(rows)[0]
-            rows = tf.gather(rows, inverse)
+            rows = _ops.gather_tensor_rows(rows, inverse)
         else:
             rows, apply_update = self._unique_rows(unique_ids, bool(training))
             num_unique = tf.size(unique_ids)
-            rows = tf.gather(rows, inverse)
+            rows = _ops.gather_tensor_rows(rows, inverse)
         if apply_update is not None:
             rows = self._attach_update(rows, inverse, num_unique, apply_update, update_graph)
         return tf.cast(self._combine(rows, layout), self.compute_dtype)
@@ -510,7 +510,7 @@ class CachedEmbedding(keras.layers.Layer):
         if self._mode == "model_parallel":
             route, position, _ = self._route(None, unique_ids, None, training)
             rows, apply_update = self._model_parallel_rows(route, training)
-            return tf.gather(rows, position), apply_update
+            return _ops.gather_tensor_rows(rows, position), apply_update
         return self._data_parallel_rows(unique_ids, training)
 
     def _cached_slots(self, unique_ids: tf.Tensor, next_ids: Optional[tf.Tensor] = None,
@@ -678,7 +678,7 @@ class CachedEmbedding(keras.layers.Layer):
             rows_for_recv = _ops.gather_rows(self._cache_rows,
                                              _ops.gather_index(slots, own_inverse))
         else:
-            rows_for_recv = tf.gather(self._inference_rows(own_ids), own_inverse)
+            rows_for_recv = _ops.gather_tensor_rows(self._inference_rows(own_ids), own_inverse)
         rows = exchange.return_rows(rows_for_recv, route, name)
         if not training:
             return rows, None
@@ -722,7 +722,7 @@ class CachedEmbedding(keras.layers.Layer):
             g_sq_glob = None if g_sq is None else total[:, dim:] / (n * n)
             return self._apply_update(slots, g_glob, g_sq_glob)
 
-        return tf.gather(glob_rows, mine), apply_update
+        return _ops.gather_tensor_rows(glob_rows, mine), apply_update
 
     def _attach_update(self, rows, inverse, num_unique, apply_update, update_graph=None):
         trigger = tf.convert_to_tensor(self._trigger.value)

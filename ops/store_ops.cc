@@ -320,6 +320,23 @@ prefetched. TF's kernel splits the gather over the intra-op pool, and inside
 a busy training step it waits for the pool.
 )doc");
 
+REGISTER_OP("SfctrGatherTensorRows")
+    .Input("params: float")
+    .Input("indices: int32")
+    .Output("rows: float")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle params, indices;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &params));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &indices));
+      c->set_output(0, c->Matrix(c->Dim(indices, 0), c->Dim(params, 1)));
+      return OkStatus();
+    })
+    .Doc(R"doc(
+params[indices] for a float matrix tensor and an int32 index vector (rows that
+came back from an all-to-all, spread to the batch's ids): SfctrGatherRows on
+a tensor instead of a variable.
+)doc");
+
 REGISTER_OP("SfctrGatherIndex")
     .Input("params: int32")
     .Input("indices: int32")

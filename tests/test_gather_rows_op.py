@@ -66,3 +66,31 @@ def test_two_reads_are_not_chained():
     gathers = [op for op in graph.get_operations() if op.type == "SfctrGatherRows"]
     assert len(gathers) == 2
     assert not any(g.control_inputs for g in gathers)
+
+
+@pytest.mark.parametrize("rows,dim,n", [(1, 1, 3), (500, 5, 2000), (32_000, 16, 106_496),
+                                        (10, 4, 0), (0, 3, 0)])
+def test_tensor_rows_equal_tf_gather(rows, dim, n):
+    # SfctrGatherTensorRows: the same gather on rows that are a tensor (a
+    # model-parallel step's rows, back from the all-to-all).
+    rng = np.random.default_rng(rows * 7 + dim)
+    params = rng.normal(size=(rows, dim)).astype(np.float32)
+    idx = rng.integers(0, max(rows, 1), n).astype(np.int32)
+    got = _ops.gather_tensor_rows(params, idx, use_kernel=True)
+    assert got.shape == (n, dim)
+    np.testing.assert_array_equal(got.numpy(), tf.gather(params, idx).numpy())
+
+
+def test_tensor_rows_shape_and_bad_input():
+    @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32),
+                                  tf.TensorSpec([None], tf.int32)])
+    def f(params, idx):
+        out = _ops.gather_tensor_rows(params, idx, use_kernel=True)
+        assert out.shape.as_list() == [None, 3]
+        return out
+
+    assert f(tf.zeros([4, 3]), tf.constant([1, 3, 3])).shape == (3, 3)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"indices\[0\] = -1 is not in \[0, 4\)"):
+        _ops.gather_tensor_rows(tf.zeros([4, 3]), tf.constant([-1]), use_kernel=True)
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="rank|matrix"):
+        _ops.gather_tensor_rows(tf.zeros([4]), tf.constant([0]), use_kernel=True)

@@ -25,6 +25,7 @@ _module = None
 
 # Ops with no gradient: they move indices and host rows, never math.
 _OP_TYPES = (
+    "SfctrGatherTensorRows",
     "SfctrStoreCreate",
     "SfctrCachePrepare",
     "SfctrHostWrite",
@@ -226,3 +227,15 @@ def gather_rows(var: tf.Variable, indices: tf.Tensor, use_kernel: bool | None = 
         return tf.gather(var, indices)
     rows = load().sfctr_gather_rows(var.handle, indices)
     return tf.ensure_shape(rows, [None, var.shape[1]])
+
+
+def gather_tensor_rows(params: tf.Tensor, indices: tf.Tensor, use_kernel: bool | None = None):
+    """``tf.gather(params, indices)`` for a float32 matrix tensor and an index
+    vector: :func:`gather_rows` for rows that are not a variable (an
+    all-to-all's answer spread to the batch's ids). No gradient flows through
+    it either."""
+    params = tf.convert_to_tensor(params, tf.float32)
+    indices = tf.convert_to_tensor(indices, tf.int32)
+    if not _use_kernel(use_kernel):
+        return tf.gather(params, indices)
+    return load().sfctr_gather_tensor_rows(params, indices)

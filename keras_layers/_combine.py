@@ -38,9 +38,13 @@ def combine_last_axis(rows: tf.Tensor, combiner: str,
 
 
 def output_shape(input_shape: Any, combiner: Optional[str], dim: int) -> tuple:
-    """Output shape for ids of ``input_shape`` (or a VSI dict of them)."""
+    """Output shape for ids of ``input_shape`` (or a VSI dict of them, or a
+    list of them: a list of shapes)."""
     if isinstance(input_shape, dict):
         input_shape = input_shape["ids"]
+    if isinstance(input_shape, (list, tuple)) and input_shape and all(
+            isinstance(x, (list, tuple)) for x in input_shape):
+        return [output_shape(x, combiner, dim) for x in input_shape]
     shape = tuple(input_shape)
     if combiner is not None:
         shape = shape[:-1]

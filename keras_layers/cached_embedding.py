@@ -90,6 +90,13 @@ def _keras_shape_inference() -> bool:
     return in_symbolic_scope()
 
 
+def _is_feature_list(inputs: Any) -> bool:
+    """A list call (features sharing the table): a list or tuple holding a
+    tensor or array. A list of plain Python ints is ids, as before."""
+    return isinstance(inputs, (list, tuple)) and any(
+        hasattr(x, "dtype") and hasattr(x, "shape") for x in inputs)
+
+
 def _float_as_ids(x: Any) -> Any:
     dtype = getattr(x, "dtype", None)
     if isinstance(dtype, tf.DType) and dtype.is_floating:
@@ -199,10 +206,13 @@ class CachedEmbedding(keras.layers.Layer):
     tables; a model-parallel step sends each hint to the owner of its id in
     the ids all-to-all. Data-parallel tables ignore the keys.)
 
-    One training call per step: a layer shared by two inputs is refused
-    when the training step is traced (a second call could evict rows the
-    first still updates); concatenate the features and call it once, or
-    use one layer each. Only calls with ``training=True`` train the table: a
+    Several features may share the table: call the layer once on a list of
+    them, ``a, b = layer([ids_a, ids_b])`` (dense, ragged or sparse ids;
+    one output each, shaped as for a single call). Their ids are looked up
+    and trained as one batch, with the same values and updates as one
+    ``keras.layers.Embedding`` called on each. One training call per step:
+    calling the layer twice in a step is refused when the training step is
+    traced (a second call could evict rows the first still updates). Only calls with ``training=True`` train the table: a
     subclassed model's ``call`` needs a ``training`` argument (Keras passes
     the flag on from it). Mixed precision: ``"mixed_bfloat16"`` works (the
     table stays float32); ``"mixed_float16"`` is refused, and a
@@ -260,6 +270,7 @@ class CachedEmbedding(keras.layers.Layer):
         self._mode = "local"
         self._world_size = 1
         self._call_suffixes: dict = {}  # this call's collective names (_collective_name)
+        self._input_parts: Optional[int] = None  # features of a list call (export reads it)
         # Custom ops have no XLA kernels: tell Keras not to jit-compile.
         self.supports_jit = False
         self._store: Optional[EmbeddingStore] = None
@@ -369,10 +380,11 @@ class CachedEmbedding(keras.layers.Layer):
                 "inputs of one step, or a training=True call is never differentiated: call "
                 "it with training=False then). Each training call loads its own ids into the cache, "
                 "so a second call could evict rows the first still has to update (wrong "
-                "rows would be trained). To share one table between features, concatenate "
-                "their ids, call the layer once and split its output (ragged or sparse ids "
-                "work with a combiner), or give each feature its own layer. Inference calls "
-                "(training=False) may be repeated.")
+                "rows would be trained). To share one table between features, call the "
+                "layer once on a list of them: `a, b = layer([ids_a, ids_b])` (one output "
+                "each, the same values and updates as a shared keras.layers.Embedding), or "
+                "give each feature its own layer. Inference calls (training=False) may be "
+                "repeated.")
         pending.add(id(self))
         return graph
 
@@ -406,8 +418,15 @@ class CachedEmbedding(keras.layers.Layer):
         if _keras_shape_inference():
             # Only shapes matter here (the graph never runs): take Keras's
             # float32 placeholders as ids rather than fail the model's build.
-            inputs = ({k: _float_as_ids(v) for k, v in inputs.items()}
-                      if isinstance(inputs, dict) else _float_as_ids(inputs))
+            if isinstance(inputs, dict):
+                inputs = {k: _float_as_ids(v) for k, v in inputs.items()}
+            elif _is_feature_list(inputs):
+                inputs = [_float_as_ids(v) for v in inputs]
+            else:
+                inputs = _float_as_ids(inputs)
+        # Called on a list of features, the layer looks them up as one batch
+        # (one cache step, one update: a table shared by several inputs).
+        self._input_parts = len(inputs) if _is_feature_list(inputs) else None
         if isinstance(inputs, dict):
             # Virtual Sparse Ids computed in the input pipeline
             # (tf_sfctr.data.with_unique_ids): skip de-duplication here.
@@ -444,7 +463,10 @@ class CachedEmbedding(keras.layers.Layer):
             rows = _ops.gather_tensor_rows(rows, inverse)
         if apply_update is not None:
             rows = self._attach_update(rows, inverse, num_unique, apply_update, update_graph)
-        return tf.cast(self._combine(rows, layout), self.compute_dtype)
+        out = self._combine(rows, layout)
+        if isinstance(out, list):
+            return [tf.cast(x, self.compute_dtype) for x in out]
+        return tf.cast(out, self.compute_dtype)
 
     @property
     def mode(self) -> str:
@@ -454,6 +476,17 @@ class CachedEmbedding(keras.layers.Layer):
 
     def _flatten(self, inputs: Any) -> tuple[tf.Tensor, dict]:
         """Flat int64 ids and what is needed to shape the output."""
+        if _is_feature_list(inputs):
+            if not all(hasattr(x, "dtype") and hasattr(x, "shape") for x in inputs):
+                raise ValueError(
+                    "CachedEmbedding takes ids, or a list of features that share the table, "
+                    "each a tensor or array of ids (dense, tf.RaggedTensor or "
+                    "tf.SparseTensor; one output each); got a list of "
+                    f"{[type(x).__name__ for x in inputs]}")
+            flat = [self._flatten(x) for x in inputs]
+            return tf.concat([ids for ids, _ in flat], 0), {
+                "kind": "parts", "layouts": [layout for _, layout in flat],
+                "sizes": [tf.size(ids) for ids, _ in flat]}
         if isinstance(inputs, tf.RaggedTensor):
             _check_id_dtype(inputs.dtype)
             if inputs.ragged_rank != 1 or inputs.shape.rank != 2:
@@ -492,8 +525,11 @@ class CachedEmbedding(keras.layers.Layer):
                 f"{what} input needs a combiner to give one vector per row: "
                 f"create the layer with combiner='sum', 'mean' or 'sqrtn'")
 
-    def _combine(self, rows: tf.Tensor, layout: dict) -> tf.Tensor:
+    def _combine(self, rows: tf.Tensor, layout: dict) -> Any:
         dim = self.output_dim
+        if layout["kind"] == "parts":
+            pieces = tf.split(rows, tf.stack(layout["sizes"]), num=len(layout["sizes"]))
+            return [self._combine(p, part) for p, part in zip(pieces, layout["layouts"])]
         if layout["kind"] == "dense":
             out = tf.reshape(rows, tf.concat([layout["shape"], [dim]], 0))
             out.set_shape(layout["static"].concatenate([dim]))

@@ -13,7 +13,7 @@ limit) and TensorFlow Serving loads it without tf_sfctr's op library.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import keras
 import numpy as np
@@ -36,7 +36,7 @@ class ServingEmbedding(keras.layers.Layer):
 
     def __init__(self, keys: Any = None, rows: Any = None, *, output_dim: Optional[int] = None,
                  num_keys: Optional[int] = None, combiner: Optional[str] = None,
-                 pad_id: Optional[int] = 0, **kwargs):
+                 pad_id: Union[int, None, list] = 0, **kwargs):
         super().__init__(**kwargs)
         if keys is not None:
             keys = np.asarray(keys, np.int64)
@@ -56,7 +56,11 @@ class ServingEmbedding(keras.layers.Layer):
         # Served multi-hot inputs arrive as dense rows padded with pad_id
         # (what RaggedTensor.to_tensor() and tf.sparse.to_dense use: 0);
         # combiners skip those positions.
-        self.pad_id = None if pad_id is None else int(pad_id)
+        # A list call (a table shared by several features) may give one per
+        # feature.
+        self.pad_id = ([None if p is None else int(p) for p in pad_id]
+                       if isinstance(pad_id, (list, tuple)) else
+                       None if pad_id is None else int(pad_id))
         self.supports_jit = False
         self._initial = (keys, rows)
 
@@ -82,9 +86,21 @@ class ServingEmbedding(keras.layers.Layer):
         index = tf.where(found, pos, tf.cast(self.num_keys, tf.int64))
         return tf.gather(tf.convert_to_tensor(self.rows), index)
 
-    def call(self, inputs: Any) -> tf.Tensor:
+    def call(self, inputs: Any) -> Any:
         if isinstance(inputs, dict):  # a model trained with pipeline VSI
             inputs = inputs["ids"]
+        if isinstance(inputs, (list, tuple)):  # features sharing the table
+            pads = self.pad_id if isinstance(self.pad_id, list) else [self.pad_id] * len(inputs)
+            if len(pads) != len(inputs):
+                raise ValueError(f"ServingEmbedding {self.name!r} has {len(pads)} pad ids "
+                                 f"for {len(inputs)} inputs")
+            return [self._call_one(x, p) for x, p in zip(inputs, pads)]
+        if isinstance(self.pad_id, list):
+            raise ValueError(f"ServingEmbedding {self.name!r} has one pad id per input of a "
+                             f"list call ({self.pad_id}), but was called on one input")
+        return self._call_one(inputs, self.pad_id)
+
+    def _call_one(self, inputs: Any, pad_id: Optional[int]) -> tf.Tensor:
         if isinstance(inputs, (tf.RaggedTensor, tf.SparseTensor)):
             if isinstance(inputs, tf.SparseTensor):
                 row_ids, nrows, values = inputs.indices[:, 0], inputs.dense_shape[0], inputs.values
@@ -99,8 +115,8 @@ class ServingEmbedding(keras.layers.Layer):
         if self.combiner is None:
             return tf.cast(out, self.compute_dtype)
         keep = None
-        if self.pad_id is not None:
-            keep = tf.cast(tf.not_equal(x, self.pad_id), out.dtype)
+        if pad_id is not None:
+            keep = tf.cast(tf.not_equal(x, pad_id), out.dtype)
         total = combine_last_axis(out, self.combiner, keep)
         return tf.cast(total, self.compute_dtype)
 

@@ -121,14 +121,17 @@ def _plain_inputs(struct, key: Optional[str] = None):
     return new, new
 
 
-def _served_pad_id(layer: CachedEmbedding) -> Optional[int]:
+def _served_pad_id(layer: CachedEmbedding) -> Union[int, None, list]:
     """The id a served layer's combiner skips in dense rows: 0 when it was
     trained on sparse ids (dense clients pad with 0), None when it was
-    trained on dense rows (every position counted)."""
+    trained on dense rows (every position counted). For a layer called on a
+    list of features, one per feature."""
     try:
         x = layer.input
     except (AttributeError, ValueError):  # shared or never wired: as before
         return 0
+    if isinstance(x, (list, tuple)) and layer._input_parts == len(x):
+        return [0 if getattr(t, "sparse", False) else None for t in x]
     # A de-duplicated feature's dict may come flattened; only its "ids" can
     # be sparse (the other keys are dense vectors).
     parts = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else [x]

@@ -29,6 +29,8 @@ SCENARIOS = {
     # hints ride in the ids all-to-all to the owners; values are unchanged.
     "mp_adagrad_hints": ("adagrad", "dense", "model_parallel", "hints"),
     "mp_sgd_ragged_hints": ("sgd", "ragged", "model_parallel", "hints"),
+    # One table shared by a dense and a ragged feature (one list call).
+    "mp_adagrad_shared": ("adagrad", "shared", "model_parallel", "loop"),
     "dp_sgd_dense": ("sgd", "dense", "data_parallel", "loop"),
     "dp_adagrad_ragged": ("adagrad", "ragged", "data_parallel", "loop"),
 }
@@ -47,28 +49,32 @@ def global_batches(kind: str):
     for _ in range(STEPS):
         n = WORLD * LOCAL_BATCH
         y = rng.random((n, 1)).astype("float32")
-        if kind == "dense":
-            ranks = np.minimum(rng.zipf(1.2, size=(n, FIELDS)) - 1, VOCAB - 1)
-            out.append((v[ranks], y))
-        else:
-            lengths = rng.integers(0, 5, size=n)  # empty rows too
-            ranks = np.minimum(rng.zipf(1.2, size=lengths.sum()) - 1, VOCAB - 1)
-            out.append((tf.RaggedTensor.from_row_lengths(v[ranks], lengths), y))
+        dense = v[np.minimum(rng.zipf(1.2, size=(n, FIELDS)) - 1, VOCAB - 1)]
+        lengths = rng.integers(0, 5, size=n)  # empty rows too
+        ranks = np.minimum(rng.zipf(1.2, size=lengths.sum()) - 1, VOCAB - 1)
+        ragged = tf.RaggedTensor.from_row_lengths(v[ranks], lengths)
+        out.append(({"dense": dense, "ragged": ragged, "shared": (dense, ragged)}[kind], y))
     return out
 
 
 def local_part(batch, rank: int):
     ids, y = batch
     lo, hi = rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH
+    if isinstance(ids, tuple):
+        return tuple(x[lo:hi] for x in ids), y[lo:hi]
     return ids[lo:hi], y[lo:hi]
 
 
 def cache_capacity(kind: str) -> int:
     """Just enough for the largest global step: far fewer rows than each
     rank's shard of the run's working set, so evictions happen on every rank."""
+    def values(ids):
+        if isinstance(ids, tuple):
+            return np.concatenate([values(x) for x in ids])
+        return ids.flat_values.numpy() if isinstance(ids, tf.RaggedTensor) else ids.ravel()
+
     def distinct(ids):
-        values = ids.flat_values.numpy() if isinstance(ids, tf.RaggedTensor) else ids
-        return len(np.unique(values))
+        return len(np.unique(values(ids)))
 
     return max(distinct(ids) for ids, _ in global_batches(kind)) + 1
 
@@ -86,6 +92,8 @@ def build(opt_name: str, kind: str, distribution: str):
 
 
 def _features(emb, ids, training):
+    if isinstance(ids, tuple):  # features sharing the table
+        return tf.concat(emb(list(ids), training=training), axis=1)
     x = emb(ids, training=training)
     return tf.reshape(x, [tf.shape(x)[0], -1])
 
@@ -97,7 +105,8 @@ def train_loop(emb, dense, opt, batches, lookahead=False, hints=0):
     eviction_hints=hints)``."""
     emb.build(None)
     if not dense.built:
-        dense.build((None, DIM * FIELDS if emb.combiner is None else DIM))
+        dense.build((None, DIM * FIELDS if emb.combiner is None
+                     else 2 * DIM if isinstance(batches[0][0], tuple) else DIM))
 
     @tf.function(reduce_retracing=True)
     def step(ids, y):

@@ -92,9 +92,18 @@ def _keras_shape_inference() -> bool:
 
 def _is_feature_list(inputs: Any) -> bool:
     """A list call (features sharing the table): a list or tuple holding a
-    tensor or array. A list of plain Python ints is ids, as before."""
-    return isinstance(inputs, (list, tuple)) and any(
-        hasattr(x, "dtype") and hasattr(x, "shape") for x in inputs)
+    tensor or array of rank >= 1, or a dict. (A list of scalars is ids.)"""
+    def feature_like(x):
+        if isinstance(x, dict):
+            return True
+        if not (hasattr(x, "dtype") and hasattr(x, "shape")):
+            return False
+        try:
+            return len(x.shape) != 0
+        except (TypeError, ValueError):  # unknown rank
+            return True
+
+    return isinstance(inputs, (list, tuple)) and any(feature_like(x) for x in inputs)
 
 
 def _float_as_ids(x: Any) -> Any:
@@ -270,7 +279,6 @@ class CachedEmbedding(keras.layers.Layer):
         self._mode = "local"
         self._world_size = 1
         self._call_suffixes: dict = {}  # this call's collective names (_collective_name)
-        self._input_parts: Optional[int] = None  # features of a list call (export reads it)
         # Custom ops have no XLA kernels: tell Keras not to jit-compile.
         self.supports_jit = False
         self._store: Optional[EmbeddingStore] = None
@@ -424,9 +432,6 @@ class CachedEmbedding(keras.layers.Layer):
                 inputs = [_float_as_ids(v) for v in inputs]
             else:
                 inputs = _float_as_ids(inputs)
-        # Called on a list of features, the layer looks them up as one batch
-        # (one cache step, one update: a table shared by several inputs).
-        self._input_parts = len(inputs) if _is_feature_list(inputs) else None
         if isinstance(inputs, dict):
             # Virtual Sparse Ids computed in the input pipeline
             # (tf_sfctr.data.with_unique_ids): skip de-duplication here.
@@ -476,12 +481,16 @@ class CachedEmbedding(keras.layers.Layer):
 
     def _flatten(self, inputs: Any) -> tuple[tf.Tensor, dict]:
         """Flat int64 ids and what is needed to shape the output."""
+        if isinstance(inputs, (list, tuple)) and not inputs:
+            raise ValueError("CachedEmbedding got an empty list: pass ids, or a list of "
+                             "features that share the table")
         if _is_feature_list(inputs):
             if not all(hasattr(x, "dtype") and hasattr(x, "shape") for x in inputs):
                 raise ValueError(
                     "CachedEmbedding takes ids, or a list of features that share the table, "
                     "each a tensor or array of ids (dense, tf.RaggedTensor or "
-                    "tf.SparseTensor; one output each); got a list of "
+                    "tf.SparseTensor; one output each; a list call does not take the "
+                    "input pipeline's de-duplicated dicts); got a list of "
                     f"{[type(x).__name__ for x in inputs]}")
             flat = [self._flatten(x) for x in inputs]
             return tf.concat([ids for ids, _ in flat], 0), {

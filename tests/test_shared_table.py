@@ -161,3 +161,41 @@ def test_a_multi_hot_feature_in_the_list_needs_a_combiner():
     emb = CachedEmbedding(4, cache_capacity=16, seed=0)
     with pytest.raises(ValueError, match="needs a combiner"):
         emb([tf.constant([[1, 2]], tf.int64), tf.ragged.constant([[3], [4, 5]], tf.int64)])
+
+
+def test_export_reads_each_models_own_calls(rng, tmp_path):
+    """The served padding comes from the exported model's graph, not from
+    the layer's last call: after save / load_model, after other calls, and
+    for a model that uses the layer on one feature only."""
+    ia = keras.Input((3,), dtype="int64", name="a")
+    ib = keras.Input((None,), dtype="int64", sparse=True, name="b")
+    emb = CachedEmbedding(4, cache_capacity=64, seed=0, combiner="sum", name="items")
+    xa, xb = emb([ia, ib])
+    model = keras.Model([ia, ib], keras.layers.Dense(1)(keras.layers.Concatenate()([xa, xb])))
+    single = keras.Model(ia, keras.layers.Dense(1)(emb(ia)))
+    a = tf.constant([[0, 1, 2], [0, 0, 3]], tf.int64)  # id 0 is a real id of feature a
+    b = tf.sparse.from_dense(tf.constant([[4, 5], [6, 0]], tf.int64))
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(tf.data.Dataset.from_tensors(((a, b), tf.ones((2, 1)))).repeat(3), verbose=0)
+    emb(a)  # a later single call changes nothing
+    want = model([a, b]).numpy()
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    for m in (model, loaded):
+        served = serving_model(m)
+        assert served.get_layer("items").pad_id == [None, 0]
+        np.testing.assert_allclose(served([a, tf.sparse.to_dense(b)]).numpy(), want, rtol=1e-6)
+    served_single = serving_model(single)
+    assert served_single.get_layer("items").pad_id is None
+    np.testing.assert_allclose(served_single(a).numpy(), single(a).numpy(), rtol=1e-6)
+
+
+def test_lists_of_scalars_are_ids_and_bad_lists_say_what_is_allowed():
+    emb = CachedEmbedding(4, cache_capacity=16, seed=0)
+    assert emb([np.int64(1), np.int64(2)]).shape == (2, 4)
+    assert emb([tf.constant(1), tf.constant(2)]).shape == (2, 4)
+    with pytest.raises(ValueError, match="empty list"):
+        emb([])
+    feature = tf_sfctr.data.deduplicate(tf.constant([[1, 2]], tf.int64))
+    with pytest.raises(ValueError, match="does not take the input pipeline's de-duplicated"):
+        emb([feature])

@@ -121,21 +121,43 @@ def _plain_inputs(struct, key: Optional[str] = None):
     return new, new
 
 
-def _served_pad_id(layer: CachedEmbedding) -> Union[int, None, list]:
-    """The id a served layer's combiner skips in dense rows: 0 when it was
-    trained on sparse ids (dense clients pad with 0), None when it was
-    trained on dense rows (every position counted). For a layer called on a
-    list of features, one per feature."""
-    try:
-        x = layer.input
-    except (AttributeError, ValueError):  # shared or never wired: as before
+def _call_inputs(model: keras.Model, layer: CachedEmbedding) -> list:
+    """What ``layer`` is called on in ``model``'s graph, one entry per call
+    (a KerasTensor, a list of them for a list call, or a dict)."""
+    graph = getattr(model, "_functional", None) or model  # a Sequential wraps one
+    found = []
+    for nodes in getattr(graph, "_nodes_by_depth", {}).values():
+        for node in nodes:
+            if node.operation is layer and node.arguments.args:
+                found.append(node.arguments.args[0])
+    return found
+
+
+def _pad_for(x) -> Union[int, None, list]:
+    def sparse(t):
+        return bool(getattr(t, "sparse", False))
+
+    if isinstance(x, dict):  # a de-duplicated feature: only its "ids" can be sparse
+        return 0 if any(sparse(t) for t in x.values()) else None
+    if isinstance(x, (list, tuple)):  # features sharing the table: one each
+        return [0 if sparse(t) else None for t in x]
+    return 0 if sparse(x) else None
+
+
+def _served_pad_id(model: keras.Model, layer: CachedEmbedding) -> Union[int, None, list]:
+    """The id a served layer's combiner skips in dense rows: 0 for a
+    feature trained on sparse ids (dense clients pad with 0), None for one
+    trained on dense rows (every position counted); one per feature for a
+    list call. Read from the calls in ``model``'s graph."""
+    pads = [_pad_for(x) for x in _call_inputs(model, layer)]
+    if not pads:  # not wired into this graph: as before
         return 0
-    if isinstance(x, (list, tuple)) and layer._input_parts == len(x):
-        return [0 if getattr(t, "sparse", False) else None for t in x]
-    # A de-duplicated feature's dict may come flattened; only its "ids" can
-    # be sparse (the other keys are dense vectors).
-    parts = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else [x]
-    return 0 if any(getattr(t, "sparse", False) for t in parts) else None
+    if any(p != pads[0] for p in pads[1:]):
+        raise ValueError(
+            f"export_for_serving: CachedEmbedding {layer.name!r} is called on inputs of "
+            f"different kinds in this model (padding rules {pads}), so pad_id='auto' has "
+            "no single answer; pass pad_id=0 (or another id) or pad_id=None")
+    return pads[0]
 
 
 def serving_model(model: keras.Model, max_rows: Optional[int] = None,
@@ -184,7 +206,7 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None,
     def clone(layer):
         if isinstance(layer, CachedEmbedding):
             ids, rows = _frozen_rows(layer, max_rows)
-            pad = _served_pad_id(layer) if isinstance(pad_id, str) else pad_id
+            pad = _served_pad_id(model, layer) if isinstance(pad_id, str) else pad_id
             return ServingEmbedding(ids, rows, combiner=layer.combiner, pad_id=pad,
                                     name=layer.name, dtype=layer.dtype_policy)
         return layer.__class__.from_config(layer.get_config())

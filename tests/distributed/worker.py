@@ -187,6 +187,30 @@ def run_robustness(out_dir, rank, size):
     ids = v[:3].astype(np.float32) if rank == 1 else v[:3]
     _expect_error(lambda: emb3.lookup_rows(ids),
                   "ids must be integers" if rank == 1 else "failed on another rank")
+    # Lookahead on one rank only: the framed ids message meets plain ids.
+    # Both ranks fail at once (Horovod's type check), and nothing changes.
+    from tf_sfctr.data import deduplicate
+
+    mixed = CachedEmbedding(2, cache_capacity=64, seed=0, name="mixed",
+                            distribution="model_parallel")
+    feature = deduplicate(tf.constant(v[rank * 6: rank * 6 + 6].reshape(2, 3)))
+    if rank == 0:
+        feature = dict(feature, next_unique_ids=tf.constant(v[20:23]))
+
+    @tf.function
+    def mixed_step(f):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(mixed(f, training=True))
+        return tape.gradient(loss, mixed.trainable_weights)
+
+    mixed_before = mixed.lookup_rows(v[:30])
+    try:
+        mixed_step(feature)
+        raise AssertionError("lookahead on one rank only was not refused")
+    except tf.errors.FailedPreconditionError as err:
+        assert "Mismatched data types" in str(err), str(err)
+    np.testing.assert_array_equal(mixed.lookup_rows(v[:30]), mixed_before)
+    assert mixed.cache_stats()["host_rows"] == 0
     # An owner whose host table is full: both ranks hear of it.
     small = CachedEmbedding(2, cache_capacity=8, max_rows=3, seed=0, name="small",
                             distribution="model_parallel")

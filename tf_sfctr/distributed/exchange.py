@@ -89,7 +89,10 @@ def send_ids_with_extras(unique_ids: tf.Tensor, world_size: int, name: str,
     Each rank's message to rank r is a header of four counts followed by
     those sections: this step's ids for r, next ids for r, hinted ids for r
     and their steps. Every rank sends the four sections (empty when it has
-    nothing), so ranks always agree on the framing.
+    nothing), so ranks always agree on the framing. The message travels as
+    float64 bits, so that ranks that disagree on sending extras at all
+    (lookahead or hints on some ranks only) fail on every rank with
+    Horovod's "Mismatched data types" rather than misread each other.
     """
     hvd = require()
     routed, position, splits = _ops.unique(unique_ids, num_groups=world_size)
@@ -128,8 +131,13 @@ def send_ids_with_extras(unique_ids: tf.Tensor, world_size: int, name: str,
     source = tf.concat(sections + [tf.reshape(header, [-1])], axis=0)
     message = tf.gather(source, picks)
     send_splits = _SECTIONS + tf.add_n(counts)
-    received, recv_sizes = hvd.alltoall(message, splits=send_splits,
+    # Sent as float64 bits (the all-to-all only copies bytes): a rank that
+    # sends plain ids under the same name (no lookahead or hints there)
+    # then fails Horovod's type check on every rank, instead of reading a
+    # header as ids.
+    received, recv_sizes = hvd.alltoall(tf.bitcast(message, tf.float64), splits=send_splits,
                                         name=f"{name}_ids", ignore_name_scope=True)
+    received = tf.bitcast(received, tf.int64)
 
     heads = tf.cumsum(recv_sizes, exclusive=True)
     got = tf.cast(tf.gather(received, heads[:, None] + tf.range(_SECTIONS)[None, :]),

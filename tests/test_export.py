@@ -231,3 +231,40 @@ def test_vsi_export_refuses_what_it_cannot_serve():
                                       keras.ops.cast(other, "float32")])
     served = serving_model(keras.Model({"ids": ids_in, "unique_ids": other}, out))
     assert sorted(t.name for t in keras.tree.flatten(served.input)) == ["ids", "unique_ids"]
+
+
+def test_nested_models_and_keyword_calls_export(rng, tmp_path):
+    """A CachedEmbedding inside an inner functional model (called by
+    keyword) is frozen with its trained rows, wherever it sits; dense rows
+    with a combiner keep counting id 0 when served."""
+    vocab = random_vocab(rng, 200)
+    x = powerlaw_ids(rng, vocab, (300, 4), alpha=1.1)
+    x[:, 0] = 0  # id 0 is a real id here
+    ii = keras.Input((4,), dtype="int64")
+    emb = CachedEmbedding(3, cache_capacity=40, seed=0, combiner="mean", name="emb")
+    inner = keras.Model(ii, keras.layers.Dense(2, name="d_in")(emb(inputs=ii)), name="inner")
+    oi = keras.Input((4,), dtype="int64")
+    outer = keras.Model(oi, keras.layers.Dense(1, name="d_out")(inner(oi)))
+    outer.compile(optimizer="adam", loss="mse")
+    outer.fit(x, rng.random((300, 1)), batch_size=20, verbose=0)
+    assert emb.cache_stats()["evictions"] > 0
+    served_layer = serving_model(outer).get_layer("inner").get_layer("emb")
+    assert served_layer.pad_id is None and served_layer.num_keys == emb.cache_stats()["host_rows"]
+    tf_sfctr.export_for_serving(outer, str(tmp_path / "served"))
+    served, _ = _serve_in_subprocess(tmp_path, tmp_path / "served", x)
+    np.testing.assert_allclose(served, outer.predict(x, verbose=0), rtol=1e-6, atol=1e-6)
+
+
+def test_a_table_inside_a_subclassed_layer_is_refused():
+    class Tower(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.emb = CachedEmbedding(3, cache_capacity=8, seed=0, combiner="sum", name="e")
+
+        def call(self, x):
+            return self.emb(x)
+
+    inp = keras.Input((2,), dtype="int64")
+    model = keras.Model(inp, Tower(name="tower")(inp))
+    with pytest.raises(ValueError, match="cannot freeze tables inside a subclassed layer"):
+        serving_model(model)

@@ -121,16 +121,67 @@ def _plain_inputs(struct, key: Optional[str] = None):
     return new, new
 
 
-def _call_inputs(model: keras.Model, layer: CachedEmbedding) -> list:
-    """What ``layer`` is called on in ``model``'s graph, one entry per call
-    (a KerasTensor, a list of them for a list call, or a dict)."""
-    graph = getattr(model, "_functional", None) or model  # a Sequential wraps one
-    found = []
-    for nodes in getattr(graph, "_nodes_by_depth", {}).values():
-        for node in nodes:
-            if node.operation is layer and node.arguments.args:
-                found.append(node.arguments.args[0])
+def _is_graph_model(layer) -> bool:
+    """A functional or Sequential model (export rebuilds its graph)."""
+    return isinstance(layer, keras.Model) and (
+        isinstance(layer, keras.Sequential) or hasattr(layer, "_nodes_by_depth"))
+
+
+def _graphs(model: keras.Model) -> list:
+    """``model``'s graph and those of the graph models nested in it."""
+    found = [getattr(model, "_functional", None) or model]  # a Sequential wraps one
+    for layer in model.layers:
+        if _is_graph_model(layer):
+            found += _graphs(layer)
     return found
+
+
+def _call_inputs(model: keras.Model, layer: CachedEmbedding) -> list:
+    """What ``layer`` is called on in ``model``'s graphs (nested ones too),
+    one entry per call: a KerasTensor, a list of them for a list call, or a
+    dict."""
+    found = []
+    for graph in _graphs(model):
+        for nodes in getattr(graph, "_nodes_by_depth", {}).values():
+            for node in nodes:
+                if node.operation is not layer:
+                    continue
+                args, kwargs = node.arguments.args, node.arguments.kwargs
+                if args:
+                    found.append(args[0])
+                elif "inputs" in kwargs:  # called as layer(inputs=...)
+                    found.append(kwargs["inputs"])
+    return found
+
+
+def _refuse_hidden_tables(model: keras.Model) -> None:
+    """A CachedEmbedding inside a layer that is not a graph model (a
+    subclassed layer or model) cannot be swapped for its frozen copy."""
+    for layer in model.layers:
+        if isinstance(layer, CachedEmbedding):
+            continue
+        if _is_graph_model(layer):
+            _refuse_hidden_tables(layer)
+            continue
+        inner = [x.name for x in layer._flatten_layers(include_self=False)
+                 if isinstance(x, CachedEmbedding)]
+        if inner:
+            raise ValueError(
+                f"export_for_serving: layer {layer.name!r} ({type(layer).__name__}) holds "
+                f"CachedEmbedding layers {inner}; export rebuilds functional and Sequential "
+                "models only, so it cannot freeze tables inside a subclassed layer. Call "
+                "the CachedEmbedding in a functional model instead.")
+
+
+def _copy_weights(source: keras.Model, target: keras.Model) -> None:
+    for layer in source.layers:
+        if isinstance(layer, CachedEmbedding) or not layer.weights:
+            continue
+        copy = target.get_layer(layer.name)
+        if _is_graph_model(layer):
+            _copy_weights(layer, copy)
+        else:
+            copy.set_weights(layer.get_weights())
 
 
 def _pad_for(x) -> Union[int, None, list]:
@@ -211,11 +262,9 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None,
                                     name=layer.name, dtype=layer.dtype_policy)
         return layer.__class__.from_config(layer.get_config())
 
-    copy = keras.models.clone_model(model, clone_function=clone)
-    for layer in model.layers:
-        if isinstance(layer, CachedEmbedding) or not layer.weights:
-            continue
-        copy.get_layer(layer.name).set_weights(layer.get_weights())
+    _refuse_hidden_tables(model)
+    copy = keras.models.clone_model(model, clone_function=clone, recursive=True)
+    _copy_weights(model, copy)
     if plain is None:
         return copy
     inputs, feed = plain

@@ -224,6 +224,16 @@ def test_vsi_export_refuses_what_it_cannot_serve():
     with pytest.raises(ValueError, match=r"share the names \['cat'\]"):
         serving_model(keras.Model({"user": {"cat": a}, "item": {"cat": b}}, out))
 
+    # A table on a de-duplicated feature inside a nested model: refused,
+    # saying where to call it.
+    inner_feat = vsi_inputs("sparse", (3,))
+    tower = keras.Model({"sparse": inner_feat}, keras.layers.Flatten()(
+        CachedEmbedding(2, cache_capacity=16, seed=0, name="et")(inner_feat)), name="tower")
+    outer_feat = vsi_inputs("sparse", (3,))
+    nested = keras.Model({"sparse": outer_feat}, tower({"sparse": outer_feat}))
+    with pytest.raises(ValueError, match="nested model 'tower' receives the input pipeline"):
+        serving_model(nested)
+
     ids_in = keras.Input((2,), dtype="int64", name="ids")
     other = keras.Input((2,), dtype="int64", name="unique_ids")
     ec = CachedEmbedding(2, cache_capacity=16, seed=0, name="ec")
@@ -253,6 +263,22 @@ def test_nested_models_and_keyword_calls_export(rng, tmp_path):
     tf_sfctr.export_for_serving(outer, str(tmp_path / "served"))
     served, _ = _serve_in_subprocess(tmp_path, tmp_path / "served", x)
     np.testing.assert_allclose(served, outer.predict(x, verbose=0), rtol=1e-6, atol=1e-6)
+    # Two levels down (Keras's clone_model recurses one level only), in
+    # Sequential models too.
+    mi = keras.Input((4,), dtype="int64")
+    middle = keras.Model(mi, keras.layers.Dense(2, name="d_mid")(inner(mi)), name="middle")
+    top_in = keras.Input((4,), dtype="int64")
+    top = keras.Model(top_in, keras.layers.Dense(1, name="d_top")(middle(top_in)))
+    def seq_of(layer):
+        return keras.Sequential([keras.Input((4,), dtype="int64"), layer])
+
+    seq = seq_of(seq_of(seq_of(inner)))
+    for m in (top, seq):
+        np.testing.assert_allclose(serving_model(m).predict(x, verbose=0),
+                                   m.predict(x, verbose=0), rtol=1e-6, atol=1e-6)
+    tf_sfctr.export_for_serving(top, str(tmp_path / "served_top"))
+    served, _ = _serve_in_subprocess(tmp_path, tmp_path / "served_top", x)
+    np.testing.assert_allclose(served, top.predict(x, verbose=0), rtol=1e-6, atol=1e-6)
 
 
 def test_a_table_inside_a_subclassed_layer_is_refused():

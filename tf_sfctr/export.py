@@ -91,6 +91,13 @@ def _check_vsi_consumers(model: keras.Model) -> None:
             continue
         for node in layer._inbound_nodes:
             read = [t.name for t in node.input_tensors if id(t) in pipeline]
+            if read and _is_graph_model(layer):
+                raise ValueError(
+                    f"export_for_serving: the nested model {layer.name!r} receives the input "
+                    f"pipeline's de-duplication inputs {read}. A feature trained through "
+                    "with_unique_ids / vsi_inputs is served as plain ids only when its "
+                    "CachedEmbedding is called in the top-level model; call it there and pass "
+                    "its output to the nested model.")
             if read:
                 raise ValueError(
                     f"export_for_serving: layer {layer.name!r} ({type(layer).__name__}) reads "
@@ -255,6 +262,9 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None,
                 "the other input).")
 
     def clone(layer):
+        if _is_graph_model(layer):
+            # Keras recurses one level only: models deeper down come here.
+            return keras.models.clone_model(layer, clone_function=clone, recursive=True)
         if isinstance(layer, CachedEmbedding):
             ids, rows = _frozen_rows(layer, max_rows)
             pad = _served_pad_id(model, layer) if isinstance(pad_id, str) else pad_id

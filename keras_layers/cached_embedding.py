@@ -984,6 +984,37 @@ class CachedEmbedding(keras.layers.Layer):
         self._store.host_write(ids, [_ops.gather_rows(v, slots) for v in self._device_variables])
         return int(tf.size(ids))
 
+    def prune(self, min_uses: int) -> int:
+        """Removes from the host table every id used in fewer than
+        ``min_uses`` training steps, except the ids the cache holds now;
+        returns how many were removed.
+
+        Uses are counted over the table's whole history (checkpoints keep
+        them; they saturate at 65535); rows written by ``assign_rows`` start
+        at 0. A removed id that comes back starts from its initial row and a
+        fresh optimizer state, as if never seen. Freed rows are reused by
+        later ids (the process keeps their memory). For tables fed an
+        endless stream of new ids, most of them seen once: prune between
+        epochs, or every N steps (``tf_sfctr.callbacks.PruneHostTable``).
+        Model-parallel tables prune this rank's shard only (not a
+        collective: call it on every rank).
+
+        Example:
+
+        >>> from tf_sfctr.keras_layers import CachedEmbedding
+        >>> emb = CachedEmbedding(2, cache_capacity=4, seed=0)
+        >>> emb.assign_rows([1, 2, 3, 4, 5, 6], [[0.5, 0.5]] * 6)
+        >>> emb.prune(min_uses=1), emb.cache_stats()["host_rows"]
+        (6, 0)
+        """
+        if (isinstance(min_uses, bool) or not isinstance(min_uses, (int, np.integer))
+                or not 1 <= min_uses <= 65536):
+            raise ValueError(
+                f"min_uses must be an int in [1, 65536] (use counters saturate at 65535), "
+                f"got {min_uses!r}")
+        self._require_built()
+        return int(self._store.host_prune(int(min_uses)))
+
     def cache_stats(self) -> dict[str, float]:
         """Counters of this layer's cache and host table.
 

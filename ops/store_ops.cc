@@ -178,6 +178,21 @@ REGISTER_OP("SfctrHostClear")
     .SetShapeFn(shape_inference::NoOutputs)
     .Doc("Removes every row of the host table.");
 
+REGISTER_OP("SfctrHostPrune")
+    .Input("store: resource")
+    .Input("min_uses: int64")
+    .Output("removed: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      return OkStatus();
+    })
+    .Doc(R"doc(
+Removes from the host table the ids used in fewer than min_uses training steps,
+except ids in the cache and evictions whose write-back is pending; returns how
+many were removed. Their rows are reused by later inserts.
+)doc");
+
 REGISTER_OP("SfctrHostSetSeed")
     .Input("store: resource")
     .Input("seed: int64")

@@ -37,6 +37,7 @@ _OP_TYPES = (
     "SfctrHostExport",
     "SfctrHostAddCounts",
     "SfctrHostClear",
+    "SfctrHostPrune",
     "SfctrHostSetSeed",
     "SfctrStoreStats",
     "SfctrStoreSetCounters",

@@ -1,4 +1,5 @@
-"""Keras callbacks that report what the embedding caches are doing.
+"""Keras callbacks for the embedding tables: what the caches are doing, and
+pruning of rarely used ids.
 
 ``CacheMetrics`` adds, for every ``CachedEmbedding`` of the model, its cache hit
 rate, misses and evictions per training step and host-table size to the logs
@@ -12,7 +13,7 @@ from typing import Optional
 
 import keras
 
-__all__ = ["CacheMetrics", "cached_embeddings"]
+__all__ = ["CacheMetrics", "PruneHostTable", "cached_embeddings"]
 
 #: The suffixes ``CacheMetrics`` appends to a layer's name to make log keys.
 METRICS = ("hit_rate", "misses_per_step", "evictions_per_step", "host_rows")
@@ -172,3 +173,61 @@ class CacheMetrics(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
         self._report(logs, self._epoch_start)
+
+
+class PruneHostTable(keras.callbacks.Callback):
+    """Prunes the host table of every ``CachedEmbedding`` of the model while
+    it trains: ids used in fewer than ``min_uses`` training steps are removed
+    (``CachedEmbedding.prune``), at the end of each epoch, or every
+    ``every_steps`` training batches when given. The rows removed by the
+    last pruning go into the logs as ``<layer name>/pruned_rows``, and
+    ``self.pruned_rows`` holds each layer's total.
+
+    Under Horovod every rank runs its callbacks, so each rank prunes its own
+    shard of a model-parallel table.
+
+    Example:
+
+    >>> import keras, numpy as np
+    >>> from tf_sfctr.keras_layers import CachedEmbedding
+    >>> ids = keras.Input(shape=(2,), dtype="int64")
+    >>> emb = CachedEmbedding(2, cache_capacity=4, seed=0, name="items")
+    >>> model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(emb(ids))))
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> prune = PruneHostTable(min_uses=2)
+    >>> _ = model.fit(np.arange(16).reshape(8, 2), np.ones((8, 1)), batch_size=2, verbose=0,
+    ...               callbacks=[prune])
+    >>> prune.pruned_rows["items"] > 0
+    True
+    """
+
+    def __init__(self, min_uses: int, every_steps: Optional[int] = None):
+        super().__init__()
+        if isinstance(min_uses, bool) or not isinstance(min_uses, int) or not \
+                1 <= min_uses <= 65536:
+            raise ValueError(f"min_uses must be an int in [1, 65536], got {min_uses!r}")
+        if every_steps is not None and (isinstance(every_steps, bool)
+                                        or not isinstance(every_steps, int) or every_steps < 1):
+            raise ValueError(f"every_steps must be None or an int >= 1, got {every_steps!r}")
+        self.min_uses = min_uses
+        self.every_steps = every_steps
+        self.pruned_rows: dict = {}
+        self._batches = 0
+
+    def _prune(self, logs: Optional[dict]) -> None:
+        for layer in cached_embeddings(self.model):
+            if not layer.built:
+                continue
+            removed = layer.prune(self.min_uses)
+            self.pruned_rows[layer.name] = self.pruned_rows.get(layer.name, 0) + removed
+            if logs is not None:
+                logs[f"{layer.name}/pruned_rows"] = removed
+
+    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        self._batches += 1
+        if self.every_steps is not None and self._batches % self.every_steps == 0:
+            self._prune(logs)
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        if self.every_steps is None:
+            self._prune(logs)

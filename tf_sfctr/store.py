@@ -160,6 +160,12 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
     def host_clear(self):
         return _ops.load().sfctr_host_clear(self.resource_handle)
 
+    def host_prune(self, min_uses: int) -> tf.Tensor:
+        """Removes uncached ids used in fewer than ``min_uses`` steps; returns
+        how many went."""
+        return _ops.load().sfctr_host_prune(self.resource_handle,
+                                            tf.constant(min_uses, tf.int64))
+
     # Counters ----------------------------------------------------------------
     def stats(self) -> tf.Tensor:
         """[hits, misses, evictions, host_rows, cache_capacity, cached_rows,

@@ -1,6 +1,7 @@
 #include "embedding_store.h"
 
 #include <algorithm>
+#include <unordered_set>
 
 namespace sfctr {
 
@@ -121,6 +122,18 @@ void EmbeddingStore::ClearHost() {
   directory_.ClearHandles();
   pending_ids_.clear();
   pending_handles_.clear();
+}
+
+int64_t EmbeddingStore::PruneHost(uint32_t min_count) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Cached ids: their host rows are stale copies the cache will write back
+  // (and their counts there lack the cached uses). Pending evictions: their
+  // write-back goes by handle into these rows.
+  std::unordered_set<int64_t> keep(pending_ids_.begin(), pending_ids_.end());
+  std::vector<CacheDirectory::Eviction> cached;
+  directory_.Entries(&cached, /*reset_uses=*/false);
+  for (const auto& e : cached) keep.insert(e.id);
+  return table_.Prune(min_count, keep);
 }
 
 void EmbeddingStore::Probe(const int64_t* ids, int64_t n,

@@ -69,6 +69,11 @@ class EmbeddingStore {
   // Removes every host row (the cache must be cleared or flushed first).
   void ClearHost();
 
+  // Removes the host rows of ids used in fewer than `min_count` steps
+  // (HostTable::Prune), never those of cached ids or of the last Prepare's
+  // evictions (their write-back may be pending). Returns how many went.
+  int64_t PruneHost(uint32_t min_count);
+
   // Write-backs that took the by-handle path (for tests).
   int64_t write_backs_by_handle() const {
     std::lock_guard<std::mutex> lock(mu_);

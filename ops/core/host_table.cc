@@ -197,8 +197,14 @@ HostTable::Entry* HostTable::InsertLocked(Shard& s, int64_t id,
   const uint64_t size = s.entries.size();
   uint64_t pos = HomeOf(hash, size);
   while (s.entries[pos].row != kEmptyRow) pos = pos + 1 == size ? 0 : pos + 1;
-  const uint32_t row = s.rows;
-  AllocateRowLocked(s);
+  uint32_t row;
+  if (!s.free_rows.empty()) {  // a pruned id's row
+    row = s.free_rows.back();
+    s.free_rows.pop_back();
+  } else {
+    row = s.rows;
+    AllocateRowLocked(s);
+  }
   CountOf(s, row) = 0;
   s.entries[pos] = Entry{id, row};
   ++s.used;
@@ -381,6 +387,41 @@ void HostTable::Export(std::vector<int64_t>* ids, std::vector<float>* rows,
   }
 }
 
+int64_t HostTable::Prune(uint32_t min_count, const std::unordered_set<int64_t>& keep) {
+  int64_t removed = 0;
+  for (uint64_t k = 0; k <= shard_mask_; ++k) {
+    Shard& s = shards_[k];
+    std::lock_guard<std::mutex> lock(s.mu);
+    std::vector<Entry> kept;
+    kept.reserve(s.used);
+    const size_t before = s.free_rows.size();
+    for (const Entry& e : s.entries) {
+      if (e.row == kEmptyRow) continue;
+      if (CountOf(s, e.row) < min_count && keep.count(e.id) == 0) {
+        s.free_rows.push_back(e.row);
+      } else {
+        kept.push_back(e);
+      }
+    }
+    const size_t gone = s.free_rows.size() - before;
+    if (gone == 0) continue;
+    // Rebuild the index at its size: deleting from a linear-probing index
+    // in place would have to move later entries of each probe run back.
+    const uint64_t size = s.entries.size();
+    std::fill(s.entries.begin(), s.entries.end(), Entry{0, kEmptyRow});
+    for (const Entry& e : kept) {
+      uint64_t pos = HomeOf(HashId(e.id), size);
+      while (s.entries[pos].row != kEmptyRow) pos = pos + 1 == size ? 0 : pos + 1;
+      s.entries[pos] = e;
+    }
+    s.used = static_cast<uint32_t>(kept.size());
+    removed += static_cast<int64_t>(gone);
+  }
+  size_.fetch_sub(removed);
+  reserved_.fetch_sub(removed);
+  return removed;
+}
+
 void HostTable::Clear() {
   for (uint64_t k = 0; k <= shard_mask_; ++k) {
     Shard& s = shards_[k];
@@ -388,6 +429,7 @@ void HostTable::Clear() {
     decltype(s.entries)().swap(s.entries);
     s.blocks.clear();
     s.count_blocks.clear();
+    s.free_rows.clear();
     s.used = 0;
     s.rows = 0;
   }

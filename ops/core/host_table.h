@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <unordered_set>
 #include <vector>
 
 #include "huge_pages.h"
@@ -106,6 +107,13 @@ class HostTable {
   template <typename Allocate>
   void ExportTo(Allocate allocate) const;
 
+  // Removes every stored id whose use counter is below `min_count`, except
+  // the ids in `keep`; returns how many were removed. Their rows go to a
+  // free list that later inserts take first (memory is reused, not given
+  // back), and their handles become invalid. A removed id that comes back
+  // starts from its initial row, as if never seen.
+  int64_t Prune(uint32_t min_count, const std::unordered_set<int64_t>& keep);
+
   // Removes every row.
   void Clear();
 
@@ -150,6 +158,7 @@ class HostTable {
     std::vector<std::unique_ptr<float[], BlockDeleter>> blocks;
     std::vector<std::unique_ptr<uint16_t[]>> count_blocks;  // one per row block
     uint32_t rows = 0;                          // rows handed out from arena
+    std::vector<uint32_t> free_rows;            // arena rows of pruned ids
   };
 
   // The shard takes the hash's low bits, the index position its high bits

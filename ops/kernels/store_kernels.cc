@@ -462,6 +462,25 @@ class HostClearOp : public StoreOpKernel {
   }
 };
 
+class HostPruneOp : public StoreOpKernel {
+ public:
+  using StoreOpKernel::StoreOpKernel;
+
+ protected:
+  void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
+    const Tensor& min_uses = ctx->input(1);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(min_uses.shape()),
+                errors::InvalidArgument("min_uses must be a scalar"));
+    const int64_t m = min_uses.scalar<int64_t>()();
+    OP_REQUIRES(ctx, m >= 1 && m <= 65536,
+                errors::InvalidArgument("min_uses must be in [1, 65536] (use counters "
+                                        "saturate at 65535), got ", m));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() = store.PruneHost(static_cast<uint32_t>(m));
+  }
+};
+
 class StoreStatsOp : public StoreOpKernel {
  public:
   using StoreOpKernel::StoreOpKernel;
@@ -787,6 +806,7 @@ SFCTR_CPU_KERNEL("SfctrCacheClear", CacheClearOp);
 SFCTR_CPU_KERNEL("SfctrHostExport", HostExportOp);
 SFCTR_CPU_KERNEL("SfctrHostAddCounts", HostAddCountsOp);
 SFCTR_CPU_KERNEL("SfctrHostClear", HostClearOp);
+SFCTR_CPU_KERNEL("SfctrHostPrune", HostPruneOp);
 SFCTR_CPU_KERNEL("SfctrHostSetSeed", HostSetSeedOp);
 SFCTR_CPU_KERNEL("SfctrStoreStats", StoreStatsOp);
 SFCTR_CPU_KERNEL("SfctrStoreSetCounters", StoreSetCountersOp);

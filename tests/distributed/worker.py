@@ -180,6 +180,19 @@ def run_robustness(out_dir, rank, size):
                           [sc.local_part(b, rank) for b in sc.global_batches(kind)[:1]])
     restore(tf.train.Checkpoint(model=model3), os.path.join(out_dir, "ckpt_v1_1rank"))
     np.savez(os.path.join(out_dir, f"robust_v1_rank{rank}.npz"), rows=emb3.lookup_rows(v))
+    # Pruning a model-parallel table: each rank prunes its own shard (no
+    # collective), and every rank then reads a pruned id as its initial row.
+    rows3 = emb3.lookup_rows(v)
+    host3 = emb3.cache_stats()["host_rows"]
+    removed = emb3.prune(min_uses=65536)  # every uncached id on this rank
+    assert removed > 0 and emb3.cache_stats()["host_rows"] == host3 - removed
+    fresh3, _, _ = sc.build(opt_name, kind, "model_parallel")
+    fresh3.build(None)
+    initial = fresh3.lookup_rows(v)
+    after = emb3.lookup_rows(v)
+    changed = np.any(after != rows3, axis=1)
+    assert changed.any()
+    np.testing.assert_array_equal(after[changed], initial[changed])
     # Keras weight files would hold one shard: refused on every rank.
     _expect_error(lambda: model3.save_weights(os.path.join(out_dir, f"w{rank}.weights.h5")),
                   "not supported in the Keras format")

@@ -856,6 +856,102 @@ TEST_CASE(StoreWriteBackByHandleOnlyWhenItIsSafe) {
   CHECK(prepared);
 }
 
+TEST_CASE(HostTablePruneRemovesRarelyUsedRowsAndReusesThem) {
+  HostTable t(Options(2, 1, /*max_rows=*/3000));
+  const int w = t.width();
+  std::vector<int64_t> ids;
+  std::mt19937_64 rng(5);
+  for (int i = 0; i < 2000; ++i) ids.push_back(static_cast<int64_t>(rng()));
+  std::vector<float> rows(ids.size() * w);
+  std::vector<uint32_t> counts(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    for (int j = 0; j < w; ++j) rows[i * w + j] = static_cast<float>(i) + 0.5f * j;
+    counts[i] = static_cast<uint32_t>(i % 4);  // 0, 1, 2, 3 uses
+  }
+  CHECK(t.Write(ids.data(), ids.size(), rows.data(), counts.data()).ok());
+  // Bytes of the row arena: everything but the index entries (12 bytes each).
+  const auto arena_bytes = [&t] {
+    size_t entries = 0;
+    for (size_t e : t.IndexEntries()) entries += e;
+    return t.AllocatedBytes() - 12 * entries;
+  };
+  const size_t bytes = arena_bytes();
+  // Keep ids with >= 2 uses, and ids[1] (1 use) because it is asked to.
+  const std::unordered_set<int64_t> keep = {ids[1]};
+  CHECK_EQ(t.Prune(2, keep), int64_t{999});
+  CHECK_EQ(t.size(), int64_t{1001});
+  std::vector<int64_t> out_ids;
+  std::vector<float> out_rows;
+  std::vector<uint32_t> out_counts;
+  t.Export(&out_ids, &out_rows, &out_counts);
+  CHECK_EQ(out_ids.size(), size_t{1001});
+  std::map<int64_t, size_t> where;
+  for (size_t i = 0; i < ids.size(); ++i) where[ids[i]] = i;
+  for (size_t k = 0; k < out_ids.size(); ++k) {
+    const size_t i = where[out_ids[k]];
+    CHECK(counts[i] >= 2 || i == 1);
+    CHECK_EQ(out_counts[k], counts[i]);
+    for (int j = 0; j < w; ++j) CHECK_EQ(out_rows[k * w + j], rows[i * w + j]);
+  }
+  // A pruned id reads as its initial row again; so does Find of every
+  // survivor after the index rebuild.
+  std::vector<float> got(w), init(w);
+  t.Find(&ids[0], 1, got.data());
+  t.InitialRow(ids[0], init.data());
+  CHECK(got == init);
+  for (size_t i = 0; i < ids.size(); i += 7) {
+    if (counts[i] < 2 && i != 1) continue;
+    t.Find(&ids[i], 1, got.data());
+    CHECK_EQ(got[0], rows[i * w]);
+  }
+  // New rows reuse the freed ones: as many new ids as were pruned take no
+  // more row memory.
+  std::vector<int64_t> fresh;
+  for (int i = 0; i < 1999; ++i) fresh.push_back(static_cast<int64_t>(rng()));
+  std::vector<float> fresh_rows(fresh.size() * w, 3.0f);
+  CHECK(t.Write(fresh.data(), 999, fresh_rows.data()).ok());
+  CHECK_EQ(arena_bytes(), bytes);
+  // And the room under max_rows came back.
+  CHECK(t.Write(fresh.data() + 999, 1000, fresh_rows.data()).ok());
+  CHECK_EQ(t.size(), int64_t{3000});
+  CHECK(!t.Write(&ids[0], 1, fresh_rows.data()).ok());  // pruned, so new: over max_rows
+  t.Find(&fresh[5], 1, got.data());
+  CHECK_EQ(got[0], 3.0f);
+  t.Find(&fresh[1500], 1, got.data());
+  CHECK_EQ(got[0], 3.0f);
+  t.Find(&ids[3], 1, got.data());  // 3 uses: kept, and not overwritten
+  CHECK_EQ(got[0], rows[3 * w]);
+  CHECK_EQ(t.Prune(0, {}), int64_t{0});  // nothing is below 0 uses
+}
+
+TEST_CASE(StorePruneKeepsCachedAndPendingIds) {
+  StoreOptions o;
+  o.table = Options(2, 0);
+  o.cache_capacity = 4;
+  EmbeddingStore store(o);
+  PrepareResult r;
+  const std::vector<int64_t> first = {1, 2, 3, 4}, second = {5, 6};
+  CHECK(store.Prepare(first.data(), 4, &r).ok());
+  CHECK(store.Prepare(second.data(), 2, &r).ok());  // evicts two of 1..4, write-back pending
+  CHECK_EQ(store.table().size(), int64_t{6});
+  // Every host count is 0 (nothing written back yet): only ids neither
+  // cached nor pending may go, and there are none.
+  CHECK_EQ(store.PruneHost(1), int64_t{0});
+  std::vector<float> rows(r.evict_ids.size() * 2, 4.0f);
+  std::vector<uint32_t> uses(r.evict_ids.size(), 0);
+  CHECK(store.WriteBack(r.evict_ids.data(), r.evict_ids.size(), rows.data(), uses.data()).ok());
+  CHECK_EQ(store.write_backs_by_handle(), int64_t{1});
+  // Now the two evicted ids (0 uses written back) are neither cached nor pending.
+  CHECK_EQ(store.PruneHost(1), int64_t{2});
+  CHECK_EQ(store.table().size(), int64_t{4});
+  for (int64_t id : r.evict_ids) {
+    std::vector<float> got(2), init(2);
+    store.table().Find(&id, 1, got.data());
+    store.table().InitialRow(id, init.data());
+    CHECK(got == init);
+  }
+}
+
 int main() {
   int failed_cases = 0;
   for (const auto& c : sfctr_test::Registry()) {

@@ -1,0 +1,120 @@
+"""Pruning the host table (``CachedEmbedding.prune``, ``callbacks.PruneHostTable``).
+
+A pruned id must behave exactly as if it had never been seen: the reference
+is a twin layer trained on the same batches whose copies of the pruned ids
+are reset to their initial rows and optimizer state with ``assign_rows``.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sfctr
+from tf_sfctr.callbacks import PruneHostTable
+from tf_sfctr.keras_layers import CachedEmbedding
+
+from conftest import powerlaw_ids, random_vocab
+
+DIM, CAPACITY = 4, 48
+
+
+def _layer(max_rows=None):
+    return CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=9, max_rows=max_rows,
+                           optimizer=tf_sfctr.optimizers.Adagrad(0.3))
+
+
+def _trainer(layer):
+    @tf.function
+    def step(ids):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(layer(ids, training=True) - 0.5))
+        tape.gradient(loss, layer.trainable_weights)
+        return loss
+
+    return step
+
+
+def _host_ids(layer):
+    return set(layer.store.host_export()[0].numpy().tolist())
+
+
+def test_a_pruned_id_trains_as_if_never_seen(rng):
+    vocab = random_vocab(rng, 500)
+    batches = [tf.constant(powerlaw_ids(rng, vocab, (16, 3), alpha=1.1)) for _ in range(60)]
+    pruned, twin = _layer(), _layer()
+    step_p, step_t = _trainer(pruned), _trainer(twin)
+    for ids in batches[:30]:
+        step_p(ids), step_t(ids)
+    assert pruned.cache_stats()["evictions"] > 0
+    before = _host_ids(pruned)
+    removed = pruned.prune(min_uses=2)
+    gone = np.array(sorted(before - _host_ids(pruned)), np.int64)
+    assert removed == len(gone) > 20
+    assert pruned.cache_stats()["host_rows"] == len(before) - removed
+    # Nothing cached was removed.
+    cached_ids = pruned.store.cache_entries()[0].numpy()
+    assert not set(cached_ids.tolist()) & set(gone.tolist())
+    # The survivors keep their values; the pruned ids read as initial rows.
+    keep = np.array(sorted(_host_ids(pruned)), np.int64)
+    np.testing.assert_array_equal(pruned.lookup_rows(keep), twin.lookup_rows(keep))
+    fresh = _layer()
+    fresh.build(None)
+    np.testing.assert_array_equal(pruned.lookup_rows(gone), fresh.lookup_rows(gone))
+    # The twin forgets them the other way: initial values, fresh Adagrad state.
+    twin.assign_rows(gone, fresh.lookup_rows(gone))
+    for ids in batches[30:]:
+        np.testing.assert_allclose(step_p(ids).numpy(), step_t(ids).numpy(), rtol=1e-6)
+    np.testing.assert_allclose(pruned.lookup_rows(vocab), twin.lookup_rows(vocab),
+                               rtol=1e-6, atol=1e-7)
+
+
+def test_prune_frees_room_under_max_rows_and_survives_a_checkpoint(rng, tmp_path):
+    layer = _layer(max_rows=60)
+    step = _trainer(layer)
+    step(tf.constant(np.arange(30).reshape(10, 3), tf.int64))
+    step(tf.constant(np.arange(30).reshape(10, 3), tf.int64))  # ids 0..29: 2 uses each
+    layer.assign_rows(np.arange(100, 130), np.zeros((30, DIM), np.float32))  # 0 uses
+    with pytest.raises(tf.errors.ResourceExhaustedError, match="max_rows=60"):
+        step(tf.constant(np.arange(200, 230).reshape(10, 3), tf.int64))
+    assert layer.prune(min_uses=1) == 30  # the assigned rows; 0..29 are cached or used
+    step(tf.constant(np.arange(200, 230).reshape(10, 3), tf.int64))
+    layer.flush()
+    want = layer.lookup_rows(np.arange(230))
+    ckpt = tf.train.Checkpoint(emb=layer)
+    path = ckpt.save(str(tmp_path / "c"))
+    again = _layer(max_rows=60)
+    tf.train.Checkpoint(emb=again).restore(path)
+    np.testing.assert_array_equal(again.lookup_rows(np.arange(230)), want)
+    assert again.cache_stats()["host_rows"] == layer.cache_stats()["host_rows"] == 60
+
+
+def test_bad_arguments_are_refused():
+    layer = _layer()
+    for bad in (0, -1, 65537, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=r"min_uses must be an int in \[1, 65536\]"):
+            layer.prune(bad)
+    with pytest.raises(ValueError, match="min_uses"):
+        PruneHostTable(min_uses=0)
+    with pytest.raises(ValueError, match="every_steps"):
+        PruneHostTable(min_uses=2, every_steps=0)
+
+
+def test_the_callback_bounds_the_table_during_fit(rng):
+    vocab = random_vocab(rng, 4000)
+    x = powerlaw_ids(rng, vocab, (640, 3), alpha=1.05)
+
+    def fit(callbacks):
+        inp = keras.Input((3,), dtype="int64")
+        emb = _layer()
+        model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
+        model.compile(optimizer="sgd", loss="mse")
+        history = model.fit(x, np.ones((640, 1)), batch_size=16, verbose=0, callbacks=callbacks)
+        return emb, history
+
+    plain, _ = fit([])
+    prune = PruneHostTable(min_uses=2, every_steps=10)
+    pruned, history = fit([prune])
+    assert prune.pruned_rows[pruned.name] > 100
+    assert pruned.cache_stats()["host_rows"] < plain.cache_stats()["host_rows"] - 100
+    assert np.isfinite(history.history["loss"]).all()

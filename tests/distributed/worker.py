@@ -100,6 +100,27 @@ def run_broadcast(out_dir, rank):
     model.fit(x, np.ones((4, 1)), batch_size=4, epochs=1, verbose=0, callbacks=callbacks())
     after = hvd.allgather(dense.kernel.value[None]).numpy()
     np.testing.assert_array_equal(after[0], after[1])
+
+    # A subclassed model is built by its first step, not before fit: the
+    # state goes out after that step (before, fit failed on an optimizer
+    # built with no variables).
+    class Sub(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.emb = CachedEmbedding(3, cache_capacity=32, seed=0, name="bcast_sub",
+                                       distribution="model_parallel")
+            self.dense = keras.layers.Dense(
+                1, kernel_initializer=keras.initializers.RandomNormal(seed=rank))
+
+        def call(self, ids, training=None):
+            return self.dense(keras.ops.reshape(self.emb(ids, training=training), (-1, 6)))
+
+    sub = Sub()
+    sub.compile(optimizer=DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
+    sub.fit(np.concatenate([x, x]), np.ones((8, 1)), batch_size=4, epochs=1, verbose=0,
+            callbacks=callbacks())
+    after = hvd.allgather(sub.dense.kernel.value[None]).numpy()
+    np.testing.assert_array_equal(after[0], after[1])
     np.savez(os.path.join(out_dir, f"broadcast_rank{rank}.npz"), ok=np.array(1))
 
 

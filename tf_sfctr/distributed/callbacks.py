@@ -13,6 +13,12 @@ class BroadcastInitialState(keras.callbacks.Callback):
     """Copies the dense weights and the optimizer state of ``root_rank`` to
     every rank before the first training step, so all replicas start equal.
 
+    A subclassed model that is not built yet when ``fit`` starts has no
+    weights to send: Keras builds it in its first step. Its state is then
+    broadcast after that step, so the replicas are equal from the second
+    step on, but the first step started from each rank's own weights. Call
+    the model on one batch before ``fit`` to have them start equal too.
+
     Table rows are not broadcast: they are sharded (model parallel) or built
     identically from the layer's seed (data parallel).
     """
@@ -22,9 +28,7 @@ class BroadcastInitialState(keras.callbacks.Callback):
         self.root_rank = root_rank
         self._done = False
 
-    def on_train_begin(self, logs=None):
-        if self._done:
-            return
+    def _broadcast(self):
         hvd = require()
         model = self.model
         if model.optimizer is not None and not model.optimizer.built:
@@ -35,6 +39,15 @@ class BroadcastInitialState(keras.callbacks.Callback):
                           for v in model.optimizer.variables]
         hvd.broadcast_variables(variables, root_rank=self.root_rank)
         self._done = True
+
+    def on_train_begin(self, logs=None):
+        if self._done or not (self.model.built and self.model.trainable_variables):
+            return  # not built yet: after the first step
+        self._broadcast()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self._done:
+            self._broadcast()
 
 
 class AverageMetrics(keras.callbacks.Callback):

@@ -149,6 +149,9 @@ class _Plan:
         with tf.device("/CPU:0"):
             self.pending = var(False, [], "plan_pending")
             self.ids = var(tf.zeros([0], tf.int64), [None], "plan_ids")
+            # tf.size(ids), kept apart: grappler may take the static shape of
+            # an assignment as the shape of every read of `ids` in the graph.
+            self.count = var(0, [], "plan_count")
             self.slots = var(tf.zeros([0], tf.int32), [None], "plan_slots")
             self.miss_slots = var(tf.zeros([0], tf.int32), [None], "plan_miss_slots")
             self.evict_slots = var(tf.zeros([0], tf.int32), [None], "plan_evict_slots")
@@ -569,10 +572,14 @@ class CachedEmbedding(keras.layers.Layer):
         # A prepared plan is applied first, whichever batch it was for: the
         # directory already reflects it.
         planned_ids = plan.ids.read_value()
-        use_plan = tf.logical_and(plan.pending.read_value(), tf.cond(
-            tf.equal(tf.size(unique_ids), tf.size(planned_ids)),
-            lambda: tf.reduce_all(tf.equal(unique_ids, planned_ids)),
-            lambda: tf.constant(False)))
+        # Compared on a common prefix of the sizes read at run time: in a step
+        # traced on fixed-size ids, grappler took the size of `planned_ids`
+        # from the static shape of the plan's later assignment.
+        planned = plan.count.read_value()
+        n = tf.minimum(tf.size(unique_ids), planned)
+        use_plan = tf.logical_and(plan.pending.read_value(), tf.logical_and(
+            tf.equal(tf.size(unique_ids), planned),
+            tf.reduce_all(tf.equal(unique_ids[:n], planned_ids[:n]))))
 
         def planned_slots():
             with tf.control_dependencies([self._prepared_ahead.var.assign_add(1)]):
@@ -633,7 +640,8 @@ class CachedEmbedding(keras.layers.Layer):
         def prepare():
             slots, miss_slots, miss_rows, evict_slots, evict_ids, evict_uses = \
                 self._prepare(next_ids, hints)
-            saved = [plan.ids.assign(next_ids), plan.slots.assign(slots),
+            saved = [plan.ids.assign(next_ids), plan.count.assign(tf.size(next_ids)),
+                     plan.slots.assign(slots),
                      plan.miss_slots.assign(miss_slots), plan.evict_slots.assign(evict_slots),
                      plan.evict_ids.assign(evict_ids), plan.evict_uses.assign(evict_uses)]
             saved += [v.assign(r) for v, r in zip(plan.miss_rows, miss_rows)]

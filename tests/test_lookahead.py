@@ -65,6 +65,31 @@ def test_true_lookahead_matches_plain_training(optimizer):
     assert stats["evictions"] > 0
 
 
+def test_a_step_traced_on_fixed_size_ids_uses_its_plans():
+    """A tf.function traced on tensors of fixed size (no input_signature):
+    grappler must not take the plan's size from the static shape of its
+    assignment (the first step failed on 'Incompatible shapes')."""
+    batches = [np.array([[1, 2, 3], [4, 5, 6]], np.int64) * k for k in (1, 1, 2, 2, 3)]
+    ref = _train_plain(batches)
+    layer = _layer()
+
+    @tf.function
+    def step(ids, next_ids):
+        feature = deduplicate(ids)
+        feature["next_unique_ids"] = next_ids
+        with tf.GradientTape() as tape:
+            w = tf.reshape(tf.range(DIM, dtype=tf.float32) - 1.5, [1, 1, DIM])
+            loss = tf.reduce_sum(tf.square(layer(feature, training=True) - w))
+        tape.gradient(loss, layer.trainable_variables)
+
+    for t, ids in enumerate(batches):
+        nxt = _unique(batches[t + 1]) if t + 1 < len(batches) else tf.zeros([0], tf.int64)
+        step(tf.constant(ids), nxt)
+    assert layer.cache_stats()["prepared_ahead"] == len(batches) - 1
+    np.testing.assert_array_equal(layer.lookup_rows(np.arange(1, 19)),
+                                  ref.lookup_rows(np.arange(1, 19)))
+
+
 def test_wrong_lookahead_changes_no_trained_value():
     """Next ids that are not the next batch (another stream, empty, random new
     ids) only cost a fresh prepare: every row equals plain training."""

@@ -118,3 +118,28 @@ def test_the_callback_bounds_the_table_during_fit(rng):
     assert prune.pruned_rows[pruned.name] > 100
     assert pruned.cache_stats()["host_rows"] < plain.cache_stats()["host_rows"] - 100
     assert np.isfinite(history.history["loss"]).all()
+
+
+class _CountingPrune(PruneHostTable):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = 0
+
+    def _prune(self):
+        self.calls += 1
+        super()._prune()
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 4])
+def test_the_callback_counts_steps_and_logs_each_epoch(steps_per_execution):
+    inp = keras.Input((2,), dtype="int64")
+    emb = CachedEmbedding(2, cache_capacity=8, seed=0, name="items")
+    model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
+    model.compile(optimizer="sgd", loss="mse", steps_per_execution=steps_per_execution)
+    prune = _CountingPrune(min_uses=2, every_steps=8)
+    x = np.arange(64, dtype=np.int64).reshape(32, 2)  # each id once per epoch
+    history = model.fit(x, np.ones((32, 1)), batch_size=2, epochs=3, verbose=0,
+                        callbacks=[prune])
+    assert prune.calls == 3 * 16 // 8  # every 8 steps, whatever runs per execution
+    per_epoch = history.history["items/pruned_rows"]
+    assert len(per_epoch) == 3 and sum(per_epoch) == prune.pruned_rows["items"] > 0

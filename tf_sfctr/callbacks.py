@@ -179,8 +179,10 @@ class PruneHostTable(keras.callbacks.Callback):
     """Prunes the host table of every ``CachedEmbedding`` of the model while
     it trains: ids used in fewer than ``min_uses`` training steps are removed
     (``CachedEmbedding.prune``), at the end of each epoch, or every
-    ``every_steps`` training batches when given. The rows removed by the
-    last pruning go into the logs as ``<layer name>/pruned_rows``, and
+    ``every_steps`` training steps when given (counted with the optimizer's
+    ``iterations``, so ``steps_per_execution > 1`` prunes as often; the
+    check runs after each execution). Each epoch's logs get
+    ``<layer name>/pruned_rows``, the rows removed during that epoch, and
     ``self.pruned_rows`` holds each layer's total.
 
     Under Horovod every rank runs its callbacks, so each rank prunes its own
@@ -212,22 +214,43 @@ class PruneHostTable(keras.callbacks.Callback):
         self.min_uses = min_uses
         self.every_steps = every_steps
         self.pruned_rows: dict = {}
+        self._epoch_rows: dict = {}
         self._batches = 0
+        self._last_prune_step = 0
 
-    def _prune(self, logs: Optional[dict]) -> None:
+    def _step(self) -> int:
+        iterations = getattr(getattr(self.model, "optimizer", None), "iterations", None)
+        if iterations is None:
+            return self._batches
+        return int(keras.ops.convert_to_numpy(iterations))
+
+    def _prune(self) -> None:
         for layer in cached_embeddings(self.model):
             if not layer.built:
                 continue
             removed = layer.prune(self.min_uses)
             self.pruned_rows[layer.name] = self.pruned_rows.get(layer.name, 0) + removed
-            if logs is not None:
-                logs[f"{layer.name}/pruned_rows"] = removed
+            self._epoch_rows[layer.name] = self._epoch_rows.get(layer.name, 0) + removed
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        self._batches = 0
+        self._last_prune_step = self._step()
+
+    def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        self._epoch_rows = {layer.name: 0 for layer in cached_embeddings(self.model)}
 
     def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
         self._batches += 1
-        if self.every_steps is not None and self._batches % self.every_steps == 0:
-            self._prune(logs)
+        if self.every_steps is None:
+            return
+        step = self._step()
+        if step // self.every_steps > self._last_prune_step // self.every_steps:
+            self._prune()
+            self._last_prune_step = step
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
         if self.every_steps is None:
-            self._prune(logs)
+            self._prune()
+        if logs is not None:
+            for name, removed in self._epoch_rows.items():
+                logs[f"{name}/pruned_rows"] = removed

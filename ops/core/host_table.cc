@@ -279,6 +279,7 @@ void HostTable::FindOrInsertReserved(const int64_t* ids, int64_t n, float* out,
 
 CoreStatus HostTable::Write(const int64_t* ids, int64_t n, const float* rows,
                             const uint32_t* add_counts) {
+  std::shared_lock<std::shared_mutex> no_prune(prune_mu_);
   const int64_t need = options_.max_rows > 0 ? CountMissing(ids, n) : n;
   CoreStatus st = Reserve(need);
   if (!st.ok()) return st;
@@ -388,6 +389,7 @@ void HostTable::Export(std::vector<int64_t>* ids, std::vector<float>* rows,
 }
 
 int64_t HostTable::Prune(uint32_t min_count, const std::unordered_set<int64_t>& keep) {
+  std::unique_lock<std::shared_mutex> no_writes(prune_mu_);
   int64_t removed = 0;
   for (uint64_t k = 0; k <= shard_mask_; ++k) {
     Shard& s = shards_[k];

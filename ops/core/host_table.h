@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <unordered_set>
 #include <vector>
 
@@ -197,6 +198,10 @@ class HostTable {
   uint64_t shard_mask_;
   std::atomic<int64_t> size_{0};
   std::atomic<int64_t> reserved_{0};  // rows stored or reserved
+  // Write counts the ids it will insert, reserves room for them and then
+  // inserts: Prune must not remove rows in between (shared: writers, unique:
+  // Prune).
+  mutable std::shared_mutex prune_mu_;
 };
 
 template <typename Allocate>

@@ -924,6 +924,34 @@ TEST_CASE(HostTablePruneRemovesRarelyUsedRowsAndReusesThem) {
   CHECK_EQ(t.Prune(0, {}), int64_t{0});  // nothing is below 0 uses
 }
 
+TEST_CASE(HostTablePruneDuringWritesKeepsMaxRows) {
+  // Write counts missing ids, reserves, then inserts; a prune in between
+  // used to let inserts go unreserved, and max_rows drifted upwards.
+  HostTable t(Options(1, 0, /*max_rows=*/6000));
+  std::vector<int64_t> ids(5000);
+  for (int i = 0; i < 5000; ++i) ids[i] = 1000003LL * i + 17;
+  std::vector<float> values(ids.size(), 1.0f);
+  std::atomic<bool> stop{false};
+  std::thread pruner([&] {
+    while (!stop.load()) t.Prune(1, {});  // assigned rows have 0 uses
+  });
+  bool ok = true;
+  for (int round = 0; round < 400; ++round) {
+    ok = ok && t.AssignValues(ids.data(), ids.size(), values.data()).ok();
+  }
+  stop = true;
+  pruner.join();
+  CHECK(ok);
+  t.Prune(1, {});
+  CHECK_EQ(t.size(), int64_t{0});
+  std::vector<int64_t> fresh(6001);
+  for (int i = 0; i < 6001; ++i) fresh[i] = -7LL * i - 1;
+  std::vector<float> row(6001, 2.0f);
+  CHECK(t.Write(fresh.data(), 6000, row.data()).ok());
+  CHECK(!t.Write(&fresh[6000], 1, row.data()).ok());  // exactly max_rows fit
+  CHECK_EQ(t.size(), int64_t{6000});
+}
+
 TEST_CASE(StorePruneKeepsCachedAndPendingIds) {
   StoreOptions o;
   o.table = Options(2, 0);

@@ -224,9 +224,10 @@ class CachedEmbedding(keras.layers.Layer):
     and trained as one batch, with the same values and updates as one
     ``keras.layers.Embedding`` called on each. One training call per step:
     calling the layer twice in a step is refused when the training step is
-    traced (a second call could evict rows the first still updates). Only calls with ``training=True`` train the table: a
-    subclassed model's ``call`` needs a ``training`` argument (Keras passes
-    the flag on from it). Mixed precision: ``"mixed_bfloat16"`` works (the
+    traced (a second call could evict rows the first still updates). Only
+    calls with ``training=True`` train the table: a subclassed model's
+    ``call`` needs a ``training`` argument (Keras passes the flag on from
+    it). Mixed precision: ``"mixed_bfloat16"`` works (the
     table stays float32); ``"mixed_float16"`` is refused, and a
     ``LossScaleOptimizer`` must not be used, since loss scaling would reach
     the table's updates.

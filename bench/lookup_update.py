@@ -17,6 +17,10 @@ same warm-up batches:
   with ``de.DynamicEmbeddingOptimizer(tf_keras.optimizers.legacy.Adagrad)``;
 * ``Keras 3 Embedding``: full table, ``keras.optimizers.Adagrad``.
 
+The two hash tables are told the vocabulary size, as the full tables are
+sized by it: ``CachedEmbedding(expected_rows=vocab)`` and TFRA's
+``init_capacity=vocab`` (``--no-size-hint``: neither).
+
 Memory-traffic bound of a step: bytes it must touch (ids read: 8 N; distinct
 rows and their Adagrad accumulator read and written: 2 * 2 * 4 * dim * U;
 output written: 4 * dim * N) / the bandwidth of a large NumPy copy measured in
@@ -65,14 +69,15 @@ def _loss(out: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
         return tf.reduce_sum(out * w)
 
 
-def make_ours(dim: int, capacity: int, w: tf.Tensor, summed: bool = False):
+def make_ours(dim: int, capacity: int, w: tf.Tensor, summed: bool = False,
+              expected: int | None = None):
     import tf_sfctr
     from tf_sfctr.keras_layers import CachedEmbedding
 
     opt = tf_sfctr.optimizers.Adagrad(LR, initial_accumulator_value=ACC0, epsilon=EPS,
                                       accumulate="summed" if summed else "per_occurrence")
     layer = CachedEmbedding(dim, cache_capacity=capacity, optimizer=opt, seed=0,
-                            name="summed" if summed else "ours")
+                            name="summed" if summed else "ours", expected_rows=expected)
     layer.build(None)
 
     @tf.function
@@ -86,7 +91,7 @@ def make_ours(dim: int, capacity: int, w: tf.Tensor, summed: bool = False):
 
 
 def make_ours_lookahead(dim: int, capacity: int, w: tf.Tensor, first_ids: tf.Tensor,
-                        summed: bool = False):
+                        summed: bool = False, expected: int | None = None):
     """CachedEmbedding with lookahead (``C.lookahead_step``); called on
     (batch i, batch i + 1)."""
     import tf_sfctr
@@ -95,7 +100,8 @@ def make_ours_lookahead(dim: int, capacity: int, w: tf.Tensor, first_ids: tf.Ten
     opt = tf_sfctr.optimizers.Adagrad(LR, initial_accumulator_value=ACC0, epsilon=EPS,
                                       accumulate="summed" if summed else "per_occurrence")
     layer = CachedEmbedding(dim, cache_capacity=capacity, optimizer=opt, seed=0,
-                            name="lookahead_summed" if summed else "lookahead")
+                            name="lookahead_summed" if summed else "lookahead",
+                            expected_rows=expected)
     layer.build(None)
     return C.lookahead_step(layer, lambda out: _loss(out, w), first_ids), layer
 
@@ -138,11 +144,12 @@ def make_tf_keras(dim: int, vocab: int, w: tf.Tensor):
     return step
 
 
-def make_tfra(dim: int, w: tf.Tensor, name: str):
+def make_tfra(dim: int, w: tf.Tensor, name: str, expected: int | None = None):
     de, tfk = _tfra.tfra(), _tfra.tf_keras()
     emb = de.keras.layers.Embedding(
         dim, initializer=tfk.initializers.RandomUniform(-0.05, 0.05, seed=0),
-        key_dtype=tf.int64, value_dtype=tf.float32, name=name)
+        key_dtype=tf.int64, value_dtype=tf.float32, name=name,
+        init_capacity=expected or 0)
     opt = de.DynamicEmbeddingOptimizer(
         tfk.optimizers.legacy.Adagrad(LR, initial_accumulator_value=ACC0, epsilon=EPS))
 
@@ -213,7 +220,7 @@ def classify(name: str, typ: str) -> str:
 
 
 def isolated_parts(wl: Workload, warmup: int, steps: int, dim: int, capacity: int,
-                   wall_ms: float) -> None:
+                   expected: int | None, wall_ms: float) -> None:
     """Each stage of the step alone, in its own tf.function, on the timed batches.
 
     The store is a fresh one with the layer's settings, warmed on the same
@@ -227,7 +234,8 @@ def isolated_parts(wl: Workload, warmup: int, steps: int, dim: int, capacity: in
     width = 2 * dim
     store = EmbeddingStore(StoreConfig(dim=dim, state_init=(ACC0,),
                                        init=InitSpec("uniform", -0.05, 0.05), seed=0,
-                                       max_rows=0, cache_capacity=capacity))
+                                       max_rows=0, cache_capacity=capacity,
+                                       expected_rows=expected or 0))
     store.resource_handle  # noqa: B018 - create it eagerly, not inside a traced function
     rows = tf.Variable(tf.zeros([capacity, dim]))
     acc = tf.Variable(tf.fill([capacity, dim], ACC0))
@@ -371,6 +379,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile-steps", type=int, default=10)
     p.add_argument("--baselines", nargs="*", default=["tf_keras", "tfra", "keras3"],
                    choices=["tf_keras", "tfra", "keras3"])
+    p.add_argument("--no-size-hint", action="store_true",
+                   help="do not tell the hash tables the vocabulary size (CachedEmbedding "
+                        "expected_rows, TFRA init_capacity)")
     p.add_argument("--tiny", action="store_true", help="small sizes, for CI (seconds)")
     args = p.parse_args(argv)
     if args.tiny:
@@ -407,22 +418,26 @@ def main(argv=None) -> int:
         u_timed = float(wl.distinct[warmup:warmup + args.steps].mean())
         print(f"alpha {alpha}: {wl.n_ids:,} ids/step, {u_timed:,.0f} distinct/step "
               f"(timed steps), {warmup} warm-up steps", flush=True)
+        hint = None if args.no_size_hint else args.vocab
         for dim in args.dims:
             w = tf.random.stateless_normal([args.batch, args.fields, dim], seed=[1, 2])
             cap_of = {f: max(int(f * args.vocab), int(wl.distinct.max()))
                       for f in args.cache_fracs}
             variants = []
             for frac in args.cache_fracs:
-                variants.append((OURS, frac, *make_ours(dim, cap_of[frac], w), wl.ids))
+                variants.append((OURS, frac, *make_ours(dim, cap_of[frac], w, expected=hint),
+                                 wl.ids))
             if (alpha, dim) == ref[:2]:
                 pairs = list(zip(wl.ids[:-1], wl.ids[1:]))
                 cap = cap_of[ref[2]]
                 variants.append((OURS_SUMMED, ref[2],
-                                 *make_ours(dim, cap, w, summed=True), wl.ids))
+                                 *make_ours(dim, cap, w, summed=True, expected=hint), wl.ids))
                 variants.append((OURS_LA, ref[2],
-                                 *make_ours_lookahead(dim, cap, w, wl.ids[0]), pairs))
+                                 *make_ours_lookahead(dim, cap, w, wl.ids[0], expected=hint),
+                                 pairs))
                 variants.append((OURS_LA_SUMMED, ref[2],
-                                 *make_ours_lookahead(dim, cap, w, wl.ids[0], summed=True),
+                                 *make_ours_lookahead(dim, cap, w, wl.ids[0], summed=True,
+                                                      expected=hint),
                                  pairs))
             for b in baselines:
                 if b == TFK:
@@ -431,7 +446,8 @@ def main(argv=None) -> int:
                     variants.append((b, None, make_keras3(dim, args.vocab, w), None, wl.index))
                 else:
                     name = f"tfra_{alpha}_{dim}".replace(".", "_")
-                    variants.append((b, None, make_tfra(dim, w, name), None, wl.ids))
+                    variants.append((b, None, make_tfra(dim, w, name, expected=hint), None,
+                                     wl.ids))
             timed = run_interleaved(variants, warmup, args.steps)
             for (name, frac, step, layer, inputs), (t, hit) in zip(variants, timed):
                 ms = t.median * 1e3
@@ -445,7 +461,7 @@ def main(argv=None) -> int:
                     start = warmup + args.steps  # fresh batches: the cache is in steady state
                     profile = (_profile.trace(
                         lambda i, s=step: s(wl.ids[start + i]).numpy(), n_prof), ms,
-                        (wl, warmup, args.steps, dim, cap_of[frac]))
+                        (wl, warmup, args.steps, dim, cap_of[frac], hint))
             del variants
             print(flush=True)
 

@@ -188,6 +188,14 @@ class CachedEmbedding(keras.layers.Layer):
             zeros.
         max_rows: limit on host-table rows; creating more raises an error and
             changes nothing. ``None``: unbounded.
+        expected_rows: how many distinct ids the table is expected to hold
+            (over all ranks), if known, like the vocabulary size of a
+            full-table embedding. The host table's indexes are then sized
+            for them up front (about 15 bytes per expected row, allocated at
+            build) instead of growing while new ids arrive, which makes
+            steps that insert many new ids faster. Under model parallelism
+            each rank sizes for its share. Not a limit: the table grows past
+            it (up to ``max_rows``). ``None``: no estimate.
         seed: seed of the per-id initializer; drawn at random (and kept in the
             config) when ``None``. Under Horovod, pass the same seed on every
             rank (or let ``tf_sfctr.distributed.callbacks()`` keep the dense
@@ -256,6 +264,7 @@ class CachedEmbedding(keras.layers.Layer):
         max_rows: Optional[int] = None,
         seed: Optional[int] = None,
         distribution: str = "auto",
+        expected_rows: Optional[int] = None,
         name: Optional[str] = None,
         **kwargs: Any,
     ):
@@ -271,6 +280,8 @@ class CachedEmbedding(keras.layers.Layer):
             raise ValueError(f"combiner must be None or one of {COMBINERS}, got {combiner!r}")
         self.combiner = combiner
         self.max_rows = None if max_rows is None else self._positive_int("max_rows", max_rows)
+        self.expected_rows = (None if expected_rows is None
+                              else self._positive_int("expected_rows", expected_rows))
         if seed is None:
             seed = random.SystemRandom().randrange(2**31)
         if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
@@ -325,6 +336,16 @@ class CachedEmbedding(keras.layers.Layer):
         self._prepared_ahead = _Counter()
         self._trigger = self.add_weight(
             shape=(), initializer="zeros", trainable=True, name="table_update_trigger")
+        size, _ = _horovod.world()
+        if size > 1:
+            self._mode = "data_parallel" if self.distribution == "data_parallel" \
+                else "model_parallel"
+            self._world_size = size
+        expected = self.expected_rows or 0
+        if self._mode == "model_parallel":  # this rank's share
+            expected = -(-expected // size)
+        if self.max_rows:
+            expected = min(expected, self.max_rows)
         self._store = EmbeddingStore(StoreConfig(
             dim=self.output_dim,
             state_init=tuple(opt.state_initial_values()),
@@ -333,16 +354,12 @@ class CachedEmbedding(keras.layers.Layer):
             max_rows=self.max_rows or 0,
             cache_capacity=self.cache_capacity,
             state_kind=opt.state_kind,
+            expected_rows=expected,
         ))
         self._store.before_save = self.flush
         # A restored table replaces the cache: a prepared plan is void.
         self._store.before_load = lambda: self._plan.pending.assign(False)
-        size, _ = _horovod.world()
-        if size > 1:
-            self._mode = "data_parallel" if self.distribution == "data_parallel" \
-                else "model_parallel"
-            self._world_size = size
-            self._store.replicated = self._mode == "data_parallel"
+        self._store.replicated = self._mode == "data_parallel"
         with tf.init_scope():
             # Create the resource eagerly: a handle first made inside a traced
             # function would belong to that graph only.
@@ -1036,12 +1053,14 @@ class CachedEmbedding(keras.layers.Layer):
         the previous step, with ``next_unique_ids``) and
         ``write_backs_by_handle`` (write-backs of evicted rows that went
         straight to their host rows, without an id lookup; normally every
-        step that evicted). Under Horovod the
+        step that evicted) and ``host_bytes`` (memory held by the host
+        table's indexes and row blocks: allocated, not payload). Under
+        Horovod the
         numbers are this rank's shard. Hits, misses and evictions are counted
         when a batch's cache is prepared.
         """
         self._require_built()
-        hits, misses, evictions, host_rows, capacity, cached, by_handle = (
+        hits, misses, evictions, host_rows, capacity, cached, by_handle, host_bytes = (
             int(v) for v in self._store.stats().numpy())
         lookups = hits + misses
         return {
@@ -1055,6 +1074,7 @@ class CachedEmbedding(keras.layers.Layer):
             "ids_sent": int(self._ids_sent.var.numpy()),
             "prepared_ahead": int(self._prepared_ahead.var.numpy()),
             "write_backs_by_handle": by_handle,
+            "host_bytes": host_bytes,
         }
 
     # ------------------------------------------------ Keras saving format
@@ -1117,6 +1137,7 @@ class CachedEmbedding(keras.layers.Layer):
                 self.embeddings_initializer),
             "combiner": self.combiner,
             "max_rows": self.max_rows,
+            "expected_rows": self.expected_rows,
             # A restored checkpoint brings its own seed.
             "seed": self._store.seed if self._store is not None else self.seed,
             "distribution": self.distribution,

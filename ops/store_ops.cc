@@ -31,11 +31,13 @@ REGISTER_OP("SfctrStoreCreate")
     .Attr("seed: int")
     .Attr("max_rows: int >= 0")
     .Attr("cache_capacity: int >= 1")
+    .Attr("expected_rows: int >= 0 = 0")
     .SetIsStateful()
     .SetShapeFn(shape_inference::ScalarShape)
     .Doc(R"doc(
 Creates an embedding store (host hash table + device-cache directory) and
 returns a reference-counted handle; the store is freed with its last handle.
+expected_rows (0: no estimate) sizes the host table's indexes up front.
 )doc");
 
 REGISTER_OP("SfctrCachePrepare")
@@ -205,12 +207,12 @@ REGISTER_OP("SfctrStoreStats")
     .Output("stats: int64")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Vector(7));
+      c->set_output(0, c->Vector(8));
       return OkStatus();
     })
     .Doc(R"doc(
 [hits, misses, evictions, host_rows, cache_capacity, cached_rows,
-write_backs_by_handle].
+write_backs_by_handle, host_bytes].
 )doc");
 
 REGISTER_OP("SfctrStoreSetCounters")

@@ -24,7 +24,7 @@ def test_config_round_trip():
     layer = CachedEmbedding(
         7, cache_capacity=33, optimizer=tf_sfctr.optimizers.Adam(0.01, beta_1=0.7),
         embeddings_initializer=keras.initializers.RandomNormal(0.5, 0.1),
-        combiner="mean", max_rows=1000, seed=42, name="emb")
+        combiner="mean", max_rows=1000, seed=42, expected_rows=500, name="emb")
     config = layer.get_config()
     json.dumps(config)  # serialisable
     clone = CachedEmbedding.from_config(config)
@@ -118,6 +118,37 @@ def test_cache_stats_counts(rng):
     assert (s["hits"], s["misses"], s["evictions"]) == (1, 5, 2)
     assert (s["host_rows"], s["cache_capacity"], s["cached_rows"]) == (5, 3, 3)
     assert s["hit_rate"] == pytest.approx(1 / 6)
+    assert s["host_bytes"] >= 5 * 2 * 2 * 4  # 5 rows of value + Adagrad state
+
+
+def test_expected_rows_sizes_the_host_table_up_front_and_trains_the_same(rng):
+    opt = tf_sfctr.optimizers.Adagrad(0.1)
+    hinted = CachedEmbedding(4, cache_capacity=64, seed=3, optimizer=opt,
+                             expected_rows=20_000)
+    plain = CachedEmbedding(4, cache_capacity=64, seed=3, optimizer=opt)
+    capped = CachedEmbedding(4, cache_capacity=64, seed=3, optimizer=opt,
+                             expected_rows=20_000, max_rows=100)
+    for layer in (hinted, plain, capped):
+        layer.build(None)
+    # Index entries are 12 bytes; sized for 20k rows before any id arrives.
+    assert hinted.cache_stats()["host_bytes"] >= 20_000 * 12
+    assert plain.cache_stats()["host_bytes"] == 0
+    # max_rows caps the estimate: the table can never hold more.
+    assert capped.cache_stats()["host_bytes"] < hinted.cache_stats()["host_bytes"] / 5
+    for _ in range(6):
+        ids = rng.integers(-2**62, 2**62, size=(16, 3))
+        ids[:4] = ids[4:8]  # repeated ids within a batch
+        outs = []
+        for layer in (hinted, plain):
+            with tf.GradientTape() as tape:
+                out = layer(ids, training=True)
+                loss = tf.reduce_sum(out * out)
+            tape.gradient(loss, layer.trainable_weights)
+            outs.append(out.numpy())
+        np.testing.assert_array_equal(outs[0], outs[1])
+    probe = np.concatenate([ids.ravel(), rng.integers(0, 2**40, size=10)])
+    np.testing.assert_array_equal(hinted.lookup_rows(probe), plain.lookup_rows(probe))
+    assert hinted.cache_stats()["host_rows"] == plain.cache_stats()["host_rows"]
 
 
 def test_predict_and_evaluate_do_not_change_rows(rng):

@@ -31,6 +31,9 @@ class StoreConfig:
     cache_capacity: int
     #: What the state rows mean (TableOptimizer.state_kind); "" if unknown.
     state_kind: str = ""
+    #: Rows the host table is expected to hold (0: no estimate); its indexes
+    #: are sized for them up front. Not a limit.
+    expected_rows: int = 0
 
     @property
     def num_state(self) -> int:
@@ -100,6 +103,7 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
             seed=c.seed,
             max_rows=c.max_rows,
             cache_capacity=c.cache_capacity,
+            expected_rows=c.expected_rows,
         )
 
     # Training-step cache management -------------------------------------
@@ -169,7 +173,8 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
     # Counters ----------------------------------------------------------------
     def stats(self) -> tf.Tensor:
         """[hits, misses, evictions, host_rows, cache_capacity, cached_rows,
-        write_backs_by_handle]."""
+        write_backs_by_handle, host_bytes] (host_bytes: memory the host
+        table's indexes and row blocks hold, allocated, not payload)."""
         return _ops.load().sfctr_store_stats(self.resource_handle)
 
     def set_counters(self, counters: tf.Tensor):

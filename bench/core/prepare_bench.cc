@@ -92,6 +92,8 @@ int main(int argc, char** argv) {
   const double alpha = argc > 4 ? std::atof(argv[4]) : 1.05;
   const int threads = argc > 5 ? std::atoi(argv[5]) : 2;
   const int dim = argc > 6 ? std::atoi(argv[6]) : 16;
+  // Host-table size estimate (HostTableOptions::expected_rows); 0: none.
+  const int64_t expected = argc > 7 ? std::atoll(argv[7]) : 0;
   Worker worker;
   const Scheduler schedule = [&worker](std::function<void()> task) {
     worker.Schedule(std::move(task));
@@ -114,6 +116,7 @@ int main(int argc, char** argv) {
   options.table.num_state = 1;
   options.table.state_init = {0.1f};
   options.table.init.seed = 1;
+  options.table.expected_rows = expected;
   options.cache_capacity = cache;
   EmbeddingStore store(options);
   const int width = store.table().width();

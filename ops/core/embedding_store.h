@@ -34,6 +34,7 @@ struct PrepareResult {
 struct StoreStats {
   int64_t hits, misses, evictions, host_rows, cache_capacity, cached_rows;
   int64_t write_backs_by_handle;  // write-backs that skipped the id lookup
+  int64_t host_bytes;             // host table's allocated bytes
 };
 
 class EmbeddingStore {

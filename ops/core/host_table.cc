@@ -60,6 +60,18 @@ HostTable::HostTable(const HostTableOptions& options)
   options_.state_init.resize(options_.num_state, 0.0f);
   shards_.reset(new Shard[shards]);
   shard_mask_ = static_cast<uint64_t>(shards - 1);
+  for (int k = 0; k < shards; ++k) PresizeLocked(shards_[k]);
+}
+
+void HostTable::PresizeLocked(Shard& s) const {
+  if (options_.expected_rows <= 0) return;
+  // Ids spread over the shards binomially: a shard's share has a standard
+  // deviation of about sqrt(share), so 4 of them above the mean (plus a
+  // small constant) leaves almost every shard room for its part.
+  const double share = static_cast<double>(options_.expected_rows) /
+                       static_cast<double>(shard_mask_ + 1);
+  const auto want = static_cast<uint64_t>(std::ceil(share + 4.0 * std::sqrt(share) + 16.0));
+  GrowLocked(s, want);
 }
 
 void HostTable::InitialRow(int64_t id, float* out) const {
@@ -434,6 +446,7 @@ void HostTable::Clear() {
     s.free_rows.clear();
     s.used = 0;
     s.rows = 0;
+    PresizeLocked(s);
   }
   reserved_.fetch_sub(size_.exchange(0));
 }

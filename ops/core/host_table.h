@@ -31,6 +31,10 @@ struct HostTableOptions {
   std::vector<float> state_init;   // one value per state row (size num_state)
   InitializerSpec init;
   int64_t max_rows = 0;            // 0: unbounded
+  // Rows the table is expected to hold (0: no estimate). The indexes are
+  // sized for them up front and again after Clear(), so that filling the
+  // table does not rehash them step by step. Not a limit.
+  int64_t expected_rows = 0;
   int num_shards = 64;             // lock stripes; rounded up to a power of 2
 };
 
@@ -177,6 +181,8 @@ class HostTable {
   // Grows the index (by 3/2 while small, to the shard's next grid size once
   // large; more if needed) so that `want` entries fit under the maximum load.
   void GrowLocked(Shard& s, uint64_t want) const;
+  // Sizes an empty shard's index for its share of expected_rows.
+  void PresizeLocked(Shard& s) const;
   float* RowPtr(const Shard& s, uint32_t row) const;
   float* AllocateRowLocked(Shard& s) const;
   // Calls fn(i, shard, hash) for every i < n, with the shard of ids[i]

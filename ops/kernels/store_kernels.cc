@@ -127,7 +127,7 @@ class StoreCreateOp : public OpKernel {
  public:
   explicit StoreCreateOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     int dim, num_state;
-    int64_t seed, max_rows, capacity;
+    int64_t seed, max_rows, capacity, expected_rows;
     std::string kind;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_state", &num_state));
@@ -138,6 +138,7 @@ class StoreCreateOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("seed", &seed));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("max_rows", &max_rows));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("cache_capacity", &capacity));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("expected_rows", &expected_rows));
     OP_REQUIRES(ctx, sfctr::ParseInitKind(kind, &options_.table.init.kind),
                 errors::InvalidArgument(
                     "init_kind must be constant, uniform, normal or "
@@ -153,6 +154,7 @@ class StoreCreateOp : public OpKernel {
     options_.table.num_state = num_state;
     options_.table.init.seed = static_cast<uint64_t>(seed);
     options_.table.max_rows = max_rows;
+    options_.table.expected_rows = expected_rows;
     options_.cache_capacity = capacity;
   }
 
@@ -491,7 +493,8 @@ class StoreStatsOp : public StoreOpKernel {
     OutputVector(ctx, 0,
                  std::vector<int64_t>{s.hits, s.misses, s.evictions,
                                       s.host_rows, s.cache_capacity,
-                                      s.cached_rows, s.write_backs_by_handle});
+                                      s.cached_rows, s.write_backs_by_handle,
+                                      s.host_bytes});
   }
 };
 

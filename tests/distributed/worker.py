@@ -251,6 +251,16 @@ def run_robustness(out_dir, rank, size):
     owned_by_0 = v[owner_of(v, size) == 0][:4]
     _expect_error(lambda: small.assign_rows(owned_by_0, np.ones((4, 2), np.float32)),
                   "host table is full" if rank == 0 else "failed on another rank")
+    # expected_rows counts the whole table: a model-parallel rank sizes its
+    # shard's index for its share, a data-parallel replica for all of it.
+    sized = {}
+    for mode in ("model_parallel", "data_parallel"):
+        layer = CachedEmbedding(2, cache_capacity=8, seed=0, name=f"sized_{mode}",
+                                distribution=mode, expected_rows=2_000_000)
+        layer.build(None)
+        sized[mode] = layer.cache_stats()["host_bytes"]
+    # (Index sizes lie on a grid of steps of 5/4.)
+    assert 0.35 < sized["model_parallel"] / sized["data_parallel"] < 0.7, sized
     # Several steps traced into one graph (steps_per_execution): each call's
     # collectives get their own names (Horovod refuses two of one name).
     inp = keras.Input((sc.FIELDS,), dtype="int64")

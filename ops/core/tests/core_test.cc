@@ -176,6 +176,40 @@ TEST_CASE(HostTableGrowsInSmallSteps) {
   CHECK(got == rows);
 }
 
+TEST_CASE(HostTableExpectedRowsPresizesIndexes) {
+  // With expected_rows, every shard's index is sized for its share at
+  // construction and again after Clear(): filling the table to the expected
+  // size grows no index, and rows read back as in a table without the hint.
+  HostTableOptions o = Options(2, 1);
+  o.expected_rows = 200000;
+  HostTable t(o);
+  HostTable plain(Options(2, 1));
+  const std::vector<size_t> presized = t.IndexEntries();
+  size_t entries = 0;
+  for (size_t e : presized) entries += e;
+  CHECK(entries * 13 >= static_cast<size_t>(o.expected_rows) * 16);
+  CHECK(entries * 13 < static_cast<size_t>(o.expected_rows) * 16 * 3 / 2);
+  std::mt19937_64 rng(5);
+  std::vector<int64_t> ids(o.expected_rows);
+  for (auto& id : ids) id = static_cast<int64_t>(rng());
+  std::vector<float> rows(ids.size() * 4);
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(i % 1000);
+  for (size_t start = 0; start < ids.size(); start += 1000) {
+    CHECK(t.Write(ids.data() + start, 1000, rows.data() + start * 4).ok());
+    CHECK(plain.Write(ids.data() + start, 1000, rows.data() + start * 4).ok());
+  }
+  CHECK(t.IndexEntries() == presized);
+  std::vector<int64_t> probe(ids.begin(), ids.begin() + 5000);
+  for (int i = 0; i < 5000; ++i) probe.push_back(static_cast<int64_t>(rng()));
+  std::vector<float> got(probe.size() * 4), want(probe.size() * 4);
+  t.Find(probe.data(), probe.size(), got.data());
+  plain.Find(probe.data(), probe.size(), want.data());
+  CHECK(got == want);
+  t.Clear();
+  CHECK(t.IndexEntries() == presized);
+  CHECK_EQ(t.size(), 0);
+}
+
 TEST_CASE(HostTableShardsTakeTurnsToGrow) {
   // Ids spread evenly over the shards. If the shards' index sizes followed
   // one grid, all of them would fill up, and rehash every entry of the

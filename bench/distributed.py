@@ -19,6 +19,10 @@ Our Adagrad runs with ``accumulate="summed"`` by default (``--accumulate``), the
 formula TFRA's (Keras 2) Adagrad computes: the accumulator adds the square of
 each id's summed gradient.
 
+The hash tables are told the vocabulary size, as a full table is sized by it:
+``CachedEmbedding(expected_rows=vocab)`` (each rank sizes for its share) and
+TFRA's ``init_capacity=vocab / ranks`` per rank (``--no-size-hint``: neither).
+
 Step times are medians over the timed steps (robust to bursts of load from
 other processes). In the 2-rank job the variants (ours with and without lookahead, TFRA) run
 their timed steps in ``--rounds`` rounds, taking turns on the same batches, so that a slow
@@ -106,6 +110,7 @@ def ours_layer(args, capacity: int):
     from tf_sfctr.keras_layers import CachedEmbedding
 
     layer = CachedEmbedding(args.dim, cache_capacity=capacity, seed=0,
+                            expected_rows=None if args.no_size_hint else args.vocab,
                             optimizer=tf_sfctr.optimizers.Adagrad(
                                 LR, initial_accumulator_value=ACC0, epsilon=EPS,
                                 accumulate=args.accumulate))
@@ -266,6 +271,7 @@ def _tfra_step(args, hvd, w):
         layer = de.keras.layers.HvdAllToAllEmbedding(
             mpi_size=hvd.size(), embedding_size=args.dim, key_dtype=tf.int64,
             value_dtype=tf.float32, devices=["CPU:0"], name="tfra_hvd",
+            init_capacity=0 if args.no_size_hint else -(-args.vocab // hvd.size()),
             initializer=tfk.initializers.RandomUniform(-0.05, 0.05, seed=0))
         opt = de.DynamicEmbeddingOptimizer(tfk.optimizers.legacy.Adagrad(
             LR, initial_accumulator_value=ACC0, epsilon=EPS))
@@ -307,6 +313,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile-steps", type=int, default=5,
                    help="steps of rank 0 traced with TF's profiler after the timed ones")
     p.add_argument("--no-tfra", dest="tfra", action="store_false")
+    p.add_argument("--no-size-hint", action="store_true",
+                   help="do not tell the hash tables the vocabulary size (CachedEmbedding "
+                        "expected_rows, TFRA init_capacity)")
     p.add_argument("--tiny", action="store_true",
                    help="tiny sizes and no TFRA (its import and tracing take ~10 s); for CI")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

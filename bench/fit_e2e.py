@@ -20,6 +20,10 @@ the dense layers with the framework's Adagrad, the table with
   ``de.DynamicEmbeddingOptimizer(tf_keras.optimizers.legacy.Adagrad)``
   (TFRA's Keras layers are Keras 2 layers).
 
+The two hash tables are told the vocabulary size, as the full tables are
+sized by it: ``CachedEmbedding(expected_rows=...)`` and TFRA's
+``init_capacity`` (``--no-size-hint``: neither).
+
 Data: ``tf_sfctr.data.SyntheticCriteoSpec`` (26 fields of ``--field-vocab``
 ids each, Zipf ``--alpha``, 13 dense, planted labels), generated once into
 memory and fed as whole batches from a ``tf.data.Dataset`` (so the input
@@ -94,7 +98,7 @@ def dlrm(K, embed, dense_in, sparse_in):
 
 
 def model_ours(capacity: int, vsi: bool, lookahead: bool = False, summed: bool = False,
-               hints: bool = False):
+               hints: bool = False, expected: int | None = None):
     import keras
 
     import tf_sfctr
@@ -105,7 +109,7 @@ def model_ours(capacity: int, vsi: bool, lookahead: bool = False, summed: bool =
     sparse_in = (vsi_inputs("sparse", (NUM_SPARSE,), lookahead=lookahead, eviction_hints=hints)
                  if vsi
                  else keras.Input((NUM_SPARSE,), dtype="int64", name="sparse"))
-    layer = CachedEmbedding(DIM, cache_capacity=capacity, seed=0,
+    layer = CachedEmbedding(DIM, cache_capacity=capacity, seed=0, expected_rows=expected,
                             optimizer=tf_sfctr.optimizers.Adagrad(
                                 LR, accumulate="summed" if summed else "per_occurrence"))
     out = dlrm(keras, layer(sparse_in), dense_in, sparse_in)
@@ -158,13 +162,14 @@ def model_tf_keras(vocab: int):
     return model
 
 
-def model_tfra():
+def model_tfra(expected: int | None = None):
     de, K = _tfra.tfra(), _tfra.tf_keras()
     dense_in = K.Input((NUM_DENSE,), name="dense")
     sparse_in = K.Input((NUM_SPARSE,), dtype="int64", name="sparse")
     emb = de.keras.layers.Embedding(
         DIM, initializer=K.initializers.RandomUniform(-0.05, 0.05, seed=0),
-        key_dtype=tf.int64, value_dtype=tf.float32, name="tfra_fit")(sparse_in)
+        key_dtype=tf.int64, value_dtype=tf.float32, name="tfra_fit",
+        init_capacity=expected or 0)(sparse_in)
     model = K.Model({"dense": dense_in, "sparse": sparse_in}, dlrm(K, emb, dense_in, sparse_in))
     model.compile(optimizer=de.DynamicEmbeddingOptimizer(K.optimizers.legacy.Adagrad(LR)),
                   loss="binary_crossentropy")
@@ -203,6 +208,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-tf-keras", dest="tf_keras", action="store_false",
                    help="skip the tf_keras reference row")
     p.add_argument("--no-tfra", dest="tfra", action="store_false", help="skip the TFRA row")
+    p.add_argument("--no-size-hint", action="store_true",
+                   help="do not tell the hash tables the vocabulary size (CachedEmbedding "
+                        "expected_rows, TFRA init_capacity)")
     p.add_argument("--tiny", action="store_true",
                    help="small sizes, no tf_keras or TFRA rows (their first fit alone takes "
                         "~12 s of tracing); for CI")
@@ -239,12 +247,14 @@ def main(argv=None) -> int:
                          lambda start, n, ids=ids, vsi=vsi, la=lookahead, h=hints:
                          batched_dataset(dense, ids, label, args.batch, start, n, vsi, la, h)])
 
-    add(OURS, lambda: model_ours(capacity, vsi=False), sparse)
-    add(OURS_SUMMED, lambda: model_ours(capacity, vsi=False, summed=True), sparse)
-    add(OURS_VSI, lambda: model_ours(capacity, vsi=True), sparse, vsi=True)
-    add(OURS_LA, lambda: model_ours(capacity, vsi=True, lookahead=True), sparse, vsi=True,
-        lookahead=True)
-    add(OURS_HINTS, lambda: model_ours(capacity, vsi=True, lookahead=True, hints=True), sparse,
+    hint = None if args.no_size_hint else vocab
+    add(OURS, lambda: model_ours(capacity, vsi=False, expected=hint), sparse)
+    add(OURS_SUMMED, lambda: model_ours(capacity, vsi=False, summed=True, expected=hint), sparse)
+    add(OURS_VSI, lambda: model_ours(capacity, vsi=True, expected=hint), sparse, vsi=True)
+    add(OURS_LA, lambda: model_ours(capacity, vsi=True, lookahead=True, expected=hint), sparse,
+        vsi=True, lookahead=True)
+    add(OURS_HINTS, lambda: model_ours(capacity, vsi=True, lookahead=True, hints=True,
+                                       expected=hint), sparse,
         vsi=True, lookahead=True, hints=HINT_BATCHES)
     add(K3, lambda: model_keras3(vocab), index)
     add(FLOOR, model_floor, sparse)
@@ -257,7 +267,7 @@ def main(argv=None) -> int:
     if not args.tfra:
         print(f"{TFRA} not run (--no-tfra)")
     elif _tfra.tfra() is not None:
-        add(TFRA, model_tfra, sparse)
+        add(TFRA, lambda: model_tfra(hint), sparse)
     else:
         print(f"skipping {TFRA}: {_tfra.why_not()}")
 

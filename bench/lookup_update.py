@@ -19,7 +19,8 @@ same warm-up batches:
 
 The two hash tables are told the vocabulary size, as the full tables are
 sized by it: ``CachedEmbedding(expected_rows=vocab)`` and TFRA's
-``init_capacity=vocab`` (``--no-size-hint``: neither).
+``init_capacity=vocab`` (``--no-size-hint``: neither). One more row, the
+lookahead step without the hint, shows what it is worth.
 
 Memory-traffic bound of a step: bytes it must touch (ids read: 8 N; distinct
 rows and their Adagrad accumulator read and written: 2 * 2 * 4 * dim * U;
@@ -54,7 +55,8 @@ LR, ACC0, EPS = 0.05, 0.1, 1e-7
 OURS, OURS_SUMMED = "CachedEmbedding", "CachedEmbedding (Adagrad summed)"
 OURS_LA = "CachedEmbedding, lookahead"
 OURS_LA_SUMMED = "CachedEmbedding, lookahead (Adagrad summed)"
-OURS_ALL = (OURS, OURS_SUMMED, OURS_LA, OURS_LA_SUMMED)
+OURS_LA_NO_HINT = "CachedEmbedding, lookahead (Adagrad summed), no size hint"
+OURS_ALL = (OURS, OURS_SUMMED, OURS_LA, OURS_LA_SUMMED, OURS_LA_NO_HINT)
 TFK, TFRA, K3 = "tf_keras Embedding", "TFRA dynamic_embedding", "Keras 3 Embedding"
 BASELINES = (TFK, TFRA, K3)
 #: From the issue, measured on this kind of machine (ms/step, reference workload).
@@ -99,8 +101,9 @@ def make_ours_lookahead(dim: int, capacity: int, w: tf.Tensor, first_ids: tf.Ten
 
     opt = tf_sfctr.optimizers.Adagrad(LR, initial_accumulator_value=ACC0, epsilon=EPS,
                                       accumulate="summed" if summed else "per_occurrence")
+    name = "lookahead_summed" if summed else "lookahead"
     layer = CachedEmbedding(dim, cache_capacity=capacity, optimizer=opt, seed=0,
-                            name="lookahead_summed" if summed else "lookahead",
+                            name=name if expected else f"{name}_no_hint",
                             expected_rows=expected)
     layer.build(None)
     return C.lookahead_step(layer, lambda out: _loss(out, w), first_ids), layer
@@ -439,6 +442,10 @@ def main(argv=None) -> int:
                                  *make_ours_lookahead(dim, cap, w, wl.ids[0], summed=True,
                                                       expected=hint),
                                  pairs))
+                if hint:  # what the size hint is worth, in the same run
+                    variants.append((OURS_LA_NO_HINT, ref[2],
+                                     *make_ours_lookahead(dim, cap, w, wl.ids[0], summed=True),
+                                     pairs))
             for b in baselines:
                 if b == TFK:
                     variants.append((b, None, make_tf_keras(dim, args.vocab, w), None, wl.index))
@@ -530,6 +537,12 @@ def _print_tables(args, ref, results, baselines) -> None:
             vs_same = f"{C.ratio(r['ms'], same['ms']):.2f}x ({SAME_MATH[name]})"
         rows.append((name, r["ms"], C.si(r["ids_s"]), C.si(r["rows_s"]), hit,
                      f"{100 * r['bound']:.1f}%", vs, vs_same, target, issue))
+    no_hint = results.get((OURS_LA_NO_HINT, alpha, dim, frac))
+    if no_hint is not None:
+        hinted = results[(OURS_LA_SUMMED, alpha, dim, frac)]
+        print(f"size hint: {OURS_LA_SUMMED} with expected_rows={args.vocab:,} "
+              f"{hinted['ms']:.2f} ms/step vs without {no_hint['ms']:.2f} ms/step "
+              f"= {no_hint['ms'] / hinted['ms']:.2f}x speed-up")
     for name in baselines:
         r = results.get((name, alpha, dim, None))
         if r is not None:

@@ -118,7 +118,10 @@ def test_cache_stats_counts(rng):
     assert (s["hits"], s["misses"], s["evictions"]) == (1, 5, 2)
     assert (s["host_rows"], s["cache_capacity"], s["cached_rows"]) == (5, 3, 3)
     assert s["hit_rate"] == pytest.approx(1 / 6)
-    assert s["host_bytes"] >= 5 * 2 * 2 * 4  # 5 rows of value + Adagrad state
+    # Each host-table shard holding one of the 5 rows has a 16-entry index
+    # (12 bytes each) and a first block of 16 rows (value + Adagrad state,
+    # 2 x 2 floats, and a 2-byte use count each): 480 bytes per shard.
+    assert s["host_bytes"] % 480 == 0 and 480 <= s["host_bytes"] <= 5 * 480, s["host_bytes"]
 
 
 def test_expected_rows_sizes_the_host_table_up_front_and_trains_the_same(rng):
@@ -149,6 +152,27 @@ def test_expected_rows_sizes_the_host_table_up_front_and_trains_the_same(rng):
     probe = np.concatenate([ids.ravel(), rng.integers(0, 2**40, size=10)])
     np.testing.assert_array_equal(hinted.lookup_rows(probe), plain.lookup_rows(probe))
     assert hinted.cache_stats()["host_rows"] == plain.cache_stats()["host_rows"]
+
+
+def test_expected_rows_beyond_the_machine_memory_is_refused():
+    layer = CachedEmbedding(4, cache_capacity=8, seed=0, expected_rows=10**15)
+    with pytest.raises(ValueError, match=r"expected_rows=1000000000000000 would size .* "
+                                         r"more than this machine's .* GiB of memory"):
+        layer.build(None)
+    assert layer._store is None and not layer.built
+
+
+def test_a_store_whose_presized_index_cannot_be_allocated_fails_with_a_message():
+    # Below the layer's check, the op itself: no crash, a TF error.
+    from tf_sfctr.initializers import InitSpec
+    from tf_sfctr.store import EmbeddingStore, StoreConfig
+
+    store = EmbeddingStore(StoreConfig(dim=2, state_init=(), init=InitSpec("constant", 0.0, 0.0),
+                                       seed=0, max_rows=0, cache_capacity=8,
+                                       expected_rows=4 * 10**18))
+    # (More than any address space: refused even where memory is overcommitted.)
+    with pytest.raises(tf.errors.ResourceExhaustedError, match="expected_rows=4000000000000000000"):
+        store.resource_handle  # noqa: B018
 
 
 def test_predict_and_evaluate_do_not_change_rows(rng):

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <new>
 #include <unordered_set>
 
 #include "mix.h"
@@ -446,7 +447,13 @@ void HostTable::Clear() {
     s.free_rows.clear();
     s.used = 0;
     s.rows = 0;
-    PresizeLocked(s);
+    // The estimate is only a hint here: without the memory, the index grows
+    // as usual instead (a clear must not fail half-way).
+    try {
+      PresizeLocked(s);
+    } catch (const std::bad_alloc&) {
+      decltype(s.entries)().swap(s.entries);
+    }
   }
   reserved_.fetch_sub(size_.exchange(0));
 }

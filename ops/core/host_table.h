@@ -32,8 +32,10 @@ struct HostTableOptions {
   InitializerSpec init;
   int64_t max_rows = 0;            // 0: unbounded
   // Rows the table is expected to hold (0: no estimate). The indexes are
-  // sized for them up front and again after Clear(), so that filling the
-  // table does not rehash them step by step. Not a limit.
+  // sized for them up front (the constructor throws std::bad_alloc when that
+  // memory is not there) and again after Clear() (skipped then if it is
+  // not), so that filling the table does not rehash them step by step. Not
+  // a limit.
   int64_t expected_rows = 0;
   int num_shards = 64;             // lock stripes; rounded up to a power of 2
 };

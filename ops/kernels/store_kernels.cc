@@ -8,7 +8,9 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <exception>
 #include <limits>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -159,7 +161,15 @@ class StoreCreateOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    auto* resource = new StoreResource(options_);
+    StoreResource* resource = nullptr;
+    try {
+      resource = new StoreResource(options_);
+    } catch (const std::exception&) {  // bad_alloc, or length_error past max_size
+      ctx->CtxFailure(errors::ResourceExhausted(
+          "not enough memory for the host table's indexes sized for expected_rows=",
+          options_.table.expected_rows, "; lower expected_rows (or leave it unset)"));
+      return;
+    }
     Tensor* handle = nullptr;
     AllocatorAttributes attr;
     attr.set_on_host(true);

@@ -77,6 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache-capacity", type=int, default=65_536,
                    help="device-cache rows; must hold the distinct ids of one step "
                         "(at most 26 x batch size)")
+    p.add_argument("--expected-rows", type=int, default=None,
+                   help="distinct ids the table is expected to hold, if known (e.g. "
+                        "26 x --vocab-size for synthetic data): sizes the host table's "
+                        "indexes up front (CachedEmbedding(expected_rows=...))")
     p.add_argument("--optimizer", choices=("adagrad", "adam"), default="adam",
                    help="of the dense layers and of the table")
     p.add_argument("--learning-rate", type=float, default=1e-3)
@@ -91,6 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "cache_capacity"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.expected_rows is not None and args.expected_rows < 1:
+        p.error("--expected-rows must be >= 1")
     if not 0.0 < args.test_fraction < 1.0:
         p.error("--test-fraction must be in (0, 1)")
     return args
@@ -172,6 +178,7 @@ def build_model(args: argparse.Namespace) -> keras.Model:
         sparse = keras.Input(shape=(NUM_SPARSE,), dtype="int64", name="sparse")
     vectors = CachedEmbedding(
         dim, cache_capacity=args.cache_capacity, seed=args.seed + 1, name="categorical",
+        expected_rows=args.expected_rows,
         optimizer=table_optimizer(args.optimizer, args.learning_rate))(sparse)
     bottom = mlp(dense, [64, dim], "bottom", seed=args.seed)
     out = dlrm_output(bottom, vectors, [128, 64], seed=args.seed)

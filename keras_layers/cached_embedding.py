@@ -342,6 +342,18 @@ class CachedEmbedding(keras.layers.Layer):
                 "supported. Keras trains it with a scaled loss (LossScaleOptimizer), and the "
                 "table's optimizer, which updates rows in the backward pass, would get the "
                 "scaled gradients. Use 'mixed_bfloat16' (no loss scaling) or float32.")
+        size, _ = _horovod.world()
+        if size > 1:
+            self._mode = "data_parallel" if self.distribution == "data_parallel" \
+                else "model_parallel"
+            self._world_size = size
+        expected = self.expected_rows or 0
+        if self._mode == "model_parallel":  # this rank's share
+            expected = -(-expected // size)
+        if self.max_rows:
+            expected = min(expected, self.max_rows)
+        # Before any weight is made: a refused build leaves nothing behind.
+        _check_index_memory(self.name, self.expected_rows, expected)
         opt = self.table_optimizer
         shape = [self.cache_capacity, self.output_dim]
         with tf.init_scope(), tf.device(_compute_device()):
@@ -362,17 +374,6 @@ class CachedEmbedding(keras.layers.Layer):
         self._prepared_ahead = _Counter()
         self._trigger = self.add_weight(
             shape=(), initializer="zeros", trainable=True, name="table_update_trigger")
-        size, _ = _horovod.world()
-        if size > 1:
-            self._mode = "data_parallel" if self.distribution == "data_parallel" \
-                else "model_parallel"
-            self._world_size = size
-        expected = self.expected_rows or 0
-        if self._mode == "model_parallel":  # this rank's share
-            expected = -(-expected // size)
-        if self.max_rows:
-            expected = min(expected, self.max_rows)
-        _check_index_memory(self.name, self.expected_rows, expected)
         self._store = EmbeddingStore(StoreConfig(
             dim=self.output_dim,
             state_init=tuple(opt.state_initial_values()),

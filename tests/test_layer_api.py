@@ -159,7 +159,7 @@ def test_expected_rows_beyond_the_machine_memory_is_refused():
     with pytest.raises(ValueError, match=r"expected_rows=1000000000000000 would size .* "
                                          r"more than this machine's .* GiB of memory"):
         layer.build(None)
-    assert layer._store is None and not layer.built
+    assert layer._store is None and not layer.built and not layer.weights
 
 
 def test_a_store_whose_presized_index_cannot_be_allocated_fails_with_a_message():

@@ -258,7 +258,8 @@ class CachedEmbedding(keras.layers.Layer):
     and trained as one batch, with the same values and updates as one
     ``keras.layers.Embedding`` called on each. One training call per step:
     calling the layer twice in a step is refused when the training step is
-    traced (a second call could evict rows the first still updates). Only
+    traced (a second call could evict rows the first still updates), and in
+    eager code the first call's update is refused when it runs. Only
     calls with ``training=True`` train the table: a subclassed model's
     ``call`` needs a ``training`` argument (Keras passes the flag on from
     it). Mixed precision: ``"mixed_bfloat16"`` works (the
@@ -372,6 +373,9 @@ class CachedEmbedding(keras.layers.Layer):
         self._ids_sent = _Counter()
         # Training steps whose cache was prepared by the previous step.
         self._prepared_ahead = _Counter()
+        # Training calls so far: a call's update checks that no later call
+        # prepared the cache in between (eager code can do that).
+        self._training_calls = _Counter()
         self._trigger = self.add_weight(
             shape=(), initializer="zeros", trainable=True, name="table_update_trigger")
         self._store = EmbeddingStore(StoreConfig(
@@ -833,12 +837,28 @@ class CachedEmbedding(keras.layers.Layer):
         # it runs (TF may trace a backward function more than once, e.g.
         # under an outer tape, and run it once).
         step_at_call = self._table_step.read_value()
+        # A traced step refuses a second training call before its update
+        # (_check_one_training_call); eager code is checked here, when the
+        # update runs: no later call may have prepared the cache since.
+        # (identity: an assign's value is read lazily, i.e. at the check.)
+        call_number = tf.identity(self._training_calls.var.assign_add(1, read_value=True))
 
         @tf.custom_gradient
         def with_update(rows_in, trigger_in):
             def grad(d_rows):
+                latest = tf.debugging.assert_equal(
+                    self._training_calls.var.read_value(), call_number, message=(
+                        f"CachedEmbedding {self.name!r} was called again for training before "
+                        "the table update of this call (as when one layer serves two inputs "
+                        "of one step): the later call may have evicted rows this one "
+                        "updates, so this update was not applied (a later call's may have "
+                        "been). Call the layer once per step, on a list of features that "
+                        "share the table: `a, b = layer([ids_a, ids_b])`, or give each "
+                        "feature its own layer"))
+                with tf.control_dependencies([latest]):
+                    step_now = self._table_step.read_value()
                 once = tf.debugging.assert_equal(
-                    self._table_step.read_value(), step_at_call, message=(
+                    step_now, step_at_call, message=(
                         f"CachedEmbedding {self.name!r}: a second gradient through one "
                         "training call; its table update was already applied with the "
                         "first. Take one gradient per training step (sum the losses "

@@ -238,6 +238,31 @@ def test_one_layer_trained_twice_in_a_step_is_refused_before_any_change():
                                   eager.lookup_rows(np.arange(37)))
 
 
+def test_two_eager_training_calls_in_one_step_never_train_the_wrong_rows():
+    """Eager code is not traced, so the second call is only seen when the
+    updates run: the earlier call's rows may have been evicted by then. Its
+    update is refused before it touches the table (it used to train the rows
+    that took over its slots); the later call's update is correct if it
+    runs. Training goes on normally afterwards."""
+    emb = CachedEmbedding(2, cache_capacity=4, seed=0, embeddings_initializer="ones",
+                          optimizer=tf_sfctr.optimizers.SGD(1.0))
+    a = tf.constant([1, 2, 3, 4], tf.int64)
+    b = tf.constant([5, 6, 7, 8], tf.int64)  # evicts all of a's rows
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(emb(a, training=True)) + 2 * tf.reduce_sum(emb(b, training=True))
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="called again for training before the table update of this call"):
+        tape.gradient(loss, emb.trainable_weights)
+    rows = emb.lookup_rows(np.arange(1, 9))
+    np.testing.assert_array_equal(rows[:4], np.ones((4, 2)))  # a: not trained
+    # b: untouched, or its own SGD step (1 - 1.0 * 2), never a's gradient.
+    assert np.all(rows[4:] == 1.0) or np.all(rows[4:] == -1.0), rows
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(emb(a, training=True))
+    tape.gradient(loss, emb.trainable_weights)
+    np.testing.assert_array_equal(emb.lookup_rows(np.arange(1, 5)), np.zeros((4, 2)))
+
+
 def test_a_frozen_layer_does_not_train_its_table(rng):
     x = rng.integers(0, 50, (32, 3)).astype("int64")
     inp = keras.Input((3,), dtype="int64")

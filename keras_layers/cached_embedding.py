@@ -376,8 +376,6 @@ class CachedEmbedding(keras.layers.Layer):
         # Training calls so far: a call's update checks that no later call
         # prepared the cache in between (eager code can do that).
         self._training_calls = _Counter()
-        self._trigger = self.add_weight(
-            shape=(), initializer="zeros", trainable=True, name="table_update_trigger")
         self._store = EmbeddingStore(StoreConfig(
             dim=self.output_dim,
             state_init=tuple(opt.state_initial_values()),
@@ -400,6 +398,10 @@ class CachedEmbedding(keras.layers.Layer):
         except Exception:
             self._store = None  # not built: a later build starts over
             raise
+        # The layer's one Keras weight, made last: a build that fails above
+        # leaves none behind for a retry to duplicate.
+        self._trigger = self.add_weight(
+            shape=(), initializer="zeros", trainable=True, name="table_update_trigger")
         self.built = True
 
     @property
@@ -714,7 +716,10 @@ class CachedEmbedding(keras.layers.Layer):
                 plan.miss_slots.read_value(), [v.read_value() for v in plan.miss_rows],
                 plan.evict_slots.read_value(), plan.evict_ids.read_value(),
                 plan.evict_uses.read_value())
-            with tf.control_dependencies([done]):
+            # Slots change hands here: a training call whose update is still
+            # to come must not apply it to them (see _attach_update).
+            moved = self._training_calls.var.assign_add(1)
+            with tf.control_dependencies([done, moved]):
                 return plan.pending.assign(False, read_value=True)
 
         return tf.cond(plan.pending.read_value(), apply, lambda: tf.constant(False))
@@ -848,13 +853,16 @@ class CachedEmbedding(keras.layers.Layer):
             def grad(d_rows):
                 latest = tf.debugging.assert_equal(
                     self._training_calls.var.read_value(), call_number, message=(
-                        f"CachedEmbedding {self.name!r} was called again for training before "
-                        "the table update of this call (as when one layer serves two inputs "
-                        "of one step): the later call may have evicted rows this one "
-                        "updates, so this update was not applied (a later call's may have "
-                        "been). Call the layer once per step, on a list of features that "
-                        "share the table: `a, b = layer([ids_a, ids_b])`, or give each "
-                        "feature its own layer"))
+                        f"CachedEmbedding {self.name!r}: the cache changed between this "
+                        "training call and its table update. The layer was called again "
+                        "for training before the update (as when one layer serves two "
+                        "inputs of one step), or, after a lookahead step, it was used for "
+                        "inference, lookup_rows, flush or a checkpoint, which put the next "
+                        "batch's prepared rows in place. Rows this call updates may have "
+                        "moved, so this update was not applied (another call's may have "
+                        "been). Call the layer once per step (features that share the "
+                        "table go in one call: `a, b = layer([ids_a, ids_b])`), and take "
+                        "the step's gradient before other uses of the layer"))
                 with tf.control_dependencies([latest]):
                     step_now = self._table_step.read_value()
                 once = tf.debugging.assert_equal(

@@ -251,7 +251,7 @@ def test_two_eager_training_calls_in_one_step_never_train_the_wrong_rows():
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(emb(a, training=True)) + 2 * tf.reduce_sum(emb(b, training=True))
     with pytest.raises(tf.errors.InvalidArgumentError,
-                       match="called again for training before the table update of this call"):
+                       match="the cache changed between this training call and its table update"):
         tape.gradient(loss, emb.trainable_weights)
     rows = emb.lookup_rows(np.arange(1, 9))
     np.testing.assert_array_equal(rows[:4], np.ones((4, 2)))  # a: not trained

@@ -213,3 +213,31 @@ def test_a_next_batch_larger_than_the_cache_fails_before_the_step_changes_anythi
         _step(layer, batches[1], next_ids=too_many)
     np.testing.assert_array_equal(layer.lookup_rows(VOCAB), before)
     assert layer.cache_stats() == stats
+
+
+@pytest.mark.parametrize("use", ["inference call", "lookup_rows"])
+def test_a_read_between_a_lookahead_call_and_its_gradient_never_trains_moved_rows(use):
+    """A lookahead step leaves the next batch's plan pending; a read of the
+    layer puts it in place, which hands this batch's slots to other ids.
+    The step's update must then be refused, not applied to those slots (it
+    used to train the next batch's rows with this batch's gradient)."""
+    emb = CachedEmbedding(2, cache_capacity=4, seed=0, embeddings_initializer="ones",
+                          optimizer=tf_sfctr.optimizers.SGD(1.0))
+    a = tf.constant([1, 2, 3, 4], tf.int64)
+    b = tf.constant([5, 6, 7, 8], tf.int64)  # the next batch evicts all of a
+    feature = dict(deduplicate(a), next_unique_ids=b)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(emb(feature, training=True))
+        if use == "inference call":
+            emb(tf.constant([9], tf.int64), training=False)
+        else:
+            emb.lookup_rows(np.array([9]))
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="the cache changed between this training call and its table"):
+        tape.gradient(loss, emb.trainable_weights)
+    np.testing.assert_array_equal(emb.lookup_rows(np.arange(1, 9)), np.ones((8, 2)))
+    # The next step (b, as planned) trains normally.
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(emb(deduplicate(b), training=True))
+    tape.gradient(loss, emb.trainable_weights)
+    np.testing.assert_array_equal(emb.lookup_rows(np.arange(5, 9)), np.zeros((4, 2)))

@@ -65,10 +65,30 @@ def _eviction_hints(inputs: dict) -> Optional[tuple]:
             f"{'hint_ids' if has_ids else 'hint_steps'}")
     if not has_ids:
         return None
+    _check_id_dtype(tf.as_dtype(inputs["hint_ids"].dtype), "hint_ids")
+    _check_id_dtype(tf.as_dtype(inputs["hint_steps"].dtype), "hint_steps")
     # Equal lengths and steps >= 1 are checked by SfctrCachePrepare.
     hint_ids = tf.reshape(tf.cast(inputs["hint_ids"], tf.int64), [-1])
     hint_steps = tf.reshape(tf.cast(inputs["hint_steps"], tf.int32), [-1])
     return hint_ids, hint_steps
+
+
+_VSI_REQUIRED_KEYS = ("ids", "unique_ids", "inverse")
+_VSI_OPTIONAL_KEYS = ("next_unique_ids", "hint_ids", "hint_steps")
+
+
+def _check_vsi_keys(name: str, inputs: dict) -> None:
+    """A de-duplicated feature's dict must have the keys with_unique_ids gives."""
+    missing = [k for k in _VSI_REQUIRED_KEYS if k not in inputs]
+    unknown = sorted(set(inputs) - set(_VSI_REQUIRED_KEYS) - set(_VSI_OPTIONAL_KEYS))
+    if missing or unknown:
+        problems = "; ".join(
+            ([f"missing {missing}"] if missing else [])
+            + ([f"unknown {unknown}"] if unknown else []))
+        raise ValueError(
+            f"CachedEmbedding {name!r}: a de-duplicated feature is a dict with the keys "
+            f"{list(_VSI_REQUIRED_KEYS)} and optionally {list(_VSI_OPTIONAL_KEYS)} "
+            f"(what tf_sfctr.data.with_unique_ids gives); {problems}")
 
 
 def _check_id_dtype(dtype: tf.DType, what: str = "ids") -> None:
@@ -494,12 +514,13 @@ class CachedEmbedding(keras.layers.Layer):
         if isinstance(inputs, dict):
             # Virtual Sparse Ids computed in the input pipeline
             # (tf_sfctr.data.with_unique_ids): skip de-duplication here.
+            _check_vsi_keys(self.name, inputs)
             ids, layout = self._flatten(inputs["ids"])
-            unique_ids = tf.reshape(tf.cast(inputs["unique_ids"], tf.int64), [-1])
-            inverse = tf.reshape(tf.cast(inputs["inverse"], tf.int32), [-1])
-            inverse = tf.ensure_shape(inverse, ids.shape)
+            unique_ids, inverse = self._checked_vsi(ids, inputs["unique_ids"],
+                                                    inputs["inverse"])
             next_ids = inputs.get("next_unique_ids")
             if next_ids is not None:
+                _check_id_dtype(tf.as_dtype(next_ids.dtype), "next_unique_ids")
                 next_ids = tf.reshape(tf.cast(next_ids, tf.int64), [-1])
             hints = _eviction_hints(inputs)
         else:
@@ -537,6 +558,39 @@ class CachedEmbedding(keras.layers.Layer):
         """"local", "model_parallel" or "data_parallel" (resolved at build)."""
         self._require_built()
         return self._mode
+
+    def _checked_vsi(self, ids: tf.Tensor, unique_ids: Any, inverse: Any):
+        """(unique_ids int64, inverse int32) of a de-duplicated feature, once
+        they are known to describe ``ids``: every inverse entry indexes
+        ``unique_ids``, and ``unique_ids[inverse] == ids`` on a strided
+        sample of positions (a full check would cost a gather of the batch;
+        the sample catches tensors swapped by key, as when a model's
+        vsi_inputs and its dataset were made with different options). The
+        table's step waits for the checks, so a failure changes nothing."""
+        _check_id_dtype(tf.as_dtype(unique_ids.dtype), "unique_ids")
+        _check_id_dtype(tf.as_dtype(inverse.dtype), "inverse")
+        unique_ids = tf.reshape(tf.cast(unique_ids, tf.int64), [-1])
+        inverse = tf.reshape(tf.cast(inverse, tf.int64), [-1])
+        inverse = tf.ensure_shape(inverse, ids.shape)
+        message = (
+            f"CachedEmbedding {self.name!r}: the de-duplicated feature does not describe "
+            "its ids: 'inverse' must index 'unique_ids' (0 <= inverse < len(unique_ids)) "
+            "and unique_ids[inverse] must equal 'ids', as tf_sfctr.data.with_unique_ids "
+            "gives. A model whose tf_sfctr.data.vsi_inputs(...) were made with other "
+            "options (lookahead, eviction_hints) than its dataset's with_unique_ids gets "
+            "the wrong tensors: Keras matches the entries of a dict by position. Nothing "
+            "was changed")
+        n, u = tf.size(inverse, out_type=tf.int64), tf.size(unique_ids, out_type=tf.int64)
+        in_range = tf.logical_or(tf.equal(n, 0), tf.logical_and(
+            tf.reduce_min(inverse) >= 0, tf.reduce_max(inverse) < u))
+        checked = [tf.debugging.assert_equal(in_range, True, message=message)]
+        with tf.control_dependencies(checked):
+            stride = tf.maximum(n // 512, 1)
+            sample = inverse[::stride]
+            checked.append(tf.debugging.assert_equal(
+                tf.gather(unique_ids, sample), ids[::stride], message=message))
+        with tf.control_dependencies(checked):
+            return tf.identity(unique_ids), tf.cast(inverse, tf.int32)
 
     def _flatten(self, inputs: Any) -> tuple[tf.Tensor, dict]:
         """Flat int64 ids and what is needed to shape the output."""

@@ -167,3 +167,53 @@ def test_bad_constructor_arguments(kwargs, match):
 def test_bad_optimizer_arguments(factory, match):
     with pytest.raises(ValueError, match=match):
         factory()
+
+
+def _vsi(ids, unique_ids, inverse, **extra):
+    return dict(ids=tf.constant(ids, tf.int64), unique_ids=tf.constant(unique_ids),
+                inverse=tf.constant(inverse), **extra)
+
+
+@pytest.mark.parametrize("feature,error,match", [
+    (dict(ids=tf.constant([3, 1]), unique_ids=tf.constant([3, 1], tf.int64)), ValueError,
+     r"missing \['inverse'\]"),
+    (_vsi([3, 1], np.array([3, 1], np.int64), np.array([0, 1], np.int32),
+          next_uniq_ids=tf.constant([4], tf.int64)), ValueError, r"unknown \['next_uniq_ids'\]"),
+    (_vsi([3, 1], np.array([3.0, 1.0], np.float32), np.array([0, 1], np.int32)), TypeError,
+     "integer unique_ids"),
+    (_vsi([3, 1], np.array([3, 1], np.int64), np.array([0.0, 1.0], np.float32)), TypeError,
+     "integer inverse"),
+    # 2**32 + 1 would wrap to 1 as int32.
+    (_vsi([3, 1], np.array([3, 1], np.int64), np.array([0, 2**32 + 1], np.int64)),
+     tf.errors.InvalidArgumentError, "does not describe its ids"),
+    (_vsi([3, 1, 3, 4], np.array([40, 1, 4], np.int64), np.array([0, 1, 0, 2], np.int32)),
+     tf.errors.InvalidArgumentError, "does not describe its ids"),
+    (_vsi([3, 1], np.array([3, 1], np.int64), np.array([0, 1], np.int32),
+          next_unique_ids=tf.constant([4.0])), TypeError, "integer next_unique_ids"),
+])
+@pytest.mark.parametrize("training", [True, False])
+def test_bad_deduplicated_features(trained, feature, error, match, training):
+    snap = _snapshot(trained)
+    with pytest.raises(error, match=match):
+        trained(feature, training=training)
+    _assert_unchanged(trained, snap)
+
+
+def test_a_dataset_with_other_vsi_options_than_the_model_is_refused():
+    """Keras matches a dict's entries by position: a model made with
+    vsi_inputs(lookahead=False) fed by with_unique_ids(lookahead=True) got the
+    next batch's ids as its unique ids and trained the wrong rows."""
+    from tf_sfctr.data import vsi_inputs, with_unique_ids
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 40, size=(64, 4)).astype(np.int64)
+    ds = tf.data.Dataset.from_tensor_slices(({"sparse": x}, np.ones((64, 1), np.float32)))
+    ds = with_unique_ids(ds.batch(16), keys="sparse", lookahead=True)
+    emb = CachedEmbedding(4, cache_capacity=64, seed=0)
+    inp = {"sparse": vsi_inputs("sparse", (4,))}
+    model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp["sparse"]))))
+    model.compile(optimizer="sgd", loss="mse")
+    before = emb.lookup_rows(np.arange(40))
+    with pytest.raises(Exception, match="does not describe its ids|vsi_inputs"):
+        model.fit(ds, epochs=1, verbose=0)
+    np.testing.assert_array_equal(emb.lookup_rows(np.arange(40)), before)

@@ -625,9 +625,18 @@ class CachedEmbedding(keras.layers.Layer):
                     f"CachedEmbedding takes 2-D sparse ids [batch, ids], got rank "
                     f"{inputs.shape.rank}")
             self._require_combiner("tf.SparseTensor")
-            return tf.cast(inputs.values, tf.int64), {
-                "kind": "rows", "row_ids": inputs.indices[:, 0],
-                "nrows": inputs.dense_shape[0]}
+            rows, nrows = inputs.indices[:, 0], inputs.dense_shape[0]
+            # A row outside the batch would be dropped by the combiner's
+            # segment sum (negative) or fail inside it (too large).
+            inside = tf.debugging.assert_equal(
+                tf.logical_or(tf.equal(tf.size(rows), 0), tf.logical_and(
+                    tf.reduce_min(rows) >= 0, tf.reduce_max(rows) < nrows)), True,
+                message=(f"CachedEmbedding {self.name!r}: a tf.SparseTensor of ids has row "
+                         "indices outside [0, dense_shape[0]); every entry's first index "
+                         "must be a row of the batch"))
+            with tf.control_dependencies([inside]):
+                return tf.cast(inputs.values, tf.int64), {
+                    "kind": "rows", "row_ids": tf.identity(rows), "nrows": nrows}
         if isinstance(inputs, (str, bytes)):
             raise TypeError(f"CachedEmbedding expects integer ids, got a string {inputs!r}")
         x = tf.convert_to_tensor(inputs)

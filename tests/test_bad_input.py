@@ -217,3 +217,16 @@ def test_a_dataset_with_other_vsi_options_than_the_model_is_refused():
     with pytest.raises(Exception, match="does not describe its ids|vsi_inputs"):
         model.fit(ds, epochs=1, verbose=0)
     np.testing.assert_array_equal(emb.lookup_rows(np.arange(40)), before)
+
+
+@pytest.mark.parametrize("row", [-1, 5])
+@pytest.mark.parametrize("training", [True, False])
+def test_sparse_ids_with_rows_outside_the_batch(row, training):
+    layer = CachedEmbedding(4, cache_capacity=8, seed=0, combiner="sum")
+    layer(tf.sparse.from_dense(tf.constant([[3, 1]], tf.int64)), training=True)
+    snap = _snapshot(layer)
+    bad = tf.SparseTensor(indices=[[0, 0], [row, 1]], values=tf.constant([3, 4], tf.int64),
+                          dense_shape=[2, 2])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"row indices outside \[0, "):
+        layer(bad, training=training)
+    _assert_unchanged(layer, snap)

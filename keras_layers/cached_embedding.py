@@ -570,8 +570,9 @@ class CachedEmbedding(keras.layers.Layer):
         _check_id_dtype(tf.as_dtype(unique_ids.dtype), "unique_ids")
         _check_id_dtype(tf.as_dtype(inverse.dtype), "inverse")
         unique_ids = tf.reshape(tf.cast(unique_ids, tf.int64), [-1])
-        inverse = tf.reshape(tf.cast(inverse, tf.int64), [-1])
-        inverse = tf.ensure_shape(inverse, ids.shape)
+        # Checked in its own dtype (int64 ones before the cast to int32, which
+        # would wrap them).
+        inverse = tf.ensure_shape(tf.reshape(inverse, [-1]), ids.shape)
         message = (
             f"CachedEmbedding {self.name!r}: the de-duplicated feature does not describe "
             "its ids: 'inverse' must index 'unique_ids' (0 <= inverse < len(unique_ids)) "
@@ -580,7 +581,8 @@ class CachedEmbedding(keras.layers.Layer):
             "options (lookahead, eviction_hints) than its dataset's with_unique_ids gets "
             "the wrong tensors: Keras matches the entries of a dict by position. Nothing "
             "was changed")
-        n, u = tf.size(inverse, out_type=tf.int64), tf.size(unique_ids, out_type=tf.int64)
+        n = tf.size(inverse, out_type=inverse.dtype)
+        u = tf.size(unique_ids, out_type=inverse.dtype)
         in_range = tf.logical_or(tf.equal(n, 0), tf.logical_and(
             tf.reduce_min(inverse) >= 0, tf.reduce_max(inverse) < u))
         checked = [tf.debugging.assert_equal(in_range, True, message=message)]

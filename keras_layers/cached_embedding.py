@@ -692,15 +692,13 @@ class CachedEmbedding(keras.layers.Layer):
         plan = self._plan
         # A prepared plan is applied first, whichever batch it was for: the
         # directory already reflects it.
-        planned_ids = plan.ids.read_value()
-        # Compared on a common prefix of the sizes read at run time: in a step
-        # traced on fixed-size ids, grappler took the size of `planned_ids`
-        # from the static shape of the plan's later assignment.
-        planned = plan.count.read_value()
-        n = tf.minimum(tf.size(unique_ids), planned)
+        # Sizes are compared as read at run time (ids_equal never takes them
+        # from static shapes: in a step traced on fixed-size ids, grappler
+        # took the size of the plan's ids from the static shape of its later
+        # assignment).
         use_plan = tf.logical_and(plan.pending.read_value(), tf.logical_and(
-            tf.equal(tf.size(unique_ids), planned),
-            tf.reduce_all(tf.equal(unique_ids[:n], planned_ids[:n]))))
+            tf.equal(tf.size(unique_ids), plan.count.read_value()),
+            _ops.ids_equal(unique_ids, plan.ids.read_value())))
 
         def planned_slots():
             with tf.control_dependencies([self._prepared_ahead.var.assign_add(1)]):

@@ -372,4 +372,20 @@ the intra-op pool, and inside a busy step waiting for the pool costs more than
 the gather.
 )doc");
 
+REGISTER_OP("SfctrIdsEqual")
+    .Input("a: int64")
+    .Input("b: int64")
+    .Output("equal: bool")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      return OkStatus();
+    })
+    .Doc(R"doc(
+True when a and b have the same number of elements and equal elements in
+order (shapes are not compared): whether a batch's distinct ids are the ones a
+lookahead plan was made for. One pass on one thread that stops at the first
+difference; tf.equal plus reduce_all split the work over the intra-op pool,
+and inside a busy step they wait for it.
+)doc");
+
 }  // namespace tensorflow

@@ -47,6 +47,7 @@ _OP_TYPES = (
     "SfctrSparseApplyAdagrad",
     "SfctrNonFiniteMarker",
     "SfctrGatherRows",
+    "SfctrIdsEqual",
 )
 
 
@@ -164,6 +165,25 @@ def gather_index(params: tf.Tensor, indices: tf.Tensor, use_kernel: bool | None 
     if not _use_kernel(use_kernel):
         return tf.gather(params, indices)
     return load().sfctr_gather_index(params, indices)
+
+
+def ids_equal(a: tf.Tensor, b: tf.Tensor, use_kernel: bool | None = None) -> tf.Tensor:
+    """Scalar bool: ``a`` and ``b`` (int64) have the same number of elements,
+    equal in order (shapes are not compared).
+
+    On CPU this is our ``SfctrIdsEqual``, one pass on one thread that stops at
+    the first difference; ``tf.equal`` plus ``tf.reduce_all`` split the work
+    over the intra-op pool and wait for it inside a busy step. The sizes are
+    read when it runs, never from static shapes. With a GPU visible it is TF's
+    ops.
+    """
+    a = tf.reshape(tf.convert_to_tensor(a, tf.int64), [-1])
+    b = tf.reshape(tf.convert_to_tensor(b, tf.int64), [-1])
+    if not _use_kernel(use_kernel):
+        n = tf.minimum(tf.size(a), tf.size(b))
+        return tf.logical_and(tf.equal(tf.size(a), tf.size(b)),
+                              tf.reduce_all(tf.equal(a[:n], b[:n])))
+    return load().sfctr_ids_equal(a, b)
 
 
 def sparse_apply_adagrad(var: tf.Variable, accum: tf.Variable, lr, epsilon, grad: tf.Tensor,

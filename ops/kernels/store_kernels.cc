@@ -647,6 +647,26 @@ class GatherIndexOp : public OpKernel {
   }
 };
 
+// Whether two int64 tensors hold the same elements in order.
+class IdsEqualOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& a = ctx->input(0);
+    const Tensor& b = ctx->input(1);
+    const int64_t n = a.NumElements();
+    bool equal = n == b.NumElements();
+    if (equal && n > 0) {
+      equal = std::memcmp(a.flat<int64_t>().data(), b.flat<int64_t>().data(),
+                          sizeof(int64_t) * n) == 0;
+    }
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<bool>()() = equal;
+  }
+};
+
 // The float ops below on resource variables have no dtype attribute: check
 // the variable's type before anything reads it as float.
 Status CheckFloatVariable(Var* var, const char* name) {
@@ -830,6 +850,7 @@ SFCTR_CPU_KERNEL("SfctrSparseApplyAdagrad", SparseApplyAdagradOp);
 SFCTR_CPU_KERNEL("SfctrNonFiniteMarker", NonFiniteMarkerOp);
 SFCTR_CPU_KERNEL("SfctrGatherRows", GatherRowsOp);
 SFCTR_CPU_KERNEL("SfctrGatherTensorRows", GatherTensorRowsOp);
+SFCTR_CPU_KERNEL("SfctrIdsEqual", IdsEqualOp);
 
 }  // namespace
 }  // namespace tensorflow

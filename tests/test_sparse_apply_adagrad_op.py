@@ -51,6 +51,28 @@ def test_repeated_index_is_updated_in_turn():
     np.testing.assert_array_equal(var[[0, 1, 3]], v0[[0, 1, 3]])
 
 
+@pytest.mark.parametrize("dim", [40, 64, 128])
+@pytest.mark.parametrize("per_occurrence", [False, True])
+def test_large_updates_split_over_columns_keep_every_bit(dim, per_occurrence):
+    """Updates big enough to be split over the intra-op pool (shards own
+    column ranges) give the formula's float32 result, also for repeated
+    indices, each occurrence in turn."""
+    rng = np.random.default_rng(dim)
+    rows, n, lr, eps = 5000, 12_000, np.float32(0.05), np.float32(1e-3)
+    v0 = rng.normal(size=(rows, dim)).astype(np.float32)
+    a0 = rng.uniform(0.1, 2.0, (rows, dim)).astype(np.float32)
+    idx = rng.integers(0, rows, n).astype(np.int32)  # many repeats
+    grad = rng.normal(size=(n, dim)).astype(np.float32)
+    grad_sq = (grad * grad * 2).astype(np.float32) if per_occurrence else None
+    var, acc = _run(True, v0, a0, grad, idx, grad_sq, lr=float(lr), eps=float(eps), steps=1)
+    w, a = v0.copy(), a0.copy()
+    for i, k in enumerate(idx):
+        a[k] += grad_sq[i] if per_occurrence else grad[i] * grad[i]
+        w[k] -= (lr * grad[i]) / (np.sqrt(a[k]) + eps)
+    np.testing.assert_array_equal(acc, a)
+    np.testing.assert_array_equal(var, w)
+
+
 def test_inside_tf_function_and_empty_update():
     var = tf.Variable(np.ones((5, 2), np.float32))
     acc = tf.Variable(np.ones((5, 2), np.float32))

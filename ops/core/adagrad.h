@@ -25,6 +25,13 @@ void AdagradRows(float* var, float* acc, int64_t dim, const float* grad,
                  const float* grad_sq, const int32_t* idx, int64_t n, float lr,
                  float epsilon);
 
+// The same on columns [begin, end) of every row only. Each element's updates
+// depend only on that element, so shards of disjoint column ranges may run
+// at once, also when an index repeats (each thread keeps index order).
+void AdagradColumns(float* var, float* acc, int64_t dim, const float* grad,
+                    const float* grad_sq, const int32_t* idx, int64_t n, float lr,
+                    float epsilon, int64_t begin, int64_t end);
+
 }  // namespace sfctr
 
 #endif  // TF_SFCTR_OPS_CORE_ADAGRAD_H_

@@ -693,8 +693,26 @@ class NonFiniteMarkerOp : public OpKernel {
   }
 };
 
-// out = params[indices] for a float32 matrix and an int32 index vector, on
-// one thread, with the rows of the index 8 ahead prefetched.
+// Shards for `work` floats of work split over the intra-op pool: at most one
+// per pool thread and `limit`, each worth at least kMinWorkPerShard floats.
+// RunShards gives a shard to a pool thread only if one is free, so a kernel
+// inside a busy step does the work itself rather than wait for the pool.
+constexpr int64_t kMinWorkPerShard = 1 << 18;
+
+int64_t PoolShards(OpKernelContext* ctx, int64_t work, int64_t limit) {
+  thread::ThreadPool* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+  const int64_t threads = pool == nullptr ? 1 : pool->NumThreads();
+  return std::max<int64_t>(1, std::min({threads, work / kMinWorkPerShard, limit}));
+}
+
+sfctr::Scheduler PoolScheduler(OpKernelContext* ctx) {
+  thread::ThreadPool* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+  return [pool](std::function<void()> task) { pool->Schedule(std::move(task)); };
+}
+
+// out = params[indices] for a float32 matrix and an int32 index vector, with
+// the rows of the index 8 ahead prefetched; ranges of the output go to the
+// intra-op pool when it is free and the gather is large.
 void GatherMatrixRows(OpKernelContext* ctx, const Tensor& params, const Tensor& indices) {
   OP_REQUIRES(ctx, TensorShapeUtils::IsVector(indices.shape()),
               errors::InvalidArgument("indices must be a vector, got shape ",
@@ -712,14 +730,20 @@ void GatherMatrixRows(OpKernelContext* ctx, const Tensor& params, const Tensor& 
   const float* src = params.flat<float>().data();
   float* dst = out->flat<float>().data();
   constexpr int64_t kAhead = 8;
-  for (int64_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) {
-      const float* ahead = src + static_cast<int64_t>(idx[i + kAhead]) * dim;
-      for (int64_t d = 0; d < dim; d += 16) __builtin_prefetch(ahead + d);
+  const int64_t shards = PoolShards(ctx, n * dim, n);
+  const int64_t per = (n + shards - 1) / shards;
+  const sfctr::Scheduler schedule = PoolScheduler(ctx);
+  sfctr::RunShards(&schedule, shards, shards - 1, [&](int64_t s) {
+    const int64_t end = std::min(n, (s + 1) * per);
+    for (int64_t i = s * per; i < end; ++i) {
+      if (i + kAhead < end) {
+        const float* ahead = src + static_cast<int64_t>(idx[i + kAhead]) * dim;
+        for (int64_t d = 0; d < dim; d += 16) __builtin_prefetch(ahead + d);
+      }
+      std::memcpy(dst + i * dim, src + static_cast<int64_t>(idx[i]) * dim,
+                  sizeof(float) * dim);
     }
-    std::memcpy(dst + i * dim, src + static_cast<int64_t>(idx[i]) * dim,
-                sizeof(float) * dim);
-  }
+  });
 }
 
 class GatherRowsOp : public OpKernel {
@@ -818,10 +842,24 @@ class SparseApplyAdagradOp : public OpKernel {
                   errors::InvalidArgument("indices[", i, "] = ", idx[i], " is not in [0, ",
                                           rows, "); no row was changed"));
     }
-    sfctr::AdagradRows(var.flat<float>().data(), accum.flat<float>().data(), dim,
-                       grad.flat<float>().data(),
-                       has_sq ? grad_sq.flat<float>().data() : nullptr, idx, n,
-                       lr.scalar<float>()(), epsilon.scalar<float>()());
+    // Shards own ranges of whole cache lines (16 floats) of every row, so
+    // they never write one line from two threads; a repeated index keeps its
+    // order within each shard.
+    constexpr int64_t kLine = 16;
+    const int64_t lines = (dim + kLine - 1) / kLine;
+    const int64_t shards = PoolShards(ctx, n * dim * (has_sq ? 4 : 3), lines);
+    const int64_t lines_per = (lines + shards - 1) / shards;
+    const sfctr::Scheduler schedule = PoolScheduler(ctx);
+    float* w = var.flat<float>().data();
+    float* a = accum.flat<float>().data();
+    const float* g = grad.flat<float>().data();
+    const float* g_sq = has_sq ? grad_sq.flat<float>().data() : nullptr;
+    const float lr_v = lr.scalar<float>()(), eps_v = epsilon.scalar<float>()();
+    sfctr::RunShards(&schedule, shards, shards - 1, [&](int64_t s) {
+      const int64_t begin = std::min(dim, s * lines_per * kLine);
+      const int64_t end = std::min(dim, (s + 1) * lines_per * kLine);
+      sfctr::AdagradColumns(w, a, dim, g, g_sq, idx, n, lr_v, eps_v, begin, end);
+    });
   }
 };
 

@@ -332,9 +332,10 @@ REGISTER_OP("SfctrGatherRows")
     })
     .Doc(R"doc(
 var[indices] for a float matrix variable and an int32 index vector: what
-ResourceGather gives, on one thread, with the rows of the index 8 ahead
-prefetched. TF's kernel splits the gather over the intra-op pool, and inside
-a busy training step it waits for the pool.
+ResourceGather gives, with the rows of the index 8 ahead prefetched. A large
+gather gives ranges of the output to intra-op pool threads that are free and
+does the rest itself; TF's kernel splits the gather over the pool and, inside
+a busy training step, waits for it.
 )doc");
 
 REGISTER_OP("SfctrGatherTensorRows")

@@ -196,8 +196,8 @@ def sparse_apply_adagrad(var: tf.Variable, accum: tf.Variable, lr, epsilon, grad
     what ``ResourceSparseApplyAdagradV2`` computes (after a scatter-add of
     ``grad_sq``): on CPU the same bits as TF's CPU kernel. Returns the update op.
 
-    On CPU this is our ``SfctrSparseApplyAdagrad``: one thread, rows of upcoming
-    indices prefetched, 3-4x faster than TF's CPU kernel on rows scattered over
+    On CPU this is our ``SfctrSparseApplyAdagrad``: rows of upcoming indices
+    prefetched, wide rows split by columns over free pool threads, 3-4x faster than TF's CPU kernel on rows scattered over
     a large cache. With a GPU visible it is TF's fused kernel (and a
     ``scatter_add`` for ``grad_sq``). ``use_kernel`` forces one or the other.
     """
@@ -237,9 +237,10 @@ def non_finite_marker(x: tf.Tensor, use_kernel: bool | None = None):
 def gather_rows(var: tf.Variable, indices: tf.Tensor, use_kernel: bool | None = None):
     """``tf.gather(var, indices)`` for a float32 matrix variable and an index vector.
 
-    On CPU our single-threaded ``SfctrGatherRows`` (rows of upcoming indices
-    prefetched; TF's kernel splits the gather over the intra-op pool and,
-    inside a busy training step, waits for it). With a GPU visible it is
+    On CPU our ``SfctrGatherRows`` (rows of upcoming indices prefetched; a
+    large gather gives output ranges to free pool threads only; TF's kernel
+    splits the gather over the intra-op pool and, inside a busy training
+    step, waits for it). With a GPU visible it is
     ``tf.gather``. No gradient flows through it (the layer computes the
     table's gradient itself). ``use_kernel`` forces one or the other.
     """

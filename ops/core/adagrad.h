@@ -12,7 +12,8 @@
 // when the rows are scattered over a table larger than the caches (its loop
 // waits on each row's cache misses in turn). This one prefetches the rows of
 // the indices a few steps ahead and updates four lanes at a time with SSE;
-// one thread, in index order (a repeated index is updated twice, in turn).
+// in index order (a repeated index is updated twice, in turn). The kernel
+// splits wide rows by column ranges (AdagradColumns) over free pool threads.
 #ifndef TF_SFCTR_OPS_CORE_ADAGRAD_H_
 #define TF_SFCTR_OPS_CORE_ADAGRAD_H_
 

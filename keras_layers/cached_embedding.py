@@ -715,8 +715,9 @@ class CachedEmbedding(keras.layers.Layer):
                     f"{self.cache_capacity}; raise cache_capacity or use smaller batches. "
                     f"Nothing was changed")))
         with tf.control_dependencies(checks):
-            slots = tf.cond(use_plan, planned_slots,
-                            lambda: self._prepare_now(unique_ids, hints))
+            slots, *evictions = tf.cond(use_plan, lambda: (planned_slots(), *self._no_evictions()),
+                                        lambda: self._prepare_now(unique_ids, hints))
+        self._write_back(*evictions)
         if next_ids is not None:
             # After this batch's write-back (the host then holds every evicted
             # row), concurrently with the rest of the step.
@@ -725,28 +726,45 @@ class CachedEmbedding(keras.layers.Layer):
         return slots
 
     def _apply_plan(self, miss_slots, miss_rows, evict_slots, evict_ids, evict_uses):
-        """Device side of a cache plan: evicted rows (value + state) go back
-        to the host before their slots are filled with the fetched rows."""
+        """Device side of a cache plan: evicted rows (value + state) are
+        copied out before their slots are filled with the fetched rows.
+        Returns (done, evictions): ``done`` once the cache holds the plan's
+        rows; ``evictions`` (ids, uses, rows...) for ``_write_back``, which
+        the caller issues outside its tf.cond so that the host write runs
+        beside the rest of the step instead of before it (every later use
+        of the host table is ordered after it, as an op of the same
+        resource)."""
         variables = self._device_variables
         evicted = [_ops.gather_rows(v, evict_slots) for v in variables]
-        written = self._store.host_write(evict_ids, evicted, evict_uses)
-        with tf.control_dependencies([written]):
+        with tf.control_dependencies(evicted):
             fills = [v.scatter_update(tf.IndexedSlices(p, miss_slots))
                      for v, p in zip(variables, miss_rows)]
         with tf.control_dependencies(fills):
-            return tf.constant(True)
+            return tf.constant(True), (evict_ids, evict_uses, *evicted)
+
+    def _no_evictions(self) -> tuple:
+        """The ``evictions`` of a branch that evicts nothing."""
+        return (tf.zeros([0], tf.int64), tf.zeros([0], tf.int64),
+                *[tf.zeros([0, v.shape[1]], v.dtype) for v in self._device_variables])
+
+    def _write_back(self, evict_ids, evict_uses, *evicted):
+        """Host write of the rows a cache plan evicted (see _apply_plan)."""
+        return self._store.host_write(evict_ids, list(evicted), evict_uses)
 
     def _prepare(self, unique_ids: tf.Tensor, hints: Optional[tuple]):
         hint_ids, hint_steps = hints if hints is not None else (None, None)
         return self._store.cache_prepare(unique_ids, num_parts=len(self._device_variables),
                                          hint_ids=hint_ids, hint_steps=hint_steps)
 
-    def _prepare_now(self, unique_ids: tf.Tensor, hints: Optional[tuple] = None) -> tf.Tensor:
+    def _prepare_now(self, unique_ids: tf.Tensor, hints: Optional[tuple] = None) -> tuple:
+        """(slots, *evictions): slots valid once the cache holds the rows;
+        the evictions go to _write_back (outside the caller's tf.cond)."""
         slots, miss_slots, miss_rows, evict_slots, evict_ids, evict_uses = \
             self._prepare(unique_ids, hints)
-        done = self._apply_plan(miss_slots, miss_rows, evict_slots, evict_ids, evict_uses)
+        done, evictions = self._apply_plan(miss_slots, miss_rows, evict_slots, evict_ids,
+                                           evict_uses)
         with tf.control_dependencies([done]):
-            return tf.identity(slots)
+            return (tf.identity(slots), *evictions)
 
     def _prepare_next(self, next_ids: tf.Tensor, hints: Optional[tuple] = None) -> tf.Tensor:
         plan = self._plan
@@ -775,7 +793,7 @@ class CachedEmbedding(keras.layers.Layer):
         plan = self._plan
 
         def apply():
-            done = self._apply_plan(
+            done, evictions = self._apply_plan(
                 plan.miss_slots.read_value(), [v.read_value() for v in plan.miss_rows],
                 plan.evict_slots.read_value(), plan.evict_ids.read_value(),
                 plan.evict_uses.read_value())
@@ -783,9 +801,12 @@ class CachedEmbedding(keras.layers.Layer):
             # to come must not apply it to them (see _attach_update).
             moved = self._training_calls.var.assign_add(1)
             with tf.control_dependencies([done, moved]):
-                return plan.pending.assign(False, read_value=True)
+                return (plan.pending.assign(False, read_value=True), *evictions)
 
-        return tf.cond(plan.pending.read_value(), apply, lambda: tf.constant(False))
+        settled, *evictions = tf.cond(plan.pending.read_value(), apply,
+                                      lambda: (tf.constant(False), *self._no_evictions()))
+        self._write_back(*evictions)
+        return settled
 
     def _exchange_name(self, training: bool) -> str:
         return self._collective_name("train" if training else "infer")

@@ -751,10 +751,12 @@ class CachedEmbedding(keras.layers.Layer):
         """Host write of the rows a cache plan evicted (see _apply_plan)."""
         return self._store.host_write(evict_ids, list(evicted), evict_uses)
 
-    def _prepare(self, unique_ids: tf.Tensor, hints: Optional[tuple]):
+    def _prepare(self, unique_ids: tf.Tensor, hints: Optional[tuple],
+                 skip_when_full: bool = False):
         hint_ids, hint_steps = hints if hints is not None else (None, None)
         return self._store.cache_prepare(unique_ids, num_parts=len(self._device_variables),
-                                         hint_ids=hint_ids, hint_steps=hint_steps)
+                                         hint_ids=hint_ids, hint_steps=hint_steps,
+                                         skip_when_full=skip_when_full)
 
     def _prepare_now(self, unique_ids: tf.Tensor, hints: Optional[tuple] = None) -> tuple:
         """(slots, *evictions): slots valid once the cache holds the rows;
@@ -775,15 +777,19 @@ class CachedEmbedding(keras.layers.Layer):
             hints = (tf.boolean_mask(hints[0], later), tf.boolean_mask(hints[1], later) - 1)
 
         def prepare():
-            slots, miss_slots, miss_rows, evict_slots, evict_ids, evict_uses = \
-                self._prepare(next_ids, hints)
+            # A next batch whose new ids the host table's max_rows has no
+            # room for gets no plan (nothing changes): its own step then
+            # prepares it and fails, as without lookahead, and this step's
+            # update is applied.
+            slots, miss_slots, miss_rows, evict_slots, evict_ids, evict_uses, prepared = \
+                self._prepare(next_ids, hints, skip_when_full=True)
             saved = [plan.ids.assign(next_ids), plan.count.assign(tf.size(next_ids)),
                      plan.slots.assign(slots),
                      plan.miss_slots.assign(miss_slots), plan.evict_slots.assign(evict_slots),
                      plan.evict_ids.assign(evict_ids), plan.evict_uses.assign(evict_uses)]
             saved += [v.assign(r) for v, r in zip(plan.miss_rows, miss_rows)]
             with tf.control_dependencies(saved):
-                return plan.pending.assign(True, read_value=True)
+                return plan.pending.assign(prepared, read_value=True)
 
         return tf.cond(tf.size(next_ids) > 0, prepare, lambda: tf.constant(False))
 

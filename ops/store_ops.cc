@@ -46,12 +46,14 @@ REGISTER_OP("SfctrCachePrepare")
     .Input("hint_ids: int64")
     .Input("hint_steps: int32")
     .Attr("num_parts: int >= 1 = 1")
+    .Attr("skip_when_full: bool = false")
     .Output("slots: int32")
     .Output("miss_slots: int32")
     .Output("miss_rows: num_parts * float")
     .Output("evict_slots: int32")
     .Output("evict_ids: int64")
     .Output("evict_uses: int64")
+    .Output("prepared: bool")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle ids;
@@ -70,7 +72,9 @@ REGISTER_OP("SfctrCachePrepare")
       }
       TF_RETURN_IF_ERROR(VectorOfUnknown(c, 2 + num_parts));
       TF_RETURN_IF_ERROR(VectorOfUnknown(c, 3 + num_parts));
-      return VectorOfUnknown(c, 4 + num_parts);
+      TF_RETURN_IF_ERROR(VectorOfUnknown(c, 4 + num_parts));
+      c->set_output(5 + num_parts, c->Scalar());
+      return OkStatus();
     })
     .Doc(R"doc(
 Cache management of one training step for distinct `ids`: assigns a cache slot
@@ -83,7 +87,10 @@ updated. `hint_ids` (may be empty) are ids that later batches use,
 `hint_steps` (>= 1) how many batches later: cached ones are evicted only after
 every unhinted slot, the furthest use first. Fails, changing nothing, when the
 ids exceed the cache capacity or the host table's max_rows, or the hints are
-malformed.
+malformed. With skip_when_full, new ids that the host table's max_rows has no
+room for are not an error: nothing changes, `prepared` is false, slots are -1
+and the other outputs empty (a lookahead plan that cannot be made is no plan;
+the step of that batch then fails itself). `prepared` is true otherwise.
 )doc");
 
 REGISTER_OP("SfctrHostWrite")

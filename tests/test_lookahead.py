@@ -215,6 +215,32 @@ def test_a_next_batch_larger_than_the_cache_fails_before_the_step_changes_anythi
     assert layer.cache_stats() == stats
 
 
+def test_a_next_batch_the_host_table_has_no_room_for_fails_in_its_own_step():
+    """max_rows cannot take the next batch's new ids: the lookahead step makes
+    no plan and trains as without lookahead (it used to fail, its own update
+    not applied); the next batch's step then fails, changing nothing."""
+    first = np.arange(20, dtype=np.int64).reshape(4, 5)
+    second = first + 100  # 20 new ids: 40 rows > max_rows=30
+
+    def make():
+        return CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=9, max_rows=30,
+                               optimizer=tf_sfctr.optimizers.Adagrad(0.1))
+
+    ref, layer = make(), make()
+    _step(ref, first)
+    _step(layer, first, next_ids=_unique(second))
+    np.testing.assert_array_equal(layer.lookup_rows(first.ravel()),
+                                  ref.lookup_rows(first.ravel()))
+    stats, ref_stats = layer.cache_stats(), ref.cache_stats()
+    assert stats == ref_stats and stats["host_rows"] == 20
+    for emb in (ref, layer):
+        before = emb.lookup_rows(first.ravel())
+        with pytest.raises(tf.errors.ResourceExhaustedError, match="max_rows=30"):
+            _step(emb, second)
+        np.testing.assert_array_equal(emb.lookup_rows(first.ravel()), before)
+        assert emb.cache_stats() == stats
+
+
 @pytest.mark.parametrize("use", ["inference call", "lookup_rows"])
 def test_a_read_between_a_lookahead_call_and_its_gradient_never_trains_moved_rows(use):
     """A lookahead step leaves the next batch's plan pending; a read of the

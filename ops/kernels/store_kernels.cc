@@ -206,6 +206,7 @@ class CachePrepareOp : public StoreOpKernel {
  public:
   explicit CachePrepareOp(OpKernelConstruction* ctx) : StoreOpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_parts", &num_parts_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("skip_when_full", &skip_when_full_));
   }
 
  protected:
@@ -243,9 +244,17 @@ class CachePrepareOp : public StoreOpKernel {
     // With a one-thread pool (e.g. several ranks sharing a host, one thread
     // each) the fetch runs inline: a second busy thread would only compete.
     const bool parallel = pool != nullptr && pool->NumThreads() > 1;
-    OP_REQUIRES_OK(ctx, ToTf(store.Prepare(ids.flat<int64_t>().data(),
-                                           ids.NumElements(), &r,
-                                           parallel ? &schedule : nullptr, hints)));
+    const sfctr::CoreStatus st = store.Prepare(ids.flat<int64_t>().data(), ids.NumElements(),
+                                               &r, parallel ? &schedule : nullptr, hints);
+    // A full host table is the one failure that leaves the store unchanged
+    // by design (rows are reserved before the directory changes).
+    const bool skipped =
+        !st.ok() && skip_when_full_ && st.code() == sfctr::CoreStatus::Code::kResourceExhausted;
+    if (!skipped) OP_REQUIRES_OK(ctx, ToTf(st));
+    if (skipped) {
+      r = sfctr::PrepareResult();
+      r.slots.assign(ids.NumElements(), -1);
+    }
     OutputVector(ctx, 0, r.slots);
     OutputVector(ctx, 1, r.miss_slots);
     OutputColumnBlocks(ctx, 2, num_parts_, r.miss_rows, width);
@@ -255,10 +264,14 @@ class CachePrepareOp : public StoreOpKernel {
     OutputVector<int64_t>(ctx, next + 2,
                           std::vector<int64_t>(r.evict_uses.begin(),
                                                r.evict_uses.end()));
+    Tensor* prepared = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(next + 3, TensorShape({}), &prepared));
+    prepared->scalar<bool>()() = !skipped;
   }
 
  private:
   int num_parts_;
+  bool skip_when_full_ = false;
 };
 
 class HostWriteOp : public StoreOpKernel {

@@ -692,13 +692,13 @@ class CachedEmbedding(keras.layers.Layer):
         plan = self._plan
         # A prepared plan is applied first, whichever batch it was for: the
         # directory already reflects it.
-        # Sizes are compared as read at run time (ids_equal never takes them
-        # from static shapes: in a step traced on fixed-size ids, grappler
-        # took the size of the plan's ids from the static shape of its later
-        # assignment).
+        # The plan's size comes from plan.count, never from tf.size of its
+        # ids: in a step traced on fixed-size ids, grappler took that size
+        # from the static shape of the plan's later assignment.
+        planned = plan.count.read_value()
         use_plan = tf.logical_and(plan.pending.read_value(), tf.logical_and(
-            tf.equal(tf.size(unique_ids), plan.count.read_value()),
-            _ops.ids_equal(unique_ids, plan.ids.read_value())))
+            tf.equal(tf.size(unique_ids), planned),
+            _ops.ids_equal(unique_ids, plan.ids.read_value(), b_size=planned)))
 
         def planned_slots():
             with tf.control_dependencies([self._prepared_ahead.var.assign_add(1)]):

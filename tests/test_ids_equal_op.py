@@ -47,3 +47,28 @@ def test_sizes_are_read_at_run_time():
     assert bool(f(tf.constant([1, 2, 3], tf.int64), tf.constant([1, 2, 3], tf.int64)))
     assert not bool(f(tf.constant([1, 2, 3], tf.int64), tf.constant([1, 2], tf.int64)))
     assert not bool(f(tf.constant([1, 2], tf.int64), tf.constant([1, 2, 3], tf.int64)))
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_a_variable_read_before_its_assignment(use_kernel):
+    """As the lookahead check uses it: ``b`` is a variable read that a later
+    assignment in the same function replaces. Grappler may fold ``tf.size``
+    of the read to the assignment's static shape; the stock-op path (GPU
+    machines) then needs ``b_size`` (it failed with 'Incompatible shapes')."""
+    ids = tf.Variable(tf.zeros([0], tf.int64), shape=[None])
+    count = tf.Variable(0)
+
+    @tf.function
+    def check_then_plan(a, planned):
+        same = _ops.ids_equal(a, ids.read_value(), b_size=count.read_value(),
+                              use_kernel=use_kernel)
+        with tf.control_dependencies([same]):
+            ids.assign(planned)
+            count.assign(tf.size(planned))
+        return same
+
+    x = tf.constant([1, 2, 3], tf.int64)
+    assert [bool(check_then_plan(x, x)) for _ in range(2)] == [False, True]
+    assert bool(check_then_plan(x, tf.constant([1, 2, 4], tf.int64)))
+    assert not bool(check_then_plan(x, tf.constant([1, 2], tf.int64)))  # [1, 2, 4] planned
+    assert not bool(check_then_plan(x, x))  # [1, 2] planned

@@ -62,14 +62,14 @@ def test_empty_inputs():
 @pytest.mark.parametrize("bad", [-1, 3])
 def test_rejects_segment_out_of_range(bad):
     with pytest.raises(tf.errors.InvalidArgumentError, match=rf"segment_ids\[1\] = {bad} is not in \[0, 3\)"):
-        _ops.segment_sums(tf.ones([2, 2]), tf.constant([0, bad]), 3)
+        _ops.segment_sums(tf.ones([2, 2]), tf.constant([0, bad]), 3, use_kernel=True)
 
 
 def test_rejects_mismatched_shapes():
     with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="segment_ids|rank|Dimensions"):
-        _ops.segment_sums(tf.ones([3, 2]), tf.constant([0, 1]), 3)
+        _ops.segment_sums(tf.ones([3, 2]), tf.constant([0, 1]), 3, use_kernel=True)
     with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="rank|matrix"):
-        _ops.segment_sums(tf.ones([3]), tf.constant([0, 1, 2]), 3)
+        _ops.segment_sums(tf.ones([3]), tf.constant([0, 1, 2]), 3, use_kernel=True)
 
 
 def test_tf_fallback_gives_the_same_sums():

@@ -106,10 +106,19 @@ def built_for_version() -> str | None:
         return None
 
 
+#: Set to "0" to run the stock TF ops wherever our CPU kernels would replace
+#: them, as with a GPU visible: tests run the GPU machines' code path this
+#: way on CPU-only machines.
+CPU_KERNELS_ENV = "TF_SFCTR_CPU_KERNELS"
+
+
 def _use_kernel(use_kernel: bool | None) -> bool:
-    """Whether to run one of our CPU kernels: as asked, else when no GPU is visible
-    (with a GPU the stock TF ops keep device data on the device)."""
+    """Whether to run one of our CPU kernels: as asked, else when no GPU is
+    visible and ``TF_SFCTR_CPU_KERNELS`` is not "0" (with a GPU the stock TF
+    ops keep device data on the device). Decided when a function is traced."""
     if use_kernel is None:
+        if os.environ.get(CPU_KERNELS_ENV, "1") == "0":
+            return False
         return not tf.config.list_logical_devices("GPU")
     return bool(use_kernel)
 
@@ -167,21 +176,26 @@ def gather_index(params: tf.Tensor, indices: tf.Tensor, use_kernel: bool | None 
     return load().sfctr_gather_index(params, indices)
 
 
-def ids_equal(a: tf.Tensor, b: tf.Tensor, use_kernel: bool | None = None) -> tf.Tensor:
+def ids_equal(a: tf.Tensor, b: tf.Tensor, b_size: tf.Tensor | None = None,
+              use_kernel: bool | None = None) -> tf.Tensor:
     """Scalar bool: ``a`` and ``b`` (int64) have the same number of elements,
     equal in order (shapes are not compared).
 
     On CPU this is our ``SfctrIdsEqual``, one pass on one thread that stops at
     the first difference; ``tf.equal`` plus ``tf.reduce_all`` split the work
-    over the intra-op pool and wait for it inside a busy step. The sizes are
-    read when it runs, never from static shapes. With a GPU visible it is TF's
-    ops.
+    over the intra-op pool and wait for it inside a busy step. It reads the
+    sizes when it runs. With a GPU visible it is TF's ops, which take the
+    number of elements of ``b`` from ``b_size`` when given: grappler may fold
+    ``tf.size`` of a variable's read to the static shape of a later
+    assignment (a lookahead plan's ids), so a caller that knows the size
+    from elsewhere passes it.
     """
     a = tf.reshape(tf.convert_to_tensor(a, tf.int64), [-1])
     b = tf.reshape(tf.convert_to_tensor(b, tf.int64), [-1])
     if not _use_kernel(use_kernel):
-        n = tf.minimum(tf.size(a), tf.size(b))
-        return tf.logical_and(tf.equal(tf.size(a), tf.size(b)),
+        size_b = tf.size(b) if b_size is None else tf.cast(b_size, tf.int32)
+        n = tf.minimum(tf.size(a), size_b)
+        return tf.logical_and(tf.equal(tf.size(a), size_b),
                               tf.reduce_all(tf.equal(a[:n], b[:n])))
     return load().sfctr_ids_equal(a, b)
 

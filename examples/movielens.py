@@ -9,8 +9,12 @@ and the release year as a dense number. The model:
   with a device cache smaller than the table, so rows are evicted and
   fetched back during training;
 * one ``CachedEmbedding(combiner="mean")`` for the genres (``[B, D]``);
+* with ``--history K``, the movies of the user's latest K earlier ratings as
+  one more vector: their mean row *from the id table*, which the movie field
+  uses too (one call on a list of features shares the table: its ids are
+  de-duplicated, cached and trained as one batch);
 * a bottom MLP on the dense year, the DLRM dot-product interaction of the five
-  vectors, a top MLP and a sigmoid.
+  (six with history) vectors, a top MLP and a sigmoid.
 
 It prints, per epoch, the training loss, the test AUC and each table's cache
 hit rate, then a short summary. ``--embedding keras`` trains the same model
@@ -21,6 +25,7 @@ Run::
 
     python examples/movielens.py                      # ~15 s on 2 CPU cores
     python examples/movielens.py --embedding keras    # the same model, keras.layers.Embedding
+    python examples/movielens.py --history 20         # + the user's last 20 movies, shared table
     python examples/movielens.py --export /tmp/ml     # also write a serving SavedModel
     horovodrun -np 2 -H localhost:2 --gloo python examples/movielens.py
 """
@@ -70,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="of the dense layers and of the tables (tf_sfctr.optimizers.Adam "
                         "is lazy: only rows used by a step move)")
     p.add_argument("--learning-rate", type=float, default=1e-3)
+    p.add_argument("--history", type=int, default=0, metavar="K",
+                   help="add the movies of the user's latest K earlier ratings, embedded "
+                        "with the id table (shared with the movie field); 0: none")
     p.add_argument("--rows", type=int, default=0,
                    help="use only the first ROWS training rows (and ROWS/4 test rows); "
                         "0: all (80,669 train, 20,167 test)")
@@ -83,15 +91,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.rows < 0:
         p.error("--rows must be >= 0")
+    if args.history < 0:
+        p.error("--history must be >= 0")
     return args
 
 
 # ------------------------------------------------------------------ data
 
 
+MULTI_HOT = ("genres", "history")
+
+
 def _to_model_features(features: dict, label: tf.Tensor):
-    # Keras 3.5 has no ragged keras.Input: multi-hot genres enter as sparse.
-    return {**features, "genres": features["genres"].to_sparse()}, label
+    # Keras 3.5 has no ragged keras.Input: multi-hot features enter as sparse.
+    return {k: v.to_sparse() if k in MULTI_HOT else v for k, v in features.items()}, label
 
 
 def _remap(vocab: dict[str, np.ndarray]):
@@ -102,11 +115,14 @@ def _remap(vocab: dict[str, np.ndarray]):
         return tf.searchsorted(tables[key], ids, out_type=tf.int64)
 
     def remap(features: dict, label: tf.Tensor):
-        genres = features["genres"]
         features = dict(features, sparse=tf.reshape(
             index(tf.reshape(features["sparse"], [-1]), "sparse"), tf.shape(features["sparse"])))
-        features["genres"] = tf.SparseTensor(genres.indices, index(genres.values, "genres"),
-                                             genres.dense_shape)
+        # History entries are movie ids: the id table's indices.
+        for key, table in (("genres", "genres"), ("history", "sparse")):
+            if key in features:
+                ids = features[key]
+                features[key] = tf.SparseTensor(ids.indices, index(ids.values, table),
+                                                ids.dense_shape)
         return features, label
 
     return remap
@@ -126,7 +142,7 @@ def datasets(args: argparse.Namespace, world: World,
     """(train, test, training batches per rank). Training batches are sharded over
     ranks (every rank takes as many); every rank evaluates the whole test set."""
     train_ds, test_ds = tf_sfctr.data.movielens(args.data, batch_size=args.batch_size,
-                                                seed=args.seed)
+                                                seed=args.seed, history=args.history)
     train_batches = int(train_ds.cardinality())
     test_batches = int(test_ds.cardinality())
     if args.rows:
@@ -148,6 +164,31 @@ def datasets(args: argparse.Namespace, world: World,
 
 
 # ----------------------------------------------------------------- model
+
+
+def _mean_of_rows(embeddings: Any, ids: tf.SparseTensor) -> tf.Tensor:
+    """Mean of the ``embeddings`` rows of each row of ``ids`` (empty: zeros)."""
+    rows = tf.gather(tf.convert_to_tensor(embeddings), ids.values)
+    row_ids, nrows = ids.indices[:, 0], ids.dense_shape[0]
+    total = tf.math.unsorted_segment_sum(rows, row_ids, nrows)
+    count = tf.math.unsorted_segment_sum(tf.ones_like(row_ids, rows.dtype), row_ids, nrows)
+    return total / tf.maximum(count, 1.0)[:, None]
+
+
+class SharedMeanBag(keras.layers.Layer):
+    """Baseline for a ``"mean"`` multi-hot feature in a ``CachedEmbedding`` list
+    call: the mean of another ``keras.layers.Embedding``'s rows (the two share
+    that table)."""
+
+    def __init__(self, table: keras.layers.Embedding, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.table = table
+
+    def call(self, ids: tf.SparseTensor) -> tf.Tensor:
+        return _mean_of_rows(self.table.embeddings, ids)
+
+    def compute_output_shape(self, input_shape: Any) -> tuple:
+        return (input_shape[0], self.table.output_dim)
 
 
 @keras.saving.register_keras_serializable(package="tf_sfctr_examples")
@@ -177,11 +218,7 @@ class MeanBagEmbedding(keras.layers.Layer):
                                           name="embeddings")
 
     def call(self, ids: tf.SparseTensor) -> tf.Tensor:
-        rows = tf.gather(tf.convert_to_tensor(self.embeddings), ids.values)
-        row_ids, nrows = ids.indices[:, 0], ids.dense_shape[0]
-        total = tf.math.unsorted_segment_sum(rows, row_ids, nrows)
-        count = tf.math.unsorted_segment_sum(tf.ones_like(row_ids, rows.dtype), row_ids, nrows)
-        return total / tf.maximum(count, 1.0)[:, None]
+        return _mean_of_rows(self.embeddings, ids)
 
     def compute_output_shape(self, input_shape: Any) -> tuple:
         return (input_shape[0], self.output_dim)
@@ -198,23 +235,43 @@ def build_model(args: argparse.Namespace, vocab: dict | None) -> keras.Model:
     dense = keras.Input(shape=(1,), name="dense")
     sparse = keras.Input(shape=(NUM_FIELDS,), dtype="int64", name="sparse")
     genres = keras.Input(shape=(None,), dtype="int64", sparse=True, name="genres")
+    inputs = {"dense": dense, "sparse": sparse, "genres": genres}
+    bags = []  # [B, D] vectors: genres, then history
     if vocab is None:
-        fields = CachedEmbedding(
+        ids = CachedEmbedding(
             dim, cache_capacity=args.cache_capacity, seed=args.seed + 1, name="ids",
-            optimizer=table_optimizer(args.optimizer, args.learning_rate))(sparse)
-        bag = CachedEmbedding(
+            combiner="mean" if args.history else None,
+            optimizer=table_optimizer(args.optimizer, args.learning_rate))
+        if args.history:
+            # One call on a list of features shares the table. Its combiner
+            # ("mean") applies to each feature; a one-id feature [B, 1] gives
+            # its own row, so each field goes in as its own column.
+            inputs["history"] = keras.Input(shape=(None,), dtype="int64", sparse=True,
+                                            name="history")
+            *columns, history = ids([sparse[:, j:j + 1] for j in range(NUM_FIELDS)]
+                                    + [inputs["history"]])
+            fields = keras.layers.Concatenate(axis=1, name="fields")(
+                [keras.layers.Reshape((1, dim))(c) for c in columns])
+        else:
+            fields = ids(sparse)
+        bags.append(CachedEmbedding(
             dim, cache_capacity=64, combiner="mean", seed=args.seed + 2, name="genre_bag",
-            optimizer=table_optimizer(args.optimizer, args.learning_rate))(genres)
+            optimizer=table_optimizer(args.optimizer, args.learning_rate))(genres))
     else:
-        fields = keras.layers.Embedding(len(vocab["sparse"]), dim, name="ids")(sparse)
-        bag = MeanBagEmbedding(len(vocab["genres"]), dim, name="genre_bag")(genres)
+        table = keras.layers.Embedding(len(vocab["sparse"]), dim, name="ids")
+        fields = table(sparse)
+        bags.append(MeanBagEmbedding(len(vocab["genres"]), dim, name="genre_bag")(genres))
+        if args.history:
+            inputs["history"] = keras.Input(shape=(None,), dtype="int64", sparse=True,
+                                            name="history")
+            history = SharedMeanBag(table, name="history_bag")(inputs["history"])
+    if args.history:
+        bags.append(history)
     vectors = keras.layers.Concatenate(axis=1, name="vectors")(
-        [fields, keras.layers.Reshape((1, dim), name="bag_vector")(bag)])
+        [fields, *[keras.layers.Reshape((1, dim))(b) for b in bags]])
     bottom = mlp(dense, [16, dim], "bottom", seed=args.seed)
     out = dlrm_output(bottom, vectors, [64, 32], seed=args.seed)
-    model = keras.Model({"dense": dense, "sparse": sparse, "genres": genres}, out,
-                        name="movielens_dlrm")
-    return model
+    return keras.Model(inputs, out, name="movielens_dlrm")
 
 
 # ------------------------------------------------------------------ main
@@ -246,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{len(vocab['sparse']):,} + {len(vocab['genres']):,} rows)")
         lines = [
             ("embedding", embedding),
+            ("history", (f"the user's latest {args.history} earlier movies, from the id table"
+                         if args.history else "none (--history K adds it)")),
             ("processes", str(world.size)),
             ("epochs", f"{args.epochs} ({steps} steps of batch {args.batch_size} per "
                        f"epoch and process)"),

@@ -144,6 +144,36 @@ def test_small_directory_and_title_parsing(tmp_path):
     assert data.test_features["genres"].row_lengths.tolist() == [0]
 
 
+def test_history_lists_each_users_earlier_movies(tmp_path):
+    """Per rating: the user's latest k earlier movies (by time, ties by file
+    order), oldest first, as movie-field hashes; other users never mix in."""
+    (tmp_path / "movies.csv").write_text("movieId,title,genres\n", encoding="utf-8")
+    (tmp_path / "ratings.csv").write_text(
+        "userId,movieId,rating,timestamp\n"
+        "1,10,4.0,50\n"   # user 1's third rating in time
+        "1,11,3.0,10\n"   # first
+        "2,20,5.0,5\n"    # user 2 only: no history
+        "1,12,2.0,30\n"   # second
+        "1,13,5.0,50\n"   # same time as movie 10, later in the file: after it
+    )
+    data = load_movielens(tmp_path, split="time", test_fraction=0.2, history=2)
+    assert data.train_label.shape[0] + data.test_label.shape[0] == 5
+    hist = [data.train_features["history"], data.test_features["history"]]
+    rows = [h.to_tensor().to_list() for h in hist]
+    movie = [f["sparse"][:, 1] for f in (data.train_features, data.test_features)]
+    by_movie = {int(m): r for ms, rs in zip(movie, rows) for m, r in zip(ms, rs)}
+    h = {k: int(hash_categorical("movie", str(k))) for k in (10, 11, 12, 13, 20)}
+    assert by_movie[h[11]] == []
+    assert by_movie[h[12]] == [h[11]]
+    assert by_movie[h[10]] == [h[11], h[12]]
+    assert by_movie[h[13]] == [h[12], h[10]]  # the latest 2
+    assert by_movie[h[20]] == []
+    assert "history" not in load_movielens(tmp_path, split="time").train_features
+    train_ds, _ = movielens(tmp_path, batch_size=8, split="time", history=2)
+    batch, _ = next(iter(train_ds))
+    assert isinstance(batch["history"], tf.RaggedTensor) and batch["history"].dtype == tf.int64
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
@@ -151,6 +181,7 @@ def test_small_directory_and_title_parsing(tmp_path):
         ({"test_fraction": 1.5}, ValueError, "test_fraction"),
         ({"test_fraction": 0}, ValueError, "test_fraction"),
         ({"seed": -3}, ValueError, "seed"),
+        ({"history": -1}, ValueError, "history"),
         ({"path": "/nonexistent/movielens"}, FileNotFoundError, "ratings.csv"),
     ],
 )

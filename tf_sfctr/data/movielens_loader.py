@@ -16,7 +16,12 @@ README.txt next to the data for its license) ships with the repository in
   ``hash_categorical("genre", g)`` for each of the movie's genres
   (``"(no genres listed)"`` is an empty list);
 * ``features["dense"]``: float32 ``[N, 1]``, ``(year - 2000) / 20`` (0 when the
-  year is unknown).
+  year is unknown);
+* with ``history=k`` only, ``features["history"]``: int64 ``tf.RaggedTensor``
+  ``[N, None]``, the movie ids (the same hashes as the movie field, so one table
+  can serve both) of the user's latest ``k`` ratings before this one (by
+  timestamp, ties by file order), oldest first; empty for a user's first
+  rating. Only which movies were rated, never their ratings: no label leaks.
 
 So the structure matches :func:`tf_sfctr.data.synthetic_criteo` with one multi-hot
 field: the same DLRM / DeepFM-style model (dense MLP + embedding of the sparse
@@ -45,6 +50,7 @@ from tf_sfctr.data.hashing import hash_categorical
 DEFAULT_PATH = os.path.join("data", "movielens-latest-small")
 SPARSE_FIELDS = ("user", "movie", "year")
 GENRES_KEY = "genres"
+HISTORY_KEY = "history"
 SPLITS = ("random", "time")
 _NO_GENRES = "(no genres listed)"
 _YEAR = re.compile(r"\((\d{4})(?:\s*[-\u2013]\s*\d{0,4})?\)\s*$")
@@ -56,8 +62,9 @@ class MovieLensData:
     """The train and test examples of :func:`load_movielens`, in NumPy.
 
     ``*_features`` are dicts with ``"dense"`` float32 ``[N, 1]``, ``"sparse"``
-    int64 ``[N, 3]`` (fields :data:`SPARSE_FIELDS`) and ``"genres"``
-    (:class:`tf_sfctr.data.Ragged` of int64); ``*_label`` is float32 ``[N, 1]``.
+    int64 ``[N, 3]`` (fields :data:`SPARSE_FIELDS`), ``"genres"``
+    (:class:`tf_sfctr.data.Ragged` of int64) and, when asked for, ``"history"``
+    (Ragged of int64); ``*_label`` is float32 ``[N, 1]``.
     Use :func:`tf_sfctr.data.dataset_from_arrays` to batch them.
     """
 
@@ -121,10 +128,32 @@ def _read_ratings(path: Path) -> np.ndarray:
     return np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.float64, ndmin=2)
 
 
+def _history(users: np.ndarray, times: np.ndarray, movie_ids: np.ndarray,
+             length: int) -> Ragged:
+    """Per rating, ``movie_ids`` of the same user's latest ``length`` ratings
+    before it (by time, ties by position), oldest first."""
+    n = users.shape[0]
+    order = np.lexsort((np.arange(n), times, users))  # by user, then time, then position
+    sorted_users = users[order]
+    first = np.ones(n, dtype=bool)
+    first[1:] = sorted_users[1:] != sorted_users[:-1]
+    group_start = np.maximum.accumulate(np.where(first, np.arange(n), 0))
+    lengths = np.minimum(np.arange(n) - group_start, length).astype(np.int64)
+    starts = np.arange(n) - lengths
+    offsets = np.cumsum(lengths) - lengths
+    picks = np.repeat(starts, lengths) + (
+        np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(offsets, lengths))
+    in_sorted_order = Ragged(movie_ids[order][picks], lengths)
+    position = np.empty(n, dtype=np.int64)
+    position[order] = np.arange(n)
+    return in_sorted_order.take(position)
+
+
 def _examples(
     ratings: np.ndarray,
     movies: dict[int, tuple[str, tuple[str, ...]]],
     positive_threshold: float,
+    history: int = 0,
 ) -> tuple[Features, np.ndarray]:
     users = ratings[:, 0].astype(np.int64)
     movie_ids = ratings[:, 1].astype(np.int64)
@@ -154,6 +183,8 @@ def _examples(
         SPARSE_KEY: sparse,
         GENRES_KEY: per_movie.take(movie_idx),
     }
+    if history:
+        features[HISTORY_KEY] = _history(users, ratings[:, 3], sparse[:, 1], history)
     label = (ratings[:, 2] >= positive_threshold).astype(np.float32)[:, None]
     return features, label
 
@@ -169,6 +200,7 @@ def load_movielens(
     test_fraction: float = 0.2,
     seed: int = 0,
     positive_threshold: float = 4.0,
+    history: int = 0,
 ) -> MovieLensData:
     """Loads MovieLens ratings as CTR examples, split into train and test (NumPy).
 
@@ -182,6 +214,8 @@ def load_movielens(
       test_fraction: share of the ratings in the test set, in (0, 1).
       seed: the random split's seed (unused by ``"time"``).
       positive_threshold: ratings at or above it are positives.
+      history: when > 0, add ``features["history"]``: the movies of the
+        user's latest ``history`` earlier ratings (see the module docstring).
 
     Raises:
       ValueError: a bad argument or a malformed file. FileNotFoundError: no data.
@@ -196,10 +230,11 @@ def load_movielens(
     if not isinstance(test_fraction, (int, float)) or not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
     seed = check_int("seed", seed, minimum=0)
+    history = check_int("history", history, minimum=0)
     directory = resolve_path(path)
     movies = _read_movies(directory / "movies.csv")
     ratings = _read_ratings(directory / "ratings.csv")
-    features, label = _examples(ratings, movies, float(positive_threshold))
+    features, label = _examples(ratings, movies, float(positive_threshold), history)
     n = ratings.shape[0]
     n_test = round(n * test_fraction)
     if split == "random":
@@ -226,11 +261,13 @@ def movielens(
     positive_threshold: float = 4.0,
     shuffle: bool = True,
     prefetch: bool = True,
+    history: int = 0,
 ) -> tuple[tf.data.Dataset, tf.data.Dataset]:
     """MovieLens as ``(train_ds, test_ds)`` of ``(features, label)`` batches.
 
     ``features``: ``"dense"`` float32 ``[B, 1]``, ``"sparse"`` int64 ``[B, 3]``
-    (user, movie, year ids), ``"genres"`` int64 ``tf.RaggedTensor`` ``[B, None]``;
+    (user, movie, year ids), ``"genres"`` int64 ``tf.RaggedTensor`` ``[B, None]``
+    (and ``"history"``, likewise, with ``history > 0``);
     ``label`` float32 ``[B, 1]``. The training set is reshuffled every epoch
     (reproducibly for ``seed``) unless ``shuffle=False``; the test set keeps file
     order. Arguments as in :func:`load_movielens`.
@@ -247,6 +284,7 @@ def movielens(
         test_fraction=test_fraction,
         seed=seed,
         positive_threshold=positive_threshold,
+        history=history,
     )
     train = dataset_from_arrays(
         data.train_features,

@@ -573,6 +573,23 @@ class UniqueOp : public OpKernel {
   int32_t num_groups_ = 1;
 };
 
+// Shards for `work` floats of work split over the intra-op pool: at most one
+// per pool thread and `limit`, each worth at least kMinWorkPerShard floats.
+// RunShards gives a shard to a pool thread only if one is free, so a kernel
+// inside a busy step does the work itself rather than wait for the pool.
+constexpr int64_t kMinWorkPerShard = 1 << 18;
+
+int64_t PoolShards(OpKernelContext* ctx, int64_t work, int64_t limit) {
+  thread::ThreadPool* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+  const int64_t threads = pool == nullptr ? 1 : pool->NumThreads();
+  return std::max<int64_t>(1, std::min({threads, work / kMinWorkPerShard, limit}));
+}
+
+sfctr::Scheduler PoolScheduler(OpKernelContext* ctx) {
+  thread::ThreadPool* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+  return [pool](std::function<void()> task) { pool->Schedule(std::move(task)); };
+}
+
 class SegmentSumsOp : public OpKernel {
  public:
   explicit SegmentSumsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -614,15 +631,9 @@ class SegmentSumsOp : public OpKernel {
     float* out_sq = squares_ ? squares->flat<float>().data() : nullptr;
     // Each shard owns a range of segments and scans all the segment ids:
     // shards are worth it only when the rows outweigh that scan.
-    thread::ThreadPool* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-    const int64_t work = n * dim * (squares_ ? 2 : 1);
-    const int64_t threads = pool == nullptr ? 1 : pool->NumThreads();
-    const int64_t shards =
-        std::max<int64_t>(1, std::min({threads, work / kMinWorkPerShard, num_segments}));
+    const int64_t shards = PoolShards(ctx, n * dim * (squares_ ? 2 : 1), num_segments);
     const int64_t per = (num_segments + shards - 1) / shards;
-    const sfctr::Scheduler schedule = [pool](std::function<void()> task) {
-      pool->Schedule(std::move(task));
-    };
+    const sfctr::Scheduler schedule = PoolScheduler(ctx);
     sfctr::RunShards(&schedule, shards, shards - 1, [&](int64_t s) {
       const int64_t begin = s * per;
       sfctr::SegmentSums(in, seg, n, dim, begin, std::min(num_segments, begin + per), out,
@@ -631,7 +642,6 @@ class SegmentSumsOp : public OpKernel {
   }
 
  private:
-  static constexpr int64_t kMinWorkPerShard = 1 << 18;
   bool squares_ = false;
 };
 
@@ -705,23 +715,6 @@ class NonFiniteMarkerOp : public OpKernel {
     out->scalar<float>()() = finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
   }
 };
-
-// Shards for `work` floats of work split over the intra-op pool: at most one
-// per pool thread and `limit`, each worth at least kMinWorkPerShard floats.
-// RunShards gives a shard to a pool thread only if one is free, so a kernel
-// inside a busy step does the work itself rather than wait for the pool.
-constexpr int64_t kMinWorkPerShard = 1 << 18;
-
-int64_t PoolShards(OpKernelContext* ctx, int64_t work, int64_t limit) {
-  thread::ThreadPool* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-  const int64_t threads = pool == nullptr ? 1 : pool->NumThreads();
-  return std::max<int64_t>(1, std::min({threads, work / kMinWorkPerShard, limit}));
-}
-
-sfctr::Scheduler PoolScheduler(OpKernelContext* ctx) {
-  thread::ThreadPool* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-  return [pool](std::function<void()> task) { pool->Schedule(std::move(task)); };
-}
 
 // out = params[indices] for a float32 matrix and an int32 index vector, with
 // the rows of the index 8 ahead prefetched; ranges of the output go to the

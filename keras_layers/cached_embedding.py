@@ -529,8 +529,11 @@ class CachedEmbedding(keras.layers.Layer):
             if self._mode != "model_parallel":
                 unique_ids, inverse, _ = _ops.unique(ids)
         if self._mode == "local" and training:
-            # One gather of the batch's rows straight from the cache.
-            slots = self._cached_slots(unique_ids, next_ids, hints)
+            # One gather of the batch's rows straight from the cache. Ids
+            # de-duplicated in the input pipeline are checked to be distinct
+            # (by the cache prepare, which then changes nothing).
+            slots = self._cached_slots(unique_ids, next_ids, hints,
+                                       from_input=isinstance(inputs, dict))
             rows = _ops.gather_rows(self._cache_rows, _ops.gather_index(slots, inverse))
             apply_update = lambda g, g_sq: self._apply_update(slots, g, g_sq)  # noqa: E731
             num_unique = tf.size(unique_ids)
@@ -683,12 +686,15 @@ class CachedEmbedding(keras.layers.Layer):
         return self._data_parallel_rows(unique_ids, training)
 
     def _cached_slots(self, unique_ids: tf.Tensor, next_ids: Optional[tf.Tensor] = None,
-                      hints: Optional[tuple] = None):
+                      hints: Optional[tuple] = None, from_input: bool = False):
         """Loads distinct ids into the cache (this rank's shard); returns
         their slots, valid once the cache holds their rows. With ``next_ids``,
         also prepares the cache for the next batch (see the class docstring).
         ``hints`` (ids, batches after this one) go to the batch prepared:
-        the next one with ``next_ids``, else this one."""
+        the next one with ``next_ids``, else this one. ``from_input``: the
+        ids come from the input (de-duplicated in the pipeline), not from
+        this layer's own de-duplication, so the prepare checks that they are
+        distinct (a repeat fails this step, or gives the next one no plan)."""
         plan = self._plan
         # A prepared plan is applied first, whichever batch it was for: the
         # directory already reflects it.
@@ -715,14 +721,15 @@ class CachedEmbedding(keras.layers.Layer):
                     f"{self.cache_capacity}; raise cache_capacity or use smaller batches. "
                     f"Nothing was changed")))
         with tf.control_dependencies(checks):
-            slots, *evictions = tf.cond(use_plan, lambda: (planned_slots(), *self._no_evictions()),
-                                        lambda: self._prepare_now(unique_ids, hints))
+            slots, *evictions = tf.cond(
+                use_plan, lambda: (planned_slots(), *self._no_evictions()),
+                lambda: self._prepare_now(unique_ids, hints, require_distinct=from_input))
         self._write_back(*evictions)
         if next_ids is not None:
             # After this batch's write-back (the host then holds every evicted
             # row), concurrently with the rest of the step.
             with tf.control_dependencies([slots]):
-                self._prepare_next(next_ids, hints)
+                self._prepare_next(next_ids, hints, require_distinct=from_input)
         return slots
 
     def _apply_plan(self, miss_slots, miss_rows, evict_slots, evict_ids, evict_uses):
@@ -752,23 +759,26 @@ class CachedEmbedding(keras.layers.Layer):
         return self._store.host_write(evict_ids, list(evicted), evict_uses)
 
     def _prepare(self, unique_ids: tf.Tensor, hints: Optional[tuple],
-                 skip_when_full: bool = False):
+                 skip_if_refused: bool = False, require_distinct: bool = False):
         hint_ids, hint_steps = hints if hints is not None else (None, None)
         return self._store.cache_prepare(unique_ids, num_parts=len(self._device_variables),
                                          hint_ids=hint_ids, hint_steps=hint_steps,
-                                         skip_when_full=skip_when_full)
+                                         skip_if_refused=skip_if_refused,
+                                         require_distinct=require_distinct)
 
-    def _prepare_now(self, unique_ids: tf.Tensor, hints: Optional[tuple] = None) -> tuple:
+    def _prepare_now(self, unique_ids: tf.Tensor, hints: Optional[tuple] = None,
+                     require_distinct: bool = False) -> tuple:
         """(slots, *evictions): slots valid once the cache holds the rows;
         the evictions go to _write_back (outside the caller's tf.cond)."""
         slots, miss_slots, miss_rows, evict_slots, evict_ids, evict_uses = \
-            self._prepare(unique_ids, hints)
+            self._prepare(unique_ids, hints, require_distinct=require_distinct)
         done, evictions = self._apply_plan(miss_slots, miss_rows, evict_slots, evict_ids,
                                            evict_uses)
         with tf.control_dependencies([done]):
             return (tf.identity(slots), *evictions)
 
-    def _prepare_next(self, next_ids: tf.Tensor, hints: Optional[tuple] = None) -> tf.Tensor:
+    def _prepare_next(self, next_ids: tf.Tensor, hints: Optional[tuple] = None,
+                      require_distinct: bool = False) -> tf.Tensor:
         plan = self._plan
         if hints is not None:
             # Counted from this batch; the plan is for the next one (whose
@@ -777,12 +787,13 @@ class CachedEmbedding(keras.layers.Layer):
             hints = (tf.boolean_mask(hints[0], later), tf.boolean_mask(hints[1], later) - 1)
 
         def prepare():
-            # A next batch whose new ids the host table's max_rows has no
-            # room for gets no plan (nothing changes): its own step then
-            # prepares it and fails, as without lookahead, and this step's
-            # update is applied.
+            # A next batch the prepare refuses (new ids the host table's
+            # max_rows has no room for, a repeated id) gets no plan (nothing
+            # changes): its own step then prepares it and fails, as without
+            # lookahead, and this step's update is applied.
             slots, miss_slots, miss_rows, evict_slots, evict_ids, evict_uses, prepared = \
-                self._prepare(next_ids, hints, skip_when_full=True)
+                self._prepare(next_ids, hints, skip_if_refused=True,
+                              require_distinct=require_distinct)
             saved = [plan.ids.assign(next_ids), plan.count.assign(tf.size(next_ids)),
                      plan.slots.assign(slots),
                      plan.miss_slots.assign(miss_slots), plan.evict_slots.assign(evict_slots),

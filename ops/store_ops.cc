@@ -46,7 +46,8 @@ REGISTER_OP("SfctrCachePrepare")
     .Input("hint_ids: int64")
     .Input("hint_steps: int32")
     .Attr("num_parts: int >= 1 = 1")
-    .Attr("skip_when_full: bool = false")
+    .Attr("skip_if_refused: bool = false")
+    .Attr("require_distinct: bool = false")
     .Output("slots: int32")
     .Output("miss_slots: int32")
     .Output("miss_rows: num_parts * float")
@@ -86,11 +87,13 @@ The host fetch runs on TF's intra-op thread pool while the directory is
 updated. `hint_ids` (may be empty) are ids that later batches use,
 `hint_steps` (>= 1) how many batches later: cached ones are evicted only after
 every unhinted slot, the furthest use first. Fails, changing nothing, when the
-ids exceed the cache capacity or the host table's max_rows, or the hints are
-malformed. With skip_when_full, new ids that the host table's max_rows has no
-room for are not an error: nothing changes, `prepared` is false, slots are -1
-and the other outputs empty (a lookahead plan that cannot be made is no plan;
-the step of that batch then fails itself). `prepared` is true otherwise.
+ids exceed the cache capacity or the host table's max_rows, the hints are
+malformed, or (with require_distinct, for ids the caller did not de-duplicate
+itself) an id repeats; without require_distinct a repeated id is placed once.
+With skip_if_refused, a refusal of the ids (capacity, max_rows, a repeat) is
+not an error: nothing changes, `prepared` is false, slots are -1 and the other
+outputs empty (a lookahead plan that cannot be made is no plan; the step of
+that batch then fails itself). `prepared` is true otherwise.
 )doc");
 
 REGISTER_OP("SfctrHostWrite")

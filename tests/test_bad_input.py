@@ -199,6 +199,54 @@ def test_bad_deduplicated_features(trained, feature, error, match, training):
     _assert_unchanged(trained, snap)
 
 
+@pytest.mark.parametrize("unique,inverse", [
+    ([5, 8, 5], [0, 1, 2, 1]),      # a cached id twice
+    ([77, 1, 77], [0, 1, 2, 2]),    # a new id twice
+])
+def test_repeated_unique_ids_are_refused_in_training(trained, unique, inverse):
+    """A hand-made de-duplicated feature whose unique_ids repeat an id: the
+    cache would hold it once and Adagrad would apply its update once per
+    copy (not the sum). Training refuses it before anything changes;
+    inference (nothing to update) serves it."""
+    ids = np.array(unique, np.int64)[inverse]
+    feature = _vsi(ids, np.array(unique, np.int64), np.array(inverse, np.int32))
+    snap = _snapshot(trained)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=rf"id {unique[0]} appears twice .*positions 0 and 2.*must be "
+                             r"distinct.*Nothing was changed"):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(trained(feature, training=True))
+        tape.gradient(loss, trained.trainable_weights)
+    _assert_unchanged(trained, snap)
+    np.testing.assert_array_equal(trained(feature).numpy(), trained.lookup_rows(ids))
+    _assert_unchanged(trained, snap)
+
+
+def test_repeated_next_unique_ids_give_no_plan():
+    """Lookahead with a next batch whose ids repeat: no plan is made, the step
+    trains as without lookahead, and the next step prepares its own cache."""
+    def layer():
+        return CachedEmbedding(4, cache_capacity=6, seed=0,
+                               optimizer=tf_sfctr.optimizers.Adagrad(0.1))
+
+    def step(emb, feature):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(emb(feature, training=True) ** 2)
+        tape.gradient(loss, emb.trainable_weights)
+
+    first = _vsi([3, 1, 3], np.array([3, 1], np.int64), np.array([0, 1, 0], np.int32))
+    ahead, plain = layer(), layer()
+    step(ahead, dict(first, next_unique_ids=tf.constant([7, 8, 7], tf.int64)))
+    step(plain, first)
+    second = _vsi([7, 8, 7], np.array([7, 8], np.int64), np.array([0, 1, 0], np.int32))
+    step(ahead, second)
+    step(plain, second)
+    ids = np.array([1, 3, 7, 8], np.int64)
+    np.testing.assert_array_equal(ahead.lookup_rows(ids), plain.lookup_rows(ids))
+    assert ahead.cache_stats() == plain.cache_stats()
+    assert ahead.cache_stats()["prepared_ahead"] == 0
+
+
 def test_a_dataset_with_other_vsi_options_than_the_model_is_refused():
     """Keras matches a dict's entries by position: a model made with
     vsi_inputs(lookahead=False) fed by with_unique_ids(lookahead=True) got the

@@ -109,15 +109,20 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
     # Training-step cache management -------------------------------------
     def cache_prepare(self, unique_ids: tf.Tensor, num_parts: int = 1,
                       hint_ids: Optional[tf.Tensor] = None,
-                      hint_steps: Optional[tf.Tensor] = None, skip_when_full: bool = False):
+                      hint_steps: Optional[tf.Tensor] = None, skip_if_refused: bool = False,
+                      require_distinct: bool = False):
         """(slots, miss_slots, miss_rows, evict_slots, evict_ids, evict_uses) of
         one step, ``miss_rows`` a list of ``num_parts`` column blocks of the
         fetched rows; write the evicted rows back with
         ``host_write(evict_ids, rows, evict_uses)``.
 
-        With ``skip_when_full``, a host table whose ``max_rows`` has no room
-        for the new ids is not an error: nothing changes and a seventh value,
-        ``prepared`` (scalar bool), is False (True otherwise).
+        ``require_distinct``: a repeated id fails (changing nothing) instead
+        of being placed once; for ids the caller did not de-duplicate itself.
+
+        With ``skip_if_refused``, ids the prepare refuses (more than the cache
+        holds, new ids the host table's ``max_rows`` has no room for, a repeat
+        with ``require_distinct``) are not an error: nothing changes and a
+        seventh value, ``prepared`` (scalar bool), is False (True otherwise).
 
         Eviction hints: ``hint_ids`` are used ``hint_steps`` (int32, >= 1)
         batches after this one; the cache keeps them if other rows can go."""
@@ -128,9 +133,10 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
             hint_steps = tf.zeros([0], tf.int32)
         out = _ops.load().sfctr_cache_prepare(self.resource_handle, unique_ids,
                                               hint_ids, hint_steps, num_parts=num_parts,
-                                              skip_when_full=skip_when_full)
+                                              skip_if_refused=skip_if_refused,
+                                              require_distinct=require_distinct)
         result = (out[0], out[1], list(out[2]), *out[3:6])
-        return (*result, out[6]) if skip_when_full else result
+        return (*result, out[6]) if skip_if_refused else result
 
     def cache_probe(self, ids: tf.Tensor) -> tf.Tensor:
         return _ops.load().sfctr_cache_probe(self.resource_handle, ids)

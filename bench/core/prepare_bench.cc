@@ -94,6 +94,9 @@ int main(int argc, char** argv) {
   const int dim = argc > 6 ? std::atoi(argv[6]) : 16;
   // Host-table size estimate (HostTableOptions::expected_rows); 0: none.
   const int64_t expected = argc > 7 ? std::atoll(argv[7]) : 0;
+  // 1: check that the ids are distinct (what a step on ids de-duplicated in
+  // the input pipeline asks for).
+  const bool require_distinct = argc > 8 && std::atoi(argv[8]) != 0;
   Worker worker;
   const Scheduler schedule = [&worker](std::function<void()> task) {
     worker.Schedule(std::move(task));
@@ -135,7 +138,8 @@ int main(int argc, char** argv) {
     PrepareResult result;
     const auto t0 = Clock::now();
     CoreStatus st = store.Prepare(ids.data(), ids.size(), &result,
-                                  threads > 1 ? &schedule : nullptr);
+                                  threads > 1 ? &schedule : nullptr, EvictionHints(),
+                                  require_distinct);
     const auto t1 = Clock::now();
     if (!st.ok()) {
       std::fprintf(stderr, "prepare failed: %s\n", st.message().c_str());
@@ -154,9 +158,10 @@ int main(int argc, char** argv) {
   }
   const double distinct = static_cast<double>(ids.size());
   std::printf("vocab %lld, cache %lld rows, %d timed batches of %lld ids "
-              "(%.0f distinct in the last), alpha %.2f, dim %d, %d thread(s)\n",
+              "(%.0f distinct in the last), alpha %.2f, dim %d, %d thread(s)%s\n",
               static_cast<long long>(vocab), static_cast<long long>(cache), batches,
-              static_cast<long long>(per_batch), distinct, alpha, dim, threads);
+              static_cast<long long>(per_batch), distinct, alpha, dim, threads,
+              require_distinct ? ", ids checked distinct" : "");
   std::printf("misses/batch %.0f; prepare %.2f ms (%.3f us/miss); write-back %.2f ms; "
               "sum %.2f ms\n",
               Median(misses), Median(t_prepare), 1e3 * Median(t_prepare) / Median(misses),

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <unordered_set>
 
+#include "mix.h"
+
 namespace sfctr {
 
 EmbeddingStore::EmbeddingStore(const StoreOptions& options)
@@ -10,7 +12,7 @@ EmbeddingStore::EmbeddingStore(const StoreOptions& options)
 
 CoreStatus EmbeddingStore::Prepare(const int64_t* ids, int64_t n,
                                    PrepareResult* r, const Scheduler* schedule,
-                                   const EvictionHints& hints) {
+                                   const EvictionHints& hints, bool require_distinct) {
   std::lock_guard<std::mutex> lock(mu_);
   r->slots.resize(n);
   int64_t num_misses = 0;
@@ -18,7 +20,8 @@ CoreStatus EmbeddingStore::Prepare(const int64_t* ids, int64_t n,
   if (!st.ok()) return st;
 
   // Ids not in the cache, in input order. Callers pass distinct ids; if one
-  // repeats, Commit places it once and the extra fetched row is dropped below.
+  // repeats (and !require_distinct), Commit places it once and the extra
+  // fetched row is dropped below.
   std::vector<int64_t> miss_ids;
   std::vector<int64_t> classified_misses;
   miss_ids.reserve(num_misses);
@@ -28,6 +31,10 @@ CoreStatus EmbeddingStore::Prepare(const int64_t* ids, int64_t n,
       miss_ids.push_back(ids[i]);
       classified_misses.push_back(i);
     }
+  }
+  if (require_distinct) {
+    st = CheckDistinct(ids, n, r->slots.data(), miss_ids);
+    if (!st.ok()) return st;
   }
   // Reserve host rows for ids never seen before, so that a full table fails
   // here, before the directory changes.
@@ -93,6 +100,46 @@ CoreStatus EmbeddingStore::Prepare(const int64_t* ids, int64_t n,
     r->evict_uses.push_back(e.uses);
     pending_ids_.push_back(e.id);
     pending_handles_.push_back(e.handle);
+  }
+  return CoreStatus::Ok();
+}
+
+CoreStatus EmbeddingStore::CheckDistinct(const int64_t* ids, int64_t n,
+                                         const int32_t* slots,
+                                         const std::vector<int64_t>& miss_ids) {
+  auto repeated = [&](int64_t id) {
+    int64_t first = 0;
+    while (ids[first] != id) ++first;
+    int64_t second = first + 1;
+    while (ids[second] != id) ++second;
+    return CoreStatus::InvalidArgument(
+        "id " + std::to_string(id) + " appears twice among the step's distinct "
+        "ids (positions " + std::to_string(first) + " and " + std::to_string(second) +
+        "): the unique ids of a de-duplicated feature must be distinct, as "
+        "tf_sfctr.data.with_unique_ids and deduplicate give them (a repeated id would "
+        "be updated once per copy). Nothing was changed.");
+  };
+  // Cached ids: a repeated one has the same slot twice. One bit per slot
+  // (small enough to stay in cache).
+  slot_bits_.assign((directory_.capacity() + 63) / 64, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    if (slots[i] < 0) continue;
+    const uint64_t bit = uint64_t{1} << (slots[i] & 63);
+    uint64_t& word = slot_bits_[slots[i] >> 6];
+    if (word & bit) return repeated(ids[i]);
+    word |= bit;
+  }
+  // Missed ids: open addressing over their indexes in miss_ids (-1: empty).
+  size_t size = 16;
+  while (size < 2 * miss_ids.size()) size <<= 1;
+  std::vector<int32_t> set(size, -1);
+  const size_t mask = size - 1;
+  for (size_t k = 0; k < miss_ids.size(); ++k) {
+    size_t h = Mix64(static_cast<uint64_t>(miss_ids[k])) & mask;
+    for (; set[h] >= 0; h = (h + 1) & mask) {
+      if (miss_ids[set[h]] == miss_ids[k]) return repeated(miss_ids[k]);
+    }
+    set[h] = static_cast<int32_t>(k);
   }
   return CoreStatus::Ok();
 }

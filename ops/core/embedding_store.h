@@ -55,9 +55,13 @@ class EmbeddingStore {
   // With a `schedule`, the host fetch runs on it while this thread updates
   // the directory; Prepare returns when both are done. `hints` name ids of
   // later batches, kept in the cache when others can go (CacheDirectory).
+  // With `require_distinct`, ids that repeat fail (changing nothing) instead
+  // of being placed once: for ids the caller did not de-duplicate itself (a
+  // repeated id would get its update applied once per copy).
   CoreStatus Prepare(const int64_t* ids, int64_t n, PrepareResult* result,
                      const Scheduler* schedule = nullptr,
-                     const EvictionHints& hints = EvictionHints());
+                     const EvictionHints& hints = EvictionHints(),
+                     bool require_distinct = false);
 
   // Stores full-width rows of `ids` in the host table, adding `counts` (if
   // given) to their use counters. When `ids` are exactly the last Prepare's
@@ -94,6 +98,12 @@ class EmbeddingStore {
   void SetCounters(int64_t hits, int64_t misses, int64_t evictions);
 
  private:
+  // Fails naming an id of `ids` that repeats. `slots` are Classify's
+  // (equal slots >= 0 are a repeated cached id); the misses (`miss_ids`)
+  // are checked with a small hash set.
+  CoreStatus CheckDistinct(const int64_t* ids, int64_t n, const int32_t* slots,
+                           const std::vector<int64_t>& miss_ids);
+
   HostTable table_;
   mutable std::mutex mu_;  // guards directory_ and the pending write-back
   CacheDirectory directory_;
@@ -101,6 +111,7 @@ class EmbeddingStore {
   std::vector<int64_t> pending_ids_;
   std::vector<uint64_t> pending_handles_;
   int64_t write_backs_by_handle_ = 0;
+  std::vector<uint64_t> slot_bits_;  // CheckDistinct's slots seen, one bit each
 };
 
 }  // namespace sfctr

@@ -206,7 +206,8 @@ class CachePrepareOp : public StoreOpKernel {
  public:
   explicit CachePrepareOp(OpKernelConstruction* ctx) : StoreOpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_parts", &num_parts_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("skip_when_full", &skip_when_full_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("skip_if_refused", &skip_if_refused_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("require_distinct", &require_distinct_));
   }
 
  protected:
@@ -245,11 +246,12 @@ class CachePrepareOp : public StoreOpKernel {
     // each) the fetch runs inline: a second busy thread would only compete.
     const bool parallel = pool != nullptr && pool->NumThreads() > 1;
     const sfctr::CoreStatus st = store.Prepare(ids.flat<int64_t>().data(), ids.NumElements(),
-                                               &r, parallel ? &schedule : nullptr, hints);
-    // A full host table is the one failure that leaves the store unchanged
-    // by design (rows are reserved before the directory changes).
-    const bool skipped =
-        !st.ok() && skip_when_full_ && st.code() == sfctr::CoreStatus::Code::kResourceExhausted;
+                                               &r, parallel ? &schedule : nullptr, hints,
+                                               require_distinct_);
+    // Prepare changes nothing when it fails (every check, including the host
+    // rows' reservation against max_rows, comes before the directory
+    // changes), so a refused plan can be skipped.
+    const bool skipped = !st.ok() && skip_if_refused_;
     if (!skipped) OP_REQUIRES_OK(ctx, ToTf(st));
     if (skipped) {
       r = sfctr::PrepareResult();
@@ -271,7 +273,8 @@ class CachePrepareOp : public StoreOpKernel {
 
  private:
   int num_parts_;
-  bool skip_when_full_ = false;
+  bool skip_if_refused_ = false;
+  bool require_distinct_ = false;
 };
 
 class HostWriteOp : public StoreOpKernel {

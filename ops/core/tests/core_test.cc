@@ -648,6 +648,42 @@ TEST_CASE(StoreMaxRowsLeavesCacheUntouched) {
   CHECK_EQ(slot, -1);
 }
 
+TEST_CASE(StoreRequireDistinctRefusesRepeatsUnchanged) {
+  StoreOptions o;
+  o.table = Options(2, 0);
+  o.cache_capacity = 4;
+  EmbeddingStore store(o);
+  PrepareResult r;
+  const int64_t first[] = {1, 2, 3};
+  CHECK(store.Prepare(first, 3, &r, nullptr, EvictionHints(), true).ok());
+  const StoreStats before = store.Stats();
+  // A repeated cached id (2), then a repeated new id (9): each refused, and
+  // the store is as before (no slot, no host row, no counter moved).
+  const int64_t cached_twice[] = {2, 5, 2};
+  const int64_t new_twice[] = {9, 1, 9};
+  for (const int64_t* ids : {cached_twice, new_twice}) {
+    CoreStatus st = store.Prepare(ids, 3, &r, nullptr, EvictionHints(), true);
+    CHECK(!st.ok());
+    CHECK(st.message().find("appears twice") != std::string::npos);
+    CHECK(st.message().find("positions 0 and 2") != std::string::npos);
+    const StoreStats after = store.Stats();
+    CHECK_EQ(after.hits, before.hits);
+    CHECK_EQ(after.misses, before.misses);
+    CHECK_EQ(after.host_rows, before.host_rows);
+    CHECK_EQ(after.cached_rows, before.cached_rows);
+  }
+  int32_t slots[2];
+  const int64_t probe[] = {5, 9};
+  store.Probe(probe, 2, slots);
+  CHECK_EQ(slots[0], -1);
+  CHECK_EQ(slots[1], -1);
+  // Distinct ids still pass, many times over (the marks are reused).
+  for (int k = 0; k < 100; ++k) {
+    const int64_t ids[] = {1, 2, 3, 100 + k};
+    CHECK(store.Prepare(ids, 4, &r, nullptr, EvictionHints(), true).ok());
+  }
+}
+
 // Reference de-duplication: first-occurrence order, then a stable grouping by
 // owner; the inverse follows the ids.
 void ReferenceDedup(const std::vector<int64_t>& ids, int32_t groups,

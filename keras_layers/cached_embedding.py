@@ -184,6 +184,47 @@ class _Plan:
                                    for i in range(num_parts))
 
 
+class _DeferredUpdate:
+    """A model-parallel training step's table update, held until the next
+    collective of the layer carries it to the owners: the next training
+    step's ids all-to-all (one all-to-all a step fewer), or, before any read
+    of the table (inference, ``lookup_rows``, ``assign_rows``, ``flush``,
+    checkpoints, export), an all-to-all of its own. Untracked, like
+    ``_Plan``: a checkpoint is written after delivery, and a restore voids
+    it.
+
+    As requester: ``payload`` (the summed gradients, and squares, of the ids
+    this rank sent, in route order) and ``splits`` (how many went to each
+    rank). As owner: where the rows it will receive go (``own_inverse``
+    into its ``own_count`` distinct ids, at cache ``slots``) and the table
+    step the update belongs to. ``pending`` is the same on every rank (every
+    rank takes part in every training step's collectives).
+    """
+
+    def __init__(self, width: int, world_size: int, device: str):
+        def var(value, shape, name):
+            return tf.Variable(value, shape=shape, trainable=False, name=name)
+
+        with tf.device("/CPU:0"):
+            self.pending = var(False, [], "deferred_pending")
+            self.splits = var(tf.zeros([world_size], tf.int32), [world_size], "deferred_splits")
+            self.own_inverse = var(tf.zeros([0], tf.int32), [None], "deferred_own_inverse")
+            self.own_count = var(0, [], "deferred_own_count")
+            self.slots = var(tf.zeros([0], tf.int32), [None], "deferred_slots")
+            self.step = var(tf.constant(0, tf.int64), [], "deferred_step")
+        with tf.device(device):
+            self.payload = var(tf.zeros([0, width]), [None, width], "deferred_payload")
+        self.width = width
+
+    def carried(self) -> tuple[tf.Tensor, tf.Tensor]:
+        """(rows, splits) to send: the payload if pending, else nothing."""
+        pending = self.pending.read_value()
+        rows = tf.cond(pending, self.payload.read_value,
+                       lambda: tf.zeros([0, self.width]))
+        splits = tf.where(pending, self.splits.read_value(), tf.zeros_like(self.splits))
+        return rows, splits
+
+
 #: Host-table index bytes per expected row (12-byte entries at 54-81% load,
 #: measured 16.9-17.1 bytes at 1-2M rows).
 _INDEX_BYTES_PER_ROW = 17
@@ -340,6 +381,7 @@ class CachedEmbedding(keras.layers.Layer):
         self.distribution = distribution
         self._mode = "local"
         self._world_size = 1
+        self._deferred = None  # model parallel: _DeferredUpdate (build)
         self._call_suffixes: dict = {}  # this call's collective names (_collective_name)
         # Custom ops have no XLA kernels: tell Keras not to jit-compile.
         self.supports_jit = False
@@ -388,6 +430,10 @@ class CachedEmbedding(keras.layers.Layer):
                 tf.constant(0, tf.int64), trainable=False, name="table_step")
         with tf.init_scope():
             self._plan = _Plan(self.output_dim, 1 + opt.num_state, _compute_device())
+            self._deferred = None
+            if self._mode == "model_parallel":
+                width = self.output_dim * (2 if opt.needs_squared_occurrences else 1)
+                self._deferred = _DeferredUpdate(width, self._world_size, _compute_device())
         # Ids this rank sent to owners in model-parallel training steps (one
         # per distinct (id, owner) pair); a statistic, not checkpointed.
         self._ids_sent = _Counter()
@@ -407,8 +453,9 @@ class CachedEmbedding(keras.layers.Layer):
             expected_rows=expected,
         ))
         self._store.before_save = self.flush
-        # A restored table replaces the cache: a prepared plan is void.
-        self._store.before_load = lambda: self._plan.pending.assign(False)
+        # A restored table replaces the cache: a prepared plan and a
+        # deferred update are void.
+        self._store.before_load = self._void_cache_work
         self._store.replicated = self._mode == "data_parallel"
         try:
             with tf.init_scope():
@@ -838,30 +885,99 @@ class CachedEmbedding(keras.layers.Layer):
         The index is of each of ``ids`` when ``unique_ids`` is None (the
         batch is de-duplicated and grouped by owner in one pass), else of each
         of ``unique_ids``, or of each of ``ids`` given their ``inverse``. When
-        training, the next batch's distinct ids (``next_ids``) and eviction
-        ``hints`` travel in the same all-to-all, to the owners of their ids."""
+        training, the previous step's deferred table update, the next batch's
+        distinct ids (``next_ids``) and eviction ``hints`` travel in the same
+        all-to-all, to the owners of their ids. Otherwise a deferred update
+        is delivered first, so that reads see it."""
         from tf_sfctr.distributed import exchange
 
         name, world = self._exchange_name(training), self._world_size
-        if unique_ids is None:
-            route, index = exchange.route_batch(ids, world, name)
-            return route, index, None
-        extras = None
-        if training and (next_ids is not None or hints is not None):
-            route, extras = exchange.send_ids_with_extras(unique_ids, world, name,
-                                                          next_ids=next_ids, hints=hints)
+        if training:
+            framed = exchange.send_ids_with_extras(
+                unique_ids, world, name, next_ids=next_ids, hints=hints,
+                carried=self._deferred.carried(), ids=ids if unique_ids is None else None)
+            if unique_ids is None:
+                route, extras, index = framed
+                return route, index, extras
+            route, extras = framed
         else:
-            route = exchange.send_ids(unique_ids, world, name)
+            with tf.control_dependencies([self._deliver_deferred()]):
+                if unique_ids is None:
+                    route, index = exchange.route_batch(ids, world, name)
+                    return route, index, None
+                route, extras = exchange.send_ids(unique_ids, world, name), None
         index = route.position if inverse is None else _ops.gather_index(route.position, inverse)
         return route, index, extras
+
+    def _deliver_deferred(self) -> tf.Tensor:
+        """Collective in model-parallel mode: sends a deferred table update
+        to the owners, which apply it (a no-op, on every rank alike, when
+        none is pending). Returns a bool tensor to order reads after."""
+        if self._deferred is None:
+            return tf.constant(False)
+        from tf_sfctr.distributed import exchange
+
+        d = self._deferred
+        name = self._collective_name("deliver")
+
+        def deliver():
+            received = exchange.send_rows(d.payload.read_value(), d.splits.read_value(),
+                                          f"{name}_grads")
+            return self._apply_deferred(received)
+
+        return tf.cond(d.pending.read_value(), deliver, lambda: tf.constant(False))
+
+    def _apply_deferred(self, received: tf.Tensor) -> tf.Tensor:
+        """Owner: applies a deferred update whose rows (``received``, by
+        sender) arrived; returns whether one was pending."""
+        d = self._deferred
+        dim, n = self.output_dim, float(self._world_size)
+
+        def apply():
+            total, _ = _ops.segment_sums(received, d.own_inverse.read_value(),
+                                         d.own_count.read_value())
+            # Mean over ranks, like the dense gradients: N ranks with batch B
+            # train like one process with batch N * B.
+            g_own = total[:, :dim] / n
+            g_sq_own = total[:, dim:] / (n * n) if d.width > dim else None
+            update = self.table_optimizer.apply(
+                self._cache_rows, list(self._cache_state), d.slots.read_value(), g_own,
+                g_sq_own, d.step.read_value())
+            with tf.control_dependencies([update]):
+                return d.pending.assign(False, read_value=True)
+
+        with tf.control_dependencies([received]):
+            return tf.cond(d.pending.read_value(), apply, lambda: tf.constant(False))
+
+    def _defer_update(self, payload, splits, own_inverse, own_count, slots) -> tf.Tensor:
+        """Holds a model-parallel step's update for the next collective (see
+        ``_DeferredUpdate``); returns the new table step count, as an applied
+        update does."""
+        d = self._deferred
+        saved = [d.payload.assign(payload), d.splits.assign(splits),
+                 d.own_inverse.assign(own_inverse), d.own_count.assign(own_count),
+                 d.slots.assign(slots), d.step.assign(self._table_step.read_value())]
+        with tf.control_dependencies(saved):
+            pending = d.pending.assign(True)
+        with tf.control_dependencies([pending]):
+            return self._table_step.assign_add(1, read_value=True)
+
+    def _void_cache_work(self) -> None:
+        """A restored table replaces the cache: a prepared plan and a
+        deferred update are void."""
+        self._plan.pending.assign(False)
+        if self._deferred is not None:
+            self._deferred.pending.assign(False)
 
     def _model_parallel_rows(self, route, training: bool, extras=None):
         """Rows of this rank's distinct ids (sent along ``route``) in route
         order and, when training, the update function (taking gradients in
         route order). ``extras`` (``exchange.Extras``) are what this rank
-        received as owner beside the ids: with the next batch's ids it
-        prepares its cache for them during this step, and eviction hints go
-        to its cache directory."""
+        received as owner beside the ids: the previous step's deferred
+        update, applied first; with the next batch's ids it prepares its
+        cache for them during this step, and eviction hints go to its cache
+        directory. The update of a training step is deferred: the next
+        collective carries it (``_DeferredUpdate``)."""
         from tf_sfctr.distributed import exchange
 
         name = self._exchange_name(training)
@@ -869,6 +985,8 @@ class CachedEmbedding(keras.layers.Layer):
             self._ids_sent.var.assign_add(tf.cast(tf.size(route.position), tf.int64))
         own_ids, own_inverse, _ = _ops.unique(route.recv_ids)
         if training:
+            # The previous step's update, before this step moves any slot.
+            applied = self._apply_deferred(extras.carried)
             next_own = hints = None
             if extras is not None and extras.next_ids is not None:
                 # The same routing and de-duplication as the next step will
@@ -885,27 +1003,24 @@ class CachedEmbedding(keras.layers.Layer):
                     f"more than its cache_capacity={self.cache_capacity}; raise "
                     f"cache_capacity (each rank caches its shard) or use smaller batches. "
                     f"Nothing was changed on this rank"))
-            with tf.control_dependencies([fits]):
+            with tf.control_dependencies([fits, applied]):
                 own_ids = tf.identity(own_ids)
-            slots = self._cached_slots(own_ids, next_own, hints)
+                slots = self._cached_slots(own_ids, next_own, hints)
             rows_for_recv = _ops.gather_rows(self._cache_rows,
                                              _ops.gather_index(slots, own_inverse))
         else:
-            rows_for_recv = _ops.gather_tensor_rows(self._inference_rows(own_ids), own_inverse)
+            # After the ids exchange, which waited for any deferred update.
+            with tf.control_dependencies([route.recv_ids]):
+                rows_for_recv = _ops.gather_tensor_rows(self._inference_rows(own_ids),
+                                                        own_inverse)
         rows = exchange.return_rows(rows_for_recv, route, name)
         if not training:
             return rows, None
-        dim, n = self.output_dim, float(self._world_size)
+        own_count = tf.size(own_ids)
 
         def apply_update(g, g_sq):
             payload = g if g_sq is None else tf.concat([g, g_sq], axis=1)
-            received = exchange.send_to_owners(payload, route, name, routed=True)
-            total, _ = _ops.segment_sums(received, own_inverse, tf.size(own_ids))
-            # Mean over ranks, like the dense gradients: N ranks with batch B
-            # train like one process with batch N * B.
-            g_own = total[:, :dim] / n
-            g_sq_own = None if g_sq is None else total[:, dim:] / (n * n)
-            return self._apply_update(slots, g_own, g_sq_own)
+            return self._defer_update(payload, route.splits, own_inverse, own_count, slots)
 
         return rows, apply_update
 
@@ -1140,6 +1255,8 @@ class CachedEmbedding(keras.layers.Layer):
         from tf_sfctr.distributed import exchange
 
         name = f"sfctr_{self.name}_assign"
+        # A deferred update first: the assignment must not be trained over.
+        self._deliver_deferred()
         route = exchange.send_ids(ids, self._world_size, name)
         received = exchange.send_to_owners(tf.constant(values), route, name)
         return self._last_wins(route.recv_ids, received)
@@ -1164,8 +1281,11 @@ class CachedEmbedding(keras.layers.Layer):
     def flush(self) -> int:
         """Writes every cached row (and its state) back to the host table, so
         the host table alone holds the current values. Returns the number of
-        rows written. The cache keeps its contents."""
+        rows written. The cache keeps its contents. Collective in
+        model-parallel mode (every rank calls it): the last training step's
+        update is delivered to the owners first."""
         self._require_built()
+        self._deliver_deferred()
         self._settle()
         ids, slots = self._store.cache_entries()
         self._store.host_write(ids, [_ops.gather_rows(v, slots) for v in self._device_variables])

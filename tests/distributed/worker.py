@@ -70,6 +70,65 @@ def run_routing(out_dir, rank, size):
              after=emb.lookup_rows(v), sent=np.array(sent))
 
 
+def _count_ops(concrete, op_type: str) -> int:
+    """Nodes of one op type in a traced function and every function it calls."""
+    graph_def = concrete.graph.as_graph_def()
+    nodes = list(graph_def.node)
+    for f in graph_def.library.function:
+        nodes += list(f.node_def)
+    return sum(n.op == op_type for n in nodes)
+
+
+def run_deferred(out_dir, rank, size):
+    """A model-parallel step's table update travels with the next step's ids
+    (two all-to-alls a step, not three), and every read between steps sees
+    it: inference, assign_rows (not trained over afterwards) and restore
+    (which voids it). SGD with lr 1 and loss sum(out * w): each row moves by
+    -w / size (each rank uses its own ids, once)."""
+    from tf_sfctr.distributed import restore, save
+
+    v = sc.vocab()
+    emb = CachedEmbedding(2, cache_capacity=16, optimizer=tf_sfctr.optimizers.SGD(1.0),
+                          seed=3, name="deferred", distribution="model_parallel")
+    mine = v[rank * 6: rank * 6 + 6]
+    ids = tf.constant(mine.reshape(3, 2))
+    w = tf.constant(np.arange(1, 13, dtype=np.float32).reshape(3, 2, 2) * (rank + 1))
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(emb(x, training=True) * w)
+        return tape.gradient(loss, emb.trainable_weights)
+
+    emb.build(None)
+    concrete = step.get_concrete_function(ids)
+    alltoalls = _count_ops(concrete, "HorovodAlltoall")
+    assert alltoalls == 2, f"{alltoalls} all-to-alls in a training step, expected 2"
+
+    before = emb.lookup_rows(mine)
+    step(ids)
+    # Inference is the first read after the step: it delivers the update.
+    got = emb(ids, training=False).numpy().reshape(6, 2)
+    want = before - w.numpy().reshape(6, 2) / size
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    # A checkpoint written now holds the update.
+    ckpt_dir = os.path.join(out_dir, "deferred_ckpt")
+    save(tf.train.Checkpoint(emb=emb), ckpt_dir)
+    # assign_rows right after a step: the step's update is not applied over it.
+    step(ids)
+    values = np.full((6, 2), 7.0 + rank, np.float32)
+    emb.assign_rows(mine, values)
+    np.testing.assert_array_equal(emb.lookup_rows(mine), values)
+    # restore right after a step: the pending update is void.
+    step(ids)
+    restore(tf.train.Checkpoint(emb=emb), ckpt_dir)
+    np.testing.assert_allclose(emb.lookup_rows(mine), want, rtol=1e-6)
+    step(ids)  # and training goes on from the restored rows
+    np.testing.assert_allclose(emb.lookup_rows(mine), want - w.numpy().reshape(6, 2) / size,
+                               rtol=1e-6)
+    np.savez(os.path.join(out_dir, f"deferred_rank{rank}.npz"), ok=np.array(1))
+
+
 def run_extras(out_dir, rank, size):
     """exchange.send_ids_with_extras: every section reaches the owners."""
     from tf_sfctr.distributed import exchange
@@ -221,7 +280,7 @@ def run_robustness(out_dir, rank, size):
     ids = v[:3].astype(np.float32) if rank == 1 else v[:3]
     _expect_error(lambda: emb3.lookup_rows(ids),
                   "ids must be integers" if rank == 1 else "failed on another rank")
-    # Lookahead on one rank only: the framed ids message meets plain ids.
+    # Lookahead on one rank only: a message with next ids meets one without.
     # Both ranks fail at once (Horovod's type check), and nothing changes.
     from tf_sfctr.data import deduplicate
 
@@ -335,7 +394,7 @@ def run_resume(out_dir, rank):
 def main():
     out_dir = sys.argv[1]
     only = sys.argv[2:] or list(sc.SCENARIOS) + ["routing", "extras", "broadcast", "checkpoint",
-                                            "robustness", "resume"]
+                                            "robustness", "resume", "deferred"]
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     assert size == sc.WORLD, size
@@ -351,6 +410,8 @@ def main():
             run_robustness(out_dir, rank, size)
         elif name == "resume":
             run_resume(out_dir, rank)
+        elif name == "deferred":
+            run_deferred(out_dir, rank, size)
         elif name == "checkpoint":
             run_checkpoint_and_export(out_dir, rank, size)
         else:

@@ -67,35 +67,51 @@ class Extras(NamedTuple):
     next_ids: Optional[tf.Tensor]    # the next batch's ids this rank owns
     hint_ids: Optional[tf.Tensor]    # hinted ids this rank owns (may repeat)
     hint_steps: Optional[tf.Tensor]  # int32, batches after this one
+    carried: Optional[tf.Tensor] = None  # float32 rows sent with `carried`, by sender
 
 
 # Sections of a framed ids message, in order; the header holds their sizes.
-_THIS, _NEXT, _HINT_IDS, _HINT_STEPS = range(4)
-_SECTIONS = 4
+_THIS, _NEXT, _HINT_IDS, _HINT_STEPS, _CARRIED = range(5)
+_SECTIONS = 5
 
 
-def send_ids_with_extras(unique_ids: tf.Tensor, world_size: int, name: str,
+def send_ids_with_extras(unique_ids: Optional[tf.Tensor], world_size: int, name: str,
                          next_ids: Optional[tf.Tensor] = None,
-                         hints: Optional[tuple[tf.Tensor, tf.Tensor]] = None
-                         ) -> tuple[Route, Extras]:
+                         hints: Optional[tuple[tf.Tensor, tf.Tensor]] = None,
+                         carried: Optional[tuple[tf.Tensor, tf.Tensor]] = None,
+                         ids: Optional[tf.Tensor] = None):
     """:func:`send_ids` for this step's distinct ids plus, in the same
-    all-to-all, the next step's distinct ids (lookahead) and eviction hints
-    ``(ids, steps)``, each sent to the owner of its id.
+    all-to-all, the next step's distinct ids (lookahead), eviction hints
+    ``(ids, steps)``, each sent to the owner of its id, and ``carried``
+    rows: ``(rows, splits)``, float32 ``[R, w]`` rows in destination order,
+    ``splits[r]`` of them for rank r (a deferred table update).
 
     The next ids arrive in the order a later ``send_ids(next_ids)`` would
     deliver them. Hints keep the smallest ``steps`` of an id that repeats in
-    ``hints``; an owner may still receive one id from several ranks.
+    ``hints``; an owner may still receive one id from several ranks. Carried
+    rows arrive grouped by sender, in rank order.
 
-    Each rank's message to rank r is a header of four counts followed by
-    those sections: this step's ids for r, next ids for r, hinted ids for r
-    and their steps. Every rank sends the four sections (empty when it has
-    nothing), so ranks always agree on the framing. The message travels as
-    float64 bits, so that ranks that disagree on sending extras at all
-    (lookahead or hints on some ranks only) fail on every rank with
-    Horovod's "Mismatched data types" rather than misread each other.
+    With ``ids`` instead of ``unique_ids`` (None), the batch is de-duplicated
+    here, as :func:`route_batch` does, and the result is ``(route, extras,
+    index)`` with the route-order index of every id; else ``(route,
+    extras)``.
+
+    Each rank's message to rank r is a header of five counts followed by
+    those sections: this step's ids for r, next ids for r, hinted ids for r,
+    their steps, and the carried rows for r (as float64 words). Every rank
+    sends the five sections (empty when it has nothing), so ranks always
+    agree on the framing. The message travels as float64 bits with next ids
+    or hints and as int64 bits without, so that ranks that disagree on
+    sending them at all (lookahead or hints on some ranks only, a
+    misconfigured input pipeline) fail on every rank with Horovod's
+    "Mismatched data types" rather than silently lose the lookahead.
     """
     hvd = require()
-    routed, position, splits = _ops.unique(unique_ids, num_groups=world_size)
+    if unique_ids is None:
+        routed, index, splits = _ops.unique(ids, num_groups=world_size)
+        position = tf.range(tf.size(routed))
+    else:
+        routed, position, splits = _ops.unique(unique_ids, num_groups=world_size)
     sections, counts = [routed], [splits]
     empty = tf.zeros([0], tf.int64)
     no_split = tf.zeros([world_size], tf.int32)
@@ -115,45 +131,119 @@ def send_ids_with_extras(unique_ids: tf.Tensor, world_size: int, name: str,
     else:
         sections += [empty, empty]
         counts += [no_split, no_split]
+    sections = [tf.bitcast(x, tf.float64) for x in sections]
+    # The carried rows go as float64 words, each destination's contiguous
+    # (the rows are in destination order).
+    width = None
+    if carried is not None:
+        rows, rows_splits = carried
+        width = rows.shape[1]
+        words = _as_words(rows)
+        carried_words = tf.reshape(words, [-1])
+        carried_counts = rows_splits * words.shape[1]
+    else:
+        carried_words = tf.zeros([0], tf.float64)
+        carried_counts = no_split
 
-    # Gather indices into `source` = [sections..., header table], per
-    # destination: its header row, then its part of each section.
-    header = tf.cast(tf.stack(counts, axis=1), tf.int64)         # [world, 4]
+    # The id sections and the header, gathered per destination: its header
+    # row, then its part of each id section. (Few words; the carried rows,
+    # most of the bytes, are only sliced, below.)
+    counts.append(carried_counts)
+    header = tf.cast(tf.stack(counts, axis=1), tf.int64)         # [world, 5]
     sizes = [tf.size(x) for x in sections]
     offsets = tf.cumsum(tf.stack(sizes), exclusive=True)
     header_at = tf.reduce_sum(tf.stack(sizes))
     pieces = [tf.RaggedTensor.from_tensor(
         header_at + tf.reshape(tf.range(world_size * _SECTIONS), [world_size, _SECTIONS]))]
-    for k, c in enumerate(counts):
+    for k, c in enumerate(counts[:_CARRIED]):
         starts = tf.cumsum(c, exclusive=True) + tf.cast(offsets[k], tf.int32)
         pieces.append(tf.ragged.range(starts, starts + c))
     picks = tf.concat(pieces, axis=1).flat_values
-    source = tf.concat(sections + [tf.reshape(header, [-1])], axis=0)
-    message = tf.gather(source, picks)
-    send_splits = _SECTIONS + tf.add_n(counts)
-    # Sent as float64 bits (the all-to-all only copies bytes): a rank that
-    # sends plain ids under the same name (no lookahead or hints there)
-    # then fails Horovod's type check on every rank, instead of reading a
-    # header as ids.
-    received, recv_sizes = hvd.alltoall(tf.bitcast(message, tf.float64), splits=send_splits,
+    source = tf.concat(sections + [tf.bitcast(tf.reshape(header, [-1]), tf.float64)], axis=0)
+    id_words = tf.gather(source, picks)
+    id_counts = _SECTIONS + tf.add_n(counts[:_CARRIED])
+    if carried is None:
+        message = id_words
+    else:
+        message = tf.concat(_interleave(id_words, id_counts, carried_words, carried_counts,
+                                        world_size), axis=0)
+    send_splits = id_counts + carried_counts
+    # The all-to-all only copies bytes; the dtype it is told says whether
+    # extras are sent (see above).
+    as_type = tf.float64 if (next_ids is not None or hints is not None) else tf.int64
+    received, recv_sizes = hvd.alltoall(tf.bitcast(message, as_type), splits=send_splits,
                                         name=f"{name}_ids", ignore_name_scope=True)
-    received = tf.bitcast(received, tf.int64)
+    received = tf.bitcast(received, tf.float64)
 
     heads = tf.cumsum(recv_sizes, exclusive=True)
-    got = tf.cast(tf.gather(received, heads[:, None] + tf.range(_SECTIONS)[None, :]),
-                  tf.int32)                                       # [world, 4]
+    got = tf.cast(tf.bitcast(tf.gather(received, heads[:, None] + tf.range(_SECTIONS)[None, :]),
+                             tf.int64), tf.int32)                 # [world, 5]
+    recv_carried = None
+    if carried is not None:
+        # Split each sender's part into its id words and its carried words.
+        recv_id_counts = _SECTIONS + tf.reduce_sum(got[:, :_CARRIED], axis=1)
+        parts = _deinterleave(received, recv_id_counts, got[:, _CARRIED], world_size)
+        received = tf.concat(parts[0::2], axis=0)
+        recv_carried = _from_words(tf.concat(parts[1::2], axis=0), width)
+        heads = tf.cumsum(recv_id_counts, exclusive=True)
     section_starts = heads[:, None] + _SECTIONS + tf.cumsum(got, axis=1, exclusive=True)
 
     def section(k):
         first = section_starts[:, k]
-        return tf.gather(received, tf.ragged.range(first, first + got[:, k]).flat_values)
+        words = tf.gather(received, tf.ragged.range(first, first + got[:, k]).flat_values)
+        return tf.bitcast(words, tf.int64)
 
     route = Route(position, splits, section(_THIS), got[:, _THIS])
     extras = Extras(
         next_ids=section(_NEXT) if next_ids is not None else None,
         hint_ids=section(_HINT_IDS) if hints is not None else None,
-        hint_steps=(tf.cast(section(_HINT_STEPS), tf.int32) if hints is not None else None))
-    return route, extras
+        hint_steps=(tf.cast(section(_HINT_STEPS), tf.int32) if hints is not None else None),
+        carried=recv_carried)
+    return (route, extras) if unique_ids is not None else (route, extras, index)
+
+
+def _interleave(a, a_counts, b, b_counts, world_size: int) -> list:
+    """[a's part for rank 0, b's part for rank 0, a's for rank 1, ...]: the
+    parts are consecutive in a and in b, of the given lengths."""
+    a_starts = tf.cumsum(a_counts, exclusive=True)
+    b_starts = tf.cumsum(b_counts, exclusive=True)
+    out = []
+    for r in range(world_size):
+        out.append(tf.slice(a, a_starts[r:r + 1], a_counts[r:r + 1]))
+        out.append(tf.slice(b, b_starts[r:r + 1], b_counts[r:r + 1]))
+    return out
+
+
+def _deinterleave(x, a_counts, b_counts, world_size: int) -> list:
+    """Inverse of :func:`_interleave`: the 2 x world parts of x, in order."""
+    lengths = tf.reshape(tf.stack([a_counts, b_counts], axis=1), [-1])
+    starts = tf.cumsum(lengths, exclusive=True)
+    return [tf.slice(x, starts[i:i + 1], lengths[i:i + 1]) for i in range(2 * world_size)]
+
+
+def _as_words(rows: tf.Tensor) -> tf.Tensor:
+    """float32 [R, w] -> float64 [R, ceil(w / 2)] holding the same bits (a
+    zero column pads an odd width)."""
+    w = rows.shape[1]
+    if w % 2:
+        rows = tf.pad(rows, [[0, 0], [0, 1]])
+        w += 1
+    return tf.bitcast(tf.reshape(rows, [-1, w // 2, 2]), tf.float64)
+
+
+def _from_words(words: tf.Tensor, width: int) -> tf.Tensor:
+    """Inverse of :func:`_as_words` for flat words of rows of ``width`` floats."""
+    half = (width + 1) // 2
+    rows = tf.reshape(tf.bitcast(tf.reshape(words, [-1, half]), tf.float32), [-1, 2 * half])
+    return rows[:, :width]
+
+
+def send_rows(rows: tf.Tensor, splits: tf.Tensor, name: str) -> tf.Tensor:
+    """Rows in destination order (``splits[r]`` for rank r) to their ranks;
+    returns the rows received, grouped by sender in rank order."""
+    hvd = require()
+    out, _ = hvd.alltoall(rows, splits=splits, name=name, ignore_name_scope=True)
+    return out
 
 
 def _deliver(routed, position, splits, name) -> Route:

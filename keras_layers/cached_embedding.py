@@ -985,8 +985,6 @@ class CachedEmbedding(keras.layers.Layer):
             self._ids_sent.var.assign_add(tf.cast(tf.size(route.position), tf.int64))
         own_ids, own_inverse, _ = _ops.unique(route.recv_ids)
         if training:
-            # The previous step's update, before this step moves any slot.
-            applied = self._apply_deferred(extras.carried)
             next_own = hints = None
             if extras is not None and extras.next_ids is not None:
                 # The same routing and de-duplication as the next step will
@@ -1003,6 +1001,10 @@ class CachedEmbedding(keras.layers.Layer):
                     f"more than its cache_capacity={self.cache_capacity}; raise "
                     f"cache_capacity (each rank caches its shard) or use smaller batches. "
                     f"Nothing was changed on this rank"))
+            # The previous step's update: after the check (a refused step
+            # leaves it pending), before this step moves any slot.
+            with tf.control_dependencies([fits]):
+                applied = self._apply_deferred(extras.carried)
             with tf.control_dependencies([fits, applied]):
                 own_ids = tf.identity(own_ids)
                 slots = self._cached_slots(own_ids, next_own, hints)

@@ -107,6 +107,17 @@ def run_deferred(out_dir, rank, size):
 
     before = emb.lookup_rows(mine)
     step(ids)
+    # A step that its owners refuse (more distinct ids than cache_capacity, on
+    # both ranks) changes nothing: the previous update stays pending.
+    big = tf.constant(v[100 + rank * 40: 140 + rank * 40].reshape(20, 2))
+    try:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(emb(big, training=True))
+        tape.gradient(loss, emb.trainable_weights)
+        raise AssertionError("an owner over its cache_capacity was not refused")
+    except tf.errors.InvalidArgumentError as err:
+        assert "more than its cache_capacity" in str(err), str(err)
+    assert bool(emb._deferred.pending.numpy())
     # Inference is the first read after the step: it delivers the update.
     got = emb(ids, training=False).numpy().reshape(6, 2)
     want = before - w.numpy().reshape(6, 2) / size

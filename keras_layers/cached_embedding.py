@@ -168,7 +168,14 @@ class _Plan:
             return tf.Variable(value, shape=shape, trainable=False, name=name)
 
         with tf.device("/CPU:0"):
+            # The device side (write-back, fill) is still to be done.
             self.pending = var(False, [], "plan_pending")
+            # The plan's slots hold its ids, and their step has not been
+            # counted again since: a step on exactly these ids may take the
+            # slots without a prepare. Stays true when a read between steps
+            # settles the plan; false once a step uses it, after any other
+            # prepare, and after a restore.
+            self.usable = var(False, [], "plan_usable")
             self.ids = var(tf.zeros([0], tf.int64), [None], "plan_ids")
             # tf.size(ids), kept apart: grappler may take the static shape of
             # an assignment as the shape of every read of `ids` in the graph.
@@ -743,20 +750,14 @@ class CachedEmbedding(keras.layers.Layer):
         this layer's own de-duplication, so the prepare checks that they are
         distinct (a repeat fails this step, or gives the next one no plan)."""
         plan = self._plan
-        # A prepared plan is applied first, whichever batch it was for: the
-        # directory already reflects it.
-        # The plan's size comes from plan.count, never from tf.size of its
-        # ids: in a step traced on fixed-size ids, grappler took that size
-        # from the static shape of the plan's later assignment.
-        planned = plan.count.read_value()
-        use_plan = tf.logical_and(plan.pending.read_value(), tf.logical_and(
-            tf.equal(tf.size(unique_ids), planned),
-            _ops.ids_equal(unique_ids, plan.ids.read_value(), b_size=planned)))
 
         def planned_slots():
-            with tf.control_dependencies([self._prepared_ahead.var.assign_add(1)]):
+            with tf.control_dependencies([self._prepared_ahead.var.assign_add(1),
+                                          plan.usable.assign(False)]):
                 return tf.identity(plan.slots.read_value())
 
+        # A prepared plan is applied first, whichever batch it was for: the
+        # directory already reflects it.
         checks = [self._settle()]
         if next_ids is not None:
             # The next batch is prepared late in this step: check that it
@@ -768,6 +769,13 @@ class CachedEmbedding(keras.layers.Layer):
                     f"{self.cache_capacity}; raise cache_capacity or use smaller batches. "
                     f"Nothing was changed")))
         with tf.control_dependencies(checks):
+            # The plan's size comes from plan.count, never from tf.size of
+            # its ids: in a step traced on fixed-size ids, grappler took that
+            # size from the static shape of the plan's later assignment.
+            planned = plan.count.read_value()
+            use_plan = tf.logical_and(plan.usable.read_value(), tf.logical_and(
+                tf.equal(tf.size(unique_ids), planned),
+                _ops.ids_equal(unique_ids, plan.ids.read_value(), b_size=planned)))
             slots, *evictions = tf.cond(
                 use_plan, lambda: (planned_slots(), *self._no_evictions()),
                 lambda: self._prepare_now(unique_ids, hints, require_distinct=from_input))
@@ -819,6 +827,9 @@ class CachedEmbedding(keras.layers.Layer):
         the evictions go to _write_back (outside the caller's tf.cond)."""
         slots, miss_slots, miss_rows, evict_slots, evict_ids, evict_uses = \
             self._prepare(unique_ids, hints, require_distinct=require_distinct)
+        # The directory changed: a plan's slots no longer describe it.
+        with tf.control_dependencies([slots]):
+            self._plan.usable.assign(False)
         done, evictions = self._apply_plan(miss_slots, miss_rows, evict_slots, evict_ids,
                                            evict_uses)
         with tf.control_dependencies([done]):
@@ -846,7 +857,7 @@ class CachedEmbedding(keras.layers.Layer):
                      plan.miss_slots.assign(miss_slots), plan.evict_slots.assign(evict_slots),
                      plan.evict_ids.assign(evict_ids), plan.evict_uses.assign(evict_uses)]
             saved += [v.assign(r) for v, r in zip(plan.miss_rows, miss_rows)]
-            with tf.control_dependencies(saved):
+            with tf.control_dependencies(saved + [plan.usable.assign(prepared)]):
                 return plan.pending.assign(prepared, read_value=True)
 
         return tf.cond(tf.size(next_ids) > 0, prepare, lambda: tf.constant(False))
@@ -966,6 +977,7 @@ class CachedEmbedding(keras.layers.Layer):
         """A restored table replaces the cache: a prepared plan and a
         deferred update are void."""
         self._plan.pending.assign(False)
+        self._plan.usable.assign(False)
         if self._deferred is not None:
             self._deferred.pending.assign(False)
 

@@ -148,6 +148,32 @@ def test_reads_and_writes_between_steps_see_a_pending_plan(tmp_path):
     np.testing.assert_array_equal(layer.lookup_rows(VOCAB), ref.lookup_rows(VOCAB))
 
 
+@pytest.mark.parametrize("read", ["lookup_rows", "inference", "flush"])
+def test_a_read_between_steps_leaves_the_plan_usable(read):
+    """A read between two steps puts the plan in place; the next step still
+    takes its slots instead of preparing (and counting) the batch again, so
+    rows and counters end as in plain training."""
+    batches = _batches(6, 12)
+    ref = _train_plain(batches)
+    layer = _layer()
+    for t, ids in enumerate(batches):
+        nxt = _unique(batches[t + 1]) if t + 1 < len(batches) else None
+        _step(layer, ids, nxt)
+        if read == "lookup_rows":
+            layer.lookup_rows(VOCAB[:10])
+        elif read == "inference":
+            layer(tf.constant(batches[0]), training=False)
+        else:
+            layer.flush()
+        assert not bool(layer._plan.pending.numpy())
+    np.testing.assert_array_equal(layer.lookup_rows(VOCAB), ref.lookup_rows(VOCAB))
+    stats = layer.cache_stats()
+    assert stats.pop("prepared_ahead") == len(batches) - 1
+    ref_stats = ref.cache_stats()
+    ref_stats.pop("prepared_ahead")
+    assert stats == ref_stats
+
+
 def test_restore_discards_a_pending_plan(tmp_path):
     """Restoring a checkpoint replaces the table: the plan prepared for the
     old table must not be applied on top of it."""

@@ -41,6 +41,18 @@ def _unique(ids) -> tf.Tensor:
     return deduplicate(tf.constant(ids))["unique_ids"]
 
 
+def _assert_trained_like(layer, ref, planned: int) -> dict:
+    """Rows and counters of a lookahead run equal the plain run's, and
+    ``planned`` steps took a prepared plan; returns the counters."""
+    np.testing.assert_array_equal(layer.lookup_rows(VOCAB), ref.lookup_rows(VOCAB))
+    stats = layer.cache_stats()
+    assert stats.pop("prepared_ahead") == planned
+    ref_stats = ref.cache_stats()
+    ref_stats.pop("prepared_ahead")
+    assert stats == ref_stats
+    return stats
+
+
 def _train_plain(batches, optimizer="adagrad"):
     layer = _layer(optimizer)
     for ids in batches:
@@ -56,12 +68,7 @@ def test_true_lookahead_matches_plain_training(optimizer):
     for t, ids in enumerate(batches):
         nxt = _unique(batches[t + 1]) if t + 1 < len(batches) else None
         _step(layer, ids, nxt)
-    np.testing.assert_array_equal(layer.lookup_rows(VOCAB), ref.lookup_rows(VOCAB))
-    stats = layer.cache_stats()
-    assert stats.pop("prepared_ahead") == len(batches) - 1
-    ref_stats = ref.cache_stats()
-    ref_stats.pop("prepared_ahead")
-    assert stats == ref_stats
+    stats = _assert_trained_like(layer, ref, planned=len(batches) - 1)
     assert stats["evictions"] > 0
 
 
@@ -166,12 +173,7 @@ def test_a_read_between_steps_leaves_the_plan_usable(read):
         else:
             layer.flush()
         assert not bool(layer._plan.pending.numpy())
-    np.testing.assert_array_equal(layer.lookup_rows(VOCAB), ref.lookup_rows(VOCAB))
-    stats = layer.cache_stats()
-    assert stats.pop("prepared_ahead") == len(batches) - 1
-    ref_stats = ref.cache_stats()
-    ref_stats.pop("prepared_ahead")
-    assert stats == ref_stats
+    _assert_trained_like(layer, ref, planned=len(batches) - 1)
 
 
 def test_restore_discards_a_pending_plan(tmp_path):

@@ -399,4 +399,50 @@ difference; tf.equal plus reduce_all split the work over the intra-op pool,
 and inside a busy step they wait for it.
 )doc");
 
+REGISTER_OP("SfctrFrame")
+    .Input("sections: N * float64")
+    .Input("counts: N * int32")
+    .Output("message: float64")
+    .Output("splits: int32")
+    .Attr("N: int >= 1")
+    .SetShapeFn([](InferenceContext* c) {
+      const int n = c->num_inputs() / 2;
+      ShapeHandle counts;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(n), 1, &counts));
+      c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
+      c->set_output(1, counts);
+      return OkStatus();
+    })
+    .Doc(R"doc(
+One all-to-all message from N sections of 64-bit words, each in destination
+order (counts[k][r] words of section k go to rank r, consecutive, rank by
+rank). The part for rank r is a header of N words (counts[0..N)[r] as int64
+bits) followed by its words of section 0, 1, ... N-1; splits[r] is that
+part's length. One pass on one thread, where ragged gathers and slices of the
+same layout were a hundred small ops on a model-parallel step's critical path.
+)doc");
+
+REGISTER_OP("SfctrUnframe")
+    .Input("message: float64")
+    .Input("sizes: int32")
+    .Output("sections: N * float64")
+    .Output("counts: int32")
+    .Attr("N: int >= 1")
+    .SetShapeFn([](InferenceContext* c) {
+      int n = 0;
+      TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
+      ShapeHandle sizes;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &sizes));
+      for (int k = 0; k < n; ++k) c->set_output(k, c->Vector(InferenceContext::kUnknownDim));
+      c->set_output(n, c->Matrix(c->Dim(sizes, 0), n));
+      return OkStatus();
+    })
+    .Doc(R"doc(
+The inverse of SfctrFrame on what an all-to-all delivered: message holds
+sizes[s] words from each rank s, in rank order, each part framed by
+SfctrFrame with N sections. sections[k] is section k of every part, sender
+by sender; counts[s][k] how many words of it came from rank s. A part whose
+header does not match its length fails the op, naming the sender.
+)doc");
+
 }  // namespace tensorflow

@@ -48,6 +48,8 @@ _OP_TYPES = (
     "SfctrNonFiniteMarker",
     "SfctrGatherRows",
     "SfctrIdsEqual",
+    "SfctrFrame",
+    "SfctrUnframe",
 )
 
 
@@ -121,6 +123,13 @@ def _use_kernel(use_kernel: bool | None) -> bool:
             return False
         return not tf.config.list_logical_devices("GPU")
     return bool(use_kernel)
+
+
+def use_kernels() -> bool:
+    """Whether functions traced now run our CPU kernels where stock TF ops
+    could do the same (no GPU visible and ``TF_SFCTR_CPU_KERNELS`` not "0"),
+    for callers that choose between the two themselves."""
+    return _use_kernel(None)
 
 
 def unique(ids: tf.Tensor, num_groups: int = 1):
@@ -275,3 +284,31 @@ def gather_tensor_rows(params: tf.Tensor, indices: tf.Tensor, use_kernel: bool |
     if not _use_kernel(use_kernel):
         return tf.gather(params, indices)
     return load().sfctr_gather_tensor_rows(params, indices)
+
+
+def frame(sections: list, counts: list):
+    """One all-to-all message from sections of 64-bit words in destination
+    order: ``(message, splits)``, float64 and int32 ``[world]``.
+
+    ``counts[k][r]`` words of ``sections[k]`` (float64 vectors) go to rank
+    ``r``. Rank r's part of the message is a header of ``len(sections)``
+    words, its count of each section as int64 bits, followed by its words of
+    each section in order; ``splits[r]`` is the part's length. Our
+    ``SfctrFrame`` kernel (CPU, one pass); :func:`unframe` takes a delivered
+    message apart.
+    """
+    sections = [tf.convert_to_tensor(x, tf.float64) for x in sections]
+    counts = [tf.convert_to_tensor(c, tf.int32) for c in counts]
+    return load().sfctr_frame(sections, counts)
+
+
+def unframe(message: tf.Tensor, sizes: tf.Tensor, num_sections: int):
+    """The inverse of :func:`frame` on what an all-to-all delivered:
+    ``message`` holds ``sizes[s]`` words from each rank s in rank order.
+    Returns ``(sections, counts)``: a list of ``num_sections`` float64
+    vectors, section k of every sender's part, sender by sender, and int32
+    ``[world, num_sections]`` counts per sender. A part whose header does not
+    match its length raises ``InvalidArgumentError`` naming the sender."""
+    out = load().sfctr_unframe(tf.convert_to_tensor(message, tf.float64),
+                               tf.convert_to_tensor(sizes, tf.int32), N=num_sections)
+    return list(out.sections), out.counts

@@ -145,10 +145,42 @@ def send_ids_with_extras(unique_ids: Optional[tf.Tensor], world_size: int, name:
         carried_words = tf.zeros([0], tf.float64)
         carried_counts = no_split
 
-    # The id sections and the header, gathered per destination: its header
-    # row, then its part of each id section. (Few words; the carried rows,
-    # most of the bytes, are only sliced, below.)
     counts.append(carried_counts)
+    kernels = _ops.use_kernels()
+    if kernels:
+        message, send_splits = _ops.frame(sections + [carried_words], counts)
+    else:
+        message, send_splits = _frame_stock(sections, counts, carried_words,
+                                            carried is not None, world_size)
+    # The all-to-all only copies bytes; the dtype it is told says whether
+    # extras are sent (see above).
+    as_type = tf.float64 if (next_ids is not None or hints is not None) else tf.int64
+    received, recv_sizes = hvd.alltoall(tf.bitcast(message, as_type), splits=send_splits,
+                                        name=f"{name}_ids", ignore_name_scope=True)
+    received = tf.bitcast(received, tf.float64)
+    if kernels:
+        parts, got = _ops.unframe(received, recv_sizes, _SECTIONS)
+    else:
+        parts, got = _unframe_stock(received, recv_sizes, carried is not None, world_size)
+
+    def section(k):
+        return tf.bitcast(parts[k], tf.int64)
+
+    recv_carried = _from_words(parts[_CARRIED], width) if carried is not None else None
+    route = Route(position, splits, section(_THIS), got[:, _THIS])
+    extras = Extras(
+        next_ids=section(_NEXT) if next_ids is not None else None,
+        hint_ids=section(_HINT_IDS) if hints is not None else None,
+        hint_steps=(tf.cast(section(_HINT_STEPS), tf.int32) if hints is not None else None),
+        carried=recv_carried)
+    return (route, extras) if unique_ids is not None else (route, extras, index)
+
+
+def _frame_stock(sections, counts, carried_words, has_carried: bool, world_size: int):
+    """:func:`tf_sfctr._ops.frame` of ``sections + [carried_words]`` with
+    stock TF ops (the path of GPU machines). The id sections and the header
+    are gathered per destination (few words); the carried rows, most of the
+    bytes, are only sliced."""
     header = tf.cast(tf.stack(counts, axis=1), tf.int64)         # [world, 5]
     sizes = [tf.size(x) for x in sections]
     offsets = tf.cumsum(tf.stack(sizes), exclusive=True)
@@ -162,44 +194,35 @@ def send_ids_with_extras(unique_ids: Optional[tf.Tensor], world_size: int, name:
     source = tf.concat(sections + [tf.bitcast(tf.reshape(header, [-1]), tf.float64)], axis=0)
     id_words = tf.gather(source, picks)
     id_counts = _SECTIONS + tf.add_n(counts[:_CARRIED])
-    if carried is None:
-        message = id_words
-    else:
-        message = tf.concat(_interleave(id_words, id_counts, carried_words, carried_counts,
-                                        world_size), axis=0)
-    send_splits = id_counts + carried_counts
-    # The all-to-all only copies bytes; the dtype it is told says whether
-    # extras are sent (see above).
-    as_type = tf.float64 if (next_ids is not None or hints is not None) else tf.int64
-    received, recv_sizes = hvd.alltoall(tf.bitcast(message, as_type), splits=send_splits,
-                                        name=f"{name}_ids", ignore_name_scope=True)
-    received = tf.bitcast(received, tf.float64)
+    carried_counts = counts[_CARRIED]
+    if not has_carried:
+        return id_words, id_counts + carried_counts
+    message = tf.concat(_interleave(id_words, id_counts, carried_words, carried_counts,
+                                    world_size), axis=0)
+    return message, id_counts + carried_counts
 
+
+def _unframe_stock(received, recv_sizes, has_carried: bool, world_size: int):
+    """:func:`tf_sfctr._ops.unframe` with stock TF ops: ``(sections,
+    counts)``. Without carried rows the last section is empty."""
     heads = tf.cumsum(recv_sizes, exclusive=True)
     got = tf.cast(tf.bitcast(tf.gather(received, heads[:, None] + tf.range(_SECTIONS)[None, :]),
                              tf.int64), tf.int32)                 # [world, 5]
-    recv_carried = None
-    if carried is not None:
+    carried_words = tf.zeros([0], tf.float64)
+    if has_carried:
         # Split each sender's part into its id words and its carried words.
         recv_id_counts = _SECTIONS + tf.reduce_sum(got[:, :_CARRIED], axis=1)
         parts = _deinterleave(received, recv_id_counts, got[:, _CARRIED], world_size)
         received = tf.concat(parts[0::2], axis=0)
-        recv_carried = _from_words(tf.concat(parts[1::2], axis=0), width)
+        carried_words = tf.concat(parts[1::2], axis=0)
         heads = tf.cumsum(recv_id_counts, exclusive=True)
     section_starts = heads[:, None] + _SECTIONS + tf.cumsum(got, axis=1, exclusive=True)
 
     def section(k):
         first = section_starts[:, k]
-        words = tf.gather(received, tf.ragged.range(first, first + got[:, k]).flat_values)
-        return tf.bitcast(words, tf.int64)
+        return tf.gather(received, tf.ragged.range(first, first + got[:, k]).flat_values)
 
-    route = Route(position, splits, section(_THIS), got[:, _THIS])
-    extras = Extras(
-        next_ids=section(_NEXT) if next_ids is not None else None,
-        hint_ids=section(_HINT_IDS) if hints is not None else None,
-        hint_steps=(tf.cast(section(_HINT_STEPS), tf.int32) if hints is not None else None),
-        carried=recv_carried)
-    return (route, extras) if unique_ids is not None else (route, extras, index)
+    return [section(k) for k in range(_CARRIED)] + [carried_words], got
 
 
 def _interleave(a, a_counts, b, b_counts, world_size: int) -> list:

@@ -52,6 +52,49 @@ def results(tmp_path_factory):
     return load
 
 
+#: Run again with the stock TF ops GPU machines take (TF_SFCTR_CPU_KERNELS=0):
+#: among them the stock framing of the ids message, which every other run
+#: here replaces with the SfctrFrame/SfctrUnframe kernels.
+STOCK_PATH_SCENARIOS = ["mp_adagrad_lookahead", "mp_sgd_ragged_hints", "mp_adagrad_shared",
+                        "extras", "deferred"]
+
+
+@pytest.fixture(scope="module")
+def stock_results(tmp_path_factory):
+    from tf_sfctr import _ops
+
+    out = tmp_path_factory.mktemp("horovod_stock_ops")
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", _ops.CPU_KERNELS_ENV: "0"}
+    proc = subprocess.run(
+        [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, WORKER,
+         str(out), *STOCK_PATH_SCENARIOS], capture_output=True, text=True, timeout=900,
+        env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return lambda name, rank: dict(np.load(out / f"{name}_rank{rank}.npz"))
+
+
+@pytest.mark.parametrize("name", [n for n in STOCK_PATH_SCENARIOS if n in sc.SCENARIOS])
+def test_stock_op_path_trains_like_the_kernels(results, stock_results, name):
+    """The GPU machines' path (stock framing, stock segment sums and
+    Adagrad) on 2 ranks: the same rows, weights and cache counters as the
+    kernel path, and so as one process. (The "deferred" scenario's own
+    checks, two all-to-alls per step among them, ran on that path too.)"""
+    for rank in range(sc.WORLD):
+        got, want = stock_results(name, rank), results(name, rank)
+        for key in ("rows", "kernel", "bias"):
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-6, atol=1e-7)
+        for key in ("hits", "misses", "host_rows"):
+            assert int(got[key]) == int(want[key]), key
+
+
+def test_stock_op_path_delivers_the_extras(results, stock_results):
+    for rank in range(sc.WORLD):
+        got, want = stock_results("extras", rank), results("extras", rank)
+        assert got.keys() == want.keys()
+        for key in want:
+            np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
 def _reference(name, trainer=None):
     """1-process run on the global batches: (rows, kernel, bias, layer, model)."""
     opt_name, kind, _, default_trainer = sc.SCENARIOS[name]

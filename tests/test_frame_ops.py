@@ -130,3 +130,24 @@ def test_unframe_names_the_rank_whose_part_is_malformed():
         _ops.unframe(message, tf.constant([2]), 1)
     with pytest.raises(tf.errors.InvalidArgumentError, match="part from rank 0 has 0 words"):
         _ops.unframe(message, tf.constant([0, 4]), 1)
+
+
+def test_unframe_refuses_sizes_that_do_not_describe_the_message():
+    message, _ = _ops.frame([tf.constant([1.0, 2.0], tf.float64)], [tf.constant([1, 1])])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="part from rank 1 has -1 words"):
+        _ops.unframe(message, tf.constant([2, -1]), 1)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="part from rank 1 has 9 words"):
+        _ops.unframe(message, tf.constant([2, 9]), 1)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="sizes is empty"):
+        _ops.unframe(tf.zeros([0], tf.float64), tf.zeros([0], tf.int32), 1)
+    # Framed with 1 section, read as 2: the headers cannot match.
+    with pytest.raises(tf.errors.InvalidArgumentError, match="part from rank 0"):
+        _ops.unframe(message, tf.constant([2, 2]), 2)
+
+
+def test_frame_and_unframe_take_words_only():
+    ids = np.array([2**62 + 1], np.int64)  # as float64 by value it would lose its bits
+    with pytest.raises(TypeError, match=r"sections\[0\] must hold 64-bit words"):
+        _ops.frame([ids], [np.array([1], np.int32)])
+    with pytest.raises(TypeError, match="message must hold 64-bit words"):
+        _ops.unframe(tf.constant([1], tf.int64), tf.constant([1]), 1)

@@ -297,9 +297,18 @@ def frame(sections: list, counts: list):
     ``SfctrFrame`` kernel (CPU, one pass); :func:`unframe` takes a delivered
     message apart.
     """
-    sections = [tf.convert_to_tensor(x, tf.float64) for x in sections]
+    sections = [_words(x, f"sections[{k}]") for k, x in enumerate(sections)]
     counts = [tf.convert_to_tensor(c, tf.int32) for c in counts]
     return load().sfctr_frame(sections, counts)
+
+
+def _words(x, what: str) -> tf.Tensor:
+    """A float64 tensor of 64-bit words; anything else is refused, since a
+    conversion would change values, not carry their bits (bitcast ids first)."""
+    if not (hasattr(x, "dtype") and tf.as_dtype(x.dtype) == tf.float64):
+        raise TypeError(f"{what} must hold 64-bit words as a float64 tensor (tf.bitcast "
+                        f"int64 ids to tf.float64 first), got {getattr(x, 'dtype', type(x))}")
+    return tf.convert_to_tensor(x)
 
 
 def unframe(message: tf.Tensor, sizes: tf.Tensor, num_sections: int):
@@ -309,6 +318,6 @@ def unframe(message: tf.Tensor, sizes: tf.Tensor, num_sections: int):
     vectors, section k of every sender's part, sender by sender, and int32
     ``[world, num_sections]`` counts per sender. A part whose header does not
     match its length raises ``InvalidArgumentError`` naming the sender."""
-    out = load().sfctr_unframe(tf.convert_to_tensor(message, tf.float64),
+    out = load().sfctr_unframe(_words(message, "message"),
                                tf.convert_to_tensor(sizes, tf.int32), N=num_sections)
     return list(out.sections), out.counts

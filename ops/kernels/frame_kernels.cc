@@ -102,6 +102,8 @@ class UnframeOp : public OpKernel {
                 errors::InvalidArgument("sizes must be a vector (words from each rank), got "
                                         "shape ", sizes.shape().DebugString()));
     const int64_t world = sizes.NumElements();
+    OP_REQUIRES(ctx, world >= 1,
+                errors::InvalidArgument("sizes is empty: a message comes from at least one rank"));
     const int32_t* size = sizes.flat<int32_t>().data();
     const double* in = message.flat<double>().data();
     // Read and check every header before writing anything.

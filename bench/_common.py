@@ -240,8 +240,19 @@ def report_target(what: str, measured: float, goal: float) -> None:
         verdict = "not measured"
     else:
         verdict = "met" if measured >= goal else "not met"
-    value = "n/a" if measured != measured else f"{measured:.2f}x"
-    print(f"target: {what} = {value} (target >= {goal:g}x: {verdict})", flush=True)
+    print(f"target: {what} = {format_ratio(measured, goal)} (target >= {goal:g}x: {verdict})",
+          flush=True)
+
+
+def format_ratio(measured: float, goal: float) -> str:
+    """``measured`` as "2.57x"; with more digits when two would round it up
+    to ``goal`` while it is below (2.4993x, not a "2.50x" that is not met)."""
+    if measured != measured:
+        return "n/a"
+    digits = 2
+    while digits < 6 and measured < goal <= round(measured, digits):
+        digits += 1
+    return f"{measured:.{digits}f}x"
 
 
 def lookahead_step(layer, loss_of, first_ids):

@@ -70,3 +70,16 @@ def test_results_header_and_targets(tiny_run):
     assert "Produced by `python bench/run_all.py --tiny" in tiny_run
     targets = re.findall(r"^- (.+\(target >= .+\))$", tiny_run, flags=re.M)
     assert len(targets) >= 5, targets
+
+
+def test_a_ratio_just_below_its_target_is_not_printed_as_the_target():
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    try:
+        import _common
+    finally:
+        sys.path.remove(os.path.join(REPO, "bench"))
+    assert _common.format_ratio(2.5734, 2.5) == "2.57x"
+    assert _common.format_ratio(2.4993, 2.5) == "2.499x"
+    assert _common.format_ratio(0.79996, 0.8) == "0.79996x"
+    assert _common.format_ratio(2.5, 2.5) == "2.50x"
+    assert _common.format_ratio(float("nan"), 2.5) == "n/a"

@@ -1020,13 +1020,14 @@ class CachedEmbedding(keras.layers.Layer):
             with tf.control_dependencies([fits, applied]):
                 own_ids = tf.identity(own_ids)
                 slots = self._cached_slots(own_ids, next_own, hints)
-            rows_for_recv = _ops.gather_rows(self._cache_rows,
-                                             _ops.gather_index(slots, own_inverse))
+            # Padded to a steady length for the all-to-all (see exchange).
+            rows_for_recv = _ops.gather_rows(
+                self._cache_rows, exchange.pad_steady(_ops.gather_index(slots, own_inverse)))
         else:
             # After the ids exchange, which waited for any deferred update.
             with tf.control_dependencies([route.recv_ids]):
                 rows_for_recv = _ops.gather_tensor_rows(self._inference_rows(own_ids),
-                                                        own_inverse)
+                                                        exchange.pad_steady(own_inverse))
         rows = exchange.return_rows(rows_for_recv, route, name)
         if not training:
             return rows, None

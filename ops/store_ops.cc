@@ -405,6 +405,7 @@ REGISTER_OP("SfctrFrame")
     .Output("message: float64")
     .Output("splits: int32")
     .Attr("N: int >= 1")
+    .Attr("steady: bool = false")
     .SetShapeFn([](InferenceContext* c) {
       const int n = c->num_inputs() / 2;
       ShapeHandle counts;
@@ -420,6 +421,10 @@ rank). The part for rank r is a header of N words (counts[0..N)[r] as int64
 bits) followed by its words of section 0, 1, ... N-1; splits[r] is that
 part's length. One pass on one thread, where ragged gathers and slices of the
 same layout were a hundred small ops on a model-parallel step's critical path.
+With steady, the message is followed by zeros up to a steady length (n words
+rounded up to a multiple of 2^(bit_length(n) - 4)): an all-to-all sends only
+the splits' words, and an input whose shape rarely changes lets Horovod's
+response cache skip the negotiation.
 )doc");
 
 REGISTER_OP("SfctrUnframe")

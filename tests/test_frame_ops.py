@@ -151,3 +151,49 @@ def test_frame_and_unframe_take_words_only():
         _ops.frame([ids], [np.array([1], np.int32)])
     with pytest.raises(TypeError, match="message must hold 64-bit words"):
         _ops.unframe(tf.constant([1], tf.int64), tf.constant([1]), 1)
+
+
+def _steady_reference(n: int) -> int:
+    """n rounded up to a multiple of 2 ** (bit_length(n) - 4)."""
+    granule = 1 << max(n.bit_length() - 4, 0)
+    return -(-n // granule) * granule
+
+
+_LENGTHS = sorted({*range(0, 300), *(1 << b for b in range(40)),
+                   *((1 << b) - 1 for b in range(1, 40)), *((1 << b) + 1 for b in range(1, 40)),
+                   123_457, 288_113, 2**31 - 1})
+
+
+def test_steady_length_follows_its_rule_and_pads_less_than_an_eighth():
+    got = tf.vectorized_map(exchange.steady_length, tf.constant(_LENGTHS, tf.int64)).numpy()
+    want = [_steady_reference(n) for n in _LENGTHS]
+    np.testing.assert_array_equal(got, want)
+    for n, m in zip(_LENGTHS, want):
+        assert n <= m and (m - n) * 8 < max(n, 8), (n, m)
+        assert _steady_reference(m) == m  # a steady length stays put
+    # Few distinct lengths: the sizes a step's message takes from step to step.
+    assert len({_steady_reference(n) for n in range(280_000, 300_000)}) <= 2
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_steady_frame_is_the_frame_followed_by_zeros(world):
+    rng = np.random.default_rng(20 + world)
+    for _ in range(20):
+        sections, counts = _rank_inputs(rng, world, 5)
+        plain, plain_splits = _ops.frame(sections, counts)
+        steady, splits = _ops.frame(sections, counts, steady=True)
+        n = int(plain.shape[0])
+        assert steady.shape[0] == _steady_reference(n)
+        np.testing.assert_array_equal(splits.numpy(), plain_splits.numpy())
+        np.testing.assert_array_equal(steady.numpy()[:n].view(np.int64),
+                                      plain.numpy().view(np.int64))
+        assert not np.any(steady.numpy()[n:].view(np.int64))
+
+
+def test_pad_steady_appends_zero_rows():
+    for shape in [(0,), (37,), (300, 3), (1025, 16)]:
+        x = tf.reshape(tf.range(1, np.prod(shape) + 1, dtype=tf.float32), shape)
+        padded = exchange.pad_steady(x).numpy()
+        assert padded.shape == (_steady_reference(shape[0]),) + shape[1:]
+        np.testing.assert_array_equal(padded[:shape[0]], x.numpy())
+        assert not np.any(padded[shape[0]:])

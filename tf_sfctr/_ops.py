@@ -286,20 +286,22 @@ def gather_tensor_rows(params: tf.Tensor, indices: tf.Tensor, use_kernel: bool |
     return load().sfctr_gather_tensor_rows(params, indices)
 
 
-def frame(sections: list, counts: list):
+def frame(sections: list, counts: list, steady: bool = False):
     """One all-to-all message from sections of 64-bit words in destination
     order: ``(message, splits)``, float64 and int32 ``[world]``.
 
     ``counts[k][r]`` words of ``sections[k]`` (float64 vectors) go to rank
     ``r``. Rank r's part of the message is a header of ``len(sections)``
     words, its count of each section as int64 bits, followed by its words of
-    each section in order; ``splits[r]`` is the part's length. Our
-    ``SfctrFrame`` kernel (CPU, one pass); :func:`unframe` takes a delivered
-    message apart.
+    each section in order; ``splits[r]`` is the part's length. With
+    ``steady``, zeros follow the parts up to
+    ``tf_sfctr.distributed.exchange.steady_length`` of their total (an
+    all-to-all sends only the splits' words). Our ``SfctrFrame`` kernel (CPU,
+    one pass); :func:`unframe` takes a delivered message apart.
     """
     sections = [_words(x, f"sections[{k}]") for k, x in enumerate(sections)]
     counts = [tf.convert_to_tensor(c, tf.int32) for c in counts]
-    return load().sfctr_frame(sections, counts)
+    return load().sfctr_frame(sections, counts, steady=steady)
 
 
 def _words(x, what: str) -> tf.Tensor:

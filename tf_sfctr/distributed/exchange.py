@@ -6,6 +6,11 @@ splits), the owners answer with rows in the order they received the ids, and
 in the backward pass the same route carries gradients to the owners. Only
 distinct (id, owner) pairs cross the wire: ids are de-duplicated before they
 are bucketed. Uneven and empty splits are normal.
+
+The inputs of a training or inference step's all-to-alls are padded to a
+steady length (:func:`steady_length`); Horovod sends only the splits' rows,
+and an input shape that rarely changes lets its response cache skip the
+negotiation of the all-to-all.
 """
 
 from __future__ import annotations
@@ -43,6 +48,35 @@ class Route(NamedTuple):
     splits: tf.Tensor       # ids sent to each rank
     recv_ids: tf.Tensor     # ids received by this rank (as owner)
     recv_splits: tf.Tensor  # how many came from each rank
+
+
+_POWERS_OF_TWO = [1 << j for j in range(63)]
+
+
+def steady_length(n) -> tf.Tensor:
+    """The length an all-to-all input of ``n`` rows is padded to (int64): ``n``
+    rounded up to a multiple of ``2 ** (bit_length(n) - 4)``, so less than 1/8
+    of padding and at most 16 lengths per doubling of ``n``.
+
+    Horovod negotiates an all-to-all (which ranks are ready, in a gather and
+    a broadcast between the ranks) unless its response cache holds the same
+    tensor name with the same shape; a step's message sizes change every
+    step, but their steady lengths rarely do. Measured on 2 ranks of the
+    reference workload: 0.3-2.8 ms of a 26-33 ms step (docs/design.md). The
+    ``SfctrFrame`` kernel's ``steady`` attribute applies the same rule."""
+    n = tf.cast(n, tf.int64)
+    bits = tf.reduce_sum(tf.cast(n >= tf.constant(_POWERS_OF_TWO, tf.int64), tf.int64))
+    granule = tf.bitwise.left_shift(tf.constant(1, tf.int64), tf.maximum(bits - 4, 0))
+    return (n + granule - 1) // granule * granule
+
+
+def pad_steady(x: tf.Tensor) -> tf.Tensor:
+    """``x`` with zero rows appended up to :func:`steady_length` of its first
+    dimension; an all-to-all of it with the splits of ``x`` sends the same."""
+    n = tf.shape(x, out_type=tf.int64)[0]
+    paddings = tf.concat([[[0, steady_length(n) - n]],
+                          tf.zeros([len(x.shape) - 1, 2], tf.int64)], axis=0)
+    return tf.pad(x, paddings)
 
 
 def send_ids(unique_ids: tf.Tensor, world_size: int, name: str) -> Route:
@@ -148,10 +182,11 @@ def send_ids_with_extras(unique_ids: Optional[tf.Tensor], world_size: int, name:
     counts.append(carried_counts)
     kernels = _ops.use_kernels()
     if kernels:
-        message, send_splits = _ops.frame(sections + [carried_words], counts)
+        message, send_splits = _ops.frame(sections + [carried_words], counts, steady=True)
     else:
         message, send_splits = _frame_stock(sections, counts, carried_words,
                                             carried is not None, world_size)
+        message = pad_steady(message)
     # The all-to-all only copies bytes; the dtype it is told says whether
     # extras are sent (see above).
     as_type = tf.float64 if (next_ids is not None or hints is not None) else tf.int64
@@ -271,14 +306,16 @@ def send_rows(rows: tf.Tensor, splits: tf.Tensor, name: str) -> tf.Tensor:
 
 def _deliver(routed, position, splits, name) -> Route:
     hvd = require()
-    recv_ids, recv_splits = hvd.alltoall(routed, splits=splits,
+    recv_ids, recv_splits = hvd.alltoall(pad_steady(routed), splits=splits,
                                          name=f"{name}_ids", ignore_name_scope=True)
     return Route(position, splits, recv_ids, recv_splits)
 
 
 def return_rows(rows_for_recv: tf.Tensor, route: Route, name: str) -> tf.Tensor:
     """Owner → requester: rows in route order (local unique id ``i`` is row
-    ``route.position[i]``; callers fold that into their own gather)."""
+    ``route.position[i]``; callers fold that into their own gather).
+    ``rows_for_recv`` holds a row for each of ``route.recv_ids`` and may go on
+    with padding (gathered with a :func:`pad_steady` index), which stays here."""
     hvd = require()
     back, _ = hvd.alltoall(rows_for_recv, splits=route.recv_splits,
                            name=f"{name}_rows", ignore_name_scope=True)

@@ -3,6 +3,10 @@
 #include <algorithm>
 #include <string>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "mix.h"
 
 namespace sfctr {
@@ -15,10 +19,30 @@ constexpr uint64_t kDirSalt = 0x2545f4914f6cdd1dULL;
 inline uint64_t DirHash(int64_t id) {
   return Mix64(static_cast<uint64_t>(id) ^ kDirSalt);
 }
+
+// The first k in [begin, end) with keys[k] < below, or end. The keys are at
+// most 0x7fff, so signed 16-bit compares order them; with SSE2, eight at a
+// time (most slots the hand passes are kept).
+int64_t FindKeyBelow(const uint16_t* keys, int64_t begin, int64_t end, int below) {
+  int64_t k = begin;
+#if defined(__SSE2__)
+  const __m128i bound = _mm_set1_epi16(static_cast<int16_t>(below));
+  for (; k + 8 <= end; k += 8) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(keys + k));
+    const int mask = _mm_movemask_epi8(_mm_cmplt_epi16(v, bound));
+    if (mask != 0) return k + (__builtin_ctz(static_cast<unsigned>(mask)) >> 1);
+  }
+#endif
+  for (; k < end; ++k) {
+    if (keys[k] < below) return k;
+  }
+  return end;
+}
 }  // namespace
 
 CacheDirectory::CacheDirectory(int64_t capacity) : capacity_(capacity) {
   slots_.resize(capacity);
+  scan_keys_.assign(capacity, 0);
   uint64_t size = 16;
   while (size < static_cast<uint64_t>(capacity) * 2) size <<= 1;
   map_.assign(size, MapEntry{0, -1});
@@ -86,38 +110,39 @@ CoreStatus CacheDirectory::Classify(const int64_t* ids, int64_t n,
   return CoreStatus::Ok();
 }
 
-int32_t CacheDirectory::TakeSlot(std::vector<Eviction>* evicted) {
-  if (never_used_ < capacity_) return static_cast<int32_t>(never_used_++);
+int32_t CacheDirectory::ChooseSlot() {
+  if (never_used_ < capacity_) {
+    scan_keys_[never_used_] = kInUse;
+    return static_cast<int32_t>(never_used_++);
+  }
   // Commit set evict_max_level_ and budget_at_max_ so that the slots the step
   // does not use below that level, plus budget_at_max_ of those at it, are
   // exactly the victims it needs: every victim is of a lower level than any
-  // slot kept, and one turn of the hand finds each.
+  // slot kept, and one turn of the hand finds each. The hand reads only
+  // scan_keys_ (slots in use this step are kInUse, above any level).
   int64_t passed = 0;
   for (;;) {
-    Slot& s = slots_[hand_];
-    const int32_t slot = static_cast<int32_t>(hand_);
-    hand_ = hand_ + 1 == capacity_ ? 0 : hand_ + 1;
-    if (++passed > capacity_) {
-      // Only if the level counts disagreed with the slots (a bug): take any
-      // slot the step does not use rather than turn forever.
-      evict_max_level_ = kFreqLevels + kHintLevels;
-      budget_at_max_ = capacity_;
+    const int at_max = evict_max_level_ + 1;  // scan key of a slot at the max level
+    const int below = at_max + (budget_at_max_ > 0 ? 1 : 0);  // take keys below this
+    // One turn of the hand at most, in straight runs up to the array's end.
+    const int64_t end = std::min(capacity_, hand_ + (capacity_ - passed));
+    const int64_t k = FindKeyBelow(scan_keys_.data(), hand_, end, below);
+    passed += k - hand_;
+    if (k == end) {
+      hand_ = k == capacity_ ? 0 : k;
+      if (passed >= capacity_) {
+        // Only if the level counts disagreed with the slots (a bug): take
+        // any slot the step does not use rather than turn forever.
+        evict_max_level_ = kFreqLevels + kHintLevels;
+        budget_at_max_ = capacity_;
+        passed = 0;
+      }
+      continue;
     }
-    if (s.step == step_) continue;  // used by the current step
-    if (!s.occupied) return slot;
-    const int level = Level(s);
-    if (level > evict_max_level_) continue;
-    if (level == evict_max_level_) {
-      if (budget_at_max_ == 0) continue;
-      --budget_at_max_;
-    }
-    // The caller removes the id from the map.
-    evicted->push_back(Eviction{s.id, slot, s.uses, s.handle});
-    --freq_count_[s.freq];
-    s.occupied = false;
-    --size_;
-    ++stats_.evictions;
-    return slot;
+    hand_ = k + 1 == capacity_ ? 0 : k + 1;
+    if (scan_keys_[k] == at_max) --budget_at_max_;
+    scan_keys_[k] = kInUse;  // chosen: not again in this Commit
+    return static_cast<int32_t>(k);  // empty (key 0) or a victim
   }
 }
 
@@ -147,12 +172,14 @@ void CacheDirectory::MarkHints(const EvictionHints& hints,
         steps < 1 ? 1 : (steps > kHintLevels ? kHintLevels : steps));
     if (s.hint == 0) {
       s.hint = d;
+      scan_keys_[found[i]] = ScanKey(s);
       marked->push_back(found[i]);
       ++hinted_per_freq[s.freq];
       ++hinted_per_distance[d];
     } else if (d < s.hint) {
       --hinted_per_distance[s.hint];
       s.hint = d;
+      scan_keys_[found[i]] = ScanKey(s);
       ++hinted_per_distance[d];
     }
   }
@@ -188,9 +215,11 @@ void CacheDirectory::SetEvictionThreshold(int64_t needed,
 
 void CacheDirectory::HalveCounters() {
   std::fill(freq_count_, freq_count_ + kFreqLevels, 0);
-  for (Slot& s : slots_) {
+  for (int64_t k = 0; k < capacity_; ++k) {
+    Slot& s = slots_[k];
     s.freq >>= 1;
     if (s.occupied) ++freq_count_[s.freq];
+    scan_keys_[k] = ScanKey(s);  // no hints or uses outside Commit
   }
   hits_since_halving_ = 0;
 }
@@ -207,6 +236,8 @@ void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
   constexpr int64_t kAhead = 8;  // prefetch distance (entries in flight)
   int64_t in_use_per_freq[kFreqLevels] = {};
   int64_t num_misses = 0;
+  // The scan key each used slot gets back at the end of this Commit.
+  std::vector<uint16_t> keys_after(n);
   for (int64_t i = 0; i < n; ++i) {
     if (i + kAhead < n && slots[i + kAhead] >= 0) {
       __builtin_prefetch(&slots_[slots[i + kAhead]]);
@@ -219,6 +250,7 @@ void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
     if (s.step == step_) {  // a repeated id (callers should pass distinct ids)
       ++s.uses;
       ++stats_.hits;
+      keys_after[i] = ScanKey(s);
       continue;
     }
     s.step = step_;
@@ -228,6 +260,8 @@ void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
       ++s.freq;
       ++freq_count_[s.freq];
     }
+    keys_after[i] = ScanKey(s);
+    scan_keys_[slots[i]] = kInUse;
     ++in_use_per_freq[s.freq];
     ++stats_.hits;
     ++hits_since_halving_;
@@ -240,15 +274,32 @@ void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
     if (hints.n > 0) MarkHints(hints, &hinted, in_use_per_freq, hinted_per_distance);
     SetEvictionThreshold(num_misses - never_used, in_use_per_freq, hinted_per_distance);
   }
-  // Three passes over the misses, so that the random map accesses of each
-  // pass can be prefetched: take a slot for each (the clock only reads the
-  // slot array), remove the victims from the map, insert the new ids.
+  // Passes over the misses, so that the random accesses of each can be
+  // prefetched: choose a slot for each (the clock reads only scan_keys_),
+  // evict and fill those slots, remove the victims from the map, insert the
+  // new ids.
   const size_t first_eviction = evicted->size();
   std::vector<int64_t> misses;
+  std::vector<int32_t> chosen;
+  misses.reserve(num_misses);
+  chosen.reserve(num_misses);
   for (int64_t i = 0; i < n; ++i) {
     if (slots[i] >= 0) continue;
-    const int32_t slot = TakeSlot(evicted);
+    misses.push_back(i);
+    chosen.push_back(ChooseSlot());
+  }
+  // The chosen slots are scattered over the slot array: prefetched ahead.
+  for (size_t j = 0; j < misses.size(); ++j) {
+    if (j + kAhead < misses.size()) __builtin_prefetch(&slots_[chosen[j + kAhead]]);
+    const int64_t i = misses[j];
+    const int32_t slot = chosen[j];
     Slot& s = slots_[slot];
+    if (s.occupied) {  // the caller removes the id from the map
+      evicted->push_back(Eviction{s.id, slot, s.uses, s.handle});
+      --freq_count_[s.freq];
+      --size_;
+      ++stats_.evictions;
+    }
     s.id = ids[i];
     s.step = step_;
     s.uses = 1;
@@ -256,12 +307,16 @@ void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
     s.hint = 0;
     s.occupied = true;
     s.handle = 0;  // until the fetch tells where its host row is
+    keys_after[i] = ScanKey(s);
     ++freq_count_[0];
     ++size_;
     slots[i] = slot;
-    misses.push_back(i);
   }
-  for (int32_t slot : hinted) slots_[slot].hint = 0;  // hints last one Commit
+  for (int32_t slot : hinted) {  // hints last one Commit
+    slots_[slot].hint = 0;
+    // A hinted slot that was evicted and refilled is in use.
+    if (scan_keys_[slot] != kInUse) scan_keys_[slot] = ScanKey(slots_[slot]);
+  }
   const size_t num_evicted = evicted->size() - first_eviction;
   for (size_t j = 0; j < num_evicted; ++j) {
     if (j + kAhead < num_evicted) {
@@ -282,6 +337,7 @@ void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
       Slot& unused = slots_[slots[i]];
       unused.occupied = false;
       unused.uses = 0;
+      scan_keys_[slots[i]] = 0;
       --freq_count_[unused.freq];
       --size_;
       slots[i] = again;
@@ -291,6 +347,8 @@ void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
     ++stats_.misses;
     miss_positions->push_back(i);
   }
+  // The step's slots are no longer "in use" for the next Commit's hand.
+  for (int64_t i = 0; i < n; ++i) scan_keys_[slots[i]] = keys_after[i];
 }
 
 void CacheDirectory::SeedFrequency(int32_t slot, uint32_t past_uses) {
@@ -298,6 +356,7 @@ void CacheDirectory::SeedFrequency(int32_t slot, uint32_t past_uses) {
   if (s.occupied) --freq_count_[s.freq];
   s.freq = static_cast<uint8_t>(past_uses < kMaxFreq ? past_uses : kMaxFreq);
   if (s.occupied) ++freq_count_[s.freq];
+  scan_keys_[slot] = ScanKey(s);
 }
 
 void CacheDirectory::ClearHandles() {
@@ -316,6 +375,7 @@ void CacheDirectory::Entries(std::vector<Eviction>* out, bool reset_uses) {
 
 void CacheDirectory::Clear() {
   for (Slot& s : slots_) s = Slot();
+  std::fill(scan_keys_.begin(), scan_keys_.end(), 0);
   for (MapEntry& e : map_) e.slot = -1;
   size_ = 0;
   hand_ = 0;

@@ -120,7 +120,9 @@ class CacheDirectory {
   int64_t FindEntry(int64_t id) const;  // index into map_ or -1
   void MapInsert(int64_t id, int32_t slot);
   void MapErase(int64_t id);
-  int32_t TakeSlot(std::vector<Eviction>* evicted);
+  // The next slot the clock hand gives this Commit (empty, or a victim the
+  // caller evicts), marked in use.
+  int32_t ChooseSlot();
   // Eviction order: counter values 0..255, then hinted slots, furthest use
   // first (levels 256.. up to 256 + kHintLevels - 1).
   int Level(const Slot& s) const {
@@ -147,6 +149,16 @@ class CacheDirectory {
   int64_t budget_at_max_ = 0;  // ... this many more at it
   uint64_t hits_since_halving_ = 0;
   std::vector<Slot, LargeAllocator<Slot>> slots_;
+  // What the clock hand reads, one small key per slot so that its sweep
+  // stays in the core's cache: 0 for an empty slot, Level + 1 for an
+  // occupied one, kInUse while the current Commit uses the slot (a hit or
+  // a slot it chose). Outside Commit no slot is kInUse. All keys fit in 15
+  // bits (the sweep compares them as signed 16-bit numbers).
+  static constexpr uint16_t kInUse = 0x7fff;
+  uint16_t ScanKey(const Slot& s) const {
+    return s.occupied ? static_cast<uint16_t>(Level(s) + 1) : 0;
+  }
+  std::vector<uint16_t> scan_keys_;
   // Open-addressing id -> slot map with backward-shift deletion; slot -1
   // marks an empty entry. Id and slot share an entry (one cache line visit
   // per probe).

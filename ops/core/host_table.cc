@@ -340,7 +340,15 @@ void HostTable::WriteRows(const uint64_t* handles, int64_t n, const float* rows,
     if (start[k] == start[k + 1]) continue;
     Shard& s = shards_[k];
     std::lock_guard<std::mutex> lock(s.mu);
+    constexpr uint32_t kAhead = 8;
     for (uint32_t j = start[k]; j < start[k + 1]; ++j) {
+      if (j + kAhead < start[k + 1]) {
+        const uint32_t ahead = static_cast<uint32_t>(handles[order[j + kAhead]] - 1);
+        const char* p = reinterpret_cast<const char*>(RowPtr(s, ahead));
+        for (size_t b = 0; b < sizeof(float) * width_; b += 64) __builtin_prefetch(p + b, 1);
+        __builtin_prefetch(p + sizeof(float) * width_ - 1, 1);
+        __builtin_prefetch(&CountOf(s, ahead), 1);
+      }
       const uint32_t i = order[j];
       const uint32_t row = static_cast<uint32_t>(handles[i] - 1);
       std::memcpy(RowPtr(s, row), rows + static_cast<int64_t>(i) * width_,

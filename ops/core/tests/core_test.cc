@@ -439,6 +439,153 @@ std::vector<int64_t> Step(CacheDirectory& d, std::vector<int64_t> ids,
   return out;
 }
 
+namespace {
+
+// The eviction policy written plainly, slot by slot: a step's victims are
+// the slots it does not use with the lowest levels (use counter, or a hint
+// level above every counter), ties broken in clock order from the hand, and
+// the hand stops after the last victim. CacheDirectory finds the same
+// victims with level counts and a sweep over packed keys.
+class DirectoryModel {
+ public:
+  explicit DirectoryModel(int64_t cap) : cap_(cap), slots_(cap) {}
+
+  void Commit(const std::vector<int64_t>& ids, const std::vector<int64_t>& hint_ids,
+              const std::vector<int32_t>& hint_steps, std::vector<int32_t>* out_slots,
+              std::vector<std::pair<int64_t, int32_t>>* evicted) {
+    if (hits_since_halving_ > 16 * static_cast<uint64_t>(cap_)) {
+      for (Slot& s : slots_) s.freq >>= 1;
+      hits_since_halving_ = 0;
+    }
+    ++step_;
+    out_slots->assign(ids.size(), -1);
+    int64_t misses = 0;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      auto it = where_.find(ids[i]);
+      if (it == where_.end()) {
+        ++misses;
+        continue;
+      }
+      Slot& s = slots_[it->second];
+      s.step = step_;
+      if (s.freq < 255) ++s.freq;
+      ++hits_since_halving_;
+      (*out_slots)[i] = it->second;
+    }
+    for (Slot& s : slots_) s.hint = 0;
+    for (size_t j = 0; j < hint_ids.size(); ++j) {
+      auto it = where_.find(hint_ids[j]);
+      if (it == where_.end() || slots_[it->second].step == step_) continue;
+      const int d = std::min(16, std::max(1, hint_steps[j]));
+      Slot& s = slots_[it->second];
+      if (s.hint == 0 || d < s.hint) s.hint = d;
+    }
+    std::vector<int32_t> taken;
+    for (; never_used_ < cap_ && static_cast<int64_t>(taken.size()) < misses; ++never_used_) {
+      taken.push_back(static_cast<int32_t>(never_used_));
+      slots_[never_used_].step = step_;  // not a candidate below
+    }
+    const int64_t needed = misses - static_cast<int64_t>(taken.size());
+    if (needed > 0) {
+      // Candidates in clock order from the hand; the needed lowest levels,
+      // earliest first among equal levels.
+      std::vector<std::pair<int, int64_t>> order;  // (level, clock position)
+      for (int64_t p = 0; p < cap_; ++p) {
+        const int64_t k = (hand_ + p) % cap_;
+        const Slot& s = slots_[k];
+        if (s.step == step_) continue;
+        order.push_back({s.hint ? 256 + 16 - s.hint : s.freq, p});
+      }
+      std::stable_sort(order.begin(), order.end());
+      std::vector<int64_t> positions;
+      for (int64_t v = 0; v < needed; ++v) positions.push_back(order[v].second);
+      std::sort(positions.begin(), positions.end());  // taken in clock order
+      for (int64_t p : positions) {
+        const int32_t k = static_cast<int32_t>((hand_ + p) % cap_);
+        evicted->push_back({slots_[k].id, k});
+        where_.erase(slots_[k].id);
+        taken.push_back(k);
+      }
+      hand_ = (hand_ + positions.back() + 1) % cap_;
+    }
+    size_t t = 0;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if ((*out_slots)[i] >= 0) continue;
+      const int32_t k = taken[t++];
+      slots_[k] = Slot{ids[i], step_, 0, 0};
+      where_[ids[i]] = k;
+      (*out_slots)[i] = k;
+    }
+  }
+
+ private:
+  struct Slot {
+    int64_t id = 0;
+    uint64_t step = 0;
+    int freq = 0;
+    int hint = 0;
+  };
+  int64_t cap_;
+  std::vector<Slot> slots_;
+  std::unordered_map<int64_t, int32_t> where_;
+  uint64_t step_ = 0;
+  int64_t hand_ = 0;
+  int64_t never_used_ = 0;
+  uint64_t hits_since_halving_ = 0;
+};
+
+}  // namespace
+
+TEST_CASE(DirectoryMatchesAPlainModelOfItsPolicy) {
+  // Capacities around the sweep's 8-key blocks, skewed ids, hints on most
+  // steps, long enough for the counters to be halved several times.
+  for (int64_t cap : {5, 8, 61, 203}) {
+    CacheDirectory d(cap);
+    DirectoryModel model(cap);
+    std::mt19937_64 rng(static_cast<uint64_t>(cap));
+    std::vector<int64_t> next;
+    for (int step = 0; step < 4000; ++step) {
+      std::set<int64_t> step_ids;
+      const int64_t n = 1 + static_cast<int64_t>(rng() % cap);
+      while (static_cast<int64_t>(step_ids.size()) < n) {
+        const double u = std::uniform_real_distribution<double>(0, 1)(rng);
+        step_ids.insert(static_cast<int64_t>(std::pow(8.0 * cap, u)) * 7919LL);
+      }
+      std::vector<int64_t> ids(step_ids.begin(), step_ids.end());
+      std::shuffle(ids.begin(), ids.end(), rng);
+      // Hints: some ids of a random later "batch", at distances 1..20.
+      std::vector<int64_t> hint_ids;
+      std::vector<int32_t> hint_steps;
+      if (step % 4 != 0) {
+        for (int j = 0; j < cap / 2; ++j) {
+          const double u = std::uniform_real_distribution<double>(0, 1)(rng);
+          hint_ids.push_back(static_cast<int64_t>(std::pow(8.0 * cap, u)) * 7919LL);
+          hint_steps.push_back(1 + static_cast<int32_t>(rng() % 20));
+        }
+      }
+      std::vector<int32_t> slots(ids.size()), want_slots;
+      int64_t misses = 0;
+      CHECK(d.Classify(ids.data(), ids.size(), slots.data(), &misses).ok());
+      std::vector<int64_t> miss_pos;
+      std::vector<CacheDirectory::Eviction> evicted;
+      EvictionHints hints;
+      hints.ids = hint_ids.data();
+      hints.steps = hint_steps.data();
+      hints.n = static_cast<int64_t>(hint_ids.size());
+      d.Commit(ids.data(), ids.size(), slots.data(), &miss_pos, &evicted, hints);
+      std::vector<std::pair<int64_t, int32_t>> want_evicted;
+      model.Commit(ids, hint_ids, hint_steps, &want_slots, &want_evicted);
+      CHECK(slots == want_slots);
+      CHECK_EQ(evicted.size(), want_evicted.size());
+      for (size_t j = 0; j < evicted.size() && j < want_evicted.size(); ++j) {
+        CHECK_EQ(evicted[j].id, want_evicted[j].first);
+        CHECK_EQ(evicted[j].slot, want_evicted[j].second);
+      }
+    }
+    CHECK(d.stats().evictions > 0);
+  }
+}
+
 TEST_CASE(DirectoryEvictsTheLeastUsedIds) {
   // Ids 1..6 used 1..6 times (id k in steps with every id >= k), then
   // admitted ids 7, 8, 9 in one step: the victims are the three least used

@@ -720,7 +720,7 @@ class NonFiniteMarkerOp : public OpKernel {
 };
 
 // out = params[indices] for a float32 matrix and an int32 index vector, with
-// the rows of the index 8 ahead prefetched; ranges of the output go to the
+// the rows of the index 32 ahead prefetched; ranges of the output go to the
 // intra-op pool when it is free and the gather is large.
 void GatherMatrixRows(OpKernelContext* ctx, const Tensor& params, const Tensor& indices) {
   OP_REQUIRES(ctx, TensorShapeUtils::IsVector(indices.shape()),
@@ -738,7 +738,9 @@ void GatherMatrixRows(OpKernelContext* ctx, const Tensor& params, const Tensor& 
   OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, dim}), &out));
   const float* src = params.flat<float>().data();
   float* dst = out->flat<float>().data();
-  constexpr int64_t kAhead = 8;
+  // 32 rather than 8: the training step's forward gather (106k rows of a
+  // 200k-row cache) measured 0.5-0.7 ms faster (docs/design.md).
+  constexpr int64_t kAhead = 32;
   const int64_t shards = PoolShards(ctx, n * dim, n);
   const int64_t per = (n + shards - 1) / shards;
   const sfctr::Scheduler schedule = PoolScheduler(ctx);

@@ -261,6 +261,7 @@ REGISTER_OP("SfctrSegmentSums")
     .Input("segment_ids: int32")
     .Input("num_segments: int32")
     .Attr("squares: bool = false")
+    .Attr("max_shards: int = 0")
     .Output("sums: float")
     .Output("sums_of_squares: float")
     .SetShapeFn([](InferenceContext* c) {
@@ -283,8 +284,10 @@ segment_ids[i] == s, in row order (tf.math.unsorted_segment_sum on CPU adds in
 the same order). With squares, sums_of_squares[s] adds their element-wise
 squares in the same pass; otherwise it is [0, D]. Segment ids must be in
 [0, num_segments). The backward of a de-duplicated embedding lookup: one read
-of the per-occurrence gradient gives both sums Adagrad needs. Multi-threaded
-over segment ranges; the result does not depend on the number of threads.
+of the per-occurrence gradient gives both sums Adagrad needs. A large input is
+split over segment ranges for intra-op pool threads that are free, into at most
+max_shards ranges (0: half the pool's threads, at least 1); the result does not
+depend on the split.
 )doc");
 
 REGISTER_OP("SfctrSparseApplyAdagrad")
@@ -295,6 +298,7 @@ REGISTER_OP("SfctrSparseApplyAdagrad")
     .Input("grad: float")
     .Input("indices: int32")
     .Input("grad_sq: float")
+    .Attr("max_shards: int = 0")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle unused;
@@ -312,7 +316,9 @@ Adagrad on the rows `indices` of the float variables `var` and `accum`
 for k = indices[i], in index order. The same result, bit for bit, as
 ResourceSparseApplyAdagradV2 (after a scatter-add of grad_sq when given), on
 one CPU thread, with the rows of upcoming indices prefetched: several times
-faster than TF's CPU kernel when the rows are scattered over a large table.
+faster than TF's CPU kernel when the rows are scattered over a large table. A
+large update is split over column ranges for intra-op pool threads that are
+free, into at most max_shards ranges (0: half the pool's threads, at least 1).
 Every index is checked before any row changes.
 )doc");
 
@@ -332,6 +338,7 @@ waits for busy pool threads inside a training step).
 REGISTER_OP("SfctrGatherRows")
     .Input("var: resource")
     .Input("indices: int32")
+    .Attr("max_shards: int = 0")
     .Output("rows: float")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
@@ -342,15 +349,17 @@ REGISTER_OP("SfctrGatherRows")
     })
     .Doc(R"doc(
 var[indices] for a float matrix variable and an int32 index vector: what
-ResourceGather gives, with the rows of the index 8 ahead prefetched. A large
+ResourceGather gives, with the rows of the index 32 ahead prefetched. A large
 gather gives ranges of the output to intra-op pool threads that are free and
-does the rest itself; TF's kernel splits the gather over the pool and, inside
+does the rest itself, in at most max_shards ranges (0: half the pool's
+threads, at least 1); TF's kernel splits the gather over the pool and, inside
 a busy training step, waits for it.
 )doc");
 
 REGISTER_OP("SfctrGatherTensorRows")
     .Input("params: float")
     .Input("indices: int32")
+    .Attr("max_shards: int = 0")
     .Output("rows: float")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle params, indices;

@@ -19,6 +19,13 @@ def test_equals_tf_gather(rows, dim, n):
     np.testing.assert_array_equal(got.numpy(), tf.gather(var, idx).numpy())
     np.testing.assert_array_equal(_ops.gather_rows(var, idx, use_kernel=False).numpy(),
                                   got.numpy())
+    # Split over the pool explicitly (a 2-thread pool gets no split by default).
+    for shards in (2, 4):
+        np.testing.assert_array_equal(
+            _ops.gather_rows(var, idx, use_kernel=True, max_shards=shards).numpy(), got.numpy())
+        np.testing.assert_array_equal(
+            _ops.gather_tensor_rows(var.read_value(), idx, use_kernel=True,
+                                    max_shards=shards).numpy(), got.numpy())
 
 
 def test_sees_updates_in_program_order():

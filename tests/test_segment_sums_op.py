@@ -35,6 +35,18 @@ def test_equals_unsorted_segment_sum(n, dim, num_segments):
     only, none = _ops.segment_sums(data, segments, num_segments)
     assert none is None
     np.testing.assert_array_equal(only.numpy(), want)
+    # Split over the pool explicitly (by default a 2-thread pool gets no
+    # split): the same bits, whatever the number of ranges.
+    for shards in (1, 2, 3):
+        split, split_sq = _ops.segment_sums(data, segments, num_segments, squares=True,
+                                            max_shards=shards)
+        np.testing.assert_array_equal(split.numpy(), want)
+        np.testing.assert_array_equal(split_sq.numpy(), want_sq)
+
+
+def test_negative_max_shards_is_refused():
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="max_shards"):
+        _ops.segment_sums(tf.ones([4, 2]), tf.zeros([4], tf.int32), 1, max_shards=-1)
 
 
 def test_in_a_function_and_shapes():

@@ -8,10 +8,12 @@ import tensorflow as tf
 from tf_sfctr import _ops
 
 
-def _run(use_kernel, v0, a0, grad, idx, grad_sq, lr=0.05, eps=0.0, steps=2):
+def _run(use_kernel, v0, a0, grad, idx, grad_sq, lr=0.05, eps=0.0, steps=2, max_shards=0):
     var, acc = tf.Variable(v0), tf.Variable(a0)
     for _ in range(steps):
-        _ops.sparse_apply_adagrad(var, acc, lr, eps, grad, idx, grad_sq, use_kernel=use_kernel)
+        kwargs = {"max_shards": max_shards} if use_kernel else {}
+        _ops.sparse_apply_adagrad(var, acc, lr, eps, grad, idx, grad_sq, use_kernel=use_kernel,
+                                  **kwargs)
     return var.numpy(), acc.numpy()
 
 
@@ -53,7 +55,8 @@ def test_repeated_index_is_updated_in_turn():
 
 @pytest.mark.parametrize("dim", [40, 64, 128])
 @pytest.mark.parametrize("per_occurrence", [False, True])
-def test_large_updates_split_over_columns_keep_every_bit(dim, per_occurrence):
+@pytest.mark.parametrize("max_shards", [0, 2, 8])
+def test_large_updates_split_over_columns_keep_every_bit(dim, per_occurrence, max_shards):
     """Updates big enough to be split over the intra-op pool (shards own
     column ranges) give the formula's float32 result, also for repeated
     indices, each occurrence in turn."""
@@ -64,7 +67,8 @@ def test_large_updates_split_over_columns_keep_every_bit(dim, per_occurrence):
     idx = rng.integers(0, rows, n).astype(np.int32)  # many repeats
     grad = rng.normal(size=(n, dim)).astype(np.float32)
     grad_sq = (grad * grad * 2).astype(np.float32) if per_occurrence else None
-    var, acc = _run(True, v0, a0, grad, idx, grad_sq, lr=float(lr), eps=float(eps), steps=1)
+    var, acc = _run(True, v0, a0, grad, idx, grad_sq, lr=float(lr), eps=float(eps), steps=1,
+                    max_shards=max_shards)
     w, a = v0.copy(), a0.copy()
     for i, k in enumerate(idx):
         a[k] += grad_sq[i] if per_occurrence else grad[i] * grad[i]

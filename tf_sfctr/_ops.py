@@ -145,8 +145,19 @@ def unique(ids: tf.Tensor, num_groups: int = 1):
     return load().sfctr_unique(tf.convert_to_tensor(ids, tf.int64), num_groups=num_groups)
 
 
+#: What ``max_shards`` means for the CPU kernels that split large work over
+#: TF's intra-op pool (segment sums, row gathers, the Adagrad update).
+MAX_SHARDS_DOC = """``max_shards``: at most this many ranges of the work go to intra-op
+pool threads, and only to threads that are free. 0 (the default) means half
+the pool's threads, at least 1: inside a training step the step's other
+kernels keep the rest of the pool busy, and on a 2-core machine splitting over
+both threads made the step slower (docs/design.md, "Kernel shards"). The
+result does not depend on it. Ignored by the GPU path."""
+
+
 def segment_sums(data: tf.Tensor, segment_ids: tf.Tensor, num_segments,
-                 squares: bool = False, use_kernel: bool | None = None):
+                 squares: bool = False, use_kernel: bool | None = None,
+                 max_shards: int = 0):
     """``(sums, sums_of_squares)`` of the rows of ``data`` [N, D] per segment.
 
     ``sums`` equals ``tf.math.unsorted_segment_sum(data, segment_ids,
@@ -157,6 +168,7 @@ def segment_sums(data: tf.Tensor, segment_ids: tf.Tensor, num_segments,
     faster than TF's kernel and reading ``data`` once for both sums. With a GPU
     visible it is TF's own ops, so the gradient never leaves the device.
     ``use_kernel`` forces one or the other (None: decide as above).
+    ``max_shards``: see :data:`MAX_SHARDS_DOC`.
     """
     data = tf.cast(data, tf.float32)
     segment_ids = tf.cast(segment_ids, tf.int32)
@@ -166,7 +178,8 @@ def segment_sums(data: tf.Tensor, segment_ids: tf.Tensor, num_segments,
         if not squares:
             return sums, None
         return sums, tf.math.unsorted_segment_sum(tf.square(data), segment_ids, num_segments)
-    sums, sums_sq = load().sfctr_segment_sums(data, segment_ids, num_segments, squares=squares)
+    sums, sums_sq = load().sfctr_segment_sums(data, segment_ids, num_segments, squares=squares,
+                                              max_shards=max_shards)
     return sums, (sums_sq if squares else None)
 
 
@@ -211,7 +224,7 @@ def ids_equal(a: tf.Tensor, b: tf.Tensor, b_size: tf.Tensor | None = None,
 
 def sparse_apply_adagrad(var: tf.Variable, accum: tf.Variable, lr, epsilon, grad: tf.Tensor,
                          indices: tf.Tensor, grad_sq: tf.Tensor | None = None,
-                         use_kernel: bool | None = None):
+                         use_kernel: bool | None = None, max_shards: int = 0):
     """Adagrad on rows ``indices`` of ``var`` and ``accum`` ([rows, dim] float32).
 
     ``accum[k] += grad_sq[i]`` (``grad[i] ** 2`` when ``grad_sq`` is None), then
@@ -223,6 +236,7 @@ def sparse_apply_adagrad(var: tf.Variable, accum: tf.Variable, lr, epsilon, grad
     prefetched, wide rows split by columns over free pool threads, 3-4x faster than TF's CPU kernel on rows scattered over
     a large cache. With a GPU visible it is TF's fused kernel (and a
     ``scatter_add`` for ``grad_sq``). ``use_kernel`` forces one or the other.
+    ``max_shards``: see :data:`MAX_SHARDS_DOC`.
     """
     indices = tf.cast(indices, tf.int32)
     lr = tf.cast(lr, tf.float32)
@@ -239,7 +253,7 @@ def sparse_apply_adagrad(var: tf.Variable, accum: tf.Variable, lr, epsilon, grad
     if grad_sq is None:
         grad_sq = tf.zeros([0, 0], tf.float32)
     return load().sfctr_sparse_apply_adagrad(var.handle, accum.handle, lr, epsilon, grad,
-                                             indices, grad_sq)
+                                             indices, grad_sq, max_shards=max_shards)
 
 
 def non_finite_marker(x: tf.Tensor, use_kernel: bool | None = None):
@@ -257,7 +271,8 @@ def non_finite_marker(x: tf.Tensor, use_kernel: bool | None = None):
     return load().sfctr_non_finite_marker(x)
 
 
-def gather_rows(var: tf.Variable, indices: tf.Tensor, use_kernel: bool | None = None):
+def gather_rows(var: tf.Variable, indices: tf.Tensor, use_kernel: bool | None = None,
+                max_shards: int = 0):
     """``tf.gather(var, indices)`` for a float32 matrix variable and an index vector.
 
     On CPU our ``SfctrGatherRows`` (rows of upcoming indices prefetched; a
@@ -266,15 +281,17 @@ def gather_rows(var: tf.Variable, indices: tf.Tensor, use_kernel: bool | None = 
     step, waits for it). With a GPU visible it is
     ``tf.gather``. No gradient flows through it (the layer computes the
     table's gradient itself). ``use_kernel`` forces one or the other.
+    ``max_shards``: see :data:`MAX_SHARDS_DOC`.
     """
     indices = tf.convert_to_tensor(indices, tf.int32)
     if not _use_kernel(use_kernel):
         return tf.gather(var, indices)
-    rows = load().sfctr_gather_rows(var.handle, indices)
+    rows = load().sfctr_gather_rows(var.handle, indices, max_shards=max_shards)
     return tf.ensure_shape(rows, [None, var.shape[1]])
 
 
-def gather_tensor_rows(params: tf.Tensor, indices: tf.Tensor, use_kernel: bool | None = None):
+def gather_tensor_rows(params: tf.Tensor, indices: tf.Tensor, use_kernel: bool | None = None,
+                       max_shards: int = 0):
     """``tf.gather(params, indices)`` for a float32 matrix tensor and an index
     vector: :func:`gather_rows` for rows that are not a variable (an
     all-to-all's answer spread to the batch's ids). No gradient flows through
@@ -283,7 +300,7 @@ def gather_tensor_rows(params: tf.Tensor, indices: tf.Tensor, use_kernel: bool |
     indices = tf.convert_to_tensor(indices, tf.int32)
     if not _use_kernel(use_kernel):
         return tf.gather(params, indices)
-    return load().sfctr_gather_tensor_rows(params, indices)
+    return load().sfctr_gather_tensor_rows(params, indices, max_shards=max_shards)
 
 
 def frame(sections: list, counts: list, steady: bool = False):

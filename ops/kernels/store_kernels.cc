@@ -577,15 +577,30 @@ class UniqueOp : public OpKernel {
 };
 
 // Shards for `work` floats of work split over the intra-op pool: at most one
-// per pool thread and `limit`, each worth at least kMinWorkPerShard floats.
-// RunShards gives a shard to a pool thread only if one is free, so a kernel
-// inside a busy step does the work itself rather than wait for the pool.
+// per pool thread, `limit` and `max_shards`, each worth at least
+// kMinWorkPerShard floats. max_shards 0 (the ops' default) means half the
+// pool's threads, at least 1: inside a training step the step's other kernels
+// run on the rest of the pool, and on this 2-core VM splitting over both
+// threads made the step slower (docs/design.md, "Kernel shards"). RunShards
+// gives a shard to a pool thread only if one is free, so a kernel inside a
+// busy step does the work itself rather than wait for the pool.
 constexpr int64_t kMinWorkPerShard = 1 << 18;
 
-int64_t PoolShards(OpKernelContext* ctx, int64_t work, int64_t limit) {
+int64_t PoolShards(OpKernelContext* ctx, int64_t work, int64_t limit, int64_t max_shards) {
   thread::ThreadPool* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
   const int64_t threads = pool == nullptr ? 1 : pool->NumThreads();
-  return std::max<int64_t>(1, std::min({threads, work / kMinWorkPerShard, limit}));
+  const int64_t cap = max_shards > 0 ? max_shards : std::max<int64_t>(1, threads / 2);
+  return std::max<int64_t>(1, std::min({threads, cap, work / kMinWorkPerShard, limit}));
+}
+
+// Reads the ops' max_shards attribute (0: automatic; negative is an error).
+Status GetMaxShards(OpKernelConstruction* ctx, int64_t* max_shards) {
+  TF_RETURN_IF_ERROR(ctx->GetAttr("max_shards", max_shards));
+  if (*max_shards < 0) {
+    return errors::InvalidArgument("max_shards must be 0 (automatic) or positive, got ",
+                                   *max_shards);
+  }
+  return OkStatus();
 }
 
 sfctr::Scheduler PoolScheduler(OpKernelContext* ctx) {
@@ -597,6 +612,7 @@ class SegmentSumsOp : public OpKernel {
  public:
   explicit SegmentSumsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("squares", &squares_));
+    OP_REQUIRES_OK(ctx, GetMaxShards(ctx, &max_shards_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -634,7 +650,8 @@ class SegmentSumsOp : public OpKernel {
     float* out_sq = squares_ ? squares->flat<float>().data() : nullptr;
     // Each shard owns a range of segments and scans all the segment ids:
     // shards are worth it only when the rows outweigh that scan.
-    const int64_t shards = PoolShards(ctx, n * dim * (squares_ ? 2 : 1), num_segments);
+    const int64_t shards = PoolShards(ctx, n * dim * (squares_ ? 2 : 1), num_segments,
+                                      max_shards_);
     const int64_t per = (num_segments + shards - 1) / shards;
     const sfctr::Scheduler schedule = PoolScheduler(ctx);
     sfctr::RunShards(&schedule, shards, shards - 1, [&](int64_t s) {
@@ -646,6 +663,7 @@ class SegmentSumsOp : public OpKernel {
 
  private:
   bool squares_ = false;
+  int64_t max_shards_ = 0;
 };
 
 class GatherIndexOp : public OpKernel {
@@ -722,7 +740,8 @@ class NonFiniteMarkerOp : public OpKernel {
 // out = params[indices] for a float32 matrix and an int32 index vector, with
 // the rows of the index 32 ahead prefetched; ranges of the output go to the
 // intra-op pool when it is free and the gather is large.
-void GatherMatrixRows(OpKernelContext* ctx, const Tensor& params, const Tensor& indices) {
+void GatherMatrixRows(OpKernelContext* ctx, const Tensor& params, const Tensor& indices,
+                      int64_t max_shards) {
   OP_REQUIRES(ctx, TensorShapeUtils::IsVector(indices.shape()),
               errors::InvalidArgument("indices must be a vector, got shape ",
                                       indices.shape().DebugString()));
@@ -741,7 +760,7 @@ void GatherMatrixRows(OpKernelContext* ctx, const Tensor& params, const Tensor& 
   // 32 rather than 8: the training step's forward gather (106k rows of a
   // 200k-row cache) measured 0.5-0.7 ms faster (docs/design.md).
   constexpr int64_t kAhead = 32;
-  const int64_t shards = PoolShards(ctx, n * dim, n);
+  const int64_t shards = PoolShards(ctx, n * dim, n, max_shards);
   const int64_t per = (n + shards - 1) / shards;
   const sfctr::Scheduler schedule = PoolScheduler(ctx);
   sfctr::RunShards(&schedule, shards, shards - 1, [&](int64_t s) {
@@ -759,7 +778,9 @@ void GatherMatrixRows(OpKernelContext* ctx, const Tensor& params, const Tensor& 
 
 class GatherRowsOp : public OpKernel {
  public:
-  using OpKernel::OpKernel;
+  explicit GatherRowsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, GetMaxShards(ctx, &max_shards_));
+  }
 
   void Compute(OpKernelContext* ctx) override {
     using CPUDevice = Eigen::ThreadPoolDevice;
@@ -778,29 +799,39 @@ class GatherRowsOp : public OpKernel {
                                         DataTypeString(params.dtype()), " ",
                                         params.shape().DebugString()));
     const Tensor& indices = ctx->input(1);
-    GatherMatrixRows(ctx, params, indices);
+    GatherMatrixRows(ctx, params, indices, max_shards_);
   }
+
+ private:
+  int64_t max_shards_ = 0;
 };
 
 // params[indices] for a float32 matrix tensor (rows an all-to-all returned).
 class GatherTensorRowsOp : public OpKernel {
  public:
-  using OpKernel::OpKernel;
+  explicit GatherTensorRowsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, GetMaxShards(ctx, &max_shards_));
+  }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& params = ctx->input(0);
     OP_REQUIRES(ctx, params.dims() == 2,
                 errors::InvalidArgument("params must be a matrix, got shape ",
                                         params.shape().DebugString()));
-    GatherMatrixRows(ctx, params, ctx->input(1));
+    GatherMatrixRows(ctx, params, ctx->input(1), max_shards_);
   }
+
+ private:
+  int64_t max_shards_ = 0;
 };
 
 // The variables are locked and readied for a sparse update the way TF's own
 // ResourceSparseApply* kernels do it (training_op_helpers.h).
 class SparseApplyAdagradOp : public OpKernel {
  public:
-  using OpKernel::OpKernel;
+  explicit SparseApplyAdagradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, GetMaxShards(ctx, &max_shards_));
+  }
 
   void Compute(OpKernelContext* ctx) override {
     using CPUDevice = Eigen::ThreadPoolDevice;
@@ -858,7 +889,7 @@ class SparseApplyAdagradOp : public OpKernel {
     // order within each shard.
     constexpr int64_t kLine = 16;
     const int64_t lines = (dim + kLine - 1) / kLine;
-    const int64_t shards = PoolShards(ctx, n * dim * (has_sq ? 4 : 3), lines);
+    const int64_t shards = PoolShards(ctx, n * dim * (has_sq ? 4 : 3), lines, max_shards_);
     const int64_t lines_per = (lines + shards - 1) / shards;
     const sfctr::Scheduler schedule = PoolScheduler(ctx);
     float* w = var.flat<float>().data();
@@ -872,6 +903,9 @@ class SparseApplyAdagradOp : public OpKernel {
       sfctr::AdagradColumns(w, a, dim, g, g_sq, idx, n, lr_v, eps_v, begin, end);
     });
   }
+
+ private:
+  int64_t max_shards_ = 0;
 };
 
 #define SFCTR_CPU_KERNEL(name, cls) \

@@ -32,7 +32,9 @@ TFRA alike; with TF's defaults, 2 ranks x 4 pool threads on 2 cores measured 0.6
 instead of 0.9-1.1x), and each rank is bound to its half of the cores with
 ``tf_sfctr.distributed.share_host_cores`` (``--no-pin`` to leave it to the OS; bound was
 faster in 5 of 7 paired runs, within this VM's noise); the 1-process run keeps TF's
-defaults.
+defaults. Every rank also calls ``tf_sfctr.distributed.lower_gloo_polling_priority()``
+after ``hvd.init()``, for all variants alike: Gloo's busy-polling receive loops then use
+only time the rank's other threads leave (``--gloo-polling normal`` leaves them be).
 
     python bench/distributed.py
     python bench/distributed.py --tiny
@@ -147,6 +149,10 @@ def worker(args) -> int:
 
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
+    if args.gloo_polling == "idle":
+        from tf_sfctr.distributed import lower_gloo_polling_priority
+
+        lower_gloo_polling_priority()
     if args.rank_threads:
         # Horovod's advice for several ranks on one host: split the cores
         # between them rather than let every rank's pools use all of them.
@@ -307,6 +313,10 @@ def main(argv=None) -> int:
     p.add_argument("--no-pin", dest="pin", action="store_false",
                    help="do not bind each rank to its own cores "
                         "(tf_sfctr.distributed.share_host_cores), for ours and TFRA alike")
+    p.add_argument("--gloo-polling", choices=["idle", "normal"], default="idle",
+                   help="idle (default): tf_sfctr.distributed.lower_gloo_polling_priority() "
+                        "on every rank, for every variant; normal: Gloo's event loops keep "
+                        "their priority")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--rounds", type=int, default=4,
@@ -411,7 +421,9 @@ def main(argv=None) -> int:
                   f"{args.cache_frac:.0%} of "
                   f"the ids in total (1 process: all of it; 2 ranks: half each); TF "
                   f"threads per rank (intra,inter): {args.rank_threads or 'TF defaults'}; "
-                  f"ranks bound to their own cores: {'yes' if args.pin else 'no (--no-pin)'}")
+                  f"ranks bound to their own cores: {'yes' if args.pin else 'no (--no-pin)'}; "
+                  f"Gloo's event loops: "
+                  f"{'SCHED_IDLE' if args.gloo_polling == 'idle' else 'normal priority'}")
     comm = result.get("comm_only")
     if comm and "ours" in result:
         share = comm["step_s"] / result["ours"]["step_s"]

@@ -64,13 +64,23 @@ def stock_results(tmp_path_factory):
     from tf_sfctr import _ops
 
     out = tmp_path_factory.mktemp("horovod_stock_ops")
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", _ops.CPU_KERNELS_ENV: "0"}
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", _ops.CPU_KERNELS_ENV: "0",
+           "TF_SFCTR_TEST_GLOO_POLLING": "normal"}
     proc = subprocess.run(
         [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, WORKER,
          str(out), *STOCK_PATH_SCENARIOS], capture_output=True, text=True, timeout=900,
         env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return lambda name, rank: dict(np.load(out / f"{name}_rank{rank}.npz"))
+
+
+def test_gloo_event_loops_were_lowered_on_every_rank(results):
+    """The worker moved Gloo's polling threads to SCHED_IDLE right after
+    hvd.init(); the scenarios then trained exactly (the tests below)."""
+    for rank in range(sc.WORLD):
+        got = results("polling", rank)
+        assert len(got["changed"]) >= 1, got
+        assert set(got["policies"].tolist()) == {os.SCHED_IDLE}, got
 
 
 @pytest.mark.parametrize("name", [n for n in STOCK_PATH_SCENARIOS if n in sc.SCENARIOS])

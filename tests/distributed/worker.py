@@ -15,7 +15,8 @@ import tensorflow as tf  # noqa: E402
 
 import scenarios as sc  # noqa: E402
 import tf_sfctr  # noqa: E402
-from tf_sfctr.distributed import DistributedOptimizer, callbacks, owner_of  # noqa: E402
+from tf_sfctr.distributed import (  # noqa: E402
+    DistributedOptimizer, callbacks, lower_gloo_polling_priority, owner_of)
 from tf_sfctr.keras_layers import CachedEmbedding  # noqa: E402
 
 
@@ -409,6 +410,13 @@ def main():
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     assert size == sc.WORLD, size
+    # Every scenario below trains with Gloo's event loops at SCHED_IDLE (the
+    # stock-op run keeps their normal priority), so the equivalence checks
+    # cover both.
+    if os.environ.get("TF_SFCTR_TEST_GLOO_POLLING", "idle") == "idle":
+        changed = lower_gloo_polling_priority()
+        np.savez(os.path.join(out_dir, f"polling_rank{rank}.npz"), changed=np.array(changed),
+                 policies=np.array([os.sched_getscheduler(t) for t in changed]))
     keras.utils.set_random_seed(1234)
     for name in only:
         if name == "routing":

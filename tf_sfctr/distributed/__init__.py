@@ -4,6 +4,8 @@
 * ``callbacks(root_rank=0)``: broadcast initial dense state, average metrics.
 * ``owner_of(ids, world_size)``: which rank owns an id in model-parallel mode.
 * ``share_host_cores()``: several ranks on one host each get their own cores.
+* ``lower_gloo_polling_priority()``: Gloo's busy-polling event loops run only
+  on otherwise idle CPU time.
 * ``save(checkpoint, dir)`` / ``restore(checkpoint, dir)``: per-rank shards,
   restorable on another number of ranks (rows re-partitioned to new owners).
 
@@ -16,6 +18,8 @@ from tf_sfctr.distributed.callbacks import AverageMetrics, BroadcastInitialState
 from tf_sfctr.distributed.checkpoint import restore, save
 from tf_sfctr.distributed.exchange import owner_of
 from tf_sfctr.distributed.optimizer import DistributedOptimizer
+from tf_sfctr.distributed.polling import lower_gloo_polling_priority
 
 __all__ = ["DistributedOptimizer", "callbacks", "BroadcastInitialState", "AverageMetrics",
-           "owner_of", "world", "save", "restore", "share_host_cores"]
+           "owner_of", "world", "save", "restore", "share_host_cores",
+           "lower_gloo_polling_priority"]

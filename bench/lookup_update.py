@@ -30,6 +30,14 @@ the same run. "% of bound" = bound time / measured time.
 Then the CachedEmbedding step of the reference workload is traced with TF's
 profiler and its kernel time is split by stage.
 
+TF's CPU allocator is glibc's malloc unless ``TF_CPU_ALLOCATOR_USE_BFC=true``
+is set (read once, when TF starts), which makes TF keep and reuse its CPU
+memory (BFC). With malloc, large tensors freed at the end of a step can go
+back to the OS and be faulted in again by the next step: Keras 3's dense
+[vocab, dim] gradient (64 MB at the reference size) does every step, which is
+most of its step time. ``make bench`` runs the reference workload a second time
+with the BFC allocator; its titles and target lines say so.
+
     python bench/lookup_update.py                 # full grid (~2 min on 2 cores)
     python bench/lookup_update.py --tiny          # seconds, for CI
 """
@@ -44,6 +52,11 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+#: TF reads this once, when it creates its CPU allocator (see the docstring).
+BFC = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() in ("1", "true")
+ALLOCATOR = "BFC (TF_CPU_ALLOCATOR_USE_BFC=true)" if BFC else "glibc malloc (TF's default)"
+ALLOCATOR_TAG = ", BFC allocator" if BFC else ""
 
 import _common as C  # noqa: E402
 import _profile  # noqa: E402
@@ -547,15 +560,17 @@ def _print_tables(args, ref, results, baselines) -> None:
         r = results.get((name, alpha, dim, None))
         if r is not None:
             same = results[(SAME_MATH[name], alpha, dim, frac)]
-            C.report_target(f"lookup+update, {SAME_MATH[name]} vs {name} (reference workload)",
-                            r["ms"] / same["ms"], TARGETS[name])
+            C.report_target(f"lookup+update, {SAME_MATH[name]} vs {name} (reference "
+                            f"workload{ALLOCATOR_TAG})", r["ms"] / same["ms"], TARGETS[name])
             plain = SAME_MATH_PLAIN[name]
             if plain != OURS:
-                C.report_target(f"lookup+update, {plain} vs {name} (reference workload)",
+                C.report_target(f"lookup+update, {plain} vs {name} (reference "
+                                f"workload{ALLOCATOR_TAG})",
                                 r["ms"] / results[(plain, alpha, dim, frac)]["ms"],
                                 TARGETS[name])
             C.report_target(f"lookup+update, CachedEmbedding without lookahead vs {name} "
-                            f"(reference workload)", r["ms"] / ours["ms"], TARGETS[name])
+                            f"(reference workload{ALLOCATOR_TAG})", r["ms"] / ours["ms"],
+                            TARGETS[name])
     C.table(["variant (baseline)", "ms/step", "ids/s", "distinct rows/s", "cache hit rate",
              "% of memory bound",
              "CachedEmbedding (no lookahead) speed-up vs this row",
@@ -563,7 +578,8 @@ def _print_tables(args, ref, results, baselines) -> None:
              "issue ms/step"], rows,
             title=f"Reference workload: {args.vocab:,} ids permuted over int64, "
                   f"{args.batch} x {args.fields} ids/step, Zipf {alpha}, dim {dim}, "
-                  f"Adagrad, cache {frac:.0%} ({ours['u']:,.0f} distinct ids/step)")
+                  f"Adagrad, cache {frac:.0%} ({ours['u']:,.0f} distinct ids/step); TF CPU "
+                  f"allocator: {ALLOCATOR}")
     grid = []
     for a in args.alphas:
         for d in args.dims:

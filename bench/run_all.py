@@ -28,18 +28,24 @@ import _common as C  # noqa: E402
 #: Lines third-party packages print on import (TFRA); left out of the results.
 NOISE = ("_SingleDeviceSaver removed after tf version",)
 
-#: (name, title, full-size arguments, tiny arguments)
+#: The reference workload of lookup_update again, with TF's BFC CPU allocator.
+REFERENCE = ["--alphas", "1.05", "--dims", "16", "--cache-fracs", "0.2", "--profile-steps", "0"]
+
+#: (name, title, full-size arguments, tiny arguments or None (not at tiny
+#: size), extra environment)
 BENCHMARKS = [
-    ("lookup_update", "Lookup + update throughput of one training step", [], ["--tiny"]),
-    ("fit_e2e", "End-to-end model.fit of a DLRM-style model", [], ["--tiny"]),
-    ("cache_policy", "Cache hit rate vs Belady's optimum and LRU", [], ["--tiny"]),
+    ("lookup_update", "Lookup + update throughput of one training step", [], ["--tiny"], {}),
+    ("lookup_update", "Lookup + update, reference workload, TF's BFC CPU allocator",
+     REFERENCE, None, {"TF_CPU_ALLOCATOR_USE_BFC": "true"}),
+    ("fit_e2e", "End-to-end model.fit of a DLRM-style model", [], ["--tiny"], {}),
+    ("cache_policy", "Cache hit rate vs Belady's optimum and LRU", [], ["--tiny"], {}),
     ("host_memory", "Host-table bytes per row", ["--rows", "2000000"],
-     ["--rows", "100000", "--dims", "16", "--optimizers", "adagrad"]),
-    ("scale", "Host table at 100M ids", [], ["--tiny"]),
+     ["--rows", "100000", "--dims", "16", "--optimizers", "adagrad"], {}),
+    ("scale", "Host table at 100M ids", [], ["--tiny"], {}),
     ("checkpoint_io", "Checkpoint size and save/restore time", ["--rows", "1000000"],
-     ["--rows", "20000"]),
-    ("vsi", "Rows moved with and without de-duplication", [], ["--tiny"]),
-    ("distributed", "Model parallel on 2 ranks (Horovod, Gloo)", [], ["--tiny"]),
+     ["--rows", "20000"], {}),
+    ("vsi", "Rows moved with and without de-duplication", [], ["--tiny"], {}),
+    ("distributed", "Model parallel on 2 ranks (Horovod, Gloo)", [], ["--tiny"], {}),
 ]
 
 
@@ -56,9 +62,10 @@ def _children_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def run_one(name: str, args: list[str], echo: bool) -> tuple[int, str, str, float]:
+def run_one(name: str, args: list[str], echo: bool,
+            extra_env: dict) -> tuple[int, str, str, float]:
     script = os.path.join(C.BENCH_DIR, f"{name}.py")
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONUNBUFFERED": "1", **extra_env}
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, script, *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=C.REPO)
@@ -91,13 +98,17 @@ def main(argv=None) -> int:
     print("\n".join(machine), flush=True)
     sections, targets, failed = [], [], []
     t_all = time.perf_counter()
-    for name, title, full, tiny in BENCHMARKS:
+    for name, title, full, tiny, extra_env in BENCHMARKS:
         if args.only and name not in args.only:
             continue
         bargs = tiny if args.tiny else full
-        print(f"\n## {title} (bench/{name}.py)\n", flush=True)
+        if bargs is None:
+            continue
+        settings = " ".join(f"{k}={v}" for k, v in extra_env.items())
+        print(f"\n## {title} ({settings + ' ' if settings else ''}bench/{name}.py)\n",
+              flush=True)
         busy0, mine0 = _busy_seconds(), _children_seconds()
-        code, out, err, secs = run_one(name, bargs, echo=not args.quiet)
+        code, out, err, secs = run_one(name, bargs, echo=not args.quiet, extra_env=extra_env)
         # CPU the rest of the machine used meanwhile, in cores (of os.cpu_count()).
         others = max(0.0, (_busy_seconds() - busy0) - (_children_seconds() - mine0)) / secs
         if code != 0:
@@ -109,7 +120,9 @@ def main(argv=None) -> int:
                     if line.startswith("target: ")]
         body = "\n".join(line for line in out.splitlines()
                          if not line.startswith("target: ") and not any(n in line for n in NOISE))
-        sections.append(f"## {title}\n\n`bench/{name}.py`, {secs:.0f} s; load average after: "
+        sections.append(f"## {title}\n\n`{settings + ' ' if settings else ''}bench/{name}.py"
+                        f"{' ' + ' '.join(bargs) if bargs else ''}`, {secs:.0f} s; load average "
+                        f"after: "
                         f"{C.load_average()}; other processes used {others:.2f} of the "
                         f"{os.cpu_count()} cores meanwhile\n\n{body.strip()}\n")
     total = time.perf_counter() - t_all

@@ -42,7 +42,9 @@ def tiny_run(tmp_path_factory):
 
 
 def _section(doc: str, name: str) -> str:
-    m = re.search(rf"^`bench/{name}\.py`.*?(?=^## |\Z)", doc, flags=re.S | re.M)
+    # The section starts with its command: `[VAR=value ]bench/NAME.py[ args]`.
+    m = re.search(rf"^`(?:\S+=\S+ )*bench/{name}\.py[^`]*`.*?(?=^## |\Z)", doc,
+                  flags=re.S | re.M)
     assert m, f"no section for bench/{name}.py in the results"
     return m.group(0)
 

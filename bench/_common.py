@@ -27,6 +27,15 @@ from tf_sfctr.data.zipf import ZipfSampler  # noqa: E402
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH_DIR)
 
+#: TF's CPU allocator: glibc malloc, or BFC when TF_CPU_ALLOCATOR_USE_BFC=true
+#: (read once, when TF starts). ``make bench`` runs the reference lookup and
+#: fit workloads with both; see docs/design.md, "TF's CPU allocator".
+BFC_ALLOCATOR = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() in ("1", "true")
+ALLOCATOR = ("BFC (TF_CPU_ALLOCATOR_USE_BFC=true)" if BFC_ALLOCATOR
+             else "glibc malloc (TF's default)")
+#: Appended to target labels, so that the two runs' targets stay apart.
+ALLOCATOR_TAG = ", BFC allocator" if BFC_ALLOCATOR else ""
+
 
 # ----------------------------------------------------------------- printing
 def command_line(argv: Sequence[str] | None = None) -> str:

@@ -39,6 +39,11 @@ random, pauses of ~300 ms (seen alike for every variant, e.g. 31 ms steps in a
 fit call that took 63 ms per step): timed that way, the variants' ratios moved
 between runs from 0.97x to 1.53x.
 
+TF's CPU allocator (glibc malloc by default) decides much of Keras 3's step:
+its dense gradient of the whole table is mapped and unmapped every step. With
+``TF_CPU_ALLOCATOR_USE_BFC=true`` TF keeps its memory; ``make bench`` runs
+this benchmark both ways (docs/design.md, "TF's CPU allocator").
+
     python bench/fit_e2e.py
     python bench/fit_e2e.py --tiny
 """
@@ -319,11 +324,13 @@ def main(argv=None) -> int:
     for name, _, _, _ in variants:
         if name in TARGETS:
             same = SAME_MATH[name]
-            C.report_target(f"model.fit samples/s, {same} vs {name} (same Adagrad formula)",
-                            step_s[name] / step_s[same], TARGETS[name])
+            C.report_target(f"model.fit samples/s, {same} vs {name} (same Adagrad "
+                            f"formula{C.ALLOCATOR_TAG})", step_s[name] / step_s[same],
+                            TARGETS[name])
             for ours in (OURS, OURS_VSI, OURS_LA, OURS_HINTS):
                 if ours != same:
-                    C.report_target(f"model.fit samples/s, {ours} vs {name}",
+                    C.report_target(f"model.fit samples/s, {ours} vs {name}"
+                                    f"{' (BFC allocator)' if C.BFC_ALLOCATOR else ''}",
                                     step_s[name] / step_s[ours], TARGETS[name])
     floor = 1e3 * step_s[FLOOR]
     need = 1e3 * step_s[K3] / TARGETS[K3]
@@ -336,7 +343,8 @@ def main(argv=None) -> int:
              "CachedEmbedding speed-up vs this row", "target"], rows,
             title=f"model.fit of a DLRM-style model (13 dense + 26 sparse, dim {DIM}), batch "
                   f"{args.batch}, {steps} timed steps per variant in {args.rounds} rounds, "
-                  f"synthetic Criteo-like data ({vocab:,} ids, Zipf {args.alpha})")
+                  f"synthetic Criteo-like data ({vocab:,} ids, Zipf {args.alpha}); TF CPU "
+                  f"allocator: {C.ALLOCATOR}")
     return 0
 
 

@@ -53,11 +53,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-#: TF reads this once, when it creates its CPU allocator (see the docstring).
-BFC = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() in ("1", "true")
-ALLOCATOR = "BFC (TF_CPU_ALLOCATOR_USE_BFC=true)" if BFC else "glibc malloc (TF's default)"
-ALLOCATOR_TAG = ", BFC allocator" if BFC else ""
-
 import _common as C  # noqa: E402
 import _profile  # noqa: E402
 import _tfra  # noqa: E402
@@ -561,15 +556,15 @@ def _print_tables(args, ref, results, baselines) -> None:
         if r is not None:
             same = results[(SAME_MATH[name], alpha, dim, frac)]
             C.report_target(f"lookup+update, {SAME_MATH[name]} vs {name} (reference "
-                            f"workload{ALLOCATOR_TAG})", r["ms"] / same["ms"], TARGETS[name])
+                            f"workload{C.ALLOCATOR_TAG})", r["ms"] / same["ms"], TARGETS[name])
             plain = SAME_MATH_PLAIN[name]
             if plain != OURS:
                 C.report_target(f"lookup+update, {plain} vs {name} (reference "
-                                f"workload{ALLOCATOR_TAG})",
+                                f"workload{C.ALLOCATOR_TAG})",
                                 r["ms"] / results[(plain, alpha, dim, frac)]["ms"],
                                 TARGETS[name])
             C.report_target(f"lookup+update, CachedEmbedding without lookahead vs {name} "
-                            f"(reference workload{ALLOCATOR_TAG})", r["ms"] / ours["ms"],
+                            f"(reference workload{C.ALLOCATOR_TAG})", r["ms"] / ours["ms"],
                             TARGETS[name])
     C.table(["variant (baseline)", "ms/step", "ids/s", "distinct rows/s", "cache hit rate",
              "% of memory bound",
@@ -579,7 +574,7 @@ def _print_tables(args, ref, results, baselines) -> None:
             title=f"Reference workload: {args.vocab:,} ids permuted over int64, "
                   f"{args.batch} x {args.fields} ids/step, Zipf {alpha}, dim {dim}, "
                   f"Adagrad, cache {frac:.0%} ({ours['u']:,.0f} distinct ids/step); TF CPU "
-                  f"allocator: {ALLOCATOR}")
+                  f"allocator: {C.ALLOCATOR}")
     grid = []
     for a in args.alphas:
         for d in args.dims:

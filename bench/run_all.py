@@ -28,7 +28,8 @@ import _common as C  # noqa: E402
 #: Lines third-party packages print on import (TFRA); left out of the results.
 NOISE = ("_SingleDeviceSaver removed after tf version",)
 
-#: The reference workload of lookup_update again, with TF's BFC CPU allocator.
+#: The reference workload of lookup_update again, with TF's BFC CPU allocator
+#: (fit_e2e runs whole a second time with it).
 REFERENCE = ["--alphas", "1.05", "--dims", "16", "--cache-fracs", "0.2", "--profile-steps", "0"]
 
 #: (name, title, full-size arguments, tiny arguments or None (not at tiny
@@ -38,6 +39,8 @@ BENCHMARKS = [
     ("lookup_update", "Lookup + update, reference workload, TF's BFC CPU allocator",
      REFERENCE, None, {"TF_CPU_ALLOCATOR_USE_BFC": "true"}),
     ("fit_e2e", "End-to-end model.fit of a DLRM-style model", [], ["--tiny"], {}),
+    ("fit_e2e", "End-to-end model.fit, TF's BFC CPU allocator", [], None,
+     {"TF_CPU_ALLOCATOR_USE_BFC": "true"}),
     ("cache_policy", "Cache hit rate vs Belady's optimum and LRU", [], ["--tiny"], {}),
     ("host_memory", "Host-table bytes per row", ["--rows", "2000000"],
      ["--rows", "100000", "--dims", "16", "--optimizers", "adagrad"], {}),

@@ -8,6 +8,9 @@ to do it itself. On this project's 2-core test VM, binding each of 2 ranks
 to one core was faster in 5 of 7 paired runs of a model-parallel step
 (median 0.89x vs 0.82x the 1-process throughput; ``python
 bench/distributed.py`` vs ``--no-pin``), within the VM's run-to-run noise.
+With Gloo, also call ``lower_gloo_polling_priority()`` after ``hvd.init()``
+(``tf_sfctr.distributed.polling``): Gloo's receive loops busy-poll on the
+rank's own cores.
 """
 
 from __future__ import annotations

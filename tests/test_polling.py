@@ -10,6 +10,7 @@ import time
 import pytest
 
 from tf_sfctr.distributed import lower_gloo_polling_priority
+from tf_sfctr.distributed import polling
 
 pytestmark = pytest.mark.skipif(
     not (hasattr(os, "SCHED_IDLE") and os.path.isdir("/proc/self/task")),
@@ -74,3 +75,21 @@ def test_nothing_to_change_without_pollers():
 def test_rejects_a_negative_sampling_time():
     with pytest.raises(ValueError, match="sample_s must be >= 0"):
         lower_gloo_polling_priority(sample_s=-1)
+
+
+def test_warns_when_the_threads_cannot_be_seen(monkeypatch):
+    pollers = Pollers([(0.01, 64)])
+    try:
+        def hidden(path, *args, **kwargs):
+            raise PermissionError(13, "Permission denied", path)
+
+        monkeypatch.setattr(polling, "open", hidden, raising=False)  # /proc with hidepid
+        with pytest.warns(RuntimeWarning, match="could not be read .*nothing changed"):
+            assert lower_gloo_polling_priority(sample_s=0.0) == []
+        monkeypatch.undo()
+        monkeypatch.setattr(polling, "_EPOLL_SYSCALLS", {})  # an unknown architecture
+        with pytest.warns(RuntimeWarning, match="are not known.*nothing changed"):
+            assert lower_gloo_polling_priority(sample_s=0.0) == []
+        assert os.sched_getscheduler(pollers.tids[0]) == os.SCHED_OTHER
+    finally:
+        pollers.close()

@@ -34,29 +34,38 @@ _EPOLL_SYSCALLS = {"x86_64": (232, 281), "aarch64": (22,)}
 _GLOO_MAX_EVENTS, _GLOO_TIMEOUT_MS = 64, 10
 
 
-def _gloo_loop_threads(sample_s: float) -> set[int]:
+def _gloo_loop_threads(sample_s: float) -> tuple[set[int], str | None]:
     """Threads of this process seen inside Gloo's epoll_wait call while
     sampling /proc/self/task/*/syscall for ``sample_s`` seconds (a polling
-    thread is sometimes between calls, so one look may miss it)."""
+    thread is sometimes between calls, so one look may miss it), and why
+    none could be looked at (None when /proc answered)."""
     numbers = _EPOLL_SYSCALLS.get(platform.machine())
     if numbers is None:
-        return set()
+        return set(), (f"its system call numbers for this machine ({platform.machine()}) "
+                       f"are not known")
     found: set[int] = set()
+    read_any, error = False, None
     deadline = time.monotonic() + sample_s
     while True:
         for tid in os.listdir("/proc/self/task"):
             try:
                 with open(f"/proc/self/task/{tid}/syscall") as f:
                     fields = f.read().split()
-            except OSError:  # the thread ended, or /proc hides it
+            except FileNotFoundError:  # the thread ended
                 continue
+            except OSError as err:  # e.g. /proc mounted with hidepid, a sandbox
+                error = err
+                continue
+            read_any = True
             if len(fields) < 5 or not fields[0].isdigit() or int(fields[0]) not in numbers:
                 continue
             if (int(fields[3], 16), int(fields[4], 16)) == (_GLOO_MAX_EVENTS,
                                                             _GLOO_TIMEOUT_MS):
                 found.add(int(tid))
         if time.monotonic() >= deadline:
-            return found
+            if not read_any:
+                return found, f"/proc/self/task/*/syscall could not be read ({error})"
+            return found, None
         time.sleep(0.001)
 
 
@@ -68,7 +77,8 @@ def lower_gloo_polling_priority(sample_s: float = 0.05) -> list[int]:
     initialised, or running on MPI instead of Gloo). Only threads blocked in
     Gloo's own ``epoll_wait(..., 64, 10)`` call are touched; TensorFlow's and
     Horovod's other threads keep their priority. Lowering a thread's priority
-    needs no privilege. Linux only; elsewhere it warns and changes nothing.
+    needs no privilege. Linux only; elsewhere, or where /proc hides the
+    threads' system calls, it warns and changes nothing.
 
     Example, in a script run by ``horovodrun -np 2 -H localhost:2 --gloo``::
 
@@ -88,8 +98,13 @@ def lower_gloo_polling_priority(sample_s: float = 0.05) -> list[int]:
         warnings.warn("lower_gloo_polling_priority: this OS has no SCHED_IDLE or "
                       "/proc/self/task; nothing changed", RuntimeWarning, stacklevel=2)
         return []
+    threads, why_not = _gloo_loop_threads(sample_s)
+    if why_not is not None:
+        warnings.warn(f"lower_gloo_polling_priority: cannot find Gloo's threads: {why_not}; "
+                      f"nothing changed", RuntimeWarning, stacklevel=2)
+        return []
     changed = []
-    for tid in sorted(_gloo_loop_threads(sample_s)):
+    for tid in sorted(threads):
         try:
             os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
         except ProcessLookupError:

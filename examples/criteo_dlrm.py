@@ -81,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="distinct ids the table is expected to hold, if known (e.g. "
                         "26 x --vocab-size for synthetic data): sizes the host table's "
                         "indexes up front (CachedEmbedding(expected_rows=...))")
+    p.add_argument("--reserve-rows", action="store_true",
+                   help="with --expected-rows, also allocate the host rows of that many "
+                        "ids at build (CachedEmbedding(reserve_rows=True))")
     p.add_argument("--optimizer", choices=("adagrad", "adam"), default="adam",
                    help="of the dense layers and of the table")
     p.add_argument("--learning-rate", type=float, default=1e-3)
@@ -97,6 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.expected_rows is not None and args.expected_rows < 1:
         p.error("--expected-rows must be >= 1")
+    if args.reserve_rows and args.expected_rows is None:
+        p.error("--reserve-rows needs --expected-rows (how many rows to reserve)")
     if not 0.0 < args.test_fraction < 1.0:
         p.error("--test-fraction must be in (0, 1)")
     return args
@@ -178,7 +183,7 @@ def build_model(args: argparse.Namespace) -> keras.Model:
         sparse = keras.Input(shape=(NUM_SPARSE,), dtype="int64", name="sparse")
     vectors = CachedEmbedding(
         dim, cache_capacity=args.cache_capacity, seed=args.seed + 1, name="categorical",
-        expected_rows=args.expected_rows,
+        expected_rows=args.expected_rows, reserve_rows=args.reserve_rows,
         optimizer=table_optimizer(args.optimizer, args.learning_rate))(sparse)
     bottom = mlp(dense, [64, dim], "bottom", seed=args.seed)
     out = dlrm_output(bottom, vectors, [128, 64], seed=args.seed)

@@ -32,12 +32,14 @@ REGISTER_OP("SfctrStoreCreate")
     .Attr("max_rows: int >= 0")
     .Attr("cache_capacity: int >= 1")
     .Attr("expected_rows: int >= 0 = 0")
+    .Attr("reserve_rows: bool = false")
     .SetIsStateful()
     .SetShapeFn(shape_inference::ScalarShape)
     .Doc(R"doc(
 Creates an embedding store (host hash table + device-cache directory) and
 returns a reference-counted handle; the store is freed with its last handle.
-expected_rows (0: no estimate) sizes the host table's indexes up front.
+expected_rows (0: no estimate) sizes the host table's indexes up front;
+reserve_rows also allocates and touches the row memory of that many rows.
 )doc");
 
 REGISTER_OP("SfctrCachePrepare")

@@ -108,8 +108,9 @@ def test_criteo_dlrm_synthetic_and_vsi_agree():
     flags = ["--rows", "30000", "--vocab-size", "5000", "--batch-size", "512",
              "--cache-capacity", "8192"]
     plain = _summary(_example("criteo_dlrm.py", *flags))
-    # (The VSI run also sizes its host table up front: same training.)
-    vsi = _summary(_example("criteo_dlrm.py", *flags, "--vsi", "--expected-rows", "130000"))
+    # (The VSI run also sizes its host table and rows up front: same training.)
+    vsi = _summary(_example("criteo_dlrm.py", *flags, "--vsi", "--expected-rows", "130000",
+                            "--reserve-rows"))
     for summary in (plain, vsi):
         _check_cached_summary(summary, {"categorical"}, min_auc=0.6)
         planted = re.search(r"planted model: ([0-9.]+)", summary["test AUC"])

@@ -2,6 +2,7 @@
 stats, predict/evaluate without side effects, XLA auto-disable, op loading."""
 
 import json
+import os
 
 import keras
 import numpy as np
@@ -24,12 +25,14 @@ def test_config_round_trip():
     layer = CachedEmbedding(
         7, cache_capacity=33, optimizer=tf_sfctr.optimizers.Adam(0.01, beta_1=0.7),
         embeddings_initializer=keras.initializers.RandomNormal(0.5, 0.1),
-        combiner="mean", max_rows=1000, seed=42, expected_rows=500, name="emb")
+        combiner="mean", max_rows=1000, seed=42, expected_rows=500, reserve_rows=True,
+        name="emb")
     config = layer.get_config()
     json.dumps(config)  # serialisable
     clone = CachedEmbedding.from_config(config)
     assert clone.get_config() == config
     assert isinstance(clone.table_optimizer, tf_sfctr.optimizers.Adam)
+    assert clone.reserve_rows is True
     assert clone.table_optimizer.beta_1 == 0.7
     ids = np.array([1, -2, 2**62], dtype=np.int64)
     np.testing.assert_array_equal(clone.lookup_rows(ids), layer.lookup_rows(ids))
@@ -124,6 +127,24 @@ def test_cache_stats_counts(rng):
     assert s["host_bytes"] % 480 == 0 and 480 <= s["host_bytes"] <= 5 * 480, s["host_bytes"]
 
 
+def _train_side_by_side(a, b, rng) -> None:
+    """Trains layers a and b on the same batches (with repeated ids); their
+    outputs and final rows must be equal."""
+    for _ in range(6):
+        ids = rng.integers(-2**62, 2**62, size=(16, 3))
+        ids[:4] = ids[4:8]  # repeated ids within a batch
+        outs = []
+        for layer in (a, b):
+            with tf.GradientTape() as tape:
+                out = layer(ids, training=True)
+                loss = tf.reduce_sum(out * out)
+            tape.gradient(loss, layer.trainable_weights)
+            outs.append(out.numpy())
+        np.testing.assert_array_equal(outs[0], outs[1])
+    probe = np.concatenate([ids.ravel(), rng.integers(0, 2**40, size=10)])
+    np.testing.assert_array_equal(a.lookup_rows(probe), b.lookup_rows(probe))
+
+
 def test_expected_rows_sizes_the_host_table_up_front_and_trains_the_same(rng):
     opt = tf_sfctr.optimizers.Adagrad(0.1)
     hinted = CachedEmbedding(4, cache_capacity=64, seed=3, optimizer=opt,
@@ -138,20 +159,37 @@ def test_expected_rows_sizes_the_host_table_up_front_and_trains_the_same(rng):
     assert plain.cache_stats()["host_bytes"] == 0
     # max_rows caps the estimate: the table can never hold more.
     assert capped.cache_stats()["host_bytes"] < hinted.cache_stats()["host_bytes"] / 5
-    for _ in range(6):
-        ids = rng.integers(-2**62, 2**62, size=(16, 3))
-        ids[:4] = ids[4:8]  # repeated ids within a batch
-        outs = []
-        for layer in (hinted, plain):
-            with tf.GradientTape() as tape:
-                out = layer(ids, training=True)
-                loss = tf.reduce_sum(out * out)
-            tape.gradient(loss, layer.trainable_weights)
-            outs.append(out.numpy())
-        np.testing.assert_array_equal(outs[0], outs[1])
-    probe = np.concatenate([ids.ravel(), rng.integers(0, 2**40, size=10)])
-    np.testing.assert_array_equal(hinted.lookup_rows(probe), plain.lookup_rows(probe))
+    _train_side_by_side(hinted, plain, rng)
     assert hinted.cache_stats()["host_rows"] == plain.cache_stats()["host_rows"]
+
+
+def test_reserve_rows_holds_the_expected_rows_memory_from_build_and_trains_the_same(rng):
+    opt = tf_sfctr.optimizers.Adagrad(0.1)
+    reserved = CachedEmbedding(8, cache_capacity=64, seed=3, optimizer=opt,
+                               expected_rows=20_000, reserve_rows=True)
+    sized = CachedEmbedding(8, cache_capacity=64, seed=3, optimizer=opt, expected_rows=20_000)
+    for layer in (reserved, sized):
+        layer.build(None)
+    # Value + Adagrad state (2 x 8 floats) and a 2-byte use count per row,
+    # for 20k rows (and a margin per shard), before any id arrives.
+    payload = 20_000 * (2 * 8 * 4 + 2)
+    held = reserved.cache_stats()["host_bytes"]
+    assert held - sized.cache_stats()["host_bytes"] >= payload
+    _train_side_by_side(reserved, sized, rng)
+    # The rows used so far came out of the reservation.
+    assert reserved.cache_stats()["host_bytes"] == held
+
+
+def test_reserve_rows_beyond_the_machine_memory_is_refused():
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    # Indexes alone would fit; with 64-float rows (+ Adagrad state) they do not.
+    rows = physical // 200
+    layer = CachedEmbedding(64, cache_capacity=8, seed=0, expected_rows=rows,
+                            reserve_rows=True)
+    with pytest.raises(ValueError, match=r"indexes and reserved rows \(reserve_rows=True\) .* "
+                                         r"or leave reserve_rows False"):
+        layer.build(None)
+    assert layer._store is None and not layer.built and not layer.weights
 
 
 def test_expected_rows_beyond_the_machine_memory_is_refused():

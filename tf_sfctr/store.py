@@ -34,6 +34,8 @@ class StoreConfig:
     #: Rows the host table is expected to hold (0: no estimate); its indexes
     #: are sized for them up front. Not a limit.
     expected_rows: int = 0
+    #: Also allocate and touch the host rows of expected_rows up front.
+    reserve_rows: bool = False
 
     @property
     def num_state(self) -> int:
@@ -104,6 +106,7 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
             max_rows=c.max_rows,
             cache_capacity=c.cache_capacity,
             expected_rows=c.expected_rows,
+            reserve_rows=c.reserve_rows,
         )
 
     # Training-step cache management -------------------------------------

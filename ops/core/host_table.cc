@@ -73,6 +73,7 @@ void HostTable::PresizeLocked(Shard& s) const {
                        static_cast<double>(shard_mask_ + 1);
   const auto want = static_cast<uint64_t>(std::ceil(share + 4.0 * std::sqrt(share) + 16.0));
   GrowLocked(s, want);
+  if (options_.reserve_rows) ReserveRowsLocked(s, want);
 }
 
 void HostTable::InitialRow(int64_t id, float* out) const {
@@ -95,26 +96,57 @@ uint16_t& HostTable::CountOf(const Shard& s, uint32_t row) const {
   return s.count_blocks[block][offset];
 }
 
+void HostTable::AddBlockLocked(Shard& s) const {
+  // Everything that can throw (std::bad_alloc) comes before the shard
+  // changes: blocks and count blocks stay paired.
+  const uint64_t block = s.blocks.size();
+  const size_t rows = BlockRows(block);
+  s.blocks.reserve(block + 1);
+  s.count_blocks.reserve(block + 1);
+  std::unique_ptr<uint16_t[]> counts(new uint16_t[rows]);
+  std::unique_ptr<float[], BlockDeleter> values;
+  if (rows == kLargeBlockRows) {
+    // A shard this large (over 2^17 rows) reads and writes its rows at
+    // random over GBs: huge pages save a page-table walk per access. Rows
+    // fill a block in order, so at most one huge page per shard is
+    // resident but not yet used (smaller blocks stay on normal pages,
+    // where that would be a large share of a small table).
+    const size_t bytes = sizeof(float) * rows * width_;
+    values = std::unique_ptr<float[], BlockDeleter>(static_cast<float*>(AllocateLarge(bytes)),
+                                                    BlockDeleter{bytes});
+  } else {
+    values = std::unique_ptr<float[], BlockDeleter>(new float[rows * width_], BlockDeleter{0});
+  }
+  s.blocks.push_back(std::move(values));
+  s.count_blocks.push_back(std::move(counts));
+}
+
 float* HostTable::AllocateRowLocked(Shard& s) const {
   uint64_t block, offset;
   BlockOf(s.rows, &block, &offset);
-  if (block >= s.blocks.size()) {
-    s.count_blocks.emplace_back(new uint16_t[BlockRows(block)]);
-    const size_t rows = BlockRows(block);
-    if (rows == kLargeBlockRows) {
-      // A shard this large (over 2^17 rows) reads and writes its rows at
-      // random over GBs: huge pages save a page-table walk per access. Rows
-      // fill a block in order, so at most one huge page per shard is
-      // resident but not yet used (smaller blocks stay on normal pages,
-      // where that would be a large share of a small table).
-      const size_t bytes = sizeof(float) * rows * width_;
-      s.blocks.emplace_back(static_cast<float*>(AllocateLarge(bytes)), BlockDeleter{bytes});
-    } else {
-      s.blocks.emplace_back(new float[rows * width_], BlockDeleter{0});
-    }
-  }
+  if (block >= s.blocks.size()) AddBlockLocked(s);
   ++s.rows;
   return s.blocks[block].get() + offset * width_;
+}
+
+void HostTable::ReserveRowsLocked(Shard& s, uint64_t rows) const {
+  // The blocks that rows [0, rows) fall in; of the last one only the pages
+  // those rows use are touched (the rest faults in when reached, as without
+  // a reservation).
+  if (rows == 0) return;
+  uint64_t last_block, last_offset;
+  BlockOf(rows - 1, &last_block, &last_offset);
+  while (s.blocks.size() <= last_block) AddBlockLocked(s);
+  constexpr size_t kPage = 4096;
+  for (uint64_t b = 0; b <= last_block; ++b) {
+    const uint64_t used = b < last_block ? BlockRows(b) : last_offset + 1;
+    volatile char* p = reinterpret_cast<char*>(s.blocks[b].get());
+    const size_t bytes = sizeof(float) * used * width_;
+    // A write, not a read: a read would map the shared zero page.
+    for (size_t off = 0; off < bytes; off += kPage) p[off] = 0;
+    volatile char* c = reinterpret_cast<char*>(s.count_blocks[b].get());
+    for (size_t off = 0; off < sizeof(uint16_t) * used; off += kPage) c[off] = 0;
+  }
 }
 
 template <typename Fn, typename BeforeShard>

@@ -37,6 +37,12 @@ struct HostTableOptions {
   // not), so that filling the table does not rehash them step by step. Not
   // a limit.
   int64_t expected_rows = 0;
+  // With expected_rows: also allocate the row memory of each shard's share
+  // up front and write one byte per page of it, so that inserting those
+  // rows later never waits for the OS to hand out fresh pages (a first
+  // touch costs ~2-13 us per 4 KiB page on the VMs measured; docs/design.md,
+  // "Host table", reserve_rows). The memory is held even if fewer ids arrive.
+  bool reserve_rows = false;
   int num_shards = 64;             // lock stripes; rounded up to a power of 2
 };
 
@@ -187,6 +193,11 @@ class HostTable {
   void PresizeLocked(Shard& s) const;
   float* RowPtr(const Shard& s, uint32_t row) const;
   float* AllocateRowLocked(Shard& s) const;
+  // Appends the shard's next row block (and its use counts).
+  void AddBlockLocked(Shard& s) const;
+  // Allocates and touches the row blocks of an empty shard's share of
+  // expected_rows (reserve_rows).
+  void ReserveRowsLocked(Shard& s, uint64_t rows) const;
   // Calls fn(i, shard, hash) for every i < n, with the shard of ids[i]
   // locked. Ids are visited shard by shard (one lock per shard, not per id)
   // and the index entries of upcoming ids are prefetched: a batch of random

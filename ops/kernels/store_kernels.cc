@@ -141,6 +141,7 @@ class StoreCreateOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("max_rows", &max_rows));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("cache_capacity", &capacity));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("expected_rows", &expected_rows));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("reserve_rows", &options_.table.reserve_rows));
     OP_REQUIRES(ctx, sfctr::ParseInitKind(kind, &options_.table.init.kind),
                 errors::InvalidArgument(
                     "init_kind must be constant, uniform, normal or "
@@ -166,8 +167,10 @@ class StoreCreateOp : public OpKernel {
       resource = new StoreResource(options_);
     } catch (const std::exception&) {  // bad_alloc, or length_error past max_size
       ctx->CtxFailure(errors::ResourceExhausted(
-          "not enough memory for the host table's indexes sized for expected_rows=",
-          options_.table.expected_rows, "; lower expected_rows (or leave it unset)"));
+          "not enough memory for the host table's indexes",
+          options_.table.reserve_rows ? " and rows" : "", " sized for expected_rows=",
+          options_.table.expected_rows, "; lower expected_rows (or leave it unset)",
+          options_.table.reserve_rows ? ", or set reserve_rows=False" : ""));
       return;
     }
     Tensor* handle = nullptr;

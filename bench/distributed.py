@@ -20,7 +20,8 @@ formula TFRA's (Keras 2) Adagrad computes: the accumulator adds the square of
 each id's summed gradient.
 
 The hash tables are told the vocabulary size, as a full table is sized by it:
-``CachedEmbedding(expected_rows=vocab)`` (each rank sizes for its share) and
+``CachedEmbedding(expected_rows=vocab, reserve_rows=True)`` (each rank sizes
+and allocates for its share) and
 TFRA's ``init_capacity=vocab / ranks`` per rank (``--no-size-hint``: neither).
 
 Step times are medians over the timed steps (robust to bursts of load from
@@ -113,6 +114,7 @@ def ours_layer(args, capacity: int):
 
     layer = CachedEmbedding(args.dim, cache_capacity=capacity, seed=0,
                             expected_rows=None if args.no_size_hint else args.vocab,
+                            reserve_rows=not args.no_size_hint,
                             optimizer=tf_sfctr.optimizers.Adagrad(
                                 LR, initial_accumulator_value=ACC0, epsilon=EPS,
                                 accumulate=args.accumulate))
@@ -328,7 +330,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-tfra", dest="tfra", action="store_false")
     p.add_argument("--no-size-hint", action="store_true",
                    help="do not tell the hash tables the vocabulary size (CachedEmbedding "
-                        "expected_rows, TFRA init_capacity)")
+                        "expected_rows and reserve_rows, TFRA init_capacity)")
     p.add_argument("--tiny", action="store_true",
                    help="tiny sizes and no TFRA (its import and tracing take ~10 s); for CI")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -21,8 +21,9 @@ the dense layers with the framework's Adagrad, the table with
   (TFRA's Keras layers are Keras 2 layers).
 
 The two hash tables are told the vocabulary size, as the full tables are
-sized by it: ``CachedEmbedding(expected_rows=...)`` and TFRA's
-``init_capacity`` (``--no-size-hint``: neither).
+sized (and allocated) by it: ``CachedEmbedding(expected_rows=...,
+reserve_rows=True)`` and TFRA's ``init_capacity`` (``--no-size-hint``:
+neither).
 
 Data: ``tf_sfctr.data.SyntheticCriteoSpec`` (26 fields of ``--field-vocab``
 ids each, Zipf ``--alpha``, 13 dense, planted labels), generated once into
@@ -115,6 +116,7 @@ def model_ours(capacity: int, vsi: bool, lookahead: bool = False, summed: bool =
                  if vsi
                  else keras.Input((NUM_SPARSE,), dtype="int64", name="sparse"))
     layer = CachedEmbedding(DIM, cache_capacity=capacity, seed=0, expected_rows=expected,
+                            reserve_rows=expected is not None,
                             optimizer=tf_sfctr.optimizers.Adagrad(
                                 LR, accumulate="summed" if summed else "per_occurrence"))
     out = dlrm(keras, layer(sparse_in), dense_in, sparse_in)
@@ -215,7 +217,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-tfra", dest="tfra", action="store_false", help="skip the TFRA row")
     p.add_argument("--no-size-hint", action="store_true",
                    help="do not tell the hash tables the vocabulary size (CachedEmbedding "
-                        "expected_rows, TFRA init_capacity)")
+                        "expected_rows and reserve_rows, TFRA init_capacity)")
     p.add_argument("--tiny", action="store_true",
                    help="small sizes, no tf_keras or TFRA rows (their first fit alone takes "
                         "~12 s of tracing); for CI")

@@ -18,9 +18,10 @@ same warm-up batches:
 * ``Keras 3 Embedding``: full table, ``keras.optimizers.Adagrad``.
 
 The two hash tables are told the vocabulary size, as the full tables are
-sized by it: ``CachedEmbedding(expected_rows=vocab)`` and TFRA's
-``init_capacity=vocab`` (``--no-size-hint``: neither). One more row, the
-lookahead step without the hint, shows what it is worth.
+sized (and allocated) by it: ``CachedEmbedding(expected_rows=vocab,
+reserve_rows=True)`` and TFRA's ``init_capacity=vocab`` (``--no-size-hint``:
+neither). One more row, the lookahead step without the hint, shows what it is
+worth.
 
 Memory-traffic bound of a step: bytes it must touch (ids read: 8 N; distinct
 rows and their Adagrad accumulator read and written: 2 * 2 * 4 * dim * U;
@@ -80,14 +81,17 @@ def _loss(out: tf.Tensor, w: tf.Tensor) -> tf.Tensor:
 
 
 def make_ours(dim: int, capacity: int, w: tf.Tensor, summed: bool = False,
-              expected: int | None = None):
+              expected: int | None = None, reserve: bool | None = None,
+              name: str | None = None):
     import tf_sfctr
     from tf_sfctr.keras_layers import CachedEmbedding
 
     opt = tf_sfctr.optimizers.Adagrad(LR, initial_accumulator_value=ACC0, epsilon=EPS,
                                       accumulate="summed" if summed else "per_occurrence")
     layer = CachedEmbedding(dim, cache_capacity=capacity, optimizer=opt, seed=0,
-                            name="summed" if summed else "ours", expected_rows=expected)
+                            name=name or ("summed" if summed else "ours"),
+                            expected_rows=expected,
+                            reserve_rows=bool(expected) if reserve is None else reserve)
     layer.build(None)
 
     @tf.function
@@ -101,7 +105,8 @@ def make_ours(dim: int, capacity: int, w: tf.Tensor, summed: bool = False,
 
 
 def make_ours_lookahead(dim: int, capacity: int, w: tf.Tensor, first_ids: tf.Tensor,
-                        summed: bool = False, expected: int | None = None):
+                        summed: bool = False, expected: int | None = None,
+                        reserve: bool | None = None):
     """CachedEmbedding with lookahead (``C.lookahead_step``); called on
     (batch i, batch i + 1)."""
     import tf_sfctr
@@ -112,7 +117,8 @@ def make_ours_lookahead(dim: int, capacity: int, w: tf.Tensor, first_ids: tf.Ten
     name = "lookahead_summed" if summed else "lookahead"
     layer = CachedEmbedding(dim, cache_capacity=capacity, optimizer=opt, seed=0,
                             name=name if expected else f"{name}_no_hint",
-                            expected_rows=expected)
+                            expected_rows=expected,
+                            reserve_rows=bool(expected) if reserve is None else reserve)
     layer.build(None)
     return C.lookahead_step(layer, lambda out: _loss(out, w), first_ids), layer
 
@@ -392,7 +398,7 @@ def main(argv=None) -> int:
                    choices=["tf_keras", "tfra", "keras3"])
     p.add_argument("--no-size-hint", action="store_true",
                    help="do not tell the hash tables the vocabulary size (CachedEmbedding "
-                        "expected_rows, TFRA init_capacity)")
+                        "expected_rows and reserve_rows, TFRA init_capacity)")
     p.add_argument("--tiny", action="store_true", help="small sizes, for CI (seconds)")
     args = p.parse_args(argv)
     if args.tiny:
@@ -548,7 +554,8 @@ def _print_tables(args, ref, results, baselines) -> None:
     no_hint = results.get((OURS_LA_NO_HINT, alpha, dim, frac))
     if no_hint is not None:
         hinted = results[(OURS_LA_SUMMED, alpha, dim, frac)]
-        print(f"size hint: {OURS_LA_SUMMED} with expected_rows={args.vocab:,} "
+        print(f"size hint: {OURS_LA_SUMMED} with expected_rows={args.vocab:,}, "
+              f"reserve_rows=True "
               f"{hinted['ms']:.2f} ms/step vs without {no_hint['ms']:.2f} ms/step "
               f"= {no_hint['ms'] / hinted['ms']:.2f}x speed-up")
     for name in baselines:

@@ -618,7 +618,7 @@ class CachedEmbedding(keras.layers.Layer):
             slots = self._cached_slots(unique_ids, next_ids, hints,
                                        from_input=isinstance(inputs, dict))
             rows = _ops.gather_rows(self._cache_rows, _ops.gather_index(slots, inverse))
-            apply_update = lambda grad: self._apply_update(slots, grad)  # noqa: E731
+            apply_update = lambda g, g_sq: self._apply_update(slots, g, g_sq)  # noqa: E731
             num_unique = tf.size(unique_ids)
         elif self._mode == "model_parallel":
             # Rows come back in route order; index them (and sum gradients)
@@ -971,12 +971,18 @@ class CachedEmbedding(keras.layers.Layer):
         """Owner: applies a deferred update whose rows (``received``, by
         sender) arrived; returns whether one was pending."""
         d = self._deferred
+        dim, n = self.output_dim, float(self._world_size)
 
         def apply():
             total, _ = _ops.segment_sums(received, d.own_inverse.read_value(),
                                          d.own_count.read_value())
-            update = self._table_update(d.slots.read_value(), self._rank_mean(total),
-                                        d.step.read_value())
+            # Mean over ranks, like the dense gradients: N ranks with batch B
+            # train like one process with batch N * B.
+            g_own = total[:, :dim] / n
+            g_sq_own = total[:, dim:] / (n * n) if d.width > dim else None
+            update = self.table_optimizer.apply(
+                self._cache_rows, list(self._cache_state), d.slots.read_value(), g_own,
+                g_sq_own, d.step.read_value())
             with tf.control_dependencies([update]):
                 return d.pending.assign(False, read_value=True)
 
@@ -1056,8 +1062,9 @@ class CachedEmbedding(keras.layers.Layer):
             return rows, None
         own_count = tf.size(own_ids)
 
-        def apply_update(grad):  # with the sums of squares beside, if any
-            return self._defer_update(grad, route.splits, own_inverse, own_count, slots)
+        def apply_update(g, g_sq):
+            payload = g if g_sq is None else tf.concat([g, g_sq], axis=1)
+            return self._defer_update(payload, route.splits, own_inverse, own_count, slots)
 
         return rows, apply_update
 
@@ -1076,12 +1083,16 @@ class CachedEmbedding(keras.layers.Layer):
         mine = glob_inverse[offset: offset + tf.size(unique_ids)]
         slots = self._cached_slots(glob_ids)
         glob_rows = _ops.gather_rows(self._cache_rows, slots)
+        dim, n = self.output_dim, float(self._world_size)
 
-        def apply_update(grad):  # with the sums of squares beside, if any
-            local, _ = _ops.segment_sums(grad, mine, tf.size(glob_ids))
+        def apply_update(g, g_sq):
+            payload = g if g_sq is None else tf.concat([g, g_sq], axis=1)
+            local, _ = _ops.segment_sums(payload, mine, tf.size(glob_ids))
             total = hvd.allreduce(local, op=hvd.Sum, name=f"{name}_grads",
                                   ignore_name_scope=True)
-            return self._apply_update(slots, self._rank_mean(total))
+            g_glob = total[:, :dim] / n
+            g_sq_glob = None if g_sq is None else total[:, dim:] / (n * n)
+            return self._apply_update(slots, g_glob, g_sq_glob)
 
         return _ops.gather_tensor_rows(glob_rows, mine), apply_update
 
@@ -1123,24 +1134,20 @@ class CachedEmbedding(keras.layers.Layer):
                         "training call feeds applies its update"))
                 with tf.control_dependencies([once]):
                     g_occ = tf.cast(tf.convert_to_tensor(d_rows), tf.float32)
-                # Sum per unique id in one pass over the occurrences. For
-                # per-occurrence Adagrad the sums of squares go beside the
-                # sums, [U, 2 * dim]: one region per id to add into, which
-                # the update and a model-parallel exchange take as it is.
-                if self.table_optimizer.needs_squared_occurrences:
-                    g = _ops.segment_sums_joint(g_occ, inverse, num_unique)
-                else:
-                    g, _ = _ops.segment_sums(g_occ, inverse, num_unique)
+                # Sum per unique id (and of squares for per-occurrence
+                # Adagrad) in one pass over the occurrences.
+                g, g_sq = _ops.segment_sums(
+                    g_occ, inverse, num_unique,
+                    squares=self.table_optimizer.needs_squared_occurrences)
                 # One scalar, NaN if any element of g is NaN or Inf: much
                 # cheaper to check than CheckNumerics on [U, dim].
                 finite = tf.debugging.check_numerics(
                     _ops.non_finite_marker(g), f"CachedEmbedding {self.name}: the embedding "
-                    f"gradient (or the sum of its squares) is not finite (NaN or Inf); the "
-                    f"table was not updated, but other weights of this step may have been "
-                    f"(restore a checkpoint)")
+                    f"gradient is not finite (NaN or Inf); the table was not updated, but "
+                    f"other weights of this step may have been (restore a checkpoint)")
                 with tf.control_dependencies([finite]):
                     g = tf.identity(g)
-                step = apply_update(g)
+                step = apply_update(g, g_sq)
                 self._update_traced(update_graph)  # a later call may follow now
                 # The trigger's gradient must data-depend on the update: Keras
                 # nests its train step in a second tf.function, and after
@@ -1154,29 +1161,13 @@ class CachedEmbedding(keras.layers.Layer):
 
         return with_update(rows, trigger)
 
-    def _apply_update(self, slots, grad):
+    def _apply_update(self, slots, grad, grad_sq):
         """Table optimizer step on cached rows; returns the new step count."""
-        update = self._table_update(slots, grad, self._table_step)
+        update = self.table_optimizer.apply(
+            self._cache_rows, list(self._cache_state), slots, grad, grad_sq,
+            self._table_step)
         with tf.control_dependencies([update]):
             return self._table_step.assign_add(1, read_value=True)
-
-    def _table_update(self, slots, grad, step):
-        """The table optimizer's update of ``cache[slots]``: ``grad`` holds
-        the sums of squares beside the sums ([U, 2 * dim]) when the optimizer
-        needs them."""
-        opt, rows, state = self.table_optimizer, self._cache_rows, list(self._cache_state)
-        if opt.needs_squared_occurrences:
-            return opt.apply_joint(rows, state, slots, grad, step)
-        return opt.apply(rows, state, slots, grad, None, step)
-
-    def _rank_mean(self, total):
-        """Sums over ranks to means, like the dense gradients: N ranks with
-        batch B train like one process with batch N * B. Squares (the last
-        dim columns of a 2 * dim-wide ``total``) are divided by N * N."""
-        dim, n = self.output_dim, float(self._world_size)
-        if not self.table_optimizer.needs_squared_occurrences:
-            return total / n
-        return total / tf.constant([n] * dim + [n * n] * dim, tf.float32)
 
     # ------------------------------------------------------- inference path
     def _inference_rows(self, unique_ids: tf.Tensor) -> tf.Tensor:

@@ -263,7 +263,6 @@ REGISTER_OP("SfctrSegmentSums")
     .Input("segment_ids: int32")
     .Input("num_segments: int32")
     .Attr("squares: bool = false")
-    .Attr("joint: bool = false")
     .Attr("max_shards: int = 0")
     .Output("sums: float")
     .Output("sums_of_squares: float")
@@ -275,24 +274,17 @@ REGISTER_OP("SfctrSegmentSums")
       TF_RETURN_IF_ERROR(c->Merge(c->Dim(data, 0), c->Dim(segments, 0), &unused));
       shape_inference::DimensionHandle n;
       TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(2, &n));
-      bool squares = false, joint = false;
+      bool squares = false;
       TF_RETURN_IF_ERROR(c->GetAttr("squares", &squares));
-      TF_RETURN_IF_ERROR(c->GetAttr("joint", &joint));
-      shape_inference::DimensionHandle width = c->Dim(data, 1);
-      if (joint) TF_RETURN_IF_ERROR(c->Multiply(width, 2, &width));
-      c->set_output(0, c->Matrix(n, width));
-      c->set_output(1, squares && !joint ? c->Matrix(n, c->Dim(data, 1))
-                                         : c->Matrix(0, c->Dim(data, 1)));
+      c->set_output(0, c->Matrix(n, c->Dim(data, 1)));
+      c->set_output(1, squares ? c->Matrix(n, c->Dim(data, 1)) : c->Matrix(0, c->Dim(data, 1)));
       return OkStatus();
     })
     .Doc(R"doc(
 Sums of the rows of data [N, D] per segment: sums[s] adds the rows i with
 segment_ids[i] == s, in row order (tf.math.unsorted_segment_sum on CPU adds in
 the same order). With squares, sums_of_squares[s] adds their element-wise
-squares in the same pass; otherwise it is [0, D]. With squares and joint, both
-go into sums, [num_segments, 2 * D]: row s is the sums of segment s followed by
-their sums of squares, and sums_of_squares is [0, D] (per-occurrence Adagrad
-reads one row for both). Segment ids must be in
+squares in the same pass; otherwise it is [0, D]. Segment ids must be in
 [0, num_segments). The backward of a de-duplicated embedding lookup: one read
 of the per-occurrence gradient gives both sums Adagrad needs. A large input is
 split over segment ranges for intra-op pool threads that are free, into at most
@@ -323,9 +315,7 @@ Adagrad on the rows `indices` of the float variables `var` and `accum`
 ([rows, dim]), with `grad` [n, dim] and `indices` [n]:
   accum[k] += grad_sq[i]   (grad[i] * grad[i] when grad_sq has no elements)
   var[k]   -= (lr * grad[i]) / (sqrt(accum[k]) + epsilon)
-for k = indices[i], in index order. grad may also be [n, 2 * dim], the
-gradients followed by their sums of squares in each row (SfctrSegmentSums with
-squares and joint); grad_sq is then [0, 0]. The same result, bit for bit, as
+for k = indices[i], in index order. The same result, bit for bit, as
 ResourceSparseApplyAdagradV2 (after a scatter-add of grad_sq when given), on
 one CPU thread, with the rows of upcoming indices prefetched: several times
 faster than TF's CPU kernel when the rows are scattered over a large table. A

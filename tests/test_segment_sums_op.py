@@ -42,9 +42,6 @@ def test_equals_unsorted_segment_sum(n, dim, num_segments):
                                             max_shards=shards)
         np.testing.assert_array_equal(split.numpy(), want)
         np.testing.assert_array_equal(split_sq.numpy(), want_sq)
-        # Joint: each row the sums, then the sums of squares; the same bits.
-        joint = _ops.segment_sums_joint(data, segments, num_segments, max_shards=shards)
-        np.testing.assert_array_equal(joint.numpy(), np.concatenate([want, want_sq], axis=1))
 
 
 def test_negative_max_shards_is_refused():
@@ -97,25 +94,3 @@ def test_tf_fallback_gives_the_same_sums():
     for a, b in zip(ours, tfs):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     assert _ops.segment_sums(data, segments, 700, use_kernel=False)[1] is None
-
-
-@pytest.mark.parametrize("use_kernel", [True, False])
-def test_joint_in_a_function_and_empty(use_kernel):
-    @tf.function(input_signature=[tf.TensorSpec([None, 3]), tf.TensorSpec([None], tf.int32),
-                                  tf.TensorSpec([], tf.int32)])
-    def f(data, segments, n):
-        joint = _ops.segment_sums_joint(data, segments, n, use_kernel=use_kernel)
-        assert joint.shape.as_list() == [None, 6]
-        return joint
-
-    data = tf.constant([[1.0, 2, 3], [4, 5, 6], [-1, -1, -1]])
-    np.testing.assert_array_equal(
-        f(data, tf.constant([2, 0, 2]), tf.constant(3)).numpy(),
-        [[4, 5, 6, 16, 25, 36], [0] * 6, [0, 1, 2, 2, 5, 10]])
-    empty = f(tf.zeros([0, 3]), tf.zeros([0], tf.int32), tf.constant(2))
-    np.testing.assert_array_equal(empty.numpy(), np.zeros([2, 6]))
-
-
-def test_joint_without_squares_is_refused():
-    with pytest.raises(tf.errors.InvalidArgumentError, match="joint=True needs squares=True"):
-        _ops.load().sfctr_segment_sums(tf.ones([2, 2]), tf.constant([0, 1]), 2, joint=True)

@@ -8,16 +8,12 @@ import tensorflow as tf
 from tf_sfctr import _ops
 
 
-def _run(use_kernel, v0, a0, grad, idx, grad_sq, lr=0.05, eps=0.0, steps=2, max_shards=0,
-         joint=False):
-    """``joint``: pass grad and grad_sq as one [n, 2 * dim] array."""
+def _run(use_kernel, v0, a0, grad, idx, grad_sq, lr=0.05, eps=0.0, steps=2, max_shards=0):
     var, acc = tf.Variable(v0), tf.Variable(a0)
-    if joint:
-        grad, grad_sq = np.concatenate([grad, grad_sq], axis=1), None
     for _ in range(steps):
         kwargs = {"max_shards": max_shards} if use_kernel else {}
         _ops.sparse_apply_adagrad(var, acc, lr, eps, grad, idx, grad_sq, use_kernel=use_kernel,
-                                  joint=joint, **kwargs)
+                                  **kwargs)
     return var.numpy(), acc.numpy()
 
 
@@ -37,11 +33,6 @@ def test_same_bits_as_tf_kernel(dim, per_occurrence, eps):
     got = _run(True, v0, a0, grad, idx, grad_sq, eps=eps)
     np.testing.assert_array_equal(got[0], ref[0])
     np.testing.assert_array_equal(got[1], ref[1])
-    if per_occurrence:  # the squares beside the gradients: the same bits, both paths
-        for use_kernel in (True, False):
-            joint = _run(use_kernel, v0, a0, grad, idx, grad_sq, eps=eps, joint=True)
-            np.testing.assert_array_equal(joint[0], ref[0])
-            np.testing.assert_array_equal(joint[1], ref[1])
     untouched = np.setdiff1d(np.arange(rows), idx)
     np.testing.assert_array_equal(got[0][untouched], v0[untouched])
     np.testing.assert_array_equal(got[1][untouched], a0[untouched])
@@ -63,7 +54,7 @@ def test_repeated_index_is_updated_in_turn():
 
 
 @pytest.mark.parametrize("dim", [40, 64, 128])
-@pytest.mark.parametrize("per_occurrence", [False, True, "joint"])
+@pytest.mark.parametrize("per_occurrence", [False, True])
 @pytest.mark.parametrize("max_shards", [0, 2, 8])
 def test_large_updates_split_over_columns_keep_every_bit(dim, per_occurrence, max_shards):
     """Updates big enough to be split over the intra-op pool (shards own
@@ -77,7 +68,7 @@ def test_large_updates_split_over_columns_keep_every_bit(dim, per_occurrence, ma
     grad = rng.normal(size=(n, dim)).astype(np.float32)
     grad_sq = (grad * grad * 2).astype(np.float32) if per_occurrence else None
     var, acc = _run(True, v0, a0, grad, idx, grad_sq, lr=float(lr), eps=float(eps), steps=1,
-                    max_shards=max_shards, joint=per_occurrence == "joint")
+                    max_shards=max_shards)
     w, a = v0.copy(), a0.copy()
     for i, k in enumerate(idx):
         a[k] += grad_sq[i] if per_occurrence else grad[i] * grad[i]
@@ -107,27 +98,13 @@ def test_bad_input_changes_nothing():
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"indices\[1\] = 4 is not in \[0, 4\)"):
         _ops.sparse_apply_adagrad(var, acc, 0.1, 0.0, tf.ones([2, 2]), tf.constant([0, 4]),
                                   use_kernel=True)
-    # The wrapper checks the width it was told; the kernel allows dim or
-    # 2 * dim (joint) and nothing else.
-    for joint, width in ((False, 3), (False, 4), (True, 2), (True, 3)):
-        with pytest.raises(ValueError, match=rf"grad must have shape \[n, {4 if joint else 2}\]"):
-            _ops.sparse_apply_adagrad(var, acc, 0.1, 0.0, tf.ones([2, width]),
-                                      tf.constant([0, 1]), use_kernel=True, joint=joint)
-    raw = _ops.load().sfctr_sparse_apply_adagrad
-    no_sq = tf.zeros([0, 0])
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"grad must have shape \[2, 2\] "
-                       r"or \[2, 4\]"):
-        raw(var.handle, acc.handle, 0.1, 0.0, tf.ones([2, 3]), tf.constant([0, 1]), no_sq)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="grad must have shape"):
+        _ops.sparse_apply_adagrad(var, acc, 0.1, 0.0, tf.ones([2, 3]), tf.constant([0, 1]),
+                                  use_kernel=True)
     for bad_sq in (tf.ones([1, 2]), tf.zeros([0, 2])):
         with pytest.raises(tf.errors.InvalidArgumentError, match="grad_sq must have grad's"):
             _ops.sparse_apply_adagrad(var, acc, 0.1, 0.0, tf.ones([2, 2]), tf.constant([0, 1]),
                                       bad_sq, use_kernel=True)
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"grad_sq must be \[0, 0\]"):
-        raw(var.handle, acc.handle, 0.1, 0.0, tf.ones([2, 4]), tf.constant([0, 1]),
-            tf.ones([2, 4]))
-    with pytest.raises(ValueError, match="grad_sq must be None with joint=True"):
-        _ops.sparse_apply_adagrad(var, acc, 0.1, 0.0, tf.ones([2, 4]), tf.constant([0, 1]),
-                                  tf.ones([2, 2]), use_kernel=True, joint=True)
     np.testing.assert_array_equal(var.numpy(), v0)
     np.testing.assert_array_equal(acc.numpy(), v0)
 

@@ -183,31 +183,6 @@ def segment_sums(data: tf.Tensor, segment_ids: tf.Tensor, num_segments,
     return sums, (sums_sq if squares else None)
 
 
-def segment_sums_joint(data: tf.Tensor, segment_ids: tf.Tensor, num_segments,
-                       use_kernel: bool | None = None, max_shards: int = 0):
-    """Both sums of :func:`segment_sums` with ``squares`` in one
-    ``[num_segments, 2 * D]`` tensor: row ``s`` is the sum of the rows of
-    segment ``s`` followed by the sum of their squares.
-
-    Per-occurrence Adagrad's backward: each occurrence then adds into one
-    ``2 * D``-float region instead of two rows in different arrays, and
-    :func:`sparse_apply_adagrad` (``joint=True``) and a model-parallel
-    exchange take the result as it is. On CPU one pass of
-    ``SfctrSegmentSums``; with a GPU visible TF's segment sum of
-    ``[data, data ** 2]``. ``use_kernel``, ``max_shards``: as
-    :func:`segment_sums`.
-    """
-    data = tf.cast(data, tf.float32)
-    segment_ids = tf.cast(segment_ids, tf.int32)
-    num_segments = tf.cast(num_segments, tf.int32)
-    if not _use_kernel(use_kernel):
-        return tf.math.unsorted_segment_sum(tf.concat([data, tf.square(data)], axis=1),
-                                            segment_ids, num_segments)
-    joint, _ = load().sfctr_segment_sums(data, segment_ids, num_segments, squares=True,
-                                         joint=True, max_shards=max_shards)
-    return joint
-
-
 def gather_index(params: tf.Tensor, indices: tf.Tensor, use_kernel: bool | None = None):
     """``tf.gather(params, indices)`` for int32 index tables (``slots[inverse]``).
 
@@ -249,8 +224,7 @@ def ids_equal(a: tf.Tensor, b: tf.Tensor, b_size: tf.Tensor | None = None,
 
 def sparse_apply_adagrad(var: tf.Variable, accum: tf.Variable, lr, epsilon, grad: tf.Tensor,
                          indices: tf.Tensor, grad_sq: tf.Tensor | None = None,
-                         use_kernel: bool | None = None, max_shards: int = 0,
-                         joint: bool = False):
+                         use_kernel: bool | None = None, max_shards: int = 0):
     """Adagrad on rows ``indices`` of ``var`` and ``accum`` ([rows, dim] float32).
 
     ``accum[k] += grad_sq[i]`` (``grad[i] ** 2`` when ``grad_sq`` is None), then
@@ -262,27 +236,11 @@ def sparse_apply_adagrad(var: tf.Variable, accum: tf.Variable, lr, epsilon, grad
     prefetched, wide rows split by columns over free pool threads, 3-4x faster than TF's CPU kernel on rows scattered over
     a large cache. With a GPU visible it is TF's fused kernel (and a
     ``scatter_add`` for ``grad_sq``). ``use_kernel`` forces one or the other.
-    ``max_shards``: see :data:`MAX_SHARDS_DOC`. With ``joint``, ``grad`` is
-    ``[n, 2 * dim]``, each row the gradient followed by its ``grad_sq`` (as
-    :func:`segment_sums_joint` gives them), and ``grad_sq`` must be None.
+    ``max_shards``: see :data:`MAX_SHARDS_DOC`.
     """
     indices = tf.cast(indices, tf.int32)
     lr = tf.cast(lr, tf.float32)
     epsilon = tf.cast(epsilon, tf.float32)
-    grad = tf.convert_to_tensor(grad, tf.float32)
-    dim = var.shape[1]
-    width = 2 * dim if joint else dim
-    if grad.shape.rank != 2 or grad.shape[1] not in (None, width):
-        raise ValueError(
-            f"grad must have shape [n, {width}] for a variable of shape {var.shape}"
-            f"{' with joint=True (gradients, then their sums of squares)' if joint else ''}"
-            f", got {grad.shape}")
-    if joint:
-        if grad_sq is not None:
-            raise ValueError("grad_sq must be None with joint=True: the sums of squares "
-                             "are the last dim columns of grad")
-        if not _use_kernel(use_kernel):
-            grad, grad_sq = grad[:, :dim], grad[:, dim:]
     if not _use_kernel(use_kernel):
         if grad_sq is None:
             return tf.raw_ops.ResourceSparseApplyAdagradV2(

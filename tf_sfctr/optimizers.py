@@ -99,22 +99,8 @@ class TableOptimizer:
         grad_sq: tf.Tensor | None,
         step: tf.Variable,
     ) -> tf.Operation:
-        """Updates ``rows[slots]`` and their state; slots are distinct.
-
-        ``grad`` is ``[len(slots), dim]``; ``grad_sq`` the same shape when
-        :attr:`needs_squared_occurrences`, else None. Returns the update op.
-        """
+        """Updates ``rows[slots]`` and their state; slots are distinct."""
         raise NotImplementedError
-
-    def apply_joint(self, rows: tf.Variable, state: list[tf.Variable], slots: tf.Tensor,
-                    joint: tf.Tensor, step: tf.Variable) -> tf.Operation:
-        """:meth:`apply` with ``grad`` and ``grad_sq`` side by side in one
-        ``[len(slots), 2 * dim]`` tensor, as the layer computes them for an
-        optimizer that :attr:`needs_squared_occurrences`. By default it splits
-        them and calls :meth:`apply`; an optimizer whose kernel reads both
-        from one row (Adagrad on CPU) overrides it."""
-        dim = rows.shape[1]
-        return self.apply(rows, state, slots, joint[:, :dim], joint[:, dim:], step)
 
     def get_config(self) -> dict[str, Any]:
         lr = self.learning_rate
@@ -218,11 +204,6 @@ class Adagrad(TableOptimizer):
         return _ops.sparse_apply_adagrad(
             rows, acc, self._lr(step), 0.0, grad, slots,
             grad_sq if self.needs_squared_occurrences else None)
-
-    def apply_joint(self, rows, state, slots, joint, step):
-        (acc,) = state
-        return _ops.sparse_apply_adagrad(rows, acc, self._lr(step), 0.0, joint, slots,
-                                         joint=True)
 
     def get_config(self):
         return {**super().get_config(),

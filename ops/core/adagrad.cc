@@ -26,8 +26,8 @@ inline void UpdateScalar(float* w, float* a, float g, float s, float lr,
 }  // namespace
 
 void AdagradColumns(float* var, float* acc, int64_t dim, const float* grad,
-                    const float* grad_sq, int64_t grad_stride, const int32_t* idx,
-                    int64_t n, float lr, float epsilon, int64_t begin, int64_t end) {
+                    const float* grad_sq, const int32_t* idx, int64_t n, float lr,
+                    float epsilon, int64_t begin, int64_t end) {
 #if defined(__SSE2__)
   const __m128 vlr = _mm_set1_ps(lr);
   const __m128 veps = _mm_set1_ps(epsilon);
@@ -41,8 +41,8 @@ void AdagradColumns(float* var, float* acc, int64_t dim, const float* grad,
     }
     float* w = var + static_cast<int64_t>(idx[i]) * dim;
     float* a = acc + static_cast<int64_t>(idx[i]) * dim;
-    const float* g = grad + i * grad_stride;
-    const float* s = grad_sq != nullptr ? grad_sq + i * grad_stride : nullptr;
+    const float* g = grad + i * dim;
+    const float* s = grad_sq != nullptr ? grad_sq + i * dim : nullptr;
     int64_t d = begin;
 #if defined(__SSE2__)
     for (; d + 4 <= end; d += 4) {
@@ -61,9 +61,9 @@ void AdagradColumns(float* var, float* acc, int64_t dim, const float* grad,
 }
 
 void AdagradRows(float* var, float* acc, int64_t dim, const float* grad,
-                 const float* grad_sq, int64_t grad_stride, const int32_t* idx, int64_t n,
-                 float lr, float epsilon) {
-  AdagradColumns(var, acc, dim, grad, grad_sq, grad_stride, idx, n, lr, epsilon, 0, dim);
+                 const float* grad_sq, const int32_t* idx, int64_t n, float lr,
+                 float epsilon) {
+  AdagradColumns(var, acc, dim, grad, grad_sq, idx, n, lr, epsilon, 0, dim);
 }
 
 }  // namespace sfctr

@@ -21,21 +21,17 @@
 
 namespace sfctr {
 
-// Row i of grad (and of grad_sq) starts at grad + i * grad_stride, with
-// grad_stride >= dim: dim for separate arrays; 2 * dim for one joint array
-// [n x 2*dim] holding g in its first dim columns and s in its last dim
-// (grad_sq = grad + dim), as SegmentSumsJoint writes it.
 // Callers check 0 <= idx[i] < rows of var/acc.
 void AdagradRows(float* var, float* acc, int64_t dim, const float* grad,
-                 const float* grad_sq, int64_t grad_stride, const int32_t* idx, int64_t n,
-                 float lr, float epsilon);
+                 const float* grad_sq, const int32_t* idx, int64_t n, float lr,
+                 float epsilon);
 
 // The same on columns [begin, end) of every row only. Each element's updates
 // depend only on that element, so shards of disjoint column ranges may run
 // at once, also when an index repeats (each thread keeps index order).
 void AdagradColumns(float* var, float* acc, int64_t dim, const float* grad,
-                    const float* grad_sq, int64_t grad_stride, const int32_t* idx,
-                    int64_t n, float lr, float epsilon, int64_t begin, int64_t end);
+                    const float* grad_sq, const int32_t* idx, int64_t n, float lr,
+                    float epsilon, int64_t begin, int64_t end);
 
 }  // namespace sfctr
 

@@ -8,13 +8,10 @@ namespace {
 
 // kDim > 0 fixes the width at compile time: the common widths get a loop the
 // compiler fully unrolls and vectorises. kDim == 0 takes `dim` at run time.
-// kJoint: squares sit in the last dim columns of each 2*dim-wide sums row
-// (`squares` is ignored); otherwise they go to `squares` unless it is null.
-template <int kDim, bool kJoint>
+template <int kDim>
 void AddRows(const float* data, const int32_t* segment, int64_t n, int64_t dim_arg,
              int64_t begin, int64_t end, float* sums, float* squares) {
   const int64_t dim = kDim > 0 ? kDim : dim_arg;
-  const int64_t stride = kJoint ? 2 * dim : dim;
   const uint64_t span = static_cast<uint64_t>(end - begin);
   // The output rows are visited at random and (at a batch's sizes) do not
   // fit in L2: prefetching the row kPrefetch ahead keeps several misses in
@@ -26,38 +23,22 @@ void AddRows(const float* data, const int32_t* segment, int64_t n, int64_t dim_a
     if (i + kPrefetch < n) {
       const uint64_t p = static_cast<uint64_t>(segment[i + kPrefetch] - begin);
       if (p < span) {
-        const int64_t at = (begin + static_cast<int64_t>(p)) * stride;
-        for (int64_t k = 0; k < stride; k += 16) {  // one 64-byte line each
+        const int64_t at = (begin + static_cast<int64_t>(p)) * dim;
+        for (int64_t k = 0; k < dim; k += 16) {  // one 64-byte line each
           __builtin_prefetch(sums + at + k, 1);
-          if (!kJoint && squares != nullptr) __builtin_prefetch(squares + at + k, 1);
+          if (squares != nullptr) __builtin_prefetch(squares + at + k, 1);
         }
       }
     }
     const uint64_t s = static_cast<uint64_t>(segment[i] - begin);
     if (s >= span) continue;  // another range's segment (or below begin)
     const float* row = data + i * dim;
-    float* out = sums + (begin + static_cast<int64_t>(s)) * stride;
+    float* out = sums + (begin + static_cast<int64_t>(s)) * dim;
     for (int64_t k = 0; k < dim; ++k) out[k] += row[k];
-    float* sq = kJoint ? out + dim
-                       : (squares != nullptr
-                              ? squares + (begin + static_cast<int64_t>(s)) * dim
-                              : nullptr);
-    if (sq != nullptr) {
+    if (squares != nullptr) {
+      float* sq = squares + (begin + static_cast<int64_t>(s)) * dim;
       for (int64_t k = 0; k < dim; ++k) sq[k] += row[k] * row[k];
     }
-  }
-}
-
-template <bool kJoint>
-void Dispatch(const float* data, const int32_t* segment, int64_t n, int64_t dim,
-              int64_t begin, int64_t end, float* sums, float* squares) {
-  switch (dim) {
-    case 8: return AddRows<8, kJoint>(data, segment, n, dim, begin, end, sums, squares);
-    case 16: return AddRows<16, kJoint>(data, segment, n, dim, begin, end, sums, squares);
-    case 32: return AddRows<32, kJoint>(data, segment, n, dim, begin, end, sums, squares);
-    case 64: return AddRows<64, kJoint>(data, segment, n, dim, begin, end, sums, squares);
-    case 128: return AddRows<128, kJoint>(data, segment, n, dim, begin, end, sums, squares);
-    default: return AddRows<0, kJoint>(data, segment, n, dim, begin, end, sums, squares);
   }
 }
 
@@ -76,15 +57,14 @@ void SegmentSums(const float* data, const int32_t* segment, int64_t n, int64_t d
   const size_t bytes = static_cast<size_t>(end - begin) * dim * sizeof(float);
   std::memset(sums + begin * dim, 0, bytes);
   if (squares != nullptr) std::memset(squares + begin * dim, 0, bytes);
-  Dispatch<false>(data, segment, n, dim, begin, end, sums, squares);
-}
-
-void SegmentSumsJoint(const float* data, const int32_t* segment, int64_t n, int64_t dim,
-                      int64_t begin, int64_t end, float* joint) {
-  if (end <= begin || dim == 0) return;
-  std::memset(joint + begin * 2 * dim, 0,
-              static_cast<size_t>(end - begin) * 2 * dim * sizeof(float));
-  Dispatch<true>(data, segment, n, dim, begin, end, joint, nullptr);
+  switch (dim) {
+    case 8: return AddRows<8>(data, segment, n, dim, begin, end, sums, squares);
+    case 16: return AddRows<16>(data, segment, n, dim, begin, end, sums, squares);
+    case 32: return AddRows<32>(data, segment, n, dim, begin, end, sums, squares);
+    case 64: return AddRows<64>(data, segment, n, dim, begin, end, sums, squares);
+    case 128: return AddRows<128>(data, segment, n, dim, begin, end, sums, squares);
+    default: return AddRows<0>(data, segment, n, dim, begin, end, sums, squares);
+  }
 }
 
 }  // namespace sfctr

@@ -12,12 +12,6 @@
 // is the one a sequential loop gives, whatever the split into segment ranges.
 // Several threads can therefore fill disjoint segment ranges of the same
 // output; each scans every segment id and reads only its own rows.
-//
-// SegmentSumsJoint writes both sums into one array, [num_segments x 2*dim],
-// sums[s] in the first dim columns of row s and squares[s] in the last dim:
-// an occurrence then adds into one 2*dim-float region instead of two rows
-// in different arrays (per-occurrence Adagrad's backward: 106k rows into
-// 32k segments, dim 16, 1.85-1.92 -> 1.53-1.54 ms a batch in a C++ loop).
 #ifndef TF_SFCTR_OPS_CORE_SEGMENT_SUM_H_
 #define TF_SFCTR_OPS_CORE_SEGMENT_SUM_H_
 
@@ -32,10 +26,6 @@ int64_t FirstBadSegment(const int32_t* segment, int64_t n, int64_t num_segments)
 // null), each [num_segments x dim] row-major. Segment ids must be valid.
 void SegmentSums(const float* data, const int32_t* segment, int64_t n, int64_t dim,
                  int64_t begin, int64_t end, float* sums, float* squares);
-
-// Zeroes, then fills, rows [begin, end) of joint [num_segments x 2*dim].
-void SegmentSumsJoint(const float* data, const int32_t* segment, int64_t n, int64_t dim,
-                      int64_t begin, int64_t end, float* joint);
 
 }  // namespace sfctr
 

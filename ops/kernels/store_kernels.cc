@@ -615,10 +615,6 @@ class SegmentSumsOp : public OpKernel {
  public:
   explicit SegmentSumsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("squares", &squares_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("joint", &joint_));
-    OP_REQUIRES(ctx, squares_ || !joint_,
-                errors::InvalidArgument("joint=True needs squares=True: the joint output "
-                                        "holds the sums and the sums of squares"));
     OP_REQUIRES_OK(ctx, GetMaxShards(ctx, &max_shards_));
   }
 
@@ -649,35 +645,27 @@ class SegmentSumsOp : public OpKernel {
                                         " is not in [0, ", num_segments, ")"));
     Tensor* sums = nullptr;
     Tensor* squares = nullptr;
-    const bool separate = squares_ && !joint_;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({num_segments, dim}), &sums));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, TensorShape({num_segments, joint_ ? 2 * dim : dim}), &sums));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            1, TensorShape({separate ? num_segments : 0, dim}), &squares));
+                            1, TensorShape({squares_ ? num_segments : 0, dim}), &squares));
     const float* in = data.flat<float>().data();
     float* out = sums->flat<float>().data();
-    float* out_sq = separate ? squares->flat<float>().data() : nullptr;
+    float* out_sq = squares_ ? squares->flat<float>().data() : nullptr;
     // Each shard owns a range of segments and scans all the segment ids:
     // shards are worth it only when the rows outweigh that scan.
     const int64_t shards = PoolShards(ctx, n * dim * (squares_ ? 2 : 1), num_segments,
                                       max_shards_);
     const int64_t per = (num_segments + shards - 1) / shards;
     const sfctr::Scheduler schedule = PoolScheduler(ctx);
-    const bool joint = joint_;
     sfctr::RunShards(&schedule, shards, shards - 1, [&](int64_t s) {
       const int64_t begin = s * per;
-      const int64_t end = std::min(num_segments, begin + per);
-      if (joint) {
-        sfctr::SegmentSumsJoint(in, seg, n, dim, begin, end, out);
-      } else {
-        sfctr::SegmentSums(in, seg, n, dim, begin, end, out, out_sq);
-      }
+      sfctr::SegmentSums(in, seg, n, dim, begin, std::min(num_segments, begin + per), out,
+                         out_sq);
     });
   }
 
  private:
   bool squares_ = false;
-  bool joint_ = false;
   int64_t max_shards_ = 0;
 };
 
@@ -883,23 +871,16 @@ class SparseApplyAdagradOp : public OpKernel {
     OP_REQUIRES(ctx, TensorShapeUtils::IsVector(indices.shape()),
                 errors::InvalidArgument("indices must be a vector, got shape ",
                                         indices.shape().DebugString()));
-    // grad is [n, dim], or [n, 2 * dim] with the sums of squares in its last
-    // dim columns (joint, SfctrSegmentSums(joint=True)); then grad_sq is absent.
-    OP_REQUIRES(ctx, grad.dims() == 2 && grad.dim_size(0) == n &&
-                         (grad.dim_size(1) == dim || grad.dim_size(1) == 2 * dim),
-                errors::InvalidArgument("grad must have shape [", n, ", ", dim, "] or [", n,
-                                        ", ", 2 * dim, "] (with the sums of squares beside "
-                                        "the gradients), got ", grad.shape().DebugString()));
-    const bool joint = dim > 0 && grad.dim_size(1) == 2 * dim;
+    OP_REQUIRES(ctx, grad.dims() == 2 && grad.dim_size(0) == n && grad.dim_size(1) == dim,
+                errors::InvalidArgument("grad must have shape [", n, ", ", dim, "], got ",
+                                        grad.shape().DebugString()));
     // Absent: shape [0, 0] exactly (what the Python wrapper passes).
-    const bool absent = grad_sq.shape() == TensorShape({0, 0});
-    OP_REQUIRES(ctx, joint ? absent : (absent || grad_sq.shape() == grad.shape()),
-                errors::InvalidArgument(
-                    joint ? "grad_sq must be [0, 0] (absent) when grad holds the sums of "
-                            "squares beside the gradients, got "
-                          : "grad_sq must have grad's shape or be [0, 0] (absent), got ",
-                    grad_sq.shape().DebugString(), " for grad ", grad.shape().DebugString()));
-    const bool has_sq = joint || !absent;
+    const bool has_sq = grad_sq.shape() == grad.shape();
+    OP_REQUIRES(ctx, has_sq || grad_sq.shape() == TensorShape({0, 0}),
+                errors::InvalidArgument("grad_sq must have grad's shape ",
+                                        grad.shape().DebugString(),
+                                        " or be [0, 0] (absent), got ",
+                                        grad_sq.shape().DebugString()));
     const int32_t* idx = indices.flat<int32_t>().data();
     for (int64_t i = 0; i < n; ++i) {
       OP_REQUIRES(ctx, idx[i] >= 0 && idx[i] < rows,
@@ -917,13 +898,12 @@ class SparseApplyAdagradOp : public OpKernel {
     float* w = var.flat<float>().data();
     float* a = accum.flat<float>().data();
     const float* g = grad.flat<float>().data();
-    const float* g_sq = joint ? g + dim : (has_sq ? grad_sq.flat<float>().data() : nullptr);
-    const int64_t stride = grad.dim_size(1);
+    const float* g_sq = has_sq ? grad_sq.flat<float>().data() : nullptr;
     const float lr_v = lr.scalar<float>()(), eps_v = epsilon.scalar<float>()();
     sfctr::RunShards(&schedule, shards, shards - 1, [&](int64_t s) {
       const int64_t begin = std::min(dim, s * lines_per * kLine);
       const int64_t end = std::min(dim, (s + 1) * lines_per * kLine);
-      sfctr::AdagradColumns(w, a, dim, g, g_sq, stride, idx, n, lr_v, eps_v, begin, end);
+      sfctr::AdagradColumns(w, a, dim, g, g_sq, idx, n, lr_v, eps_v, begin, end);
     });
   }
 

@@ -960,11 +960,8 @@ TEST_CASE(AdagradRowsMatchesScalarFormula) {
   // Every lane, including the tail of a width that is not a multiple of 4,
   // gets a += s; w -= (lr * g) / (sqrt(a) + eps) with float roundings; rows
   // that are not indexed stay as they were; a repeated index updates twice.
-  // The same bits whether s comes separately or beside g in one joint array
-  // (grad_stride 2 * dim), which is also what the column split sees.
-  enum Sq { kNone, kSeparate, kJoint };
   for (int dim : {1, 5, 16, 19}) {
-    for (Sq mode : {kNone, kSeparate, kJoint}) {
+    for (bool with_sq : {false, true}) {
       std::mt19937 rng(dim);
       std::uniform_real_distribution<float> u(0.1f, 2.0f);
       const int rows = 50;
@@ -973,35 +970,21 @@ TEST_CASE(AdagradRowsMatchesScalarFormula) {
       for (auto& x : a) x = u(rng);
       const std::vector<int32_t> idx = {7, 3, 41, 7, 0, 49, 12, 33, 8, 21, 30};
       const int n = static_cast<int>(idx.size());
-      std::vector<float> g(n * dim), s(n * dim), joint(n * 2 * dim);
+      std::vector<float> g(n * dim), s(n * dim);
       for (auto& x : g) x = u(rng) - 1.0f;
       for (auto& x : s) x = u(rng);
-      for (int i = 0; i < n; ++i) {
-        std::copy(g.begin() + i * dim, g.begin() + (i + 1) * dim, joint.begin() + i * 2 * dim);
-        std::copy(s.begin() + i * dim, s.begin() + (i + 1) * dim,
-                  joint.begin() + i * 2 * dim + dim);
-      }
       std::vector<float> ref_w = w, ref_a = a;
       for (int i = 0; i < n; ++i) {
         for (int d = 0; d < dim; ++d) {
           float& aa = ref_a[idx[i] * dim + d];
           float& ww = ref_w[idx[i] * dim + d];
           const float gg = g[i * dim + d];
-          aa += mode != kNone ? s[i * dim + d] : gg * gg;
+          aa += with_sq ? s[i * dim + d] : gg * gg;
           ww -= (0.05f * gg) / (std::sqrt(aa) + 1e-3f);
         }
       }
-      if (mode == kJoint) {
-        // In two column ranges, as two kernel shards would run them.
-        const int mid = dim / 2;
-        AdagradColumns(w.data(), a.data(), dim, joint.data(), joint.data() + dim, 2 * dim,
-                       idx.data(), n, 0.05f, 1e-3f, 0, mid);
-        AdagradColumns(w.data(), a.data(), dim, joint.data(), joint.data() + dim, 2 * dim,
-                       idx.data(), n, 0.05f, 1e-3f, mid, dim);
-      } else {
-        AdagradRows(w.data(), a.data(), dim, g.data(),
-                    mode == kSeparate ? s.data() : nullptr, dim, idx.data(), n, 0.05f, 1e-3f);
-      }
+      AdagradRows(w.data(), a.data(), dim, g.data(), with_sq ? s.data() : nullptr,
+                  idx.data(), n, 0.05f, 1e-3f);
       CHECK(w == ref_w);
       CHECK(a == ref_a);
     }
@@ -1055,21 +1038,6 @@ TEST_CASE(SegmentSumsSplitInvariant) {
     std::vector<float> only(segments * dim, -1.0f);
     sfctr::SegmentSums(data.data(), seg.data(), n, dim, 0, segments, only.data(), nullptr);
     CHECK(only == want);
-    // Joint: row s is [sums[s] | squares[s]], the same bits, for any split.
-    for (int64_t parts : {1, 2, 7, 300}) {
-      std::vector<float> joint(segments * 2 * dim, -1.0f);
-      const int64_t per = (segments + parts - 1) / parts;
-      for (int64_t b = 0; b < segments; b += per) {
-        sfctr::SegmentSumsJoint(data.data(), seg.data(), n, dim, b,
-                                std::min(segments, b + per), joint.data());
-      }
-      for (int64_t r = 0; r < segments; ++r) {
-        CHECK(std::memcmp(joint.data() + r * 2 * dim, want.data() + r * dim,
-                          dim * sizeof(float)) == 0);
-        CHECK(std::memcmp(joint.data() + r * 2 * dim + dim, want_sq.data() + r * dim,
-                          dim * sizeof(float)) == 0);
-      }
-    }
   }
   const std::vector<int32_t> ids = {0, 2, 3, -1};
   CHECK_EQ(sfctr::FirstBadSegment(ids.data(), 4, 4), int64_t{3});

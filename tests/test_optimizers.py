@@ -1,5 +1,6 @@
 """Table optimizers against NumPy references: SGD with lazy momentum and
-Nesterov, Adagrad with accumulate="summed", and learning-rate schedules."""
+Nesterov, Adagrad per occurrence and summed, learning-rate schedules, and a
+user's optimizer that needs the sums of squares."""
 
 import keras
 import numpy as np
@@ -72,3 +73,35 @@ def test_learning_rate_schedule_follows_table_steps(rng):
     config = tf_sfctr.optimizers.SGD(schedule).get_config()
     again = tf_sfctr.optimizers.SGD.from_config(config)
     assert float(again.learning_rate(3)) == pytest.approx(0.5 * 0.5**3)
+
+
+class _GradMinusHalfSquares(tf_sfctr.optimizers.TableOptimizer):
+    """A user's optimizer that asks for the sums of squares: w -= lr * (g - s / 2)."""
+
+    needs_squared_occurrences = True
+
+    def apply(self, rows, state, slots, grad, grad_sq, step):
+        assert grad.shape[-1] == DIM and grad_sq.shape[-1] == DIM
+        return rows.scatter_sub(tf.IndexedSlices(self._lr(step) * (grad - grad_sq / 2), slots))
+
+
+def test_user_optimizer_gets_sums_and_squares_each_in_its_place(rng):
+    lr = 0.05
+    layer, pool, rows, steps = _run(_GradMinusHalfSquares(lr), rng)
+    for grads, squares in steps:
+        for i, g in grads.items():
+            rows[i] = rows[i] - lr * (g - squares[i] / 2)
+    np.testing.assert_allclose(layer.lookup_rows(pool), [rows[int(i)] for i in pool],
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_adagrad_per_occurrence_adds_each_occurrence_square(rng):
+    lr, acc0, eps = 0.2, 0.1, 1e-7
+    layer, pool, rows, steps = _run(tf_sfctr.optimizers.Adagrad(lr, acc0, eps), rng)
+    acc = {i: np.full(DIM, acc0) for i in rows}
+    for grads, squares in steps:
+        for i, g in grads.items():
+            acc[i] = acc[i] + squares[i]
+            rows[i] = rows[i] - lr * g / np.sqrt(acc[i] + eps)
+    np.testing.assert_allclose(layer.lookup_rows(pool), [rows[int(i)] for i in pool],
+                               rtol=1e-5, atol=1e-6)

@@ -14,6 +14,12 @@ benchmark times nothing.
    the all-to-all per step, without de-duplication (its whole local batch) and
    with it (its distinct (id, owner) pairs), and the distinct ids each owner
    then looks up.
+4. The check a de-duplicated feature gets before a step changes anything
+   (``unique_ids[inverse] == ids`` and ``inverse`` in range at every position,
+   ``SfctrFirstBadInverse``), timed per call in a ``tf.function`` against the
+   check it replaced (range by reduce_min/max, equality on 1/512 of the
+   positions) and against the stock-op path GPU machines take. The only
+   timing here: medians of 7 rounds, each the mean of 200 calls.
 
     python bench/vsi.py
     python bench/vsi.py --tiny
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -131,7 +138,55 @@ def main(argv=None) -> int:
                   f"{args.batch} x 26, same stream as table 1); rows back and gradients "
                   f"forward move the same counts x {row_bytes} B; baseline = no "
                   f"de-duplication")
+
+    # 4. The check of a de-duplicated feature.
+    check_cost(batches[0])
     return 0
+
+
+def check_cost(ids: np.ndarray, rounds: int = 7, calls: int = 200) -> None:
+    import tensorflow as tf
+
+    from tf_sfctr import _ops
+
+    unique, inverse = np.unique(ids.ravel(), return_inverse=True)
+    args = (tf.constant(ids.ravel()), tf.constant(unique), tf.constant(inverse.astype(np.int32)))
+
+    @tf.function
+    def sampled(ids, unique, inverse):
+        n, u = tf.size(inverse), tf.size(unique)
+        in_range = tf.logical_and(tf.reduce_min(inverse) >= 0, tf.reduce_max(inverse) < u)
+        stride = tf.maximum(n // 512, 1)
+        return tf.logical_and(in_range, tf.reduce_all(tf.equal(
+            tf.gather(unique, inverse[::stride]), ids[::stride])))
+
+    @tf.function
+    def every_position(ids, unique, inverse):
+        return _ops.first_bad_inverse(ids, unique, inverse, use_kernel=True)
+
+    @tf.function
+    def every_position_stock(ids, unique, inverse):
+        return _ops.first_bad_inverse(ids, unique, inverse, use_kernel=False)
+
+    checks = {"sampled (1/512 of positions; the baseline)": sampled,
+              "every position, SfctrFirstBadInverse (CPU)": every_position,
+              "every position, stock TF ops (the GPU path, here on CPU)": every_position_stock}
+    assert bool(sampled(*args)) and int(every_position(*args)) == -1 \
+        and int(every_position_stock(*args)) == -1
+    times = {name: [] for name in checks}
+    for _ in range(rounds):
+        for name, f in checks.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                f(*args)
+            times[name].append((time.perf_counter() - t0) / calls)
+    base = float(np.median(times[next(iter(checks))]))
+    rows = [(name, f"{np.median(t) * 1e3:.3f}", fmt_ratio(float(np.median(t)), base))
+            for name, t in times.items()]
+    C.table(["check", "ms per call (incl. tf.function dispatch)", "vs sampled"], rows,
+            title=f"Check of a de-duplicated feature: {ids.size:,} ids, {unique.size:,} distinct "
+                  f"(first batch of table 1); median of {rounds} rounds x {calls} calls; "
+                  f"baseline = the sampled check")
 
 
 if __name__ == "__main__":

@@ -410,6 +410,23 @@ difference; tf.equal plus reduce_all split the work over the intra-op pool,
 and inside a busy step they wait for it.
 )doc");
 
+REGISTER_OP("SfctrFirstBadInverse")
+    .Input("ids: int64")
+    .Input("unique_ids: int64")
+    .Input("inverse: Tidx")
+    .Attr("Tidx: {int32, int64}")
+    .Output("position: int64")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      return OkStatus();
+    })
+    .Doc(R"doc(
+The first position i where inverse[i] is not in [0, size(unique_ids)) or
+unique_ids[inverse[i]] != ids[i], or -1: whether a de-duplicated feature
+describes its ids (every position checked, in one pass on one thread). ids and
+inverse must have the same number of elements (shapes are not compared).
+)doc");
+
 REGISTER_OP("SfctrFrame")
     .Input("sections: N * float64")
     .Input("counts: N * int32")

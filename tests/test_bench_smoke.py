@@ -26,7 +26,8 @@ TABLES = {
     "host_memory": [],  # untitled table; checked by its header below
     "scale": ["Host table insertion", "Peak memory"],
     "checkpoint_io": [],  # untitled table; checked by its header below
-    "vsi": ["Reference stream", "Criteo-like fields", "Model parallel on 2 ranks"],
+    "vsi": ["Reference stream", "Criteo-like fields", "Model parallel on 2 ranks",
+            "Check of a de-duplicated feature"],
     "distributed": ["Reference workload on 2 ranks"],
 }
 

@@ -48,6 +48,7 @@ _OP_TYPES = (
     "SfctrNonFiniteMarker",
     "SfctrGatherRows",
     "SfctrIdsEqual",
+    "SfctrFirstBadInverse",
     "SfctrFrame",
     "SfctrUnframe",
 )
@@ -220,6 +221,37 @@ def ids_equal(a: tf.Tensor, b: tf.Tensor, b_size: tf.Tensor | None = None,
         return tf.logical_and(tf.equal(tf.size(a), size_b),
                               tf.reduce_all(tf.equal(a[:n], b[:n])))
     return load().sfctr_ids_equal(a, b)
+
+
+def first_bad_inverse(ids: tf.Tensor, unique_ids: tf.Tensor, inverse: tf.Tensor,
+                      use_kernel: bool | None = None) -> tf.Tensor:
+    """An int64 scalar: the first position ``i`` where ``inverse[i]`` is not
+    in ``[0, size(unique_ids))`` or ``unique_ids[inverse[i]] != ids[i]``, or
+    -1 when ``(unique_ids, inverse)`` describe ``ids`` everywhere.
+
+    ``ids`` and ``unique_ids`` are int64 vectors, ``inverse`` an int32 or
+    int64 vector as long as ``ids`` (checked in its own dtype, so a large
+    int64 entry does not wrap). On CPU our ``SfctrFirstBadInverse``: one pass
+    on one thread. With a GPU visible TF's ops, the same value.
+    ``use_kernel`` forces one or the other.
+    """
+    ids = tf.reshape(tf.convert_to_tensor(ids, tf.int64), [-1])
+    unique_ids = tf.reshape(tf.convert_to_tensor(unique_ids, tf.int64), [-1])
+    inverse = tf.reshape(tf.convert_to_tensor(inverse), [-1])
+    if inverse.dtype not in (tf.int32, tf.int64):
+        raise TypeError(f"inverse must be int32 or int64, got {inverse.dtype.name}")
+    if _use_kernel(use_kernel):
+        return load().sfctr_first_bad_inverse(ids, unique_ids, inverse)
+    tf.debugging.assert_equal(tf.size(ids), tf.size(inverse),
+                              message="ids and inverse must have the same number of elements")
+    num_unique = tf.size(unique_ids, out_type=inverse.dtype)
+    in_range = tf.logical_and(inverse >= 0, inverse < num_unique)
+    # One extra entry so that an empty unique_ids can still be gathered from.
+    padded = tf.concat([unique_ids, tf.zeros([1], tf.int64)], 0)
+    looked_up = tf.gather(padded, tf.where(in_range, inverse, tf.zeros_like(inverse)))
+    bad = tf.where(tf.logical_not(tf.logical_and(in_range, tf.equal(looked_up, ids))))
+    return tf.cond(tf.size(bad) > 0, lambda: bad[0, 0],
+                   lambda: tf.constant(-1, tf.int64))
 
 
 def sparse_apply_adagrad(var: tf.Variable, accum: tf.Variable, lr, epsilon, grad: tf.Tensor,

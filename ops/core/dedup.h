@@ -66,6 +66,20 @@ class Deduplicator {
   std::vector<int32_t> grouped_;  // first-occurrence index -> grouped index
 };
 
+// The first position i in [0, n) where inverse[i] is not in
+// [0, num_unique) or unique[inverse[i]] != ids[i]; -1 when there is none:
+// whether (unique, inverse) describe ids, as a de-duplication gives them.
+// One pass over every position (unique is small enough to stay cached).
+template <typename Index>
+int64_t FirstBadInverse(const int64_t* ids, const int64_t* unique, int64_t num_unique,
+                        const Index* inverse, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const Index k = inverse[i];
+    if (k < 0 || static_cast<int64_t>(k) >= num_unique || unique[k] != ids[i]) return i;
+  }
+  return -1;
+}
+
 }  // namespace sfctr
 
 #endif  // TF_SFCTR_OPS_CORE_DEDUP_H_

@@ -714,6 +714,27 @@ class IdsEqualOp : public OpKernel {
   }
 };
 
+template <typename Index>
+class FirstBadInverseOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& ids = ctx->input(0);
+    const Tensor& unique = ctx->input(1);
+    const Tensor& inverse = ctx->input(2);
+    OP_REQUIRES(ctx, ids.NumElements() == inverse.NumElements(),
+                errors::InvalidArgument("ids and inverse must have the same number of "
+                                        "elements, got ", ids.NumElements(), " and ",
+                                        inverse.NumElements()));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() = sfctr::FirstBadInverse(
+        ids.flat<int64_t>().data(), unique.flat<int64_t>().data(), unique.NumElements(),
+        inverse.flat<Index>().data(), ids.NumElements());
+  }
+};
+
 // The float ops below on resource variables have no dtype attribute: check
 // the variable's type before anything reads it as float.
 Status CheckFloatVariable(Var* var, const char* name) {
@@ -937,6 +958,12 @@ SFCTR_CPU_KERNEL("SfctrNonFiniteMarker", NonFiniteMarkerOp);
 SFCTR_CPU_KERNEL("SfctrGatherRows", GatherRowsOp);
 SFCTR_CPU_KERNEL("SfctrGatherTensorRows", GatherTensorRowsOp);
 SFCTR_CPU_KERNEL("SfctrIdsEqual", IdsEqualOp);
+REGISTER_KERNEL_BUILDER(
+    Name("SfctrFirstBadInverse").Device(DEVICE_CPU).TypeConstraint<int32_t>("Tidx"),
+    FirstBadInverseOp<int32_t>);
+REGISTER_KERNEL_BUILDER(
+    Name("SfctrFirstBadInverse").Device(DEVICE_CPU).TypeConstraint<int64_t>("Tidx"),
+    FirstBadInverseOp<int64_t>);
 
 }  // namespace
 }  // namespace tensorflow

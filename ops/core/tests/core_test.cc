@@ -918,6 +918,34 @@ void ReferenceDedup(const std::vector<int64_t>& ids, int32_t groups,
   for (int32_t k : first_inverse) inverse->push_back(to[k]);
 }
 
+TEST_CASE(FirstBadInverseFindsTheFirstMismatch) {
+  // A de-duplication's own output passes; each kind of damage is found at
+  // its position, in either index type.
+  std::mt19937_64 rng(3);
+  std::vector<int64_t> ids(3000);
+  for (int64_t& id : ids) id = static_cast<int64_t>(rng() % 500) - 250;
+  Deduplicator dedup;
+  std::vector<int64_t> unique;
+  std::vector<int32_t> inverse(ids.size());
+  dedup.Run(ids.data(), ids.size(), 1, &unique, inverse.data(), nullptr);
+  const int64_t n = static_cast<int64_t>(ids.size()), u = static_cast<int64_t>(unique.size());
+  CHECK_EQ(FirstBadInverse(ids.data(), unique.data(), u, inverse.data(), n), int64_t{-1});
+  std::vector<int64_t> wide(inverse.begin(), inverse.end());
+  CHECK_EQ(FirstBadInverse(ids.data(), unique.data(), u, wide.data(), n), int64_t{-1});
+  CHECK_EQ(FirstBadInverse(ids.data(), unique.data(), u, inverse.data(), int64_t{0}),
+           int64_t{-1});
+  for (int64_t at : {int64_t{0}, int64_t{1234}, n - 1}) {
+    for (int64_t bad : {int64_t{-1}, u, int64_t{1} << 32, (inverse[at] + 1) % u}) {
+      std::vector<int64_t> damaged = wide;
+      damaged[at] = bad;
+      CHECK_EQ(FirstBadInverse(ids.data(), unique.data(), u, damaged.data(), n), at);
+    }
+    std::vector<int64_t> other = ids;
+    other[at] += 1;
+    CHECK_EQ(FirstBadInverse(other.data(), unique.data(), u, inverse.data(), n), at);
+  }
+}
+
 TEST_CASE(DedupMatchesReference) {
   std::mt19937_64 rng(11);
   Deduplicator dedup;  // one instance: later batches reuse its table

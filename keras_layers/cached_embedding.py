@@ -403,6 +403,8 @@ class CachedEmbedding(keras.layers.Layer):
             seed = random.SystemRandom().randrange(2**31)
         if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
+        if not -(2**63) <= int(seed) < 2**63:
+            raise ValueError(f"seed must fit in 64 bits (-2**63 <= seed < 2**63), got {seed}")
         self.seed = int(seed)
         if distribution not in DISTRIBUTIONS:
             raise ValueError(
@@ -432,13 +434,15 @@ class CachedEmbedding(keras.layers.Layer):
     def build(self, input_shape: Any = None) -> None:
         if self._store is not None:
             return
-        policies = {self.dtype_policy.name, keras.config.dtype_policy().name}
-        if "mixed_float16" in policies:
+        self._check_dtype_policy()
+        if tf.distribute.has_strategy():
             raise ValueError(
-                f"CachedEmbedding {self.name!r}: the 'mixed_float16' dtype policy is not "
-                "supported. Keras trains it with a scaled loss (LossScaleOptimizer), and the "
-                "table's optimizer, which updates rows in the backward pass, would get the "
-                "scaled gradients. Use 'mixed_bfloat16' (no loss scaling) or float32.")
+                f"CachedEmbedding {self.name!r} was built under "
+                f"{type(tf.distribute.get_strategy()).__name__}; tf.distribute strategies "
+                "are not supported (the table lives in this process's host memory and "
+                "its update runs in the backward pass). Build and train it outside the "
+                "strategy's scope, and scale out with Horovod (horovodrun; README, "
+                "\"Scale out with Horovod\").")
         size, _ = _horovod.world()
         if size > 1:
             self._mode = "data_parallel" if self.distribution == "data_parallel" \
@@ -580,9 +584,23 @@ class CachedEmbedding(keras.layers.Layer):
             self._call_suffixes[base] = f"{base}_{k}" if k else base
         return self._call_suffixes[base]
 
+    def _check_dtype_policy(self) -> None:
+        """Refuses mixed_float16, at build and again when a training call is
+        traced (the policy may be set after the layer was built, and Keras
+        then compiles the model with a LossScaleOptimizer)."""
+        policies = {self.dtype_policy.name, keras.config.dtype_policy().name}
+        if "mixed_float16" in policies:
+            raise ValueError(
+                f"CachedEmbedding {self.name!r}: the 'mixed_float16' dtype policy is not "
+                "supported. Keras trains it with a scaled loss (LossScaleOptimizer), and the "
+                "table's optimizer, which updates rows in the backward pass, would get the "
+                "scaled gradients. Use 'mixed_bfloat16' (no loss scaling) or float32.")
+
     def call(self, inputs: Any, training: Optional[bool] = None) -> tf.Tensor:
         # A frozen layer (trainable=False) serves its rows like inference.
         training = bool(training) and self.trainable
+        if training:
+            self._check_dtype_policy()
         update_graph = self._check_one_training_call() if training else None
         self._call_suffixes = {}
         if _keras_shape_inference():
@@ -647,12 +665,13 @@ class CachedEmbedding(keras.layers.Layer):
 
     def _checked_vsi(self, ids: tf.Tensor, unique_ids: Any, inverse: Any):
         """(unique_ids int64, inverse int32) of a de-duplicated feature, once
-        they are known to describe ``ids``: every inverse entry indexes
-        ``unique_ids``, and ``unique_ids[inverse] == ids`` on a strided
-        sample of positions (a full check would cost a gather of the batch;
-        the sample catches tensors swapped by key, as when a model's
-        vsi_inputs and its dataset were made with different options). The
-        table's step waits for the checks, so a failure changes nothing."""
+        they are known to describe ``ids``: at every position, the inverse
+        entry indexes ``unique_ids`` and ``unique_ids[inverse] == ids`` (one
+        pass, ``SfctrFirstBadInverse`` on CPU). This catches tensors swapped by
+        key, as when a model's vsi_inputs and its dataset were made with
+        different options, and a hand-made feature whose inverse is wrong
+        anywhere. The table's step waits for the check, so a failure changes
+        nothing."""
         _check_id_dtype(tf.as_dtype(unique_ids.dtype), "unique_ids")
         _check_id_dtype(tf.as_dtype(inverse.dtype), "inverse")
         unique_ids = tf.reshape(tf.cast(unique_ids, tf.int64), [-1])
@@ -662,22 +681,15 @@ class CachedEmbedding(keras.layers.Layer):
         message = (
             f"CachedEmbedding {self.name!r}: the de-duplicated feature does not describe "
             "its ids: 'inverse' must index 'unique_ids' (0 <= inverse < len(unique_ids)) "
-            "and unique_ids[inverse] must equal 'ids', as tf_sfctr.data.with_unique_ids "
-            "gives. A model whose tf_sfctr.data.vsi_inputs(...) were made with other "
-            "options (lookahead, eviction_hints) than its dataset's with_unique_ids gets "
-            "the wrong tensors: Keras matches the entries of a dict by position. Nothing "
-            "was changed")
-        n = tf.size(inverse, out_type=inverse.dtype)
-        u = tf.size(unique_ids, out_type=inverse.dtype)
-        in_range = tf.logical_or(tf.equal(n, 0), tf.logical_and(
-            tf.reduce_min(inverse) >= 0, tf.reduce_max(inverse) < u))
-        checked = [tf.debugging.assert_equal(in_range, True, message=message)]
-        with tf.control_dependencies(checked):
-            stride = tf.maximum(n // 512, 1)
-            sample = inverse[::stride]
-            checked.append(tf.debugging.assert_equal(
-                tf.gather(unique_ids, sample), ids[::stride], message=message))
-        with tf.control_dependencies(checked):
+            "and unique_ids[inverse] must equal 'ids' at every position, as "
+            "tf_sfctr.data.with_unique_ids gives (the first position where it does not "
+            "is shown below). A model whose tf_sfctr.data.vsi_inputs(...) were made with "
+            "other options (lookahead, eviction_hints) than its dataset's with_unique_ids "
+            "gets the wrong tensors: Keras matches the entries of a dict by position. "
+            "Nothing was changed")
+        bad = _ops.first_bad_inverse(ids, unique_ids, inverse)
+        checked = tf.debugging.assert_equal(bad, tf.constant(-1, tf.int64), message=message)
+        with tf.control_dependencies([checked]):
             return tf.identity(unique_ids), tf.cast(inverse, tf.int32)
 
     def _flatten(self, inputs: Any) -> tuple[tf.Tensor, dict]:
@@ -731,6 +743,11 @@ class CachedEmbedding(keras.layers.Layer):
         _check_id_dtype(x.dtype)
         if x.shape.rank == 0:
             raise ValueError("CachedEmbedding needs ids of rank >= 1 ([batch, ...]), got a scalar")
+        if self.combiner is not None and x.shape.rank is None:
+            raise ValueError(
+                f"combiner={self.combiner!r} reduces the last axis of dense ids, so their "
+                f"rank must be known when the layer is traced (>= 2), got unknown rank; "
+                f"give the tf.function or keras.Input a shape such as [None, None]")
         if self.combiner is not None and x.shape.rank < 2:
             raise ValueError(
                 f"combiner={self.combiner!r} reduces the last axis of dense ids, "
@@ -1449,7 +1466,17 @@ class CachedEmbedding(keras.layers.Layer):
         ids = inputs["ids"] if isinstance(inputs, dict) and "ids" in inputs else inputs
         for x in keras.tree.flatten(ids):
             if isinstance(x, keras.KerasTensor):
-                _check_id_dtype(tf.as_dtype(x.dtype))
+                try:
+                    _check_id_dtype(tf.as_dtype(x.dtype))
+                except TypeError as err:
+                    # keras.Sequential without keras.Input builds itself
+                    # with float32 inputs, and fit would then pass ids
+                    # through float32 (ids above 2**24 would merge).
+                    raise TypeError(
+                        f"{err} The layer got a symbolic {x.dtype} input: if this is a "
+                        "keras.Sequential model without keras.Input, start it with "
+                        "keras.Input(shape, dtype='int64') (Keras builds such a model "
+                        "with float32 inputs, which would round large ids).") from None
         return super().compute_output_spec(inputs, training=training)
 
     def get_config(self) -> dict[str, Any]:

@@ -146,6 +146,26 @@ def test_ragged_without_combiner(trained):
     (dict(output_dim=4, cache_capacity=4, expected_rows=10, reserve_rows="yes"),
      "reserve_rows must be True or False"),
     (dict(output_dim=4, cache_capacity=4, seed="x"), "seed must be an int"),
+    (dict(output_dim=4, cache_capacity=4, seed=2**63), r"seed must fit in 64 bits"),
+    (dict(output_dim=4, cache_capacity=4, embeddings_initializer=keras.initializers.Constant(
+        float("nan"))), "Constant initializer: value must be a finite float32 number"),
+    (dict(output_dim=4, cache_capacity=4, embeddings_initializer=keras.initializers.Constant(
+        1e39)), "Constant initializer: value must be a finite float32 number"),
+    (dict(output_dim=4, cache_capacity=4,
+          embeddings_initializer=keras.initializers.RandomUniform(1, -1)),
+     r"RandomUniform initializer: minval \(1.0\) must be <= maxval \(-1.0\)"),
+    (dict(output_dim=4, cache_capacity=4,
+          embeddings_initializer=keras.initializers.RandomUniform(-3e38, 3e38)),
+     "RandomUniform initializer: maxval - minval"),
+    (dict(output_dim=4, cache_capacity=4,
+          embeddings_initializer=keras.initializers.RandomNormal(stddev=-1.0)),
+     "RandomNormal initializer: stddev must be >= 0, got -1.0"),
+    (dict(output_dim=4, cache_capacity=4,
+          embeddings_initializer=keras.initializers.RandomNormal(stddev=float("nan"))),
+     "RandomNormal initializer: stddev must be a finite float32 number"),
+    (dict(output_dim=4, cache_capacity=4,
+          embeddings_initializer=keras.initializers.TruncatedNormal(mean=3e38, stddev=1e38)),
+     "TruncatedNormal initializer: mean \\+- 2 x stddev reaches past the float32 range"),
     (dict(output_dim=4, cache_capacity=4, optimizer=keras.optimizers.Adam()),
      "is a Keras optimizer; a table needs a sparse table optimizer"),
     (dict(output_dim=4, cache_capacity=4, optimizer="rmsprop"), "not a table optimizer"),
@@ -201,6 +221,26 @@ def test_bad_deduplicated_features(trained, feature, error, match, training):
     with pytest.raises(error, match=match):
         trained(feature, training=training)
     _assert_unchanged(trained, snap)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_an_inverse_wrong_at_one_position_of_many_is_refused(trained, training):
+    """Every position is checked, not a sample: ids alternate 5 and 8 over
+    2048 positions and one odd position points at 5."""
+    ids = np.tile(np.array([5, 8], np.int64), 1024)
+    inverse = np.tile(np.array([0, 1], np.int32), 1024)
+    inverse[1001] = 0
+    feature = _vsi(ids, np.array([5, 8], np.int64), inverse)
+    snap = _snapshot(trained)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="does not describe its ids"):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(trained(feature, training=training))
+        if training:
+            tape.gradient(loss, trained.trainable_weights)
+    _assert_unchanged(trained, snap)
+    inverse[1001] = 1
+    np.testing.assert_array_equal(trained(_vsi(ids, np.array([5, 8], np.int64), inverse)),
+                                  trained.lookup_rows(ids))
 
 
 @pytest.mark.parametrize("unique,inverse", [
@@ -282,3 +322,52 @@ def test_sparse_ids_with_rows_outside_the_batch(row, training):
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"row indices outside \[0, "):
         layer(bad, training=training)
     _assert_unchanged(layer, snap)
+
+
+@pytest.mark.parametrize("initializer,value", [
+    (keras.initializers.Constant(-3.0e38), -3.0e38),
+    (keras.initializers.RandomUniform(2.5, 2.5), 2.5),
+    (keras.initializers.RandomNormal(mean=-1.5, stddev=0.0), -1.5),
+])
+def test_initializers_at_the_edges_of_what_is_allowed(initializer, value):
+    layer = CachedEmbedding(3, cache_capacity=4, embeddings_initializer=initializer, seed=1)
+    np.testing.assert_array_equal(layer.lookup_rows([5, -7]), np.full((2, 3), value, np.float32))
+
+
+def test_combiner_on_ids_of_unknown_rank_names_the_rank():
+    layer = CachedEmbedding(3, cache_capacity=8, combiner="sum", seed=0)
+    layer.build(None)  # (an unbuilt layer fails earlier, in Keras, on the unknown shape)
+    step = tf.function(lambda x: layer(x, training=True),
+                       input_signature=[tf.TensorSpec(None, tf.int64)])
+    with pytest.raises(ValueError, match="rank must be known when the layer is traced"):
+        step(tf.constant([[1, 2]], tf.int64))
+    # The same ids with a known rank work.
+    known = tf.function(lambda x: layer(x), input_signature=[tf.TensorSpec([None, None],
+                                                                            tf.int64)])
+    assert known(tf.constant([[1, 2]], tf.int64)).shape == (1, 3)
+
+
+def test_tf_distribute_strategy_is_refused_with_the_way_out():
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        layer = CachedEmbedding(3, cache_capacity=8, seed=0)
+        with pytest.raises(ValueError, match="built under MirroredStrategy; tf.distribute "
+                           "strategies are not supported.*Horovod"):
+            layer.build(None)
+    layer.build(None)  # outside the scope it builds and works
+    assert layer(tf.constant([1, 2], tf.int64)).shape == (2, 3)
+
+
+def test_sequential_without_input_says_to_add_an_int64_input():
+    model = keras.Sequential([CachedEmbedding(4, cache_capacity=32, seed=0),
+                              keras.layers.Flatten(), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.array([[1, 2]] * 4, np.int64), np.ones((4, 1))
+    with pytest.raises(TypeError, match=r"got float32.*keras.Sequential model without "
+                       r"keras.Input, start it with keras.Input\(shape, dtype='int64'\)"):
+        model.fit(x, y, verbose=0)
+    fixed = keras.Sequential([keras.Input((2,), dtype="int64"),
+                              CachedEmbedding(4, cache_capacity=32, seed=0),
+                              keras.layers.Flatten(), keras.layers.Dense(1)])
+    fixed.compile(optimizer="sgd", loss="mse")
+    fixed.fit(x, y, verbose=0)

@@ -338,6 +338,25 @@ def test_a_second_gradient_through_one_training_call_is_refused():
     assert int(emb._table_step.numpy()) == steps + 2
 
 
+def test_mixed_float16_set_after_build_is_refused_at_training(rng):
+    """A layer built under float32 (say, warm-started with assign_rows), then
+    a model compiled under mixed_float16: Keras wraps its optimizer in a
+    LossScaleOptimizer, so the training trace refuses; the table is unchanged."""
+    old = keras.config.dtype_policy()
+    emb = CachedEmbedding(4, cache_capacity=32, seed=0)
+    emb.assign_rows([1, 2], np.ones((2, 4), np.float32))
+    try:
+        keras.config.set_dtype_policy("mixed_float16")
+        inp = keras.Input((2,), dtype="int64")
+        model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+        with pytest.raises(ValueError, match="'mixed_float16' dtype policy is not supported"):
+            model.fit(np.array([[1, 2]] * 4), np.ones((4, 1)), verbose=0)
+    finally:
+        keras.config.set_dtype_policy(old)
+    np.testing.assert_array_equal(emb.lookup_rows([1, 2]), np.ones((2, 4)))
+
+
 @pytest.mark.parametrize("how", ["global", "layer"])
 def test_mixed_float16_is_refused(how):
     """Keras scales the loss under mixed_float16; the table would be updated

@@ -30,8 +30,37 @@ class InitSpec:
     b: float
 
 
+# Largest finite float32: rows are float32, so every initial value must be
+# below it in magnitude.
+_F32_MAX = 3.4028234663852886e38
+
+
+def _number(kind: str, name: str, value: Any) -> float:
+    try:
+        x = float(value)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{kind} initializer: {name} must be a number, got {value!r}") from err
+    if not abs(x) <= _F32_MAX:  # also NaN
+        raise ValueError(f"{kind} initializer: {name} must be a finite float32 number "
+                         f"(|{name}| <= 3.4e38), got {value!r}")
+    return x
+
+
+def _check_spread(kind: str, center: float, spread: float, what: str) -> None:
+    # Rows are float32: draws around `center` must stay finite.
+    if abs(center) + spread > _F32_MAX:
+        raise ValueError(f"{kind} initializer: {what} reaches past the float32 range "
+                         f"(3.4e38), so rows would be infinite")
+
+
 def resolve(initializer: Any) -> InitSpec:
-    """Maps a Keras initializer (name, config dict or object) to an InitSpec."""
+    """Maps a Keras initializer (name, config dict or object) to an InitSpec.
+
+    Parameters are checked here, where the error can name them: rows are
+    float32, so values must be finite float32 numbers, and a range or a
+    standard deviation must make sense (a row of NaN or Inf would fail the
+    first gradient and make a checkpoint that cannot be restored).
+    """
     try:
         obj = keras.initializers.get(initializer)
     except (ValueError, TypeError) as err:
@@ -46,19 +75,33 @@ def resolve(initializer: Any) -> InitSpec:
         return InitSpec("constant", 1.0, 0.0)
     if isinstance(obj, keras.initializers.Constant):
         value = cfg.get("value", 0.0)
-        try:
-            return InitSpec("constant", float(value), 0.0)
-        except (TypeError, ValueError) as err:
+        if not isinstance(value, (int, float)) and getattr(value, "ndim", 0) != 0:
             raise ValueError(
                 f"Constant initializer needs a scalar value for a CachedEmbedding, "
-                f"got {value!r}."
-            ) from err
+                f"got {value!r}.")
+        return InitSpec("constant", _number("Constant", "value", value), 0.0)
     if isinstance(obj, keras.initializers.RandomUniform):
-        return InitSpec("uniform", float(cfg["minval"]), float(cfg["maxval"]))
-    if isinstance(obj, keras.initializers.TruncatedNormal):
-        return InitSpec("truncated_normal", float(cfg["mean"]), float(cfg["stddev"]))
-    if isinstance(obj, keras.initializers.RandomNormal):
-        return InitSpec("normal", float(cfg["mean"]), float(cfg["stddev"]))
+        lo = _number("RandomUniform", "minval", cfg["minval"])
+        hi = _number("RandomUniform", "maxval", cfg["maxval"])
+        if lo > hi:
+            raise ValueError(f"RandomUniform initializer: minval ({lo}) must be <= maxval "
+                             f"({hi})")
+        if hi - lo > _F32_MAX:
+            raise ValueError(f"RandomUniform initializer: maxval - minval ({hi - lo:.3g}) "
+                             f"must be a finite float32 number (<= 3.4e38)")
+        return InitSpec("uniform", lo, hi)
+    for cls, kind, reach in ((keras.initializers.TruncatedNormal, "truncated_normal", 2.0),
+                             (keras.initializers.RandomNormal, "normal", 9.0)):
+        if isinstance(obj, cls):
+            name = cls.__name__
+            mean = _number(name, "mean", cfg["mean"])
+            stddev = _number(name, "stddev", cfg["stddev"])
+            if stddev < 0:
+                raise ValueError(f"{name} initializer: stddev must be >= 0, got {stddev}")
+            # The store's normal draws (Box-Muller on 53-bit uniforms,
+            # ops/core/initializer.cc) stay within 8.6 standard deviations.
+            _check_spread(name, mean, reach * stddev, f"mean +- {reach:g} x stddev")
+            return InitSpec(kind, mean, stddev)
     raise ValueError(
         f"embeddings_initializer {type(obj).__name__} is not supported by "
         f"CachedEmbedding (rows are created one id at a time, so shape-dependent "

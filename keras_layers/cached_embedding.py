@@ -37,7 +37,7 @@ from tf_sfctr import initializers as _initializers
 from tf_sfctr import optimizers as _optimizers
 from tf_sfctr.distributed import _horovod
 from tf_sfctr.keras_layers._combine import combine_last_axis, combine_segments, output_shape
-from tf_sfctr.store import EmbeddingStore, StoreConfig
+from tf_sfctr.store import CheckpointMismatchError, EmbeddingStore, StoreConfig
 
 COMBINERS = ("sum", "mean", "sqrtn")
 DISTRIBUTIONS = ("auto", "model_parallel", "data_parallel")
@@ -417,6 +417,9 @@ class CachedEmbedding(keras.layers.Layer):
         # Custom ops have no XLA kernels: tell Keras not to jit-compile.
         self.supports_jit = False
         self._store: Optional[EmbeddingStore] = None
+        # A checkpoint restore that failed while this layer was built (see
+        # build): every later build raises it again.
+        self._failed_restore: Optional[BaseException] = None
         self._assign_lock = threading.Lock()
 
     def _reserved_row_bytes(self) -> int:
@@ -434,6 +437,16 @@ class CachedEmbedding(keras.layers.Layer):
     def build(self, input_shape: Any = None) -> None:
         if self._store is not None:
             return
+        if self._failed_restore is not None:
+            kind = CheckpointMismatchError if isinstance(
+                self._failed_restore, CheckpointMismatchError) else RuntimeError
+            raise kind(
+                f"CachedEmbedding {self.name!r} cannot be built: the checkpoint restored into "
+                f"it before it was built failed when its table was made "
+                f"({self._failed_restore}). That restore is no longer pending, so a build now "
+                "would give a fresh table in place of the checkpoint's. Make a new layer with "
+                "the checkpoint's options (output_dim, table optimizer) and restore the "
+                "checkpoint into it.") from self._failed_restore
         self._check_dtype_policy()
         if tf.distribute.has_strategy():
             raise ValueError(
@@ -481,7 +494,7 @@ class CachedEmbedding(keras.layers.Layer):
         # Training calls so far: a call's update checks that no later call
         # prepared the cache in between (eager code can do that).
         self._training_calls = _Counter()
-        self._store = EmbeddingStore(StoreConfig(
+        store = EmbeddingStore(StoreConfig(
             dim=self.output_dim,
             state_init=tuple(opt.state_initial_values()),
             init=self._init_spec,
@@ -492,6 +505,16 @@ class CachedEmbedding(keras.layers.Layer):
             expected_rows=expected,
             reserve_rows=self.reserve_rows,
         ))
+        try:
+            # Tracking the table restores it now if a checkpoint was restored
+            # into this layer before it was built (TF's deferred restore).
+            self._store = store
+        except Exception as err:
+            # TF has dropped that pending restore: a retry would silently
+            # start a fresh table, so the failure stays.
+            self._store = None
+            self._failed_restore = err
+            raise
         self._store.before_save = self.flush
         # A restored table replaces the cache: a prepared plan and a
         # deferred update are void.

@@ -275,3 +275,57 @@ def test_distributed_restore_leaves_tables_the_checkpoint_lacks_alone(rng, tmp_p
     np.testing.assert_array_equal(other_emb.lookup_rows(vocab), emb.lookup_rows(vocab))
     np.testing.assert_array_equal(extra.lookup_rows([7, 8]), np.ones((2, DIM)))
     assert extra.cache_stats()["host_rows"] == 2
+
+
+
+def _adagrad_layer(seed, dim=DIM):
+    return CachedEmbedding(dim, cache_capacity=CAPACITY, seed=seed,
+                           optimizer=tf_sfctr.optimizers.Adagrad(0.1))
+
+
+def _train_step(layer, ids):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(ids, training=True) ** 2)
+    tape.gradient(loss, layer.trainable_weights)
+
+
+def test_restore_into_a_layer_before_it_is_built(rng, tmp_path):
+    """TF restores a checkpoint into a layer that is not built yet when the
+    layer makes its table (deferred restore): the saved rows, optimizer
+    state and seed (ids 50..59 were never seen: their initial values come
+    from the seed)."""
+    saved = _adagrad_layer(seed=5)
+    ids = rng.integers(0, 50, 40)
+    for _ in range(3):
+        _train_step(saved, ids)
+    path = tf.train.Checkpoint(emb=saved).save(str(tmp_path / "ckpt"))
+    fresh = _adagrad_layer(seed=99)
+    tf.train.Checkpoint(emb=fresh).restore(path)
+    probe = np.arange(60)
+    np.testing.assert_array_equal(fresh(probe).numpy(), saved(probe).numpy())
+    for layer in (saved, fresh):  # the same Adagrad state: the same step
+        _train_step(layer, ids)
+    np.testing.assert_array_equal(fresh.lookup_rows(probe), saved.lookup_rows(probe))
+
+
+def test_a_failed_restore_into_an_unbuilt_layer_is_not_forgotten(rng, tmp_path):
+    """A deferred restore that fails when the layer makes its table (here,
+    another output_dim) fails that call; TF no longer holds the restore, so
+    every later call fails too rather than train a fresh table in its place.
+    A new layer with the checkpoint's options restores it."""
+    saved = _adagrad_layer(seed=5)
+    _train_step(saved, rng.integers(0, 50, 40))
+    path = tf.train.Checkpoint(emb=saved).save(str(tmp_path / "ckpt"))
+    wrong = _adagrad_layer(seed=5, dim=DIM + 2)
+    tf.train.Checkpoint(emb=wrong).restore(path)
+    with pytest.raises(CheckpointMismatchError, match=f"output_dim={DIM} but this layer"):
+        wrong(np.arange(3))
+    for training in (False, True):
+        with pytest.raises(CheckpointMismatchError,
+                           match=r"cannot be built: the checkpoint restored into it.*"
+                                 r"no longer pending.*Make a new layer"):
+            wrong(np.arange(3), training=training)
+    assert wrong._store is None and not wrong.built
+    right = _adagrad_layer(seed=7)
+    tf.train.Checkpoint(emb=right).restore(path)
+    np.testing.assert_array_equal(right(np.arange(60)).numpy(), saved(np.arange(60)).numpy())

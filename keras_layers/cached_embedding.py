@@ -51,6 +51,11 @@ _TRAINING_CALLS: "weakref.WeakKeyDictionary[tf.Graph, set]" = weakref.WeakKeyDic
 _CALLS_TRACED: "weakref.WeakKeyDictionary[tf.Graph, dict]" = weakref.WeakKeyDictionary()
 
 
+#: Largest output_dim: a host row with Adam's two state rows stays well below
+#: 2**31 floats.
+MAX_OUTPUT_DIM = 2**24
+
+
 def _compute_device() -> str:
     return "/GPU:0" if tf.config.list_logical_devices("GPU") else "/CPU:0"
 
@@ -237,16 +242,38 @@ class _DeferredUpdate:
 _INDEX_BYTES_PER_ROW = 17
 
 
+def _physical_memory() -> int:
+    """This machine's memory in bytes, or 0 where the platform does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _check_cache_memory(name: str, capacity: int, dim: int, num_state: int) -> None:
+    """Refuses, on a machine without a GPU, a device cache (rows and their
+    optimizer state, float32, held in host memory there) larger than the
+    machine's memory: a typo in cache_capacity would otherwise take it all.
+    On a GPU, TF's allocator refuses it itself (ResourceExhaustedError)."""
+    physical = _physical_memory()
+    need = capacity * dim * 4 * (1 + num_state)
+    if physical and need > physical and _compute_device() == "/CPU:0":
+        raise ValueError(
+            f"CachedEmbedding {name!r}: cache_capacity={capacity} rows of output_dim={dim} "
+            f"(x{1 + num_state} with the table optimizer's state) need {need / 2**30:.1f} GiB, "
+            f"more "
+            f"than this machine's {physical / 2**30:.1f} GiB of memory (without a GPU the "
+            f"cache lives in host memory). The cache must only hold one step's distinct ids "
+            f"(and what you want kept hot); lower cache_capacity")
+
+
 def _check_index_memory(name: str, expected_rows: Optional[int], share: int,
                         row_bytes: int = 0) -> None:
     """Refuses an ``expected_rows`` whose presized indexes (and, with
     ``reserve_rows``, its reserved rows: ``row_bytes`` each) would not fit in
     this machine's memory (a typo would otherwise take it all)."""
-    if not share:
-        return
-    try:
-        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # not on this platform
+    physical = _physical_memory()
+    if not share or not physical:
         return
     per_row = _INDEX_BYTES_PER_ROW + row_bytes
     need = share * per_row
@@ -379,6 +406,9 @@ class CachedEmbedding(keras.layers.Layer):
     ):
         super().__init__(name=name, **kwargs)
         self.output_dim = self._positive_int("output_dim", output_dim)
+        if self.output_dim > MAX_OUTPUT_DIM:
+            raise ValueError(f"output_dim must be at most 2**24 ({MAX_OUTPUT_DIM:,} floats, "
+                             f"64 MiB per row), got {output_dim}")
         self.cache_capacity = self._positive_int("cache_capacity", cache_capacity)
         if self.cache_capacity >= 2**31:
             raise ValueError(f"cache_capacity must be below 2**31, got {cache_capacity}")
@@ -470,6 +500,7 @@ class CachedEmbedding(keras.layers.Layer):
         _check_index_memory(self.name, self.expected_rows, expected,
                             self._reserved_row_bytes() if self.reserve_rows else 0)
         opt = self.table_optimizer
+        _check_cache_memory(self.name, self.cache_capacity, self.output_dim, opt.num_state)
         shape = [self.cache_capacity, self.output_dim]
         with tf.init_scope(), tf.device(_compute_device()):
             self._cache = _DeviceCache(

@@ -134,6 +134,7 @@ def test_ragged_without_combiner(trained):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(output_dim=0, cache_capacity=4), "output_dim must be a positive int"),
+    (dict(output_dim=2**24 + 1, cache_capacity=4), r"output_dim must be at most 2\*\*24"),
     (dict(output_dim=4, cache_capacity=-1), "cache_capacity must be a positive int"),
     (dict(output_dim=4, cache_capacity=4, combiner="max"), "combiner must be None or one of"),
     (dict(output_dim=4, cache_capacity=4, max_rows=0), "max_rows must be a positive int"),

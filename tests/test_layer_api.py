@@ -200,6 +200,18 @@ def test_expected_rows_beyond_the_machine_memory_is_refused():
     assert layer._store is None and not layer.built and not layer.weights
 
 
+def test_a_cache_beyond_the_machine_memory_is_refused():
+    """Without a GPU the cache (rows and optimizer state) lives in host
+    memory: 2**31 - 1 rows x 1024 x 2 floats (Adagrad), 16 TiB, is refused
+    before anything is allocated."""
+    layer = CachedEmbedding(1024, cache_capacity=2**31 - 1, seed=0, optimizer="adagrad")
+    with pytest.raises(ValueError, match=r"cache_capacity=2147483647 rows of output_dim=1024 "
+                                         r"\(x2 with the table optimizer.s state\) need 16384\.0 GiB, "
+                                         r"more than this machine's .* GiB.*lower cache_capacity"):
+        layer.build(None)
+    assert layer._store is None and not layer.built and not layer.weights
+
+
 def test_a_store_whose_presized_index_cannot_be_allocated_fails_with_a_message():
     # Below the layer's check, the op itself: no crash, a TF error.
     from tf_sfctr.initializers import InitSpec
@@ -210,6 +222,20 @@ def test_a_store_whose_presized_index_cannot_be_allocated_fails_with_a_message()
                                        expected_rows=4 * 10**18))
     # (More than any address space: refused even where memory is overcommitted.)
     with pytest.raises(tf.errors.ResourceExhaustedError, match="expected_rows=4000000000000000000"):
+        store.resource_handle  # noqa: B018
+
+
+def test_a_store_whose_rows_are_too_wide_is_refused_by_the_op():
+    # Below the layer's output_dim limit: dim * (1 + state rows) floats per
+    # host row must fit the op's int arithmetic.
+    from tf_sfctr.initializers import InitSpec
+    from tf_sfctr.store import EmbeddingStore, StoreConfig
+
+    store = EmbeddingStore(StoreConfig(dim=2**30, state_init=(0.0,),
+                                       init=InitSpec("constant", 0.0, 0.0), seed=0, max_rows=0,
+                                       cache_capacity=8))
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"dim \* \(1 \+ num_state\).*below 2\^31, got dim 1073741824"):
         store.resource_handle  # noqa: B018
 
 

@@ -153,6 +153,10 @@ class StoreCreateOp : public OpKernel {
                                         options_.table.state_init.size()));
     OP_REQUIRES(ctx, capacity < (int64_t{1} << 31),
                 errors::InvalidArgument("cache_capacity must be below 2^31"));
+    OP_REQUIRES(ctx, num_state >= 0 && int64_t{dim} * (1 + num_state) < (int64_t{1} << 31),
+                errors::InvalidArgument("dim * (1 + num_state) (floats per host row) must be "
+                                        "below 2^31, got dim ", dim, " and num_state ",
+                                        num_state));
     options_.table.dim = dim;
     options_.table.num_state = num_state;
     options_.table.init.seed = static_cast<uint64_t>(seed);

@@ -74,7 +74,10 @@ def _eviction_hints(inputs: dict) -> Optional[tuple]:
     _check_id_dtype(tf.as_dtype(inputs["hint_steps"].dtype), "hint_steps")
     # Equal lengths and steps >= 1 are checked by SfctrCachePrepare.
     hint_ids = tf.reshape(tf.cast(inputs["hint_ids"], tf.int64), [-1])
-    hint_steps = tf.reshape(tf.cast(inputs["hint_steps"], tf.int32), [-1])
+    hint_steps = tf.reshape(inputs["hint_steps"], [-1])
+    if hint_steps.dtype != tf.int32:  # a step beyond 2**31 - 1 is as good as never
+        hint_steps = tf.cast(tf.clip_by_value(tf.cast(hint_steps, tf.int64), -2**31, 2**31 - 1),
+                             tf.int32)
     return hint_ids, hint_steps
 
 
@@ -651,6 +654,11 @@ class CachedEmbedding(keras.layers.Layer):
                 "scaled gradients. Use 'mixed_bfloat16' (no loss scaling) or float32.")
 
     def call(self, inputs: Any, training: Optional[bool] = None) -> tf.Tensor:
+        if not (training is None or isinstance(training, (bool, np.bool_))
+                or (isinstance(training, int) and training in (0, 1))
+                or (isinstance(training, tf.Tensor) and training.dtype == tf.bool)):
+            raise ValueError(f"CachedEmbedding {self.name!r}: training must be True, False or "
+                             f"None, got {training!r}")
         # A frozen layer (trainable=False) serves its rows like inference.
         training = bool(training) and self.trainable
         if training:
@@ -1345,7 +1353,13 @@ class CachedEmbedding(keras.layers.Layer):
 
     def _check_assign(self, ids, values):
         ids = self._ids_vector(ids)
-        values = np.asarray(values, dtype=np.float32)
+        values = np.asarray(values)
+        if values.dtype.kind not in "fiu":
+            raise TypeError(f"values must be real numbers (float or integer), got dtype "
+                            f"{values.dtype}. Nothing was changed.")
+        # float64 beyond float32's range becomes inf and is refused below.
+        with np.errstate(over="ignore"):
+            values = values.astype(np.float32)
         n = int(ids.shape[0])
         if values.shape != (n, self.output_dim):
             raise ValueError(

@@ -99,10 +99,14 @@ def test_max_rows_exceeded(trained):
     (np.zeros((3, 4)), r"\[2, 4\], got \[3, 4\]"),
     (np.array([[0, 0, 0, 0], [0, np.nan, 0, 0]]), r"finite; row 1 \(id 1\)"),
     (np.array([[np.inf, 0, 0, 0], [0, 0, 0, 0]]), r"finite; row 0 \(id 3\)"),
+    (np.array([[0, 0, 0, 0], [0, 0, 1e39, 0]]), r"finite; row 1 \(id 1\)"),  # > float32
+    (np.ones((2, 4), np.complex64), r"real numbers \(float or integer\), got dtype complex64"),
+    (np.full((2, 4), "1.0"), r"real numbers .*got dtype <U3"),
+    (np.ones((2, 4), bool), r"real numbers .*got dtype bool"),
 ])
 def test_assign_rows_bad_values(trained, values, match):
     snap = _snapshot(trained)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((TypeError, ValueError), match=match):
         trained.assign_rows([3, 1], values)
     _assert_unchanged(trained, snap)
 
@@ -188,10 +192,22 @@ def test_bad_constructor_arguments(kwargs, match):
     (lambda: tf_sfctr.optimizers.SGD(momentum=1.0), r"momentum must be in \[0, 1\)"),
     (lambda: tf_sfctr.optimizers.Adagrad(accumulate="x"), "accumulate must be"),
     (lambda: tf_sfctr.optimizers.Adam(beta_1=1.5), r"beta_1 must be in \[0, 1\)"),
+    (lambda: tf_sfctr.optimizers.Adam(beta_1="x"), "beta_1 must be a number, got 'x'"),
+    (lambda: tf_sfctr.optimizers.Adam(beta_2=float("nan")), "beta_2 must be a finite number"),
+    (lambda: tf_sfctr.optimizers.SGD(momentum=0.9, nesterov="no"),
+     "nesterov must be True or False, got 'no'"),
 ])
 def test_bad_optimizer_arguments(factory, match):
     with pytest.raises(ValueError, match=match):
         factory()
+
+
+@pytest.mark.parametrize("training", ["no", 2, [True]])
+def test_training_flag_must_be_a_bool(trained, training):
+    snap = _snapshot(trained)
+    with pytest.raises(ValueError, match=r"training must be True, False or None, got"):
+        trained(np.array([3, 1]), training=training)
+    _assert_unchanged(trained, snap)
 
 
 def _vsi(ids, unique_ids, inverse, **extra):

@@ -39,7 +39,7 @@ def _hints(batches, t, k, first=1):
     return ids, steps
 
 
-def _train(batches, k, lookahead=False):
+def _train(batches, k, lookahead=False, steps_of=None):
     layer = _layer()
     w = tf.reshape(tf.range(DIM, dtype=tf.float32) - 1.5, [1, 1, DIM])
     for t, ids in enumerate(batches):
@@ -50,6 +50,8 @@ def _train(batches, k, lookahead=False):
             # The window starts after the batch the step prepares.
             feature["hint_ids"], feature["hint_steps"] = _hints(
                 batches, t, k, first=2 if lookahead else 1)
+            if steps_of is not None:
+                feature["hint_steps"] = steps_of(feature["hint_steps"])
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(tf.square(layer(feature, training=True) - w))
         tape.gradient(loss, layer.trainable_variables)
@@ -64,6 +66,18 @@ def test_hints_keep_every_trained_value_and_raise_the_hit_rate():
     assert p["evictions"] > 0
     assert p["hits"] + p["misses"] == h["hits"] + h["misses"]
     assert h["hits"] > p["hits"], (h, p)
+
+
+def test_int64_hint_steps_beyond_int32_mean_far_away_and_do_not_wrap():
+    """2**32 + d as int64 must not wrap to d when the layer narrows the steps
+    to int32: it counts as the furthest step (2**31 - 1). (An 8-batch window,
+    where the distances change which rows stay.)"""
+    batches = _batches(0, 40)
+    hinted = _train(batches, 8).cache_stats()
+    far = _train(batches, 8, steps_of=lambda s: tf.fill(tf.shape(s), 2**31 - 1)).cache_stats()
+    beyond = _train(batches, 8, steps_of=lambda s: tf.cast(s, tf.int64) + 2**32).cache_stats()
+    assert far["hits"] != hinted["hits"], (far, hinted)
+    assert beyond == far
 
 
 def test_hints_work_through_the_lookahead_plan():

@@ -41,6 +41,7 @@ import math
 from typing import Any, Callable, Union
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from . import _ops
@@ -137,6 +138,8 @@ class SGD(TableOptimizer):
         self.momentum = _check_positive("momentum", momentum, allow_zero=True)
         if self.momentum >= 1:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if not isinstance(nesterov, (bool, np.bool_)):
+            raise ValueError(f"nesterov must be True or False, got {nesterov!r}")
         self.nesterov = bool(nesterov)
         self.num_state = 1 if self.momentum > 0 else 0
 
@@ -227,7 +230,7 @@ class Adam(TableOptimizer):
                  beta_2: float = 0.999, epsilon: float = 1e-7):
         super().__init__(learning_rate)
         for name, beta in (("beta_1", beta_1), ("beta_2", beta_2)):
-            if not 0 <= float(beta) < 1:
+            if _check_positive(name, beta, allow_zero=True) >= 1:
                 raise ValueError(f"{name} must be in [0, 1), got {beta}")
         self.beta_1 = float(beta_1)
         self.beta_2 = float(beta_2)

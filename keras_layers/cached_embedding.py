@@ -264,8 +264,7 @@ def _check_cache_memory(name: str, capacity: int, dim: int, num_state: int) -> N
         raise ValueError(
             f"CachedEmbedding {name!r}: cache_capacity={capacity} rows of output_dim={dim} "
             f"(x{1 + num_state} with the table optimizer's state) need {need / 2**30:.1f} GiB, "
-            f"more "
-            f"than this machine's {physical / 2**30:.1f} GiB of memory (without a GPU the "
+            f"more than this machine's {physical / 2**30:.1f} GiB of memory (without a GPU the "
             f"cache lives in host memory). The cache must only hold one step's distinct ids "
             f"(and what you want kept hot); lower cache_capacity")
 

@@ -262,8 +262,9 @@ def _check_cache_memory(name: str, capacity: int, dim: int, num_state: int) -> N
     need = capacity * dim * 4 * (1 + num_state)
     if physical and need > physical and _compute_device() == "/CPU:0":
         raise ValueError(
-            f"CachedEmbedding {name!r}: cache_capacity={capacity} rows of output_dim={dim} "
-            f"(x{1 + num_state} with the table optimizer's state) need {need / 2**30:.1f} GiB, "
+            f"CachedEmbedding {name!r}: cache_capacity={capacity} rows of output_dim={dim}"
+            + (f" (x{1 + num_state} with the table optimizer's state)" if num_state else "")
+            + f" need {need / 2**30:.1f} GiB, "
             f"more than this machine's {physical / 2**30:.1f} GiB of memory (without a GPU the "
             f"cache lives in host memory). The cache must only hold one step's distinct ids "
             f"(and what you want kept hot); lower cache_capacity")
@@ -450,8 +451,9 @@ class CachedEmbedding(keras.layers.Layer):
         self.supports_jit = False
         self._store: Optional[EmbeddingStore] = None
         # A checkpoint restore that failed while this layer was built (see
-        # build): every later build raises it again.
-        self._failed_restore: Optional[BaseException] = None
+        # build), as an exception of the same kind and message without its
+        # traceback: every later build raises it again.
+        self._failed_restore: Optional[Exception] = None
         self._assign_lock = threading.Lock()
 
     def _reserved_row_bytes(self) -> int:
@@ -470,9 +472,7 @@ class CachedEmbedding(keras.layers.Layer):
         if self._store is not None:
             return
         if self._failed_restore is not None:
-            kind = CheckpointMismatchError if isinstance(
-                self._failed_restore, CheckpointMismatchError) else RuntimeError
-            raise kind(
+            raise type(self._failed_restore)(
                 f"CachedEmbedding {self.name!r} cannot be built: the checkpoint restored into "
                 f"it before it was built failed when its table was made "
                 f"({self._failed_restore}). That restore is no longer pending, so a build now "
@@ -546,7 +546,11 @@ class CachedEmbedding(keras.layers.Layer):
             # TF has dropped that pending restore: a retry would silently
             # start a fresh table, so the failure stays.
             self._store = None
-            self._failed_restore = err
+            # The kind and message only: the traceback's frames hold the
+            # checkpoint's arrays.
+            kind = CheckpointMismatchError if isinstance(err, CheckpointMismatchError) \
+                else RuntimeError
+            self._failed_restore = kind(str(err))
             raise
         self._store.before_save = self.flush
         # A restored table replaces the cache: a prepared plan and a
@@ -644,22 +648,31 @@ class CachedEmbedding(keras.layers.Layer):
         """Refuses mixed_float16, at build and again when a training call is
         traced (the policy may be set after the layer was built, and Keras
         then compiles the model with a LossScaleOptimizer)."""
-        policies = {self.dtype_policy.name, keras.config.dtype_policy().name}
-        if "mixed_float16" in policies:
+        where = [w for w, policy in (("this layer's", self.dtype_policy),
+                                     ("the global (keras.config.dtype_policy())",
+                                      keras.config.dtype_policy()))
+                 if policy.name == "mixed_float16"]
+        if where:
             raise ValueError(
-                f"CachedEmbedding {self.name!r}: the 'mixed_float16' dtype policy is not "
-                "supported. Keras trains it with a scaled loss (LossScaleOptimizer), and the "
-                "table's optimizer, which updates rows in the backward pass, would get the "
-                "scaled gradients. Use 'mixed_bfloat16' (no loss scaling) or float32.")
+                f"CachedEmbedding {self.name!r}: the 'mixed_float16' dtype policy "
+                f"({' and '.join(where)}) is not supported. Keras compiles a model made under "
+                "it with a scaled loss (LossScaleOptimizer), and the table's optimizer, which "
+                "updates rows in the backward pass, would get the scaled gradients. Use "
+                "'mixed_bfloat16' (no loss scaling) or float32; a model made under float32 "
+                "trains once the global policy is set back to it.")
 
     def call(self, inputs: Any, training: Optional[bool] = None) -> tf.Tensor:
-        if not (training is None or isinstance(training, (bool, np.bool_))
-                or (isinstance(training, int) and training in (0, 1))
-                or (isinstance(training, tf.Tensor) and training.dtype == tf.bool)):
-            raise ValueError(f"CachedEmbedding {self.name!r}: training must be True, False or "
-                             f"None, got {training!r}")
+        flag = training
+        if isinstance(flag, tf.Tensor) and hasattr(flag, "numpy") and flag.shape.rank == 0:
+            flag = flag.numpy()  # eager (Keras turns NumPy flags into tensors)
+        if not (flag is None or isinstance(flag, (bool, np.bool_))
+                or (isinstance(flag, (int, np.integer)) and flag in (0, 1))):
+            raise ValueError(
+                f"CachedEmbedding {self.name!r}: training must be True, False or None (a "
+                f"Python value when traced: the table's update is part of the traced step "
+                f"or not), got {training!r}")
         # A frozen layer (trainable=False) serves its rows like inference.
-        training = bool(training) and self.trainable
+        training = bool(flag) and self.trainable
         if training:
             self._check_dtype_policy()
         update_graph = self._check_one_training_call() if training else None
@@ -1353,7 +1366,7 @@ class CachedEmbedding(keras.layers.Layer):
     def _check_assign(self, ids, values):
         ids = self._ids_vector(ids)
         values = np.asarray(values)
-        if values.dtype.kind not in "fiu":
+        if values.dtype.kind not in "fiu" and values.dtype.name != "bfloat16":
             raise TypeError(f"values must be real numbers (float or integer), got dtype "
                             f"{values.dtype}. Nothing was changed.")
         # float64 beyond float32's range becomes inf and is refused below.

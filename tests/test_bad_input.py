@@ -156,6 +156,10 @@ def test_ragged_without_combiner(trained):
         float("nan"))), "Constant initializer: value must be a finite float32 number"),
     (dict(output_dim=4, cache_capacity=4, embeddings_initializer=keras.initializers.Constant(
         1e39)), "Constant initializer: value must be a finite float32 number"),
+    (dict(output_dim=4, cache_capacity=4, embeddings_initializer=keras.initializers.Constant(
+        np.array([0.5]))), r"Constant initializer needs a scalar value .*got array\(\[0.5\]\)"),
+    (dict(output_dim=4, cache_capacity=4, embeddings_initializer=keras.initializers.Constant(
+        [0.5, 1.0])), r"Constant initializer needs a scalar value .*got \[0.5, 1.0\]"),
     (dict(output_dim=4, cache_capacity=4,
           embeddings_initializer=keras.initializers.RandomUniform(1, -1)),
      r"RandomUniform initializer: minval \(1.0\) must be <= maxval \(-1.0\)"),
@@ -205,8 +209,31 @@ def test_bad_optimizer_arguments(factory, match):
 @pytest.mark.parametrize("training", ["no", 2, [True]])
 def test_training_flag_must_be_a_bool(trained, training):
     snap = _snapshot(trained)
-    with pytest.raises(ValueError, match=r"training must be True, False or None, got"):
+    with pytest.raises(ValueError, match=r"training must be True, False or None \(.*\), got"):
         trained(np.array([3, 1]), training=training)
+    _assert_unchanged(trained, snap)
+
+
+def test_a_traced_training_tensor_is_refused_with_the_reason(trained):
+    """In a traced step the flag decides whether the table's update is part
+    of the step, so it must be a Python value there."""
+    snap = _snapshot(trained)
+
+    @tf.function
+    def step(ids, flag):
+        return trained(ids, training=flag)
+
+    with pytest.raises(ValueError, match=r"training must be True, False or None \(a Python "
+                                         r"value when traced"):
+        step(tf.constant([3, 1], tf.int64), tf.constant(True))
+    _assert_unchanged(trained, snap)
+
+
+@pytest.mark.parametrize("flag", [np.int64(0), np.bool_(False), tf.constant(False), 0])
+def test_inference_flags_that_are_not_python_bools_are_understood(trained, flag):
+    snap = _snapshot(trained)
+    np.testing.assert_array_equal(trained(np.array([3, 1]), training=flag),
+                                  trained.lookup_rows([3, 1]))
     _assert_unchanged(trained, snap)
 
 

@@ -200,6 +200,8 @@ def test_expected_rows_beyond_the_machine_memory_is_refused():
     assert layer._store is None and not layer.built and not layer.weights
 
 
+@pytest.mark.skipif(bool(tf.config.list_logical_devices("GPU")),
+                    reason="checks host memory, where the cache lives without a GPU")
 def test_a_cache_beyond_the_machine_memory_is_refused():
     """Without a GPU the cache (rows and optimizer state) lives in host
     memory: 2**31 - 1 rows x 1024 x 2 floats (Adagrad), 16 TiB, is refused
@@ -376,7 +378,9 @@ def test_mixed_float16_set_after_build_is_refused_at_training(rng):
         inp = keras.Input((2,), dtype="int64")
         model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
         model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
-        with pytest.raises(ValueError, match="'mixed_float16' dtype policy is not supported"):
+        with pytest.raises(ValueError, match=r"'mixed_float16' dtype policy \(the global "
+                                             r"\(keras.config.dtype_policy\(\)\)\) is not "
+                                             r"supported.*set back"):
             model.fit(np.array([[1, 2]] * 4), np.ones((4, 1)), verbose=0)
     finally:
         keras.config.set_dtype_policy(old)
@@ -394,7 +398,9 @@ def test_mixed_float16_is_refused(how):
             layer = CachedEmbedding(4, cache_capacity=8)
         else:
             layer = CachedEmbedding(4, cache_capacity=8, dtype="mixed_float16")
-        with pytest.raises(ValueError, match="'mixed_float16' dtype policy is not supported"):
+        # A layer made under the global policy takes it as its own.
+        where = "this layer's and the global" if how == "global" else r"this layer's\)"
+        with pytest.raises(ValueError, match=rf"'mixed_float16' dtype policy \({where}"):
             layer.build(None)
         keras.config.set_dtype_policy("mixed_bfloat16")
         out = CachedEmbedding(4, cache_capacity=8, seed=0)(tf.constant([[1, 2]], tf.int64))
@@ -504,3 +510,12 @@ def test_op_library_refuses_other_tensorflow_version(tmp_path, monkeypatch):
     monkeypatch.setattr(_ops, "_LIBRARY", str(tmp_path / "missing.so"))
     with pytest.raises(_ops.OpLibraryError, match="missing"):
         _ops._check_build()
+
+
+def test_assign_rows_takes_bfloat16_values():
+    """Under mixed_bfloat16 the layer's own outputs are bfloat16: rows copied
+    from them are taken as they are (bfloat16 values are exact in float32)."""
+    emb = CachedEmbedding(4, cache_capacity=8, seed=0)
+    values = tf.constant([[0.5, -1.25, 3.0, 1.0 / 3.0]] * 2, tf.bfloat16)
+    emb.assign_rows([7, 9], values)
+    np.testing.assert_array_equal(emb.lookup_rows([7, 9]), tf.cast(values, tf.float32).numpy())

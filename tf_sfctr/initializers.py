@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import keras
+import numpy as np
 
 SUPPORTED = (
     "zeros, ones, Constant(value), uniform/RandomUniform(minval, maxval), "
@@ -74,8 +75,8 @@ def resolve(initializer: Any) -> InitSpec:
     if isinstance(obj, keras.initializers.Ones):
         return InitSpec("constant", 1.0, 0.0)
     if isinstance(obj, keras.initializers.Constant):
-        value = cfg.get("value", 0.0)
-        if not isinstance(value, (int, float)) and getattr(value, "ndim", 0) != 0:
+        value = getattr(obj, "value", cfg.get("value", 0.0))
+        if np.ndim(value) != 0:
             raise ValueError(
                 f"Constant initializer needs a scalar value for a CachedEmbedding, "
                 f"got {value!r}.")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import random
 import threading
+import warnings
 import weakref
 from typing import Any, Optional, Sequence
 
@@ -726,10 +727,42 @@ class CachedEmbedding(keras.layers.Layer):
             rows = _ops.gather_tensor_rows(rows, inverse)
         if apply_update is not None:
             rows = self._attach_update(rows, inverse, num_unique, apply_update, update_graph)
+        elif flag is None and self.trainable and not _keras_shape_inference():
+            rows = self._warn_if_differentiated(rows)
         out = self._combine(rows, layout)
         if isinstance(out, list):
             return [tf.cast(x, self.compute_dtype) for x in out]
         return tf.cast(out, self.compute_dtype)
+
+    def _warn_if_differentiated(self, rows: tf.Tensor) -> tf.Tensor:
+        """``rows`` as they are, read together with the update trigger, so
+        that training the trigger through this call (a call without a
+        training flag, run as inference) warns that the table does not
+        train: typically a subclassed model whose ``call`` has no
+        ``training`` argument, which Keras then calls without a flag in
+        ``fit``. The warning is the trigger's (zero) gradient, computed only
+        when something uses it: a gradient taken for other variables only (a
+        frozen teacher in distillation) leaves it out of a traced step."""
+        message = (
+            f"CachedEmbedding {self.name!r} was called without a training flag (so as "
+            "inference) in a step that trains it: its table does not train. If the model is "
+            "subclassed, give its call() a `training=None` argument and pass it on (Keras "
+            "calls it without a flag otherwise); if the call is meant as inference, pass "
+            "training=False or set the layer's trainable to False.")
+
+        def warn():
+            warnings.warn(message, stacklevel=2)
+            return np.float32(0.0)
+
+        @tf.custom_gradient
+        def unflagged(x, trigger):
+            def grad(dy):
+                # Not stateful: a traced step runs it only if it uses it.
+                zero = tf.numpy_function(warn, [], tf.float32, stateful=False)
+                return dy, tf.reshape(zero, tf.shape(trigger))
+            return tf.identity(x), grad
+
+        return unflagged(rows, tf.convert_to_tensor(self._trigger))
 
     @property
     def mode(self) -> str:

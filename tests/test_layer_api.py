@@ -3,6 +3,7 @@ stats, predict/evaluate without side effects, XLA auto-disable, op loading."""
 
 import json
 import os
+import warnings
 
 import keras
 import numpy as np
@@ -462,12 +463,28 @@ def test_calls_without_training_flag_stay_inference_under_a_tape(rng):
             loss = tf.reduce_mean(tf.square(student(tf.cast(x, tf.float32)) - target))
         return tape.gradient(loss, student.trainable_variables)
 
-    assert all(g is not None for g in step(tf.constant(x)))
+    with warnings.catch_warnings():  # and no warning that the table does not train
+        warnings.simplefilter("error")
+        assert all(g is not None for g in step(tf.constant(x)))
     np.testing.assert_array_equal(teacher.emb.lookup_rows(np.arange(100)), before)
     trained = SubclassedModel()
     trained.compile(optimizer="sgd", loss="mse")
     trained.fit(x, np.ones((32, 1)), batch_size=32, verbose=0)
     assert trained.emb.cache_stats()["misses"] > 0
+
+
+def test_fit_of_a_model_that_calls_the_layer_without_a_flag_warns(rng):
+    """A subclassed model whose call() has no `training` argument: Keras
+    calls the layer without a flag in fit, so its table cannot train. The
+    layer says so (once the step uses the gradient of its trigger) rather
+    than train the dense layers alone in silence."""
+    x = rng.integers(0, 100, (32, 3)).astype("int64")
+    model = NoTrainingArgModel()
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.warns(UserWarning, match=r"called without a training flag .* its table does "
+                                         r"not train.*`training=None` argument"):
+        model.fit(x, np.ones((32, 1)), batch_size=16, verbose=0)
+    assert model.emb.cache_stats()["misses"] == 0
 
 
 @pytest.mark.parametrize("dtype", ["float32", "string"])

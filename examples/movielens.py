@@ -66,23 +66,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--embedding", choices=("cached", "keras"), default="cached",
                    help="tf_sfctr CachedEmbedding, or keras.layers.Embedding as a baseline")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=3, help="passes over the training rows")
     p.add_argument("--batch-size", type=int, default=256, help="per rank under Horovod")
-    p.add_argument("--embedding-dim", type=int, default=16)
+    p.add_argument("--embedding-dim", type=int, default=16, help="output_dim of every table")
     p.add_argument("--cache-capacity", type=int, default=2048,
                    help="device-cache rows of the id table (the data has ~9,800 ids)")
     p.add_argument("--optimizer", choices=("adagrad", "adam"), default="adam",
                    help="of the dense layers and of the tables (tf_sfctr.optimizers.Adam "
                         "is lazy: only rows used by a step move)")
-    p.add_argument("--learning-rate", type=float, default=1e-3)
+    p.add_argument("--learning-rate", type=float, default=1e-3,
+                   help="of the dense and the table optimizers")
     p.add_argument("--history", type=int, default=0, metavar="K",
                    help="add the movies of the user's latest K earlier ratings, embedded "
                         "with the id table (shared with the movie field); 0: none")
     p.add_argument("--rows", type=int, default=0,
                    help="use only the first ROWS training rows (and ROWS/4 test rows); "
                         "0: all (80,669 train, 20,167 test)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", default=None, help="MovieLens directory (default: data/)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="of the train/test split, the shuffling, initial rows and dense weights")
+    p.add_argument("--data", default=None,
+                   help="MovieLens directory; by default the copy shipped in data/")
     p.add_argument("--export", metavar="DIR", default=None,
                    help="write a SavedModel for serving (stock TF ops only) to DIR")
     args = p.parse_args(argv)

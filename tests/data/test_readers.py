@@ -196,7 +196,12 @@ def test_crlf_and_gzip(rows, files, tmp_path):
         ("1" + "\t7" * 13 + "\tab" * 26 + "\textra", "more than 40 tab-separated"),
         ("1\t12\tnot-a-number", "could not correctly convert string"),
         ("", "empty label"),
+        (" ", "empty label"),                      # whitespace only: not a row of zeros
+        (" \t", "empty label"),
         ("yes\t1", "could not correctly convert string"),
+        ("2\t1", r"labels must be 0 or 1.*\b2\b"),
+        ("0.5\t1", r"labels must be 0 or 1.*0\.5"),
+        ("nan\t1", r"labels must be 0 or 1.*nan"),
     ],
 )
 def test_bad_tsv_lines_raise_while_iterating(tmp_path, line, match):
@@ -204,6 +209,24 @@ def test_bad_tsv_lines_raise_while_iterating(tmp_path, line, match):
     path.write_text("0\t1\n" + line + "\n1\t2\n")
     with pytest.raises(tf.errors.InvalidArgumentError, match=match):
         list(criteo_tsv(str(path)))
+
+
+def test_spaces_around_numbers_are_ignored_and_spaces_alone_are_empty(tmp_path):
+    path = tmp_path / "spaces.tsv"
+    path.write_text(" 1 \t 7\t \tab\n0\t\t2\tcd\n")
+    features, label = next(iter(criteo_tsv(str(path), num_dense=2, num_sparse=1,
+                                            dense_default=-1.0)))
+    np.testing.assert_array_equal(label.numpy().ravel(), [1.0, 0.0])
+    np.testing.assert_array_equal(features["dense"].numpy(), [[7.0, -1.0], [-1.0, 2.0]])
+
+
+def test_a_gzip_file_read_as_text_is_refused_up_front(files, tmp_path):
+    gz = tmp_path / "day_0.tsv.gz"
+    with gzip.open(gz, "wt") as f:
+        f.write("1\t2\n")
+    with pytest.raises(ValueError, match=r"day_0.tsv.gz is gzip-compressed; pass "
+                                         r"compression_type='GZIP'"):
+        criteo_tsv([files["tsv"], str(gz)])
 
 
 def test_reader_argument_errors(files, tmp_path):
@@ -230,6 +253,14 @@ def test_parquet_errors(files, tmp_path):
         parquet(files["parquet"], engine="spark")
     with pytest.raises(ValueError, match=r"no column\(s\) \['C27'\]"):
         parquet(files["parquet"], sparse_columns=["C1", "C27"])
+    # tensorflow-io 0.37.1 crashes the process on these; they are refused first.
+    good = open(files["parquet"], "rb").read()
+    for name, content in (("truncated", good[:300]), ("text", b"hello"),
+                          ("junk", b"PAR1" + b"\0" * 64 + b"PAR1")):
+        path = tmp_path / f"{name}.parquet"
+        path.write_bytes(content)
+        with pytest.raises(ValueError, match=f"{name}.parquet is not a readable Parquet file"):
+            parquet(str(path))
     bad = str(tmp_path / "int_categorical.parquet")
     pq.write_table(pa.table({"label": [1], "I1": [2], "C1": [3]}), bad)
     for engine in ("tensorflow_io", "pyarrow"):

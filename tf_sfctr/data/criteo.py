@@ -255,20 +255,42 @@ def _parse_tsv_lines(
     )
     with tf.control_dependencies([too_wide]):
         table = columns.to_tensor(default_value="", shape=[lines.shape[0], width])
-    label_str = table[:, 0]
+    # Numbers may carry spaces; a label or dense field of spaces only is empty.
+    label_str = tf.strings.strip(table[:, 0])
     no_label = tf.debugging.assert_greater(
         tf.reduce_min(tf.strings.length(label_str)),
         0,
-        message="criteo_tsv: a line has an empty label (is there a blank line?)",
+        message="criteo_tsv: a line has an empty label (is there a blank or whitespace-only "
+        "line?)",
     )
     with tf.control_dependencies([no_label]):
         label = tf.strings.to_number(label_str, tf.float32)
-    dense_str = table[:, 1 : 1 + num_dense]
+    binary = tf.logical_or(tf.equal(label, 0.0), tf.equal(label, 1.0))
+    first_bad = tf.argmin(tf.cast(binary, tf.int32))
+    label_ok = tf.debugging.Assert(
+        tf.reduce_all(binary),
+        ["criteo_tsv: labels must be 0 or 1; this batch has", label_str[first_bad],
+         "in its row", first_bad],
+    )
+    with tf.control_dependencies([label_ok]):
+        label = tf.identity(label)
+    dense_str = tf.strings.strip(table[:, 1 : 1 + num_dense])
     empty = tf.equal(dense_str, "")
     dense = tf.strings.to_number(tf.where(empty, "0", dense_str), tf.float32)
     dense = tf.where(empty, tf.constant(dense_default, tf.float32), dense)
     prefixes = [field_prefix(j) for j in range(num_sparse)]
     return encode_batch(label, dense, table[:, 1 + num_dense :], prefixes)
+
+
+def _refuse_compressed(paths: Sequence[str]) -> None:
+    """A gzip file read as text would fail later with a UnicodeDecodeError:
+    name the file and the argument instead."""
+    for path in paths:
+        with tf.io.gfile.GFile(path, "rb") as f:
+            if f.read(2) == b"\x1f\x8b":
+                raise ValueError(
+                    f"criteo_tsv: {path} is gzip-compressed; pass compression_type='GZIP' "
+                    "(every file of one call must be compressed alike)")
 
 
 def criteo_tsv(
@@ -294,9 +316,14 @@ def criteo_tsv(
 
     Bad lines raise ``tf.errors.InvalidArgumentError`` while iterating: more than
     ``1 + num_dense + num_sparse`` columns ("a line has more than 40
-    tab-separated columns"), an empty label ("empty label"), or a label or
-    dense field that is not a number ("StringToNumberOp could not correctly convert
-    string"). Lines may end in ``\\r\\n``.
+    tab-separated columns"), an empty label ("empty label"; also a blank or
+    whitespace-only line), a label other than 0 or 1 ("labels must be 0 or
+    1", with the value), or a label or dense field that is not a number
+    ("StringToNumberOp could not correctly convert string"). The errors name
+    the batch's offending value, not the file or line. Lines may end in
+    ``\\r\\n``; spaces around a label or dense number are ignored, and a
+    dense field of spaces only is empty. A gzip file read without
+    ``compression_type="GZIP"`` is refused up front.
 
     Args:
       paths: one file or a list of files, read in order.
@@ -328,6 +355,8 @@ def criteo_tsv(
             f"compression_type must be None, '', 'GZIP' or 'ZLIB', got {compression_type!r}"
         )
     dense_default = float(dense_default)
+    if not compression_type:
+        _refuse_compressed(paths)
     ds = tf.data.TextLineDataset(paths, compression_type=compression_type or "")
     if num_shards > 1:
         ds = ds.shard(num_shards, index)

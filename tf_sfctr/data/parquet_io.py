@@ -137,6 +137,34 @@ def _check_no_nulls(path: str, columns: Sequence[str]) -> None:
             )
 
 
+def _check_readable(path: str) -> None:
+    """Raises ValueError unless ``path`` looks like a whole Parquet file.
+    tensorflow-io 0.37.1 crashes the process (SIGSEGV) on a truncated or
+    foreign file, so the file is opened with pyarrow first when it is
+    installed; without it, its size and the "PAR1" marks at both ends are
+    checked."""
+    try:
+        pa = _import_pyarrow()
+    except ImportError:
+        pa = None
+    if pa is not None:
+        try:
+            pa.parquet.read_metadata(path)
+        except Exception as err:  # pyarrow raises several kinds
+            raise ValueError(f"parquet: {path} is not a readable Parquet file "
+                             f"({type(err).__name__}: {err})") from None
+        return
+    with open(path, "rb") as f:
+        head = f.read(4)
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(size - 4, 0))
+        tail = f.read(4)
+    if size < 12 or head != b"PAR1" or tail != b"PAR1":
+        raise ValueError(f"parquet: {path} is not a Parquet file (it must start and end "
+                         f"with 'PAR1'; it is {size} bytes, truncated or of another format)")
+
+
 def _check_dtype(path: str, name: str, dtype: tf.DType, kind: str) -> None:
     ok = (
         dtype == tf.string
@@ -174,6 +202,7 @@ def _tfio_dataset(
     out = None
     offset = 0  # global index of the file's first row
     for path in paths:
+        _check_readable(path)
         iot = tfio.IOTensor.from_parquet(path)
         found = {c.numpy().decode(): spec for c, spec in zip(iot.columns, iot.spec)}
         missing = [c for c in wanted if c not in found]

@@ -3,6 +3,8 @@ stay cached when other rows can go. Hints change which rows are cached, never
 a trained value; they raise the hit rate of a small cache; malformed hints are
 refused before anything changes."""
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -178,9 +180,27 @@ def test_with_unique_ids_hints_name_the_batches_after_the_prepared_one():
             assert s["hint_steps"].dtype == tf.int32
     assert int(with_unique_ids(ds, eviction_hints=2).cardinality()) == 6
     assert int(with_unique_ids(ds, eviction_hints=np.int64(16)).cardinality()) == 6
-    for bad in (-1, 17, 1.5, True):
-        with pytest.raises(ValueError, match="eviction_hints must be an int from 0"):
+    for bad in (-1, 17, 1.5, True, "2"):
+        # The message shows the value given.
+        with pytest.raises(ValueError, match=rf"eviction_hints must be an int from 0.*got "
+                                             rf"{re.escape(repr(bad))}"):
             with_unique_ids(ds, eviction_hints=bad)
+    with pytest.raises(ValueError, match=r"with_unique_ids: lookahead must be True or False, "
+                                         r"got 'no'"):
+        with_unique_ids(ds, lookahead="no")
+
+
+def test_vsi_inputs_take_the_datasets_hint_window_or_a_bool():
+    for k in (True, 1, 2, np.int64(16)):
+        assert {"hint_ids", "hint_steps"} <= set(vsi_inputs("s", (3,), eviction_hints=k))
+    for k in (False, 0):
+        assert "hint_ids" not in vsi_inputs("s", (3,), eviction_hints=k)
+    for bad in (-1, 17, "2", 1.5):
+        with pytest.raises(ValueError, match=r"vsi_inputs: eviction_hints must be True/False "
+                                             r"or the k"):
+            vsi_inputs("s", (3,), eviction_hints=bad)
+    with pytest.raises(ValueError, match=r"vsi_inputs: lookahead must be True or False"):
+        vsi_inputs("s", (3,), lookahead=1)
 
 
 def test_fit_with_hints_in_the_pipeline_matches_fit_without():

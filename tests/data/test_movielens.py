@@ -174,6 +174,27 @@ def test_history_lists_each_users_earlier_movies(tmp_path):
     assert isinstance(batch["history"], tf.RaggedTensor) and batch["history"].dtype == tf.int64
 
 
+@pytest.mark.parametrize("ratings, match", [
+    ("userId,movieId,rating,timestamp\n", "has no ratings"),
+    ("userId,movieId,rating,timestamp\n1,2,4.0\n", "expected 4 columns"),
+    ("userId,movieId,rating,timestamp\n1,2,four,10\n", r"ratings.csv: .*four"),
+])
+def test_bad_ratings_files_name_the_file(tmp_path, ratings, match):
+    (tmp_path / "movies.csv").write_text("movieId,title,genres\n", encoding="utf-8")
+    (tmp_path / "ratings.csv").write_text(ratings)
+    with pytest.raises(ValueError, match=match):
+        load_movielens(tmp_path)
+
+
+def test_a_byte_order_mark_before_the_header_is_skipped(tmp_path):
+    (tmp_path / "movies.csv").write_text("movieId,title,genres\n", encoding="utf-8")
+    (tmp_path / "ratings.csv").write_text(
+        "\ufeffuserId,movieId,rating,timestamp\n1,1,4.0,10\n1,2,3.5,20\n2,3,5.0,30\n",
+        encoding="utf-8")
+    data = load_movielens(tmp_path, split="time", test_fraction=0.34)
+    assert data.train_label.shape[0] + data.test_label.shape[0] == 3
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [

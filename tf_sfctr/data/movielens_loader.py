@@ -38,6 +38,7 @@ import csv
 import dataclasses
 import os
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -121,11 +122,22 @@ def _read_movies(path: Path) -> dict[int, tuple[str, tuple[str, ...]]]:
 
 def _read_ratings(path: Path) -> np.ndarray:
     """float64 [N, 4]: userId, movieId, rating, timestamp."""
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is skipped)
         header = f.readline().strip()
     if header != _RATINGS_HEADER:
         raise ValueError(f"{path}: expected the header {_RATINGS_HEADER}, got {header}")
-    return np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.float64, ndmin=2)
+    try:
+        with warnings.catch_warnings():  # an empty file is refused below
+            warnings.simplefilter("ignore", UserWarning)
+            rows = np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.float64, ndmin=2)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    if rows.shape[0] == 0:
+        raise ValueError(f"{path} has no ratings (only its header)")
+    if rows.shape[1] != 4:
+        raise ValueError(f"{path}: expected 4 columns ({_RATINGS_HEADER}), got "
+                         f"{rows.shape[1]}")
+    return rows
 
 
 def _history(users: np.ndarray, times: np.ndarray, movie_ids: np.ndarray,

@@ -223,7 +223,10 @@ class SyntheticCriteoSpec:
             )
         set_("target_auc", _check_open_unit("target_auc", self.target_auc, 0.5))
         set_("positive_rate", _check_open_unit("positive_rate", self.positive_rate, 0))
-        set_("model_seed", check_int("model_seed", self.model_seed, minimum=0))
+        model_seed = check_int("model_seed", self.model_seed, minimum=0)
+        if model_seed >= 2**64:  # the key is 64 bits: larger seeds would alias
+            raise ValueError(f"model_seed must be in [0, 2**64), got {model_seed}")
+        set_("model_seed", model_seed)
 
     # ------------------------------------------------------------ structure
 

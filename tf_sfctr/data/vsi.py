@@ -22,6 +22,7 @@ import operator
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
+import numpy as np
 import tensorflow as tf
 
 from tf_sfctr import _ops
@@ -162,17 +163,21 @@ def with_unique_ids(
             out[key] = deduplicate(features[key], key)
         return (out, *rest)
 
+    given = eviction_hints
     try:
-        if isinstance(eviction_hints, bool):
+        if isinstance(given, bool):
             raise TypeError
-        eviction_hints = operator.index(eviction_hints)
+        eviction_hints = operator.index(given)
     except TypeError:
         eviction_hints = -1
     if not 0 <= eviction_hints <= MAX_HINT_BATCHES:
         raise ValueError(
             f"with_unique_ids: eviction_hints must be an int from 0 (none) to "
             f"{MAX_HINT_BATCHES} (later batches whose ids are hints; the cache tells "
-            f"distances apart up to {MAX_HINT_BATCHES}), got {eviction_hints!r}")
+            f"distances apart up to {MAX_HINT_BATCHES}), got {given!r}"
+            + (" (vsi_inputs takes eviction_hints=True for any k > 0)"
+               if isinstance(given, bool) else ""))
+    _check_flag("with_unique_ids", "lookahead", lookahead)
     ds = dataset.map(dedup, num_parallel_calls=num_parallel_calls, deterministic=True)
     if lookahead or eviction_hints:
         ds = _with_later_unique_ids(ds, keys, lookahead, eviction_hints)
@@ -243,6 +248,11 @@ def _with_later_unique_ids(ds: tf.data.Dataset, keys: tuple, lookahead: bool,
     return ds.window(size, shift=1).flat_map(group).map(merge)
 
 
+def _check_flag(where: str, name: str, value: Any) -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{where}: {name} must be True or False, got {value!r}")
+
+
 def vsi_inputs(
     name: str,
     shape: Sequence[Any],
@@ -267,8 +277,8 @@ def vsi_inputs(
     the same result for both.
 
     ``lookahead=True`` adds ``next_unique_ids`` and ``eviction_hints=True``
-    adds ``hint_ids`` (int64) and ``hint_steps`` (int32), matching
-    ``with_unique_ids(..., lookahead=True, eviction_hints=k)``.
+    (or the dataset's ``k`` > 0) adds ``hint_ids`` (int64) and ``hint_steps``
+    (int32), matching ``with_unique_ids(..., lookahead=True, eviction_hints=k)``.
 
     Example:
 
@@ -286,6 +296,16 @@ def vsi_inputs(
         raise ValueError(f"vsi_inputs: name must be a non-empty string, got {name!r}")
     if ragged and sparse:
         raise ValueError("vsi_inputs: choose ragged=True or sparse=True, not both")
+    _check_flag("vsi_inputs", "lookahead", lookahead)
+    if not isinstance(eviction_hints, (bool, np.bool_)):
+        try:  # the dataset's k also works: any k > 0 means hints
+            if not 0 <= operator.index(eviction_hints) <= MAX_HINT_BATCHES:
+                raise TypeError
+        except TypeError:
+            raise ValueError(
+                f"vsi_inputs: eviction_hints must be True/False or the k of the dataset's "
+                f"with_unique_ids(..., eviction_hints=k) (0 to {MAX_HINT_BATCHES}), got "
+                f"{eviction_hints!r}") from None
     extra: dict[str, Any] = {}
     if ragged:
         if "ragged" not in inspect.signature(keras.Input).parameters:

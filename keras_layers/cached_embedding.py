@@ -727,7 +727,8 @@ class CachedEmbedding(keras.layers.Layer):
             rows = _ops.gather_tensor_rows(rows, inverse)
         if apply_update is not None:
             rows = self._attach_update(rows, inverse, num_unique, apply_update, update_graph)
-        elif flag is None and self.trainable and not _keras_shape_inference():
+        elif (flag is None and self.trainable and not tf.executing_eagerly()
+              and not _keras_shape_inference()):
             rows = self._warn_if_differentiated(rows)
         out = self._combine(rows, layout)
         if isinstance(out, list):
@@ -742,7 +743,8 @@ class CachedEmbedding(keras.layers.Layer):
         ``training`` argument, which Keras then calls without a flag in
         ``fit``. The warning is the trigger's (zero) gradient, computed only
         when something uses it: a gradient taken for other variables only (a
-        frozen teacher in distillation) leaves it out of a traced step."""
+        frozen teacher in distillation) leaves it out of a traced step. Traced
+        calls only: an eager tape would run it for such a teacher too."""
         message = (
             f"CachedEmbedding {self.name!r} was called without a training flag (so as "
             "inference) in a step that trains it: its table does not train. If the model is "
@@ -751,7 +753,7 @@ class CachedEmbedding(keras.layers.Layer):
             "training=False or set the layer's trainable to False.")
 
         def warn():
-            warnings.warn(message, stacklevel=2)
+            warnings.warn(message, stacklevel=1)
             return np.float32(0.0)
 
         @tf.custom_gradient

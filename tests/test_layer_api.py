@@ -466,6 +466,7 @@ def test_calls_without_training_flag_stay_inference_under_a_tape(rng):
     with warnings.catch_warnings():  # and no warning that the table does not train
         warnings.simplefilter("error")
         assert all(g is not None for g in step(tf.constant(x)))
+        assert all(g is not None for g in step.python_function(tf.constant(x)))  # eager
     np.testing.assert_array_equal(teacher.emb.lookup_rows(np.arange(100)), before)
     trained = SubclassedModel()
     trained.compile(optimizer="sgd", loss="mse")

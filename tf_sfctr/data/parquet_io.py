@@ -4,7 +4,8 @@ Schema: a numeric ``label`` column, numeric dense columns ``I1..I13`` and string
 categorical columns ``C1..C26`` (names configurable). The output and the encoding
 are exactly those of :func:`tf_sfctr.data.criteo_tsv` (see
 :mod:`tf_sfctr.data.criteo`), so a TSV file and the same rows in Parquet give
-identical batches.
+identical batches. (Labels are read as they are here; ``criteo_tsv`` refuses
+labels other than 0 and 1.)
 
 Engines:
 

@@ -19,6 +19,7 @@ import tf_sfctr.data.parquet_io
 from tf_sfctr.data import (
     CriteoRows,
     criteo_tsv,
+    find_bad_tsv_lines,
     hash_categorical,
     hash_categorical_tensor,
     parquet,
@@ -209,6 +210,49 @@ def test_bad_tsv_lines_raise_while_iterating(tmp_path, line, match):
     path.write_text("0\t1\n" + line + "\n1\t2\n")
     with pytest.raises(tf.errors.InvalidArgumentError, match=match):
         list(criteo_tsv(str(path)))
+
+
+GOOD_LINE = "1\t7\tab"
+BAD_LINES = [  # (line, reason find_bad_tsv_lines gives)
+    ("1\t7\tab\textra", "4 tab-separated columns, more than 3"),
+    ("", "empty label"),
+    (" \t3", "empty label"),
+    ("2\t7", "label '2' is not 0 or 1"),
+    ("yes\t7", "label 'yes' is not a number"),
+    ("1\tseven\tab", "dense column I1: 'seven' is not a number"),
+    ("0\t1_000", "dense column I1: '1_000' is not a number"),
+]
+
+
+@pytest.mark.parametrize("compression", [None, "GZIP"])
+def test_find_bad_tsv_lines_names_file_and_line_of_what_the_reader_refuses(
+        tmp_path, compression):
+    """Each bad line, alone among good ones, makes criteo_tsv raise, and
+    find_bad_tsv_lines names its file and line; the good lines read."""
+    def write(name, lines):
+        path = tmp_path / name
+        text = "".join(line + "\n" for line in lines)
+        if compression == "GZIP":
+            with gzip.open(path, "wt") as f:
+                f.write(text)
+        else:
+            path.write_text(text)
+        return str(path)
+
+    args = dict(num_dense=1, num_sparse=1, compression_type=compression)
+    good = write("good.tsv", [GOOD_LINE, "0\t\t", " 1 \t 2 \tcd\r"])
+    assert find_bad_tsv_lines(good, **args) == []
+    assert sum(int(y.shape[0]) for _, y in criteo_tsv(good, **args)) == 3
+    for k, (line, reason) in enumerate(BAD_LINES):
+        bad = write(f"bad_{k}.tsv", [GOOD_LINE, GOOD_LINE, line, GOOD_LINE])
+        with pytest.raises(tf.errors.InvalidArgumentError):
+            list(criteo_tsv(bad, **args))
+        found = find_bad_tsv_lines([good, bad], **args)
+        assert [(f.path, f.line) for f in found] == [(bad, 3)]
+        assert reason in found[0].reason
+    every = write("every.tsv", [line for line, _ in BAD_LINES])
+    assert [f.line for f in find_bad_tsv_lines(every, **args)] == list(range(1, 8))
+    assert len(find_bad_tsv_lines(every, limit=2, **args)) == 2
 
 
 def test_spaces_around_numbers_are_ignored_and_spaces_alone_are_empty(tmp_path):

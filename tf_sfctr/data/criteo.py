@@ -20,8 +20,12 @@ Encoding, shared by :func:`criteo_tsv` and :func:`tf_sfctr.data.parquet`:
 from __future__ import annotations
 
 import dataclasses
+import gzip
+import io
 import os
-from collections.abc import Sequence
+import zlib
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -250,7 +254,8 @@ def _parse_tsv_lines(
         message=(
             f"criteo_tsv: a line has more than {width} tab-separated columns "
             f"(allowed: label + {num_dense} integer + {num_sparse} categorical); "
-            "check num_dense / num_sparse or the file"
+            "check num_dense / num_sparse or the file; "
+            "tf_sfctr.data.find_bad_tsv_lines(paths) names the file and line"
         ),
     )
     with tf.control_dependencies([too_wide]):
@@ -261,7 +266,7 @@ def _parse_tsv_lines(
         tf.reduce_min(tf.strings.length(label_str)),
         0,
         message="criteo_tsv: a line has an empty label (is there a blank or whitespace-only "
-        "line?)",
+        "line?); tf_sfctr.data.find_bad_tsv_lines(paths) names the file and line",
     )
     with tf.control_dependencies([no_label]):
         label = tf.strings.to_number(label_str, tf.float32)
@@ -270,7 +275,8 @@ def _parse_tsv_lines(
     label_ok = tf.debugging.Assert(
         tf.reduce_all(binary),
         ["criteo_tsv: labels must be 0 or 1; this batch has", label_str[first_bad],
-         "in its row", first_bad],
+         "in its row", first_bad,
+         "(tf_sfctr.data.find_bad_tsv_lines(paths) names the file and line)"],
     )
     with tf.control_dependencies([label_ok]):
         label = tf.identity(label)
@@ -280,6 +286,107 @@ def _parse_tsv_lines(
     dense = tf.where(empty, tf.constant(dense_default, tf.float32), dense)
     prefixes = [field_prefix(j) for j in range(num_sparse)]
     return encode_batch(label, dense, table[:, 1 + num_dense :], prefixes)
+
+
+def _check_compression(compression_type: str | None) -> None:
+    if compression_type not in (None, "", "GZIP", "ZLIB"):
+        raise ValueError(
+            f"compression_type must be None, '', 'GZIP' or 'ZLIB', got {compression_type!r}"
+        )
+
+
+class BadLine(NamedTuple):
+    """A line :func:`criteo_tsv` would refuse: its file, 1-based number, and why."""
+
+    path: str
+    line: int
+    reason: str
+
+
+def _open_lines(path: str, compression_type: str | None) -> Iterator[bytes]:
+    if compression_type == "GZIP":
+        with gzip.open(path, "rb") as f:
+            yield from f
+    elif compression_type == "ZLIB":
+        with open(path, "rb") as f:
+            yield from io.BytesIO(zlib.decompress(f.read())).readlines()
+    else:
+        with open(path, "rb") as f:
+            yield from f
+
+
+def _bad_number(field: bytes) -> bool:
+    # As TF's StringToNumber reads it: Python's float() also takes "1_000"
+    # and non-ASCII digits, which TF refuses.
+    try:
+        text = field.decode("ascii")
+        float(text)
+    except (UnicodeDecodeError, ValueError):
+        return True
+    return "_" in text
+
+
+def find_bad_tsv_lines(
+    paths: PathLike | Sequence[PathLike],
+    *,
+    num_dense: int = NUM_DENSE,
+    num_sparse: int = NUM_SPARSE,
+    compression_type: str | None = None,
+    limit: int = 10,
+) -> list[BadLine]:
+    r"""The first ``limit`` lines of ``paths`` that :func:`criteo_tsv` (same
+    arguments) would refuse, with file, line number and reason; ``[]`` if
+    there are none. The reader's own errors name the offending value only
+    (it parses whole batches in the TF graph); this reads the files in Python,
+    line by line, to say where it is.
+
+    Example:
+      >>> import tempfile, os
+      >>> path = os.path.join(tempfile.mkdtemp(), "day_0.tsv")
+      >>> with open(path, "w") as f:
+      ...     _ = f.write("1\t5\n2\t6\n\n0\tx\n")
+      >>> for bad in find_bad_tsv_lines(path, num_dense=1, num_sparse=0):
+      ...     print(bad.line, bad.reason)
+      2 label '2' is not 0 or 1
+      3 empty label (a blank or whitespace-only line?)
+      4 dense column I1: 'x' is not a number
+    """
+    paths = check_paths(paths)
+    num_dense = check_int("num_dense", num_dense, minimum=0)
+    num_sparse = check_int("num_sparse", num_sparse, minimum=0)
+    limit = check_int("limit", limit, minimum=1)
+    _check_compression(compression_type)
+    width = 1 + num_dense + num_sparse
+    names = dense_column_names(num_dense)
+    found: list[BadLine] = []
+    for path in paths:
+        for number, raw in enumerate(_open_lines(path, compression_type), start=1):
+            line = raw[:-1] if raw.endswith(b"\n") else raw
+            line = line[:-1] if line.endswith(b"\r") else line
+            columns = line.split(b"\t")
+            label = columns[0].strip()
+            reason = None
+            if len(columns) > width:
+                reason = (f"{len(columns)} tab-separated columns, more than {width} "
+                          f"(label + {num_dense} integer + {num_sparse} categorical)")
+            elif not label:
+                reason = "empty label (a blank or whitespace-only line?)"
+            elif _bad_number(label):
+                reason = f"label {label.decode(errors='replace')!r} is not a number"
+            elif float(label) not in (0.0, 1.0):
+                reason = f"label {label.decode(errors='replace')!r} is not 0 or 1"
+            else:
+                for name, field in zip(names, columns[1:1 + num_dense]):
+                    field = field.strip()
+                    if field and _bad_number(field):
+                        reason = (f"dense column {name}: "
+                                  f"{field.decode(errors='replace')!r} is not a number")
+                        break
+            if reason is not None:
+                found.append(BadLine(path, number, reason))
+                if len(found) == limit:
+                    return found
+    return found
 
 
 def _refuse_compressed(paths: Sequence[str]) -> None:
@@ -320,7 +427,8 @@ def criteo_tsv(
     whitespace-only line), a label other than 0 or 1 ("labels must be 0 or
     1", with the value), or a label or dense field that is not a number
     ("StringToNumberOp could not correctly convert string"). The errors name
-    the batch's offending value, not the file or line. Lines may end in
+    the batch's offending value; :func:`find_bad_tsv_lines` names the file and
+    line. Lines may end in
     ``\\r\\n``; spaces around a label or dense number are ignored, and a
     dense field of spaces only is empty. A gzip file read without
     ``compression_type="GZIP"`` is refused up front.
@@ -350,10 +458,7 @@ def criteo_tsv(
     num_dense = check_int("num_dense", num_dense, minimum=0)
     num_sparse = check_int("num_sparse", num_sparse, minimum=0)
     num_shards, index = check_shard(shard)
-    if compression_type not in (None, "", "GZIP", "ZLIB"):
-        raise ValueError(
-            f"compression_type must be None, '', 'GZIP' or 'ZLIB', got {compression_type!r}"
-        )
+    _check_compression(compression_type)
     dense_default = float(dense_default)
     if not compression_type:
         _refuse_compressed(paths)

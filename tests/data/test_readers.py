@@ -305,6 +305,15 @@ def test_parquet_errors(files, tmp_path):
         path.write_bytes(content)
         with pytest.raises(ValueError, match=f"{name}.parquet is not a readable Parquet file"):
             parquet(str(path))
+    for engine in ("tensorflow_io", "pyarrow"):  # labels: 0 or 1, as in criteo_tsv
+        for value in (2.0, float("nan")):
+            path = str(tmp_path / f"label_{engine}_{value}.parquet")
+            pq.write_table(pa.table({"label": [1.0, 0.0, value], "I1": [2.0] * 3,
+                                     "C1": ["a"] * 3}), path)
+            with pytest.raises(tf.errors.InvalidArgumentError,
+                               match=r"parquet, column label: labels must be 0 or 1"):
+                list(parquet(path, dense_columns=["I1"], sparse_columns=["C1"],
+                             engine=engine))
     bad = str(tmp_path / "int_categorical.parquet")
     pq.write_table(pa.table({"label": [1], "I1": [2], "C1": [3]}), bad)
     for engine in ("tensorflow_io", "pyarrow"):

@@ -242,6 +242,23 @@ def encode_batch(
     return {DENSE_KEY: tf.cast(dense, tf.float32), SPARSE_KEY: sparse}, label
 
 
+def binary_labels(label: tf.Tensor, reader: str, shown: tf.Tensor | None = None,
+                  hint: str = "") -> tf.Tensor:
+    """``label`` once every entry is 0 or 1 (Criteo's click labels); else an
+    InvalidArgumentError that shows the first other value (from ``shown``,
+    e.g. the label's text, when given) and its row in the batch."""
+    binary = tf.logical_or(tf.equal(label, 0.0), tf.equal(label, 1.0))
+    first_bad = tf.where(tf.logical_not(binary))[:1, 0]
+    ok = tf.debugging.Assert(
+        tf.reduce_all(binary),
+        [f"{reader}: labels must be 0 or 1; this batch has",
+         tf.gather(label if shown is None else shown, first_bad), "in its row", first_bad]
+        + ([hint] if hint else []),
+    )
+    with tf.control_dependencies([ok]):
+        return tf.identity(label)
+
+
 def _parse_tsv_lines(
     lines: tf.Tensor, num_dense: int, num_sparse: int, dense_default: float
 ) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
@@ -270,16 +287,8 @@ def _parse_tsv_lines(
     )
     with tf.control_dependencies([no_label]):
         label = tf.strings.to_number(label_str, tf.float32)
-    binary = tf.logical_or(tf.equal(label, 0.0), tf.equal(label, 1.0))
-    first_bad = tf.argmin(tf.cast(binary, tf.int32))
-    label_ok = tf.debugging.Assert(
-        tf.reduce_all(binary),
-        ["criteo_tsv: labels must be 0 or 1; this batch has", label_str[first_bad],
-         "in its row", first_bad,
-         "(tf_sfctr.data.find_bad_tsv_lines(paths) names the file and line)"],
-    )
-    with tf.control_dependencies([label_ok]):
-        label = tf.identity(label)
+    label = binary_labels(label, "criteo_tsv", label_str,
+                          "(tf_sfctr.data.find_bad_tsv_lines(paths) names the file and line)")
     dense_str = tf.strings.strip(table[:, 1 : 1 + num_dense])
     empty = tf.equal(dense_str, "")
     dense = tf.strings.to_number(tf.where(empty, "0", dense_str), tf.float32)

@@ -4,8 +4,7 @@ Schema: a numeric ``label`` column, numeric dense columns ``I1..I13`` and string
 categorical columns ``C1..C26`` (names configurable). The output and the encoding
 are exactly those of :func:`tf_sfctr.data.criteo_tsv` (see
 :mod:`tf_sfctr.data.criteo`), so a TSV file and the same rows in Parquet give
-identical batches. (Labels are read as they are here; ``criteo_tsv`` refuses
-labels other than 0 and 1.)
+identical batches; both refuse labels other than 0 and 1.
 
 Engines:
 
@@ -45,6 +44,7 @@ from tf_sfctr.data._common import (
 from tf_sfctr.data.criteo import (
     LABEL_COLUMN,
     CriteoRows,
+    binary_labels,
     dense_column_names,
     encode_batch,
     sparse_column_names,
@@ -404,7 +404,7 @@ def parquet(
     b = batch_size if drop_remainder else None
     ds = ds.map(
         lambda lab, den, cat: encode_batch(
-            tf.ensure_shape(lab, [b]),
+            binary_labels(tf.ensure_shape(lab, [b]), f"parquet, column {label_column}"),
             tf.ensure_shape(den, [b, len(dense)]),
             tf.ensure_shape(cat, [b, len(sparse)]),
             prefixes,

@@ -10,7 +10,7 @@ CORE_SRCS := $(wildcard ops/core/*.cc)
 OP_SRCS := $(wildcard ops/*.cc ops/kernels/*.cc) $(CORE_SRCS)
 PY_SRCS := setup.py $(wildcard tf_sfctr/*.py keras_layers/*.py)
 
-.PHONY: all venv build test test-core test-py lint demo bench bench-tiny bench-core clean
+.PHONY: all venv build test test-core test-core-sanitize test-py lint demo bench bench-tiny bench-core clean
 
 all: build
 
@@ -50,13 +50,30 @@ build/core_test: $(CORE_SRCS) $(wildcard ops/core/*.h ops/core/tests/*)
 test-core: build/core_test
 	./build/core_test
 
+# The same tests under AddressSanitizer + UndefinedBehaviorSanitizer and under
+# ThreadSanitizer (the store's fetch and commit run on two threads); any
+# report fails the run.
+SAN_FLAGS := -std=c++17 -O1 -g -fno-omit-frame-pointer -Wall -Wextra -pthread
+build/core_test_asan: $(CORE_SRCS) $(wildcard ops/core/*.h ops/core/tests/*)
+	mkdir -p build
+	$(CXX) $(SAN_FLAGS) -fsanitize=address,undefined -fno-sanitize-recover=all -o $@ \
+	  ops/core/tests/core_test.cc $(CORE_SRCS)
+
+build/core_test_tsan: $(CORE_SRCS) $(wildcard ops/core/*.h ops/core/tests/*)
+	mkdir -p build
+	$(CXX) $(SAN_FLAGS) -fsanitize=thread -o $@ ops/core/tests/core_test.cc $(CORE_SRCS)
+
+test-core-sanitize: build/core_test_asan build/core_test_tsan
+	ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 ./build/core_test_asan
+	TSAN_OPTIONS=halt_on_error=1 ./build/core_test_tsan
+
 test-py: build
 	$(PY) -m pytest -q tests
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check tf_sfctr keras_layers tests bench examples setup.py
 
-test: test-core lint test-py
+test: test-core test-core-sanitize lint test-py
 
 demo: build
 	$(PY) examples/movielens.py

@@ -433,7 +433,7 @@ void HostTable::Export(std::vector<int64_t>* ids, std::vector<float>* rows,
     std::lock_guard<std::mutex> lock(s.mu);
     for (const Entry& e : s.entries) {
       if (e.row == kEmptyRow) continue;
-      ids->push_back(e.id);
+      ids->push_back(int64_t{e.id});  // a copy: Entry is packed, e.id may be misaligned
       counts->push_back(CountOf(s, e.row));
       const float* src = RowPtr(s, e.row);
       rows->insert(rows->end(), src, src + width_);
@@ -452,7 +452,7 @@ int64_t HostTable::Prune(uint32_t min_count, const std::unordered_set<int64_t>& 
     const size_t before = s.free_rows.size();
     for (const Entry& e : s.entries) {
       if (e.row == kEmptyRow) continue;
-      if (CountOf(s, e.row) < min_count && keep.count(e.id) == 0) {
+      if (CountOf(s, e.row) < min_count && keep.count(int64_t{e.id}) == 0) {
         s.free_rows.push_back(e.row);
       } else {
         kept.push_back(e);

@@ -253,8 +253,13 @@ TEST_CASE(HostTableReserveRowsAllocatesAndTouchesRowMemoryUpFront) {
   // pages; 1,888 faults in this binary, the rest reused freed heap memory);
   // with it only the pages of shards whose share ran past the 4-sigma
   // margin, if any (0 here).
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+  // A sanitizer's shadow memory takes page faults of its own on every fill.
   CHECK(faults[0] < 100);
   CHECK(faults[0] * 10 < faults[1]);
+#else
+  (void)faults;
+#endif
   std::vector<float> got(ids.size() * 32), want(ids.size() * 32);
   reserved.Find(ids.data(), ids.size(), got.data());
   plain.Find(ids.data(), ids.size(), want.data());

@@ -57,6 +57,13 @@ from tf_sfctr.keras_layers import CachedEmbedding  # noqa: E402
 NUM_DENSE, NUM_SPARSE = 13, 26
 
 
+def table_optimizer_args(args: argparse.Namespace) -> tuple[str, float]:
+    """The table optimizer's name and learning rate (--table-* or the dense ones)."""
+    return (args.table_optimizer or args.optimizer,
+            args.learning_rate if args.table_learning_rate is None
+            else args.table_learning_rate)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -87,6 +94,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--optimizer", choices=("adagrad", "adam"), default="adam",
                    help="of the dense layers and of the table")
     p.add_argument("--learning-rate", type=float, default=1e-3)
+    p.add_argument("--table-optimizer", choices=("adagrad", "adam", "ftrl"), default=None,
+                   help="the table's own optimizer, if not the same as --optimizer "
+                        "(ftrl: FTRL-Proximal with L1 1e-4)")
+    p.add_argument("--table-learning-rate", type=float, default=None,
+                   help="of the table optimizer (default: --learning-rate)")
     p.add_argument("--vsi", action="store_true",
                    help="de-duplicate ids in the input pipeline and prepare the next "
                         "batch's cache during each step (with_unique_ids(lookahead=True))")
@@ -184,7 +196,7 @@ def build_model(args: argparse.Namespace) -> keras.Model:
     vectors = CachedEmbedding(
         dim, cache_capacity=args.cache_capacity, seed=args.seed + 1, name="categorical",
         expected_rows=args.expected_rows, reserve_rows=args.reserve_rows,
-        optimizer=table_optimizer(args.optimizer, args.learning_rate))(sparse)
+        optimizer=table_optimizer(*table_optimizer_args(args)))(sparse)
     bottom = mlp(dense, [64, dim], "bottom", seed=args.seed)
     out = dlrm_output(bottom, vectors, [128, 64], seed=args.seed)
     return keras.Model({"dense": dense, "sparse": sparse}, out, name="dlrm")
@@ -212,10 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         export(model, args.export)
     if world.chief:
         rows_per_s = steps * args.batch_size * world.size * args.epochs / result.seconds
+        opt_name, opt_lr = table_optimizer_args(args)
         lines = [
             ("data", source),
             ("embedding", f"CachedEmbedding (dim {args.embedding_dim}, cache "
-                          f"{args.cache_capacity:,} rows"
+                          f"{args.cache_capacity:,} rows, table optimizer {opt_name} "
+                          f"(learning rate {opt_lr})"
                           f"{', VSI in the pipeline with lookahead' if args.vsi else ''})"),
             ("processes", str(world.size)),
             ("epochs", f"{args.epochs} ({steps} steps of batch {args.batch_size} per "

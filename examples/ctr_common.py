@@ -116,12 +116,15 @@ def dlrm_output(bottom: Any, vectors: Any, top_units: Sequence[int], seed: int) 
 
 def table_optimizer(name: str, learning_rate: float) -> tf_sfctr.optimizers.TableOptimizer:
     """The tables' sparse optimizer: ``"adam"`` (lazy: only rows a step uses
-    move) or ``"adagrad"``."""
+    move), ``"adagrad"`` or ``"ftrl"`` (FTRL-Proximal with a little L1, which
+    sets rarely useful coordinates to exactly zero)."""
     if name == "adam":
         return tf_sfctr.optimizers.Adam(learning_rate)
     if name == "adagrad":
         return tf_sfctr.optimizers.Adagrad(learning_rate)
-    raise ValueError(f"unknown optimizer {name!r}: use 'adam' or 'adagrad'")
+    if name == "ftrl":
+        return tf_sfctr.optimizers.Ftrl(learning_rate, l1_regularization_strength=1e-4)
+    raise ValueError(f"unknown optimizer {name!r}: use 'adam', 'adagrad' or 'ftrl'")
 
 
 def dense_optimizer(name: str, learning_rate: float) -> keras.optimizers.Optimizer:

@@ -307,7 +307,7 @@ class CachedEmbedding(keras.layers.Layer):
             state). A step with more distinct ids than this raises an error.
         optimizer: the table's sparse optimizer, a
             ``tf_sfctr.optimizers.TableOptimizer`` or one of the names "sgd",
-            "adagrad", "adam". Default: ``Adagrad(learning_rate=0.01)``.
+            "adagrad", "adam", "ftrl". Default: ``Adagrad(learning_rate=0.01)``.
         embeddings_initializer: initial value of a new id; zeros, ones,
             constant, uniform, normal or truncated normal (Keras objects or
             names). The value is a function of ``(seed, id)`` only.

@@ -29,7 +29,8 @@ def _model(opt="adam", dim=DIM, seed=5):
     table_opt = {"adam": tf_sfctr.optimizers.Adam(0.05),
                  "adagrad": tf_sfctr.optimizers.Adagrad(0.1),
                  "sgd": tf_sfctr.optimizers.SGD(0.1),
-                 "momentum": tf_sfctr.optimizers.SGD(0.1, momentum=0.9)}[opt]
+                 "momentum": tf_sfctr.optimizers.SGD(0.1, momentum=0.9),
+                 "ftrl": tf_sfctr.optimizers.Ftrl(0.1, l1_regularization_strength=0.001)}[opt]
     inp = keras.Input(shape=(FIELDS,), dtype="int64")
     emb = CachedEmbedding(dim, cache_capacity=CAPACITY, optimizer=table_opt, seed=seed,
                           name="emb")
@@ -59,7 +60,7 @@ def _ckpt(model):
     return tf.train.Checkpoint(model=model, optimizer=model.optimizer)
 
 
-@pytest.mark.parametrize("opt", ["adam", "adagrad"])
+@pytest.mark.parametrize("opt", ["adam", "adagrad", "ftrl"])
 def test_exact_resume_with_tf_train_checkpoint(rng, tmp_path, opt):
     vocab, x, y = _data(rng, 40)
     n = 20 * BATCH
@@ -164,18 +165,22 @@ def test_checkpoint_with_other_optimizer_is_refused(rng, tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["checkpoint", "keras"])
-def test_same_state_size_from_another_optimizer_is_refused(rng, tmp_path, fmt):
-    """Adagrad's accumulator and SGD's momentum are both one state row: the
-    header's state kind tells them apart, so nothing is restored."""
+@pytest.mark.parametrize("saved, mine", [("adagrad", "momentum"), ("adam", "ftrl")])
+def test_same_state_size_from_another_optimizer_is_refused(rng, tmp_path, fmt, saved, mine):
+    """Adagrad's accumulator and SGD's momentum are both one state row, Adam's
+    moments and FTRL's accumulator and linear term both two: the header's
+    state kind tells them apart, so nothing is restored."""
+    names = {"adagrad": "Adagrad", "momentum": "SGD with momentum", "adam": "Adam",
+             "ftrl": "Ftrl"}
     vocab, x, y = _data(rng, 5)
-    model, _ = _model("adagrad")
+    model, _ = _model(saved)
     _fit(model, x, y)
-    other, other_emb = _model("momentum")
+    other, other_emb = _model(mine)
     _fit(other, x, y)
     before = _snapshot(other_emb, vocab)
     # (Keras's loader re-raises the CheckpointMismatchError as a ValueError.)
-    with pytest.raises(ValueError, match="optimizer state of Adagrad but this "
-                       "layer's table optimizer is SGD with momentum"):
+    with pytest.raises(ValueError, match=f"optimizer state of {names[saved]} but this "
+                       f"layer's table optimizer is {names[mine]}"):
         if fmt == "checkpoint":
             tf.train.Checkpoint(model=other).restore(_ckpt(model).save(str(tmp_path / "c")))
         else:

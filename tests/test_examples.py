@@ -123,6 +123,15 @@ def test_criteo_dlrm_synthetic_and_vsi_agree():
                _number(vsi["final train loss"])) <= 2e-3, (plain, vsi)
 
 
+def test_criteo_dlrm_trains_its_table_with_ftrl():
+    out = _example("criteo_dlrm.py", "--rows", "30000", "--vocab-size", "5000",
+                   "--batch-size", "512", "--cache-capacity", "8192",
+                   "--table-optimizer", "ftrl", "--table-learning-rate", "0.2")
+    summary = _summary(out)
+    assert "table optimizer ftrl (learning rate 0.2)" in summary["embedding"], summary
+    _check_cached_summary(summary, {"categorical"}, min_auc=0.59)
+
+
 @pytest.mark.parametrize("kind", ["tsv", "parquet"])
 def test_criteo_dlrm_reads_files(tmp_path, kind):
     rows = tf_sfctr.data.random_criteo_rows(3000, seed=1)

@@ -19,7 +19,7 @@ from conftest import random_vocab
 
 def test_exported_names():
     assert tf_sfctr.CachedEmbedding is CachedEmbedding
-    assert {"SGD", "Adagrad", "Adam"} <= set(tf_sfctr.optimizers.__all__)
+    assert {"SGD", "Adagrad", "Adam", "Ftrl"} <= set(tf_sfctr.optimizers.__all__)
 
 
 def test_config_round_trip():

@@ -23,7 +23,8 @@ def _batches(seed: int, n: int) -> list[np.ndarray]:
 
 def _layer(optimizer="adagrad") -> CachedEmbedding:
     opt = {"adagrad": tf_sfctr.optimizers.Adagrad(0.1),
-           "adam": tf_sfctr.optimizers.Adam(0.05)}[optimizer]
+           "adam": tf_sfctr.optimizers.Adam(0.05),
+           "ftrl": tf_sfctr.optimizers.Ftrl(0.1, l1_regularization_strength=0.01)}[optimizer]
     return CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=9, optimizer=opt)
 
 
@@ -60,7 +61,7 @@ def _train_plain(batches, optimizer="adagrad"):
     return layer
 
 
-@pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam", "ftrl"])
 def test_true_lookahead_matches_plain_training(optimizer):
     batches = _batches(0, 30)
     ref = _train_plain(batches, optimizer)

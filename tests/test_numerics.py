@@ -41,10 +41,11 @@ class _Losses(keras.callbacks.Callback):
         self.values = getattr(self, "values", []) + [logs["loss"]]
 
 
-def _train_pair(rng, table_opt, keras_opt_factory, run_eagerly):
+def _train_pair(rng, table_opt, keras_opt_factory, run_eagerly, **layer_kwargs):
     vocab, ids, as_index, labels = _data(rng)
     inp = keras.Input(shape=(FIELDS,), dtype="int64")
-    cached = CachedEmbedding(DIM, cache_capacity=CAPACITY, optimizer=table_opt, seed=5)
+    cached = CachedEmbedding(DIM, cache_capacity=CAPACITY, optimizer=table_opt, seed=5,
+                             **layer_kwargs)
     model = keras.Model(inp, _head(cached(inp), seed=11))
 
     ref_inp = keras.Input(shape=(FIELDS,), dtype="int64")
@@ -63,18 +64,27 @@ def _train_pair(rng, table_opt, keras_opt_factory, run_eagerly):
 
 
 @pytest.mark.parametrize("name,run_eagerly", [
-    ("sgd", False), ("adagrad", False), ("adagrad", True)])
+    ("sgd", False), ("adagrad", False), ("adagrad", True), ("ftrl", False)])
 def test_matches_keras_embedding(rng, name, run_eagerly):
+    layer_kwargs = {}
     if name == "sgd":
         table_opt = tf_sfctr.optimizers.SGD(learning_rate=0.3)
         factory = lambda: keras.optimizers.SGD(learning_rate=0.3)  # noqa: E731
+    elif name == "ftrl":
+        # Keras's Ftrl moves every row at every step; from zero rows (and
+        # without L2 shrinkage) unused rows stay put there too (optimizers.py).
+        kwargs = dict(learning_rate=0.2, initial_accumulator_value=0.05,
+                      l1_regularization_strength=0.001, l2_regularization_strength=0.01)
+        table_opt = tf_sfctr.optimizers.Ftrl(**kwargs)
+        factory = lambda: keras.optimizers.Ftrl(**kwargs)  # noqa: E731
+        layer_kwargs["embeddings_initializer"] = "zeros"
     else:
         table_opt = tf_sfctr.optimizers.Adagrad(
             learning_rate=0.2, initial_accumulator_value=0.05, epsilon=1e-6)
         factory = lambda: keras.optimizers.Adagrad(  # noqa: E731
             learning_rate=0.2, initial_accumulator_value=0.05, epsilon=1e-6)
     cached, vocab, model, ref, ref_emb, losses, ref_losses = _train_pair(
-        rng, table_opt, factory, run_eagerly)
+        rng, table_opt, factory, run_eagerly, **layer_kwargs)
     stats = cached.cache_stats()
     assert stats["evictions"] > 100, stats  # the cache really was too small
     assert len(losses) == STEPS
@@ -85,7 +95,8 @@ def test_matches_keras_embedding(rng, name, run_eagerly):
         for wa, wb in zip(a.get_weights(), b.get_weights()):
             np.testing.assert_allclose(wa, wb, rtol=1e-5, atol=1e-7)
     # The rows really moved away from their initial values.
-    init = CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=5).lookup_rows(vocab)
+    init = CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=5,
+                           **layer_kwargs).lookup_rows(vocab)
     assert np.abs(cached.lookup_rows(vocab) - init).max() > 1e-2
 
 

@@ -105,3 +105,92 @@ def test_adagrad_per_occurrence_adds_each_occurrence_square(rng):
             rows[i] = rows[i] - lr * g / np.sqrt(acc[i] + eps)
     np.testing.assert_allclose(layer.lookup_rows(pool), [rows[int(i)] for i in pool],
                                rtol=1e-5, atol=1e-6)
+
+
+def _ftrl_numpy(w, n, z, g, sq, lr, power, l1, l2, shrinkage, beta):
+    """One FTRL-Proximal update of one row (float64), as keras.optimizers.Ftrl;
+    `sq` is what the accumulator adds."""
+    l2 = l2 + beta / (2 * lr)
+    new_n = n + sq
+    z = z + g + 2 * shrinkage * w - (new_n**-power - n**-power) / lr * w
+    quadratic = new_n**-power / lr + 2 * l2
+    w = np.where(np.abs(z) > l1, (np.sign(z) * l1 - z) / quadratic, 0.0)
+    return w, new_n, z
+
+
+@pytest.mark.parametrize("accumulate", ["per_occurrence", "summed"])
+@pytest.mark.parametrize("power, shrinkage", [(-0.5, 0.0), (-0.3, 0.05), (0.0, 0.0)])
+def test_ftrl_lazy_matches_numpy_reference(rng, power, shrinkage, accumulate):
+    """Random initial rows, evictions (the state rows go through the host
+    table), L1/L2/beta: only the rows a step uses move, by the FTRL formula;
+    the accumulator adds each occurrence's square or the summed square."""
+    lr, n0, l1, l2, beta = 0.3, 0.2, 1.0, 0.02, 0.4
+    layer, pool, rows, steps = _run(tf_sfctr.optimizers.Ftrl(
+        lr, power, n0, l1, l2, shrinkage, beta, accumulate=accumulate), rng)
+    n = {i: np.full(DIM, n0) for i in rows}
+    z = {i: np.zeros(DIM) for i in rows}
+    for grads, squares in steps:
+        for i, g in grads.items():
+            sq = squares[i] if accumulate == "per_occurrence" else g * g
+            rows[i], n[i], z[i] = _ftrl_numpy(rows[i], n[i], z[i], g, sq, lr, power, l1,
+                                              l2, shrinkage, beta)
+    np.testing.assert_allclose(layer.lookup_rows(pool), [rows[int(i)] for i in pool],
+                               rtol=1e-5, atol=1e-6)
+    # L1 sets weak coordinates to exactly zero, as FTRL's sparsity promises.
+    got = layer.lookup_rows(pool)
+    assert np.any(got == 0) and np.any(got != 0)
+
+
+def test_ftrl_equals_keras_ftrl_on_an_embedding(rng):
+    """keras.optimizers.Ftrl updates every row of a keras.layers.Embedding at
+    every step; from zero rows, without L2 shrinkage and at a constant
+    learning rate, a row a step does not use stays put there too, so the two
+    agree on every row (ours evicts and re-fetches rows on the way)."""
+    kwargs = dict(learning_rate=0.2, learning_rate_power=-0.5, initial_accumulator_value=0.1,
+                  l1_regularization_strength=0.01, l2_regularization_strength=0.03,
+                  beta=0.5)
+    pool = np.array([5, -9, 2**40, 17, 3, 123456], np.int64)
+    ours = CachedEmbedding(DIM, cache_capacity=4, embeddings_initializer="zeros",
+                           optimizer=tf_sfctr.optimizers.Ftrl(**kwargs))
+    ref = keras.layers.Embedding(len(pool), DIM, embeddings_initializer="zeros")
+    ref.build((None,))
+    ref_opt = keras.optimizers.Ftrl(**kwargs)
+    for _ in range(15):
+        pos = rng.integers(0, len(pool), size=4)  # repeats allowed
+        w = tf.constant(rng.normal(size=(4, DIM)), tf.float32)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(ours(pool[pos], training=True) * w)
+        tape.gradient(loss, ours.trainable_weights)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(ref(pos) * w)
+        ref_opt.apply_gradients(zip(tape.gradient(loss, ref.trainable_weights),
+                                    ref.trainable_weights))
+    assert ours.cache_stats()["evictions"] > 0
+    want = ref.embeddings.numpy()
+    assert np.any(want != 0) and np.any(want == 0)
+    np.testing.assert_allclose(ours.lookup_rows(pool), want, rtol=1e-5, atol=1e-7)
+
+
+def test_ftrl_arguments_are_checked_and_round_trip():
+    opt = tf_sfctr.optimizers.get("ftrl")
+    assert isinstance(opt, tf_sfctr.optimizers.Ftrl)
+    keras_defaults = keras.optimizers.Ftrl().get_config()
+    shared = set(opt.get_config()) & set(keras_defaults)
+    assert len(shared) == 7  # every argument but accumulate
+    assert {k: opt.get_config()[k] for k in shared} == {
+        k: pytest.approx(keras_defaults[k]) for k in shared}
+    custom = tf_sfctr.optimizers.Ftrl(0.05, -0.25, 0.3, 0.1, 0.2, 0.01, 1.0, "summed")
+    again = tf_sfctr.optimizers.Ftrl.from_config(custom.get_config())
+    assert again.get_config() == custom.get_config()
+    assert custom.state_initial_values() == [0.3, 0.0]
+    with pytest.raises(ValueError, match=r"learning_rate_power must be a finite number <= 0"):
+        tf_sfctr.optimizers.Ftrl(learning_rate_power=0.5)
+    with pytest.raises(ValueError, match="learning_rate_power must be a number"):
+        tf_sfctr.optimizers.Ftrl(learning_rate_power="fast")
+    with pytest.raises(ValueError, match=r"l1_regularization_strength must be a finite "
+                       r"number >= 0, got -0.1"):
+        tf_sfctr.optimizers.Ftrl(l1_regularization_strength=-0.1)
+    with pytest.raises(ValueError, match="beta must be a finite number >= 0"):
+        tf_sfctr.optimizers.Ftrl(beta=float("nan"))
+    with pytest.raises(ValueError, match="accumulate must be 'per_occurrence'"):
+        tf_sfctr.optimizers.Ftrl(accumulate="sum")

@@ -3,7 +3,7 @@
 Public API (one export point)::
 
     tf_sfctr.CachedEmbedding           # also tf_sfctr.keras_layers.CachedEmbedding
-    tf_sfctr.optimizers.SGD / Adagrad / Adam
+    tf_sfctr.optimizers.SGD / Adagrad / Adam / Ftrl
     tf_sfctr.export_for_serving        # SavedModel with stock TF ops only
     tf_sfctr.data                      # input pipelines (synthetic Criteo, TSV, Parquet)
 

@@ -8,7 +8,7 @@ which gives the same bits as TF's CPU kernel), only on the rows a step used: row
 step are never touched ("lazy").
 
 Formulas, with ``g`` the gradient of a row summed over its occurrences in the
-step, ``s`` (Adagrad only) the sum of the squares of the per-occurrence
+step, ``s`` (Adagrad and Ftrl) the sum of the squares of the per-occurrence
 gradients, and ``t`` the number of table updates so far (1 on the first):
 
 * :class:`SGD`: ``m = momentum * m - lr * g``; ``w += m`` (``w += momentum * m
@@ -27,6 +27,19 @@ gradients, and ``t`` the number of table updates so far (1 on the first):
   ``v = b2 * v + (1 - b2) * g * g``;
   ``w -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + epsilon)``, for the
   used rows only (like TF Addons' LazyAdam).
+* :class:`Ftrl` (FTRL-Proximal, McMahan et al., KDD 2013), with ``p`` the
+  learning-rate power (-0.5 by default), ``l2' = l2 + beta / (2 * lr)`` and
+  ``g' = g + 2 * l2_shrinkage * w``: ``n' = n + s``;
+  ``z += g' - (n'^-p - n^-p) / lr * w``; ``n = n'``;
+  ``w = (sign(z) * l1 - z) / (n^-p / lr + 2 * l2')`` if ``|z| > l1``, else 0,
+  for the used rows only. This is the formula of ``keras.optimizers.Ftrl``,
+  which also adds the square of each occurrence's gradient to ``n``;
+  ``accumulate="summed"`` uses ``s = g * g`` instead (TF1 / Keras 2, and
+  TF's fused ``ResourceSparseApplyFtrlV2`` kernel, which it runs in). Keras
+  updates every row at every step, so the two agree on every row when a
+  row's first update starts from a zero row, ``l2_shrinkage`` is 0 and the
+  learning rate is constant (a row a step does not use then stays put under
+  Keras too).
 
 Example::
 
@@ -48,7 +61,7 @@ from . import _ops
 
 LearningRate = Union[float, keras.optimizers.schedules.LearningRateSchedule]
 
-__all__ = ["TableOptimizer", "SGD", "Adagrad", "Adam", "get"]
+__all__ = ["TableOptimizer", "SGD", "Adagrad", "Adam", "Ftrl", "get"]
 
 
 def _check_positive(name: str, value: float, allow_zero: bool = False) -> float:
@@ -258,12 +271,113 @@ class Adam(TableOptimizer):
                 "epsilon": self.epsilon}
 
 
+@keras.saving.register_keras_serializable(package="tf_sfctr")
+class Ftrl(TableOptimizer):
+    """FTRL-Proximal for a table (see module doc), with the arguments and
+    defaults of ``keras.optimizers.Ftrl``; only rows a step uses move.
+    ``accumulate`` as for :class:`Adagrad`: ``"per_occurrence"`` (Keras 3) or
+    ``"summed"`` (TF1 / Keras 2, TF's fused kernel).
+
+    Its state rows are the accumulator ``n`` and the linear term ``z``; the
+    row itself is recomputed from them at every update, so L1 drives rarely
+    useful rows to exactly zero.
+
+    Example::
+
+        opt = tf_sfctr.optimizers.Ftrl(learning_rate=0.05,
+                                       l1_regularization_strength=0.001)
+    """
+
+    num_state = 2
+    state_kind = "Ftrl"  # subclasses keep the state's meaning
+
+    def __init__(self, learning_rate: LearningRate = 0.001,
+                 learning_rate_power: float = -0.5,
+                 initial_accumulator_value: float = 0.1,
+                 l1_regularization_strength: float = 0.0,
+                 l2_regularization_strength: float = 0.0,
+                 l2_shrinkage_regularization_strength: float = 0.0,
+                 beta: float = 0.0, accumulate: str = "per_occurrence"):
+        super().__init__(learning_rate)
+        try:
+            power = float(learning_rate_power)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"learning_rate_power must be a number, got "
+                             f"{learning_rate_power!r}") from err
+        if not (math.isfinite(power) and power <= 0):
+            raise ValueError(f"learning_rate_power must be a finite number <= 0 "
+                             f"(-0.5 is the usual FTRL), got {learning_rate_power}")
+        self.learning_rate_power = power
+        self.initial_accumulator_value = _check_positive(
+            "initial_accumulator_value", initial_accumulator_value, allow_zero=True)
+        self.l1_regularization_strength = _check_positive(
+            "l1_regularization_strength", l1_regularization_strength, allow_zero=True)
+        self.l2_regularization_strength = _check_positive(
+            "l2_regularization_strength", l2_regularization_strength, allow_zero=True)
+        self.l2_shrinkage_regularization_strength = _check_positive(
+            "l2_shrinkage_regularization_strength", l2_shrinkage_regularization_strength,
+            allow_zero=True)
+        self.beta = _check_positive("beta", beta, allow_zero=True)
+        if accumulate not in ("per_occurrence", "summed"):
+            raise ValueError(
+                f"accumulate must be 'per_occurrence' (Keras 3) or 'summed' "
+                f"(TF1/Keras 2), got {accumulate!r}")
+        self.accumulate = accumulate
+        self.needs_squared_occurrences = accumulate == "per_occurrence"
+
+    def state_initial_values(self) -> list[float]:
+        return [self.initial_accumulator_value, 0.0]
+
+    def _power(self, n: tf.Tensor) -> tf.Tensor:
+        """n ** -learning_rate_power (a square root for the usual -0.5)."""
+        p = self.learning_rate_power
+        if p == -0.5:
+            return tf.sqrt(n)
+        return tf.ones_like(n) if p == 0 else tf.pow(n, -p)
+
+    def apply(self, rows, state, slots, grad, grad_sq, step):
+        accum, linear = state
+        lr = self._lr(step)
+        l1 = self.l1_regularization_strength
+        l2 = self.l2_regularization_strength + self.beta / (2.0 * lr)
+        shrinkage = self.l2_shrinkage_regularization_strength
+        if not self.needs_squared_occurrences:
+            return tf.raw_ops.ResourceSparseApplyFtrlV2(
+                var=rows.handle, accum=accum.handle, linear=linear.handle, grad=grad,
+                indices=slots, lr=lr, l1=tf.constant(l1, tf.float32), l2=l2,
+                l2_shrinkage=tf.constant(shrinkage, tf.float32),
+                lr_power=tf.constant(self.learning_rate_power, tf.float32))
+        # Per occurrence: the same update in stock ops, with the sums of
+        # squares for n (TF's kernel squares the summed gradient).
+        w = tf.gather(rows, slots)
+        n = tf.gather(accum, slots)
+        new_n = n + grad_sq
+        z = (tf.gather(linear, slots) + grad + 2.0 * shrinkage * w
+             - (self._power(new_n) - self._power(n)) / lr * w)
+        quadratic = self._power(new_n) / lr + 2.0 * l2
+        new_w = tf.where(tf.abs(z) > l1, (tf.sign(z) * l1 - z) / quadratic,
+                         tf.zeros_like(z))
+        return tf.group(accum.scatter_update(tf.IndexedSlices(new_n, slots)),
+                        linear.scatter_update(tf.IndexedSlices(z, slots)),
+                        rows.scatter_update(tf.IndexedSlices(new_w, slots)))
+
+    def get_config(self):
+        return {**super().get_config(),
+                "learning_rate_power": self.learning_rate_power,
+                "initial_accumulator_value": self.initial_accumulator_value,
+                "l1_regularization_strength": self.l1_regularization_strength,
+                "l2_regularization_strength": self.l2_regularization_strength,
+                "l2_shrinkage_regularization_strength":
+                    self.l2_shrinkage_regularization_strength,
+                "beta": self.beta, "accumulate": self.accumulate}
+
+
 _BY_NAME: dict[str, Callable[..., TableOptimizer]] = {
-    "sgd": SGD, "adagrad": Adagrad, "adam": Adam}
+    "sgd": SGD, "adagrad": Adagrad, "adam": Adam, "ftrl": Ftrl}
 
 
 def get(identifier: Any) -> TableOptimizer:
-    """An optimizer from an instance, a name ("sgd", "adagrad", "adam") or a config.
+    """An optimizer from an instance, a name ("sgd", "adagrad", "adam", "ftrl") or a config.
 
     ``None`` gives the default: ``Adagrad(learning_rate=0.01)``. A name gives
     that class with its own defaults, as Keras does (``"adagrad"``:
@@ -282,9 +396,9 @@ def get(identifier: Any) -> TableOptimizer:
     if isinstance(identifier, keras.optimizers.Optimizer):
         raise ValueError(
             f"optimizer={type(identifier).__name__} is a Keras optimizer; a table "
-            f"needs a sparse table optimizer: tf_sfctr.optimizers.SGD, Adagrad or "
-            f"Adam (the Keras optimizer in model.compile trains the dense layers).")
+            f"needs a sparse table optimizer: tf_sfctr.optimizers.SGD, Adagrad, "
+            f"Adam or Ftrl (the Keras optimizer in model.compile trains the dense layers).")
     raise ValueError(
         f"optimizer={identifier!r} is not a table optimizer; use "
-        f"tf_sfctr.optimizers.SGD, Adagrad or Adam, or one of the names "
+        f"tf_sfctr.optimizers.SGD, Adagrad, Adam or Ftrl, or one of the names "
         f"{sorted(_BY_NAME)}.")

@@ -52,7 +52,7 @@ class StoreConfig:
 #: version 1 still loads.
 FORMAT_VERSION = 2
 _READABLE_VERSIONS = {1: 4, 2: 6}  # version -> header length
-_KNOWN_STATE_KINDS = ("SGD", "SGD with momentum", "Adagrad", "Adam")
+_KNOWN_STATE_KINDS = ("SGD", "SGD with momentum", "Adagrad", "Adam", "Ftrl")
 
 
 def state_kind_code(kind: str) -> int:

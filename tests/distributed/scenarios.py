@@ -33,6 +33,9 @@ SCENARIOS = {
     "mp_adagrad_shared": ("adagrad", "shared", "model_parallel", "loop"),
     "dp_sgd_dense": ("sgd", "dense", "data_parallel", "loop"),
     "dp_adagrad_ragged": ("adagrad", "ragged", "data_parallel", "loop"),
+    # FTRL: two state rows, the per-occurrence squares summed over ranks.
+    "mp_ftrl_dense": ("ftrl", "dense", "model_parallel", "loop"),
+    "dp_ftrl_dense": ("ftrl", "dense", "data_parallel", "loop"),
 }
 
 
@@ -80,8 +83,12 @@ def cache_capacity(kind: str) -> int:
 
 
 def build(opt_name: str, kind: str, distribution: str):
-    table_opt = (tf_sfctr.optimizers.SGD(0.5) if opt_name == "sgd"
-                 else tf_sfctr.optimizers.Adagrad(0.3, initial_accumulator_value=0.05))
+    table_opt = {
+        "sgd": lambda: tf_sfctr.optimizers.SGD(0.5),
+        "adagrad": lambda: tf_sfctr.optimizers.Adagrad(0.3, initial_accumulator_value=0.05),
+        "ftrl": lambda: tf_sfctr.optimizers.Ftrl(0.3, initial_accumulator_value=0.05,
+                                                 l1_regularization_strength=0.001),
+    }[opt_name]()
     emb = CachedEmbedding(DIM, cache_capacity=cache_capacity(kind), optimizer=table_opt, seed=3,
                           combiner=None if kind == "dense" else "mean",
                           distribution=distribution, name="emb")

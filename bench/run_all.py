@@ -1,7 +1,7 @@
 """Runs every benchmark, each in a fresh process, and writes bench/RESULTS.md.
 
-    python bench/run_all.py                 # full sizes (~30 min on 2 cores); writes bench/RESULTS.md
-    python bench/run_all.py --tiny          # every benchmark at a tiny size (< 60 s), for CI;
+    python bench/run_all.py                 # full sizes (~5 min on 2 cores); writes bench/RESULTS.md
+    python bench/run_all.py --tiny          # every benchmark at a tiny size (~1.5 min), for CI;
                                             # writes nothing unless --out is given
     python bench/run_all.py --only lookup_update cache_policy
 

@@ -62,6 +62,11 @@ def resolve(initializer: Any) -> InitSpec:
     standard deviation must make sense (a row of NaN or Inf would fail the
     first gradient and make a checkpoint that cannot be restored).
     """
+    if isinstance(initializer, str) and initializer.lower() == "constant":
+        # keras.initializers.get("constant") fails with a bare KeyError.
+        raise ValueError(
+            'embeddings_initializer="constant" needs its value: pass '
+            "keras.initializers.Constant(value) (a scalar), or \"zeros\" / \"ones\".")
     try:
         obj = keras.initializers.get(initializer)
     except (ValueError, TypeError) as err:

@@ -80,16 +80,23 @@ setup(
     long_description=open(os.path.join(HERE, "README.md")).read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=find_packages(include=["tf_sfctr", "tf_sfctr.*"]) + ["tf_sfctr.keras_layers"],
-    package_dir={"tf_sfctr.keras_layers": "keras_layers"},
-    package_data={"tf_sfctr": ["_build_info.json"]},
+    # The MovieLens copy that data.movielens() reads goes into the wheel too
+    # (as tf_sfctr/movielens_data/), so it works outside the repository.
+    packages=find_packages(include=["tf_sfctr", "tf_sfctr.*"])
+    + ["tf_sfctr.keras_layers", "tf_sfctr.movielens_data"],
+    package_dir={"tf_sfctr.keras_layers": "keras_layers",
+                 "tf_sfctr.movielens_data": "data/movielens-latest-small"},
+    package_data={"tf_sfctr": ["_build_info.json"],
+                  "tf_sfctr.movielens_data": ["ratings.csv", "movies.csv", "README.txt"]},
     ext_modules=[Extension("tf_sfctr._sfctr_ops", sources=OP_SOURCES, language="c++")],
     cmdclass={"build_ext": BuildTfOps},
     # TensorFlow itself is not listed: users pick tensorflow (GPU) or
     # tensorflow-cpu 2.16.x, and pip cannot express "either of the two".
     install_requires=["numpy<2"],
     extras_require={
-        "data": ["tensorflow-io==0.37.1"],
+        # data.parquet: tensorflow-io's reader; pyarrow checks files for nulls
+        # (which that reader would misplace) and is the other engine.
+        "data": ["tensorflow-io==0.37.1", "pyarrow==25.0.1"],
         "bench": ["tensorflow-recommenders-addons==0.8.1", "setuptools<70"],
     },
     zip_safe=False,

@@ -80,7 +80,8 @@ def resolve_path(path: PathLike | None = None) -> Path:
     """The MovieLens directory: ``path``, or the bundled copy when None.
 
     ``None`` means ``data/movielens-latest-small`` relative to the working
-    directory, else relative to the repository that holds this package.
+    directory, else relative to the repository that holds this package, else
+    the copy installed with the package (``tf_sfctr/movielens_data``).
 
     Raises:
       FileNotFoundError: no such directory (the message lists what was tried).
@@ -92,8 +93,9 @@ def resolve_path(path: PathLike | None = None) -> Path:
     if path is not None:
         candidates = [Path(os.fspath(path))]
     else:
-        repo = Path(__file__).resolve().parents[2]
-        candidates = [Path(DEFAULT_PATH), repo / DEFAULT_PATH]
+        here = Path(__file__).resolve()
+        candidates = [Path(DEFAULT_PATH), here.parents[2] / DEFAULT_PATH,
+                      here.parents[1] / "movielens_data"]
     for candidate in candidates:
         if (candidate / "ratings.csv").is_file() and (candidate / "movies.csv").is_file():
             return candidate

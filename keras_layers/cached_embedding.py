@@ -1265,14 +1265,22 @@ class CachedEmbedding(keras.layers.Layer):
                 g, g_sq = _ops.segment_sums(
                     g_occ, inverse, num_unique,
                     squares=self.table_optimizer.needs_squared_occurrences)
-                # One scalar, NaN if any element of g is NaN or Inf: much
-                # cheaper to check than CheckNumerics on [U, dim].
+                # One scalar, NaN if any element of g is NaN or Inf or would
+                # square to Inf (an accumulator of squares would store it),
+                # or if a sum of squares is: much cheaper to check than
+                # CheckNumerics on [U, dim].
+                marker = _ops.non_finite_marker(g, squares=True)
+                if g_sq is not None:
+                    marker = marker + _ops.non_finite_marker(g_sq)
                 finite = tf.debugging.check_numerics(
-                    _ops.non_finite_marker(g), f"CachedEmbedding {self.name}: the embedding "
-                    f"gradient is not finite (NaN or Inf); the table was not updated, but "
-                    f"other weights of this step may have been (restore a checkpoint)")
+                    marker, f"CachedEmbedding {self.name}: the embedding gradient is not "
+                    f"finite (NaN or Inf) or so large that its square overflows float32 "
+                    f"(|g| of about 2**64 or more); the table was not updated, but other "
+                    f"weights of this step may have been (restore a checkpoint)")
                 with tf.control_dependencies([finite]):
                     g = tf.identity(g)
+                    if g_sq is not None:
+                        g_sq = tf.identity(g_sq)
                 step = apply_update(g, g_sq)
                 self._update_traced(update_graph)  # a later call may follow now
                 # The trigger's gradient must data-depend on the update: Keras

@@ -327,14 +327,16 @@ Every index is checked before any row changes.
 REGISTER_OP("SfctrNonFiniteMarker")
     .Input("x: float")
     .Output("marker: float")
+    .Attr("squares: bool = false")
     .SetShapeFn([](InferenceContext* c) {
       c->set_output(0, c->Scalar());
       return OkStatus();
     })
     .Doc(R"doc(
-0.0 when every element of x is finite, NaN when one is NaN or +-Inf: a scalar
-for CheckNumerics, from one pass on one thread (a reduce_sum over the pool
-waits for busy pool threads inside a training step).
+0.0 when every element of x is finite, NaN when one is NaN or +-Inf (with
+`squares`, also when one's square overflows float32): a scalar for
+CheckNumerics, from one pass on one thread (a reduce_sum over the pool waits
+for busy pool threads inside a training step).
 )doc");
 
 REGISTER_OP("SfctrGatherRows")

@@ -131,6 +131,48 @@ def test_nan_gradient_is_refused(trained):
     np.testing.assert_array_equal(trained.lookup_rows(IDS), before)
 
 
+_GATED_OPTIMIZERS = {
+    "adagrad": lambda: tf_sfctr.optimizers.Adagrad(0.1),
+    "adagrad_summed": lambda: tf_sfctr.optimizers.Adagrad(0.1, accumulate="summed"),
+    "ftrl": lambda: tf_sfctr.optimizers.Ftrl(0.1),
+    "ftrl_summed": lambda: tf_sfctr.optimizers.Ftrl(0.1, accumulate="summed"),
+    "adam": lambda: tf_sfctr.optimizers.Adam(0.1),
+    "sgd": lambda: tf_sfctr.optimizers.SGD(10.0),
+}
+
+
+@pytest.mark.parametrize("kernels", ["1", "0"])
+@pytest.mark.parametrize("opt", list(_GATED_OPTIMIZERS))
+@pytest.mark.parametrize("scale", [np.nan, np.inf, 2.0**64, 1e30])
+def test_traced_step_with_a_bad_gradient_changes_nothing(monkeypatch, opt, kernels, scale):
+    """In a traced step TF runs every op whose inputs are ready, so the gate
+    must hold back each tensor an update reads: the gradient sums and the
+    sums of squares (per-occurrence Adagrad on the stock-op path and FTRL
+    accumulate those alone). A finite gradient whose square overflows float32
+    would store an infinite accumulator (Adagrad, Adam, FTRL), or an
+    infinite row (SGD at 1e30 x 10): refused as well."""
+    monkeypatch.setenv("TF_SFCTR_CPU_KERNELS", kernels)  # read when the step is traced
+    layer = CachedEmbedding(4, cache_capacity=6, seed=0, optimizer=_GATED_OPTIMIZERS[opt]())
+    ids = np.array([3, 1, 4, 1], np.int64)
+
+    @tf.function
+    def step(scale):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(ids, training=True) * scale)
+        tape.gradient(loss, layer.trainable_weights)
+
+    step(tf.constant(1.0))  # a good step: rows cached, state moved
+    snap = _snapshot(layer)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="not finite .* or so large "
+                       "that its square overflows float32"):
+        step(tf.constant(scale, tf.float32))
+    after = _snapshot(layer)  # (its forward pass counted its cache hits)
+    for a, b in zip([after[0], *after[2], after[3]], [snap[0], *snap[2], snap[3]]):
+        np.testing.assert_array_equal(a, b)
+    step(tf.constant(1.0))  # and the layer still trains
+    assert not np.array_equal(layer.lookup_rows(ids), snap[0][ids])
+
+
 def test_ragged_without_combiner(trained):
     with pytest.raises(ValueError, match="needs a combiner"):
         trained(tf.ragged.constant([[1, 2], [3]], dtype=tf.int64))

@@ -119,6 +119,18 @@ def test_non_finite_marker(use_kernel):
             y = x.copy()
             y[pos] = bad
             assert np.isnan(_ops.non_finite_marker(y, use_kernel=use_kernel).numpy())
+            assert np.isnan(_ops.non_finite_marker(y, use_kernel=use_kernel,
+                                                   squares=True).numpy())
+    # squares: |x| whose square overflows float32 (about 2**64) is refused too.
+    ok = np.full((37, 5), 2.0**63, np.float32)
+    assert _ops.non_finite_marker(ok, use_kernel=use_kernel, squares=True).numpy() == 0.0
+    assert _ops.non_finite_marker(-ok, use_kernel=use_kernel, squares=True).numpy() == 0.0
+    for pos in ((0, 0), (36, 4), (20, 2)):
+        y = ok.copy()
+        y[pos] = -(2.0**64)
+        assert _ops.non_finite_marker(y, use_kernel=use_kernel).numpy() == 0.0
+        assert np.isnan(_ops.non_finite_marker(y, use_kernel=use_kernel,
+                                               squares=True).numpy())
 
 
 def test_non_float_variable_is_an_error_not_a_crash():

@@ -288,19 +288,23 @@ def sparse_apply_adagrad(var: tf.Variable, accum: tf.Variable, lr, epsilon, grad
                                              indices, grad_sq, max_shards=max_shards)
 
 
-def non_finite_marker(x: tf.Tensor, use_kernel: bool | None = None):
+def non_finite_marker(x: tf.Tensor, use_kernel: bool | None = None, squares: bool = False):
     """A float32 scalar: 0.0 when every element of ``x`` is finite, NaN otherwise.
 
+    With ``squares``, also NaN when an element's square overflows float32
+    (|x| of about 2**64 or more): an optimizer that accumulates squared
+    gradients would store an infinity.
     For ``tf.debugging.check_numerics`` on one scalar instead of a whole
     tensor. On CPU our ``SfctrNonFiniteMarker`` (one pass, one thread: TF's
     ``reduce_sum`` waits for busy pool threads inside a training step); with
-    a GPU visible ``reduce_sum(x - x)``, the same value. ``use_kernel`` forces
-    one or the other.
+    a GPU visible ``reduce_sum(y - y)`` with ``y = x`` or ``x * x``, the same
+    value. ``use_kernel`` forces one or the other.
     """
     x = tf.convert_to_tensor(x, tf.float32)
     if not _use_kernel(use_kernel):
-        return tf.reduce_sum(x - x)
-    return load().sfctr_non_finite_marker(x)
+        y = x * x if squares else x
+        return tf.reduce_sum(y - y)
+    return load().sfctr_non_finite_marker(x, squares=squares)
 
 
 def gather_rows(var: tf.Variable, indices: tf.Tensor, use_kernel: bool | None = None,

@@ -754,15 +754,21 @@ Status CheckFloatVariable(Var* var, const char* name) {
 
 class NonFiniteMarkerOp : public OpKernel {
  public:
-  using OpKernel::OpKernel;
+  explicit NonFiniteMarkerOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("squares", &squares_));
+  }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& x = ctx->input(0);
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
-    const bool finite = sfctr::AllFinite(x.flat<float>().data(), x.NumElements());
+    const bool finite =
+        sfctr::AllFinite(x.flat<float>().data(), x.NumElements(), squares_);
     out->scalar<float>()() = finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
   }
+
+ private:
+  bool squares_ = false;
 };
 
 // out = params[indices] for a float32 matrix and an int32 index vector, with

@@ -1036,6 +1036,25 @@ TEST_CASE(AllFiniteFindsEveryNonFiniteValue) {
         const float keep = x[i];
         x[i] = bad;
         CHECK(!AllFinite(x.data(), n));
+        CHECK(!AllFinite(x.data(), n, /*squares=*/true));
+        x[i] = keep;
+      }
+    }
+  }
+}
+
+TEST_CASE(AllFiniteWithSquaresFindsValuesWhoseSquareOverflows) {
+  // |x| up to 2**63 squares to a finite float; 2**64 (and 3e38) do not.
+  for (int n : {1, 7, 8, 9, 37}) {
+    std::vector<float> x(n, 9.2e18f);
+    for (int i = 0; i < n; i += 2) x[i] = -9.2e18f;
+    CHECK(AllFinite(x.data(), n, /*squares=*/true));
+    for (int i = 0; i < n; ++i) {
+      for (float big : {1.8446744e19f, -1.8446744e19f, 3.0e38f}) {
+        const float keep = x[i];
+        x[i] = big;
+        CHECK(AllFinite(x.data(), n));
+        CHECK(!AllFinite(x.data(), n, /*squares=*/true));
         x[i] = keep;
       }
     }

@@ -1338,7 +1338,8 @@ class CachedEmbedding(keras.layers.Layer):
         never seen get their initial value and are not inserted. No side
         effects: no counters, no insertion, no cache change. In model-parallel
         mode this is collective: every rank calls it (with its own ids, maybe
-        none) and gets the rows of any id, wherever its owner is.
+        none) and gets the rows of any id, wherever its owner is. Not while
+        another thread trains the layer: it could read another id's row.
         """
         self._require_built()
         error = None
@@ -1357,9 +1358,12 @@ class CachedEmbedding(keras.layers.Layer):
     def assign_rows(self, ids: Sequence[int] | np.ndarray | tf.Tensor,
                     values: np.ndarray | tf.Tensor) -> None:
         """Sets rows ``ids`` to ``values`` (``[len(ids), output_dim]``) and resets
-        their optimizer state. Missing ids are created. On a bad argument
-        nothing is changed. Collective under Horovod (every rank calls it with
-        its own rows; when two ranks set the same id, the higher rank wins)."""
+        their optimizer state (FTRL: to the state that gives these values
+        back, since it recomputes a row from its state). Missing ids are
+        created. On a bad argument nothing is changed. Collective under
+        Horovod (every rank calls it with its own rows; when two ranks set the
+        same id, the higher rank wins). Not while another thread trains the
+        layer: it could write to another id's cache slot."""
         self._require_built()
         error = None
         try:
@@ -1448,18 +1452,25 @@ class CachedEmbedding(keras.layers.Layer):
     def _assign_local(self, ids: tf.Tensor, values: np.ndarray) -> None:
         with self._assign_lock:
             self._settle()
+            # The optimizer may keep other state than its initial values with
+            # an assigned row (FTRL: the linear term that gives it back).
+            state = self.table_optimizer.state_for_assigned_rows(
+                values, int(self._table_step.numpy()))
             try:
-                self._store.host_assign(ids, values)
+                self._store.host_assign(ids, values)  # creates rows; max_rows
             except tf.errors.OpError as err:
                 raise ValueError(err.message) from None
+            if state is not None:
+                self._store.host_write(ids, [values, *state])
             slots = self._store.cache_probe(ids)
             where = tf.where(slots >= 0)[:, 0]
             cached = tf.gather(slots, where)
             self._cache_rows.scatter_update(
                 tf.IndexedSlices(tf.gather(values, where), cached))
-            for var, init in zip(self._cache_state,
-                                 self.table_optimizer.state_initial_values()):
-                fill = tf.fill([tf.size(cached), self.output_dim], init)
+            for k, (var, init) in enumerate(zip(self._cache_state,
+                                                self.table_optimizer.state_initial_values())):
+                fill = (tf.fill([tf.size(cached), self.output_dim], init) if state is None
+                        else tf.gather(state[k], where))
                 var.scatter_update(tf.IndexedSlices(fill, cached))
 
     def flush(self) -> int:

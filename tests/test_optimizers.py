@@ -194,3 +194,40 @@ def test_ftrl_arguments_are_checked_and_round_trip():
         tf_sfctr.optimizers.Ftrl(beta=float("nan"))
     with pytest.raises(ValueError, match="accumulate must be 'per_occurrence'"):
         tf_sfctr.optimizers.Ftrl(accumulate="sum")
+
+
+@pytest.mark.parametrize("l1", [0.0, 0.5])
+def test_ftrl_keeps_assigned_rows_and_trains_on_from_them(rng, l1):
+    """assign_rows stores the FTRL state that gives the row back: a zero
+    gradient leaves it where it was set (a fresh z = 0 would zero it), and a
+    real step moves it as FTRL from that state would (NumPy). Cached and
+    host-only rows alike."""
+    lr, n0, l2, beta = 0.3, 0.2, 0.02, 0.4
+    layer = CachedEmbedding(DIM, cache_capacity=4, seed=0, optimizer=tf_sfctr.optimizers.Ftrl(
+        lr, -0.5, n0, l1, l2, 0.0, beta))
+    ids = np.array([10, 11, 12, 13, 14, 15], np.int64)  # 6 ids, 4 cache slots
+    with tf.GradientTape() as tape:  # some of them cached, the rest host only
+        loss = tf.reduce_sum(layer(ids[:4], training=True))
+    tape.gradient(loss, layer.trainable_weights)
+    values = rng.normal(size=(len(ids), DIM)).astype(np.float32)
+    values[0, 0] = 0.0
+    layer.assign_rows(ids, values)
+    np.testing.assert_array_equal(layer.lookup_rows(ids), values)
+    for batch in (ids[:3], ids[3:]):  # zero gradients: nothing moves
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(batch, training=True) * 0.0)
+        tape.gradient(loss, layer.trainable_weights)
+    np.testing.assert_allclose(layer.lookup_rows(ids), values, rtol=1e-6, atol=1e-7)
+    # A real step from the assigned state, against the NumPy formula.
+    w = rng.normal(size=(2, DIM)).astype(np.float32)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(ids[1:3], training=True) * w)
+    tape.gradient(loss, layer.trainable_weights)
+    l2_total = l2 + beta / (2 * lr)
+    for k, i in enumerate((1, 2)):
+        v = values[i].astype(np.float64)
+        z = -(v * (np.sqrt(n0) / lr + 2 * l2_total) + np.sign(v) * l1)
+        g = w[k].astype(np.float64)
+        want, _, _ = _ftrl_numpy(v, np.full(DIM, n0), z, g, g * g, lr, -0.5, l1, l2, 0.0, beta)
+        np.testing.assert_allclose(layer.lookup_rows(ids[i:i + 1])[0], want, rtol=1e-5,
+                                   atol=1e-6)

@@ -99,6 +99,13 @@ class TableOptimizer:
         is not restored into an optimizer that reads them differently)."""
         return type(self).__name__
 
+    def state_for_assigned_rows(self, values: np.ndarray, step: int) -> list[np.ndarray] | None:
+        """The state rows to store with rows set by ``assign_rows`` (each
+        ``[n, output_dim]`` float32), or None for the initial state values
+        (the default: an assigned row starts its optimizer state afresh).
+        ``step`` is the table's update count."""
+        return None
+
     def _lr(self, step: tf.Tensor) -> tf.Tensor:
         if callable(self.learning_rate):
             return tf.cast(self.learning_rate(step), tf.float32)
@@ -327,6 +334,20 @@ class Ftrl(TableOptimizer):
 
     def state_initial_values(self) -> list[float]:
         return [self.initial_accumulator_value, 0.0]
+
+    def state_for_assigned_rows(self, values, step):
+        """FTRL recomputes a row from its state at every update, so a fresh
+        state (z = 0) would replace an assigned row by ~0 at its next update.
+        The initial accumulator and the linear term z that give back exactly
+        these values (w = (sign(z) * l1 - z) / quadratic) keep them: an
+        update with a zero gradient leaves the row where it was assigned."""
+        w = np.asarray(values, np.float64)
+        lr = float(self._lr(tf.constant(step, tf.int64)))
+        n0 = self.initial_accumulator_value
+        quadratic = n0 ** -self.learning_rate_power / lr + 2.0 * (self.l2_regularization_strength
+                                        + self.beta / (2.0 * lr))
+        z = -(w * quadratic + np.sign(w) * self.l1_regularization_strength)
+        return [np.full(w.shape, n0, np.float32), z.astype(np.float32)]
 
     def _power(self, n: tf.Tensor) -> tf.Tensor:
         """n ** -learning_rate_power (a square root for the usual -0.5)."""

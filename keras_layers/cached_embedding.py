@@ -61,8 +61,10 @@ def _compute_device() -> str:
     return "/GPU:0" if tf.config.list_logical_devices("GPU") else "/CPU:0"
 
 
-def _eviction_hints(inputs: dict) -> Optional[tuple]:
-    """(ids, steps) of a de-duplicated feature's eviction hints, or None."""
+def _eviction_hints(name: str, inputs: dict) -> Optional[tuple]:
+    """(ids, steps) of a de-duplicated feature's eviction hints, or None;
+    the tensors wait for the check that they pair up (the caller makes the
+    step wait for them)."""
     has_ids, has_steps = "hint_ids" in inputs, "hint_steps" in inputs
     if has_ids != has_steps:
         raise ValueError(
@@ -73,13 +75,24 @@ def _eviction_hints(inputs: dict) -> Optional[tuple]:
         return None
     _check_id_dtype(tf.as_dtype(inputs["hint_ids"].dtype), "hint_ids")
     _check_id_dtype(tf.as_dtype(inputs["hint_steps"].dtype), "hint_steps")
-    # Equal lengths and steps >= 1 are checked by SfctrCachePrepare.
     hint_ids = tf.reshape(tf.cast(inputs["hint_ids"], tf.int64), [-1])
     hint_steps = tf.reshape(inputs["hint_steps"], [-1])
     if hint_steps.dtype != tf.int32:  # a step beyond 2**31 - 1 is as good as never
         hint_steps = tf.cast(tf.clip_by_value(tf.cast(hint_steps, tf.int64), -2**31, 2**31 - 1),
                              tf.int32)
-    return hint_ids, hint_steps
+    # Checked here, before the step changes anything: a lookahead step reads
+    # them only late, after its update (SfctrCachePrepare checks them too).
+    what = (f"CachedEmbedding {name!r}: eviction hints need one 'hint_steps' entry per "
+            "'hint_ids' entry, each >= 1 (how many batches after this one the id is "
+            "used), as tf_sfctr.data.with_unique_ids(..., eviction_hints=k) gives them. "
+            "Nothing was changed")
+    checks = [
+        tf.debugging.assert_equal(tf.size(hint_ids), tf.size(hint_steps),
+                                  message=what + "; the sizes (ids, steps) are"),
+        tf.debugging.assert_greater_equal(hint_steps, tf.constant(1, tf.int32),
+                                          message=what + "; the steps given are")]
+    with tf.control_dependencies(checks):
+        return tf.identity(hint_ids), tf.identity(hint_steps)
 
 
 _VSI_REQUIRED_KEYS = ("ids", "unique_ids", "inverse")
@@ -698,7 +711,10 @@ class CachedEmbedding(keras.layers.Layer):
             if next_ids is not None:
                 _check_id_dtype(tf.as_dtype(next_ids.dtype), "next_unique_ids")
                 next_ids = tf.reshape(tf.cast(next_ids, tf.int64), [-1])
-            hints = _eviction_hints(inputs)
+            hints = _eviction_hints(self.name, inputs)
+            if hints is not None:
+                with tf.control_dependencies(list(hints)):  # (their check)
+                    unique_ids = tf.identity(unique_ids)
         else:
             ids, layout = self._flatten(inputs)
             unique_ids = inverse = next_ids = hints = None
@@ -914,15 +930,6 @@ class CachedEmbedding(keras.layers.Layer):
         # A prepared plan is applied first, whichever batch it was for: the
         # directory already reflects it.
         checks = [self._settle()]
-        if next_ids is not None:
-            # The next batch is prepared late in this step: check that it
-            # fits now, before this step changes anything.
-            checks.append(tf.debugging.assert_less_equal(
-                tf.size(next_ids), tf.constant(self.cache_capacity, tf.int32), message=(
-                    f"CachedEmbedding {self.name!r}: the next batch (prepared ahead, "
-                    f"lookahead) has more distinct ids than cache_capacity="
-                    f"{self.cache_capacity}; raise cache_capacity or use smaller batches. "
-                    f"Nothing was changed")))
         with tf.control_dependencies(checks):
             # The plan's size comes from plan.count, never from tf.size of
             # its ids: in a step traced on fixed-size ids, grappler took that
@@ -1003,7 +1010,8 @@ class CachedEmbedding(keras.layers.Layer):
             # A next batch the prepare refuses (new ids the host table's
             # max_rows has no room for, a repeated id) gets no plan (nothing
             # changes): its own step then prepares it and fails, as without
-            # lookahead, and this step's update is applied.
+            # lookahead, and this step's update is applied. So does one with
+            # more distinct ids than the cache holds (the cond below).
             slots, miss_slots, miss_rows, evict_slots, evict_ids, evict_uses, prepared = \
                 self._prepare(next_ids, hints, skip_if_refused=True,
                               require_distinct=require_distinct)
@@ -1015,7 +1023,9 @@ class CachedEmbedding(keras.layers.Layer):
             with tf.control_dependencies(saved + [plan.usable.assign(prepared)]):
                 return plan.pending.assign(prepared, read_value=True)
 
-        return tf.cond(tf.size(next_ids) > 0, prepare, lambda: tf.constant(False))
+        fits = tf.logical_and(tf.size(next_ids) > 0,
+                              tf.size(next_ids) <= tf.constant(self.cache_capacity, tf.int32))
+        return tf.cond(fits, prepare, lambda: tf.constant(False))
 
     def _settle(self) -> tf.Tensor:
         """Applies a pending plan, so that the device cache matches the

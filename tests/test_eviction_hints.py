@@ -151,6 +151,42 @@ def test_malformed_hints_are_refused_and_change_nothing(steps, message):
     assert (probe[:4] >= 0).all() and probe[4] == -1
 
 
+@pytest.mark.parametrize("lookahead", [False, True])
+@pytest.mark.parametrize("hint_ids, hint_steps, shown", [
+    ([7, 8], [2, 2, 2], r"the sizes \(ids, steps\) are.*2.*3"),
+    ([7, 8, 9], [2, 2], r"the sizes \(ids, steps\) are.*3.*2"),
+    ([7, 8], [2, 0], "the steps given are"),
+    ([7, 8], [-1, 3], "the steps given are"),
+])
+def test_hand_made_hints_that_do_not_pair_up_change_nothing(lookahead, hint_ids, hint_steps,
+                                                            shown):
+    """Checked before the step changes anything: a lookahead step reads its
+    hints only after its update (a mismatch failed there, update applied,
+    with an index error; fewer steps than ids or steps <= 0 went unnoticed)."""
+    batches = _batches(3, 3)
+    layer = _layer()
+    w = tf.reshape(tf.range(DIM, dtype=tf.float32) - 1.5, [1, 1, DIM])
+
+    def step(feature):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(layer(feature, training=True) - w))
+        tape.gradient(loss, layer.trainable_variables)
+
+    step(deduplicate(tf.constant(batches[0])))
+    before, stats = layer.lookup_rows(VOCAB), layer.cache_stats()
+    feature = deduplicate(tf.constant(batches[1]))
+    if lookahead:
+        feature["next_unique_ids"] = deduplicate(tf.constant(batches[2]))["unique_ids"]
+    feature["hint_ids"] = tf.constant(hint_ids, tf.int64)
+    feature["hint_steps"] = tf.constant(hint_steps, tf.int32)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="(?s)eviction hints need one 'hint_steps' entry per 'hint_ids' "
+                             r"entry, each >= 1.*Nothing was changed" + ".*" + shown):
+        step(feature)
+    np.testing.assert_array_equal(layer.lookup_rows(VOCAB), before)
+    assert layer.cache_stats() == stats
+
+
 def test_layer_wants_both_hint_keys():
     layer = _layer()
     feature = deduplicate(tf.constant(_batches(1, 1)[0]))

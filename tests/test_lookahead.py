@@ -228,20 +228,26 @@ def test_every_write_back_goes_straight_to_its_host_rows():
     assert layer.cache_stats()["write_backs_by_handle"] == evicting_steps
 
 
-def test_a_next_batch_larger_than_the_cache_fails_before_the_step_changes_anything():
-    """The next batch is prepared late in the step; its size is checked first,
-    with a message naming the next batch, and the table is untouched."""
-    layer = _layer()
+def test_a_next_batch_larger_than_the_cache_fails_in_its_own_step():
+    """A next batch with more distinct ids than the cache gets no plan: the
+    lookahead step trains as without lookahead (it used to fail, so a loop
+    that skips failed batches lost its update), and the next batch's own step
+    fails with the capacity error, changing nothing."""
     batches = _batches(5, 2)
-    _step(layer, batches[0])
-    before = layer.lookup_rows(VOCAB)
+    too_many = VOCAB[:CAPACITY + 1].reshape(1, -1)
+    ref, layer = _layer(), _layer()
+    for emb, nxt in ((ref, None), (layer, _unique(too_many))):
+        _step(emb, batches[0])
+        _step(emb, batches[1], next_ids=nxt)
+    np.testing.assert_array_equal(layer.lookup_rows(VOCAB), ref.lookup_rows(VOCAB))
     stats = layer.cache_stats()
-    too_many = tf.constant(VOCAB[:CAPACITY + 1])
-    with pytest.raises(tf.errors.InvalidArgumentError,
-                       match="the next batch .* has more distinct ids than cache_capacity=48"):
-        _step(layer, batches[1], next_ids=too_many)
-    np.testing.assert_array_equal(layer.lookup_rows(VOCAB), before)
-    assert layer.cache_stats() == stats
+    assert stats == ref.cache_stats() and stats["prepared_ahead"] == 0
+    for emb in (ref, layer):
+        before = emb.lookup_rows(VOCAB)
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match="this step uses 49 distinct ids but cache_capacity is 48"):
+            _step(emb, too_many)
+        np.testing.assert_array_equal(emb.lookup_rows(VOCAB), before)
 
 
 def test_a_next_batch_the_host_table_has_no_room_for_fails_in_its_own_step():

@@ -1330,6 +1330,15 @@ class CachedEmbedding(keras.layers.Layer):
         if isinstance(ids, (tf.RaggedTensor, tf.SparseTensor)):
             raise TypeError("ids must be a dense 1-D array of int ids")
         arr = ids if isinstance(ids, tf.Tensor) else np.asarray(ids)
+        if not isinstance(ids, (tf.Tensor, np.ndarray)) and arr.dtype.kind in "uO":
+            # Python ints beyond int64 (NumPy makes them uint64 or objects).
+            flat = np.asarray(ids, dtype=object).ravel()
+            if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+                   for v in flat):
+                bad = next((int(v) for v in flat if not -2**63 <= int(v) < 2**63), None)
+                if bad is not None:
+                    raise ValueError(f"ids must fit in int64 (-2**63 to 2**63 - 1), got "
+                                     f"{bad}. Nothing was changed.")
         if not isinstance(arr, tf.Tensor) and arr.size == 0 and arr.dtype.kind == "f":
             arr = arr.astype(np.int64)  # [] comes as float64: no ids at all
         if not isinstance(arr, tf.Tensor) and arr.dtype.kind not in "iu":

@@ -122,6 +122,18 @@ def test_assign_rows_bad_ids(trained):
     _assert_unchanged(trained, snap)
 
 
+@pytest.mark.parametrize("ids, shown", [([2**63], 2**63), ([5, -2**63 - 1], -2**63 - 1),
+                                         ([1, 2**64], 2**64)])
+def test_python_ints_beyond_int64_are_named(trained, ids, shown):
+    snap = _snapshot(trained)
+    with pytest.raises(ValueError, match=rf"ids must fit in int64 .*got {shown}\."):
+        trained.lookup_rows(ids)
+    with pytest.raises(ValueError, match=rf"ids must fit in int64 .*got {shown}\."):
+        trained.assign_rows(ids, np.zeros((len(ids), 4)))
+    _assert_unchanged(trained, snap)
+    np.testing.assert_array_equal(trained.lookup_rows([2**63 - 1, -2**63]).shape, (2, 4))
+
+
 def test_nan_gradient_is_refused(trained):
     before = trained.lookup_rows(IDS)
     with pytest.raises(tf.errors.InvalidArgumentError, match="not finite"):

@@ -324,6 +324,42 @@ free, into at most max_shards ranges (0: half the pool's threads, at least 1).
 Every index is checked before any row changes.
 )doc");
 
+REGISTER_OP("SfctrSparseApplyFtrl")
+    .Input("var: resource")
+    .Input("accum: resource")
+    .Input("linear: resource")
+    .Input("lr: float")
+    .Input("l1: float")
+    .Input("l2: float")
+    .Input("l2_shrinkage: float")
+    .Input("lr_power: float")
+    .Input("grad: float")
+    .Input("indices: int32")
+    .Input("grad_sq: float")
+    .Attr("max_shards: int = 0")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      for (int k = 3; k < 8; ++k) TF_RETURN_IF_ERROR(c->WithRank(c->input(k), 0, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(8), 2, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(9), 1, &unused));
+      return OkStatus();
+    })
+    .Doc(R"doc(
+FTRL-Proximal on the rows `indices` of the float variables `var`, `accum` and
+`linear` ([rows, dim]), with `grad` [n, dim] and `indices` [n]; for k =
+indices[i], in index order, elementwise (s = grad_sq[i], or grad[i]^2 when
+grad_sq has no elements; x^-p is sqrt(x) for lr_power -0.5):
+  n' = accum[k] + s
+  linear[k] += grad[i] + 2 * l2_shrinkage * var[k] - (n'^-p - accum[k]^-p) / lr * var[k]
+  var[k] = (clip(linear[k], -l1, l1) - linear[k]) / (n'^-p / lr + 2 * l2)
+  accum[k] = n'
+ResourceSparseApplyFtrlV2's formula (with s = grad^2), with the rows of
+upcoming indices prefetched; large updates are split over column ranges for
+free intra-op pool threads (at most max_shards; 0: half the pool's threads).
+Every index is checked before any row changes.
+)doc");
+
 REGISTER_OP("SfctrNonFiniteMarker")
     .Input("x: float")
     .Output("marker: float")

@@ -28,6 +28,7 @@ TABLES = {
     "checkpoint_io": [],  # untitled table; checked by its header below
     "vsi": ["Reference stream", "Criteo-like fields", "Model parallel on 2 ranks",
             "Check of a de-duplicated feature"],
+    "ftrl": ["FTRL update kernels", "FTRL training step"],
     "distributed": ["Reference workload on 2 ranks"],
 }
 

@@ -143,3 +143,57 @@ def test_non_float_variable_is_an_error_not_a_crash():
         _ops.sparse_apply_adagrad(f32, v64, 0.1, 0.0, tf.ones([1, 2]), tf.constant([0]),
                                   use_kernel=True)
     np.testing.assert_array_equal(f32.numpy(), np.ones((4, 2)))
+
+
+def _ftrl(use_kernel, state0, grad, idx, grad_sq, lr_power=-0.5, shrinkage=0.01, steps=2,
+          max_shards=0):
+    var, acc, lin = (tf.Variable(x) for x in state0)
+    kwargs = {"max_shards": max_shards} if use_kernel else {}
+    for _ in range(steps):
+        _ops.sparse_apply_ftrl(var, acc, lin, 0.2, 0.1, 0.05, shrinkage, lr_power, grad, idx,
+                               grad_sq, use_kernel=use_kernel, **kwargs)
+    return var.numpy(), acc.numpy(), lin.numpy()
+
+
+@pytest.mark.parametrize("dim", [1, 5, 16, 64])
+@pytest.mark.parametrize("per_occurrence", [False, True])
+@pytest.mark.parametrize("lr_power", [-0.5, -0.25, 0.0])
+def test_ftrl_kernel_matches_the_stock_ops(dim, per_occurrence, lr_power):
+    """SfctrSparseApplyFtrl against TF's ResourceSparseApplyFtrlV2 (summed) and
+    the stock-op formula (per occurrence), with L1, L2 and shrinkage; wide
+    rows split over pool threads; rows not indexed are untouched."""
+    rng = np.random.default_rng(dim)
+    rows, n = 3000, 900
+    state0 = (rng.normal(size=(rows, dim)).astype(np.float32),
+              rng.uniform(0.1, 2.0, (rows, dim)).astype(np.float32),
+              rng.normal(size=(rows, dim)).astype(np.float32))
+    idx = rng.choice(rows, n, replace=False).astype(np.int32)
+    grad = rng.normal(size=(n, dim)).astype(np.float32)
+    grad_sq = (grad * grad * rng.uniform(1, 3, (n, 1))).astype(np.float32) if per_occurrence \
+        else None
+    ref = _ftrl(False, state0, grad, idx, grad_sq, lr_power)
+    for max_shards in (0, 4):
+        got = _ftrl(True, state0, grad, idx, grad_sq, lr_power, max_shards=max_shards)
+        for g, r in zip(got, ref):
+            np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)  # (pow rounds apart)
+        untouched = np.setdiff1d(np.arange(rows), idx)
+        for g, s in zip(got, state0):
+            np.testing.assert_array_equal(g[untouched], s[untouched])
+    assert np.any(got[0][idx] == 0) and np.any(got[0][idx] != 0)  # L1 zeroed some
+
+
+def test_ftrl_kernel_refuses_bad_input_and_changes_nothing():
+    state0 = tuple(np.full((4, 2), v, np.float32) for v in (1.0, 0.5, 0.0))
+    var, acc, lin = (tf.Variable(x) for x in state0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"indices\[1\] = 4 is not in"):
+        _ops.sparse_apply_ftrl(var, acc, lin, 0.1, 0.0, 0.0, 0.0, -0.5, tf.ones([2, 2]),
+                               tf.constant([0, 4]), use_kernel=True)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="grad must have shape"):
+        _ops.sparse_apply_ftrl(var, acc, lin, 0.1, 0.0, 0.0, 0.0, -0.5, tf.ones([2, 3]),
+                               tf.constant([0, 1]), use_kernel=True)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="one shape"):
+        _ops.sparse_apply_ftrl(var, acc, tf.Variable(np.zeros((4, 3), np.float32)), 0.1, 0.0,
+                               0.0, 0.0, -0.5, tf.ones([2, 2]), tf.constant([0, 1]),
+                               use_kernel=True)
+    for v, s in zip((var, acc, lin), state0):
+        np.testing.assert_array_equal(v.numpy(), s)

@@ -288,6 +288,49 @@ def sparse_apply_adagrad(var: tf.Variable, accum: tf.Variable, lr, epsilon, grad
                                              indices, grad_sq, max_shards=max_shards)
 
 
+def sparse_apply_ftrl(var: tf.Variable, accum: tf.Variable, linear: tf.Variable, lr, l1, l2,
+                      l2_shrinkage, lr_power, grad: tf.Tensor, indices: tf.Tensor,
+                      grad_sq: tf.Tensor | None = None, use_kernel: bool | None = None,
+                      max_shards: int = 0):
+    """FTRL-Proximal on rows ``indices`` of ``var``, ``accum`` and ``linear``
+    ([rows, dim] float32); ``l2`` includes beta / (2 * lr). The accumulator adds
+    ``grad_sq`` (``grad ** 2`` when None). Returns the update op.
+
+    On CPU this is our ``SfctrSparseApplyFtrl`` (rows of upcoming indices
+    prefetched; TF's CPU kernel waits on each row's cache misses). With a
+    GPU visible: TF's fused ``ResourceSparseApplyFtrlV2`` without
+    ``grad_sq``, the same formula in stock ops with it. ``use_kernel`` forces
+    one or the other. ``max_shards``: see :data:`MAX_SHARDS_DOC`.
+    """
+    indices = tf.cast(indices, tf.int32)
+    lr, l1, l2, l2_shrinkage, lr_power = (tf.cast(x, tf.float32)
+                                          for x in (lr, l1, l2, l2_shrinkage, lr_power))
+    if _use_kernel(use_kernel):
+        if grad_sq is None:
+            grad_sq = tf.zeros([0, 0], tf.float32)
+        return load().sfctr_sparse_apply_ftrl(
+            var.handle, accum.handle, linear.handle, lr, l1, l2, l2_shrinkage, lr_power,
+            grad, indices, grad_sq, max_shards=max_shards)
+    if grad_sq is None:
+        return tf.raw_ops.ResourceSparseApplyFtrlV2(
+            var=var.handle, accum=accum.handle, linear=linear.handle, grad=grad,
+            indices=indices, lr=lr, l1=l1, l2=l2, l2_shrinkage=l2_shrinkage,
+            lr_power=lr_power)
+    # The sums of squares for the accumulator (TF's kernel squares grad).
+    w = tf.gather(var, indices)
+    n = tf.gather(accum, indices)
+    new_n = n + grad_sq
+    half = tf.equal(lr_power, -0.5)
+    power_new = tf.where(half, tf.sqrt(new_n), tf.pow(new_n, -lr_power))
+    power_old = tf.where(half, tf.sqrt(n), tf.pow(n, -lr_power))
+    z = (tf.gather(linear, indices) + grad + 2.0 * l2_shrinkage * w
+         - (power_new - power_old) / lr * w)
+    new_w = (tf.clip_by_value(z, -l1, l1) - z) / (power_new / lr + 2.0 * l2)
+    return tf.group(accum.scatter_update(tf.IndexedSlices(new_n, indices)),
+                    linear.scatter_update(tf.IndexedSlices(z, indices)),
+                    var.scatter_update(tf.IndexedSlices(new_w, indices)))
+
+
 def non_finite_marker(x: tf.Tensor, use_kernel: bool | None = None, squares: bool = False):
     """A float32 scalar: 0.0 when every element of ``x`` is finite, NaN otherwise.
 

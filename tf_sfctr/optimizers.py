@@ -35,7 +35,9 @@ gradients, and ``t`` the number of table updates so far (1 on the first):
   for the used rows only. This is the formula of ``keras.optimizers.Ftrl``,
   which also adds the square of each occurrence's gradient to ``n``;
   ``accumulate="summed"`` uses ``s = g * g`` instead (TF1 / Keras 2, and
-  TF's fused ``ResourceSparseApplyFtrlV2`` kernel, which it runs in). Keras
+  TF's fused ``ResourceSparseApplyFtrlV2``). On CPU both run in our
+  ``SfctrSparseApplyFtrl`` kernel; with a GPU visible, summed in TF's fused
+  kernel, per occurrence in stock ops. Keras
   updates every row at every step, so the two agree on every row when a
   row's first update starts from a zero row, ``l2_shrinkage`` is 0 and the
   learning rate is constant (a row a step does not use then stays put under
@@ -283,7 +285,7 @@ class Ftrl(TableOptimizer):
     """FTRL-Proximal for a table (see module doc), with the arguments and
     defaults of ``keras.optimizers.Ftrl``; only rows a step uses move.
     ``accumulate`` as for :class:`Adagrad`: ``"per_occurrence"`` (Keras 3) or
-    ``"summed"`` (TF1 / Keras 2, TF's fused kernel).
+    ``"summed"`` (TF1 / Keras 2).
 
     Its state rows are the accumulator ``n`` and the linear term ``z``; the
     row itself is recomputed from them at every update, so L1 drives rarely
@@ -349,38 +351,14 @@ class Ftrl(TableOptimizer):
         z = -(w * quadratic + np.sign(w) * self.l1_regularization_strength)
         return [np.full(w.shape, n0, np.float32), z.astype(np.float32)]
 
-    def _power(self, n: tf.Tensor) -> tf.Tensor:
-        """n ** -learning_rate_power (a square root for the usual -0.5)."""
-        p = self.learning_rate_power
-        if p == -0.5:
-            return tf.sqrt(n)
-        return tf.ones_like(n) if p == 0 else tf.pow(n, -p)
-
     def apply(self, rows, state, slots, grad, grad_sq, step):
         accum, linear = state
         lr = self._lr(step)
-        l1 = self.l1_regularization_strength
-        l2 = self.l2_regularization_strength + self.beta / (2.0 * lr)
-        shrinkage = self.l2_shrinkage_regularization_strength
-        if not self.needs_squared_occurrences:
-            return tf.raw_ops.ResourceSparseApplyFtrlV2(
-                var=rows.handle, accum=accum.handle, linear=linear.handle, grad=grad,
-                indices=slots, lr=lr, l1=tf.constant(l1, tf.float32), l2=l2,
-                l2_shrinkage=tf.constant(shrinkage, tf.float32),
-                lr_power=tf.constant(self.learning_rate_power, tf.float32))
-        # Per occurrence: the same update in stock ops, with the sums of
-        # squares for n (TF's kernel squares the summed gradient).
-        w = tf.gather(rows, slots)
-        n = tf.gather(accum, slots)
-        new_n = n + grad_sq
-        z = (tf.gather(linear, slots) + grad + 2.0 * shrinkage * w
-             - (self._power(new_n) - self._power(n)) / lr * w)
-        quadratic = self._power(new_n) / lr + 2.0 * l2
-        new_w = tf.where(tf.abs(z) > l1, (tf.sign(z) * l1 - z) / quadratic,
-                         tf.zeros_like(z))
-        return tf.group(accum.scatter_update(tf.IndexedSlices(new_n, slots)),
-                        linear.scatter_update(tf.IndexedSlices(z, slots)),
-                        rows.scatter_update(tf.IndexedSlices(new_w, slots)))
+        return _ops.sparse_apply_ftrl(
+            rows, accum, linear, lr, self.l1_regularization_strength,
+            self.l2_regularization_strength + self.beta / (2.0 * lr),
+            self.l2_shrinkage_regularization_strength, self.learning_rate_power, grad, slots,
+            grad_sq if self.needs_squared_occurrences else None)
 
     def get_config(self):
         return {**super().get_config(),

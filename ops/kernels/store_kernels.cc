@@ -7,8 +7,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <functional>
 #include <exception>
+#include <functional>
 #include <limits>
 #include <new>
 #include <string>
@@ -21,6 +21,7 @@
 #include "tensorflow/core/platform/threadpool.h"
 
 #include "../core/adagrad.h"
+#include "../core/ftrl.h"
 #include "../core/dedup.h"
 #include "../core/finite.h"
 #include "../core/embedding_store.h"
@@ -859,6 +860,52 @@ class GatherTensorRowsOp : public OpKernel {
   int64_t max_shards_ = 0;
 };
 
+// Checks grad [n, dim], indices [n] within [0, rows) and grad_sq (grad's
+// shape, or [0, 0] when absent: what the Python wrappers pass) of a sparse
+// update; sets *has_sq. Every index is checked before any row changes.
+Status CheckSparseUpdate(const Tensor& grad, const Tensor& indices, const Tensor& grad_sq,
+                         int64_t rows, int64_t dim, bool* has_sq) {
+  const int64_t n = indices.NumElements();
+  if (!TensorShapeUtils::IsVector(indices.shape())) {
+    return errors::InvalidArgument("indices must be a vector, got shape ",
+                                   indices.shape().DebugString());
+  }
+  if (grad.dims() != 2 || grad.dim_size(0) != n || grad.dim_size(1) != dim) {
+    return errors::InvalidArgument("grad must have shape [", n, ", ", dim, "], got ",
+                                   grad.shape().DebugString());
+  }
+  *has_sq = grad_sq.shape() == grad.shape();
+  if (!*has_sq && grad_sq.shape() != TensorShape({0, 0})) {
+    return errors::InvalidArgument("grad_sq must have grad's shape ",
+                                   grad.shape().DebugString(), " or be [0, 0] (absent), got ",
+                                   grad_sq.shape().DebugString());
+  }
+  const int32_t* idx = indices.flat<int32_t>().data();
+  for (int64_t i = 0; i < n; ++i) {
+    if (idx[i] < 0 || idx[i] >= rows) {
+      return errors::InvalidArgument("indices[", i, "] = ", idx[i], " is not in [0, ", rows,
+                                     "); no row was changed");
+    }
+  }
+  return OkStatus();
+}
+
+// Runs update(begin, end) over column ranges of the rows on free pool
+// threads. Shards own ranges of whole cache lines (16 floats) of every row,
+// so they never write one line from two threads; a repeated index keeps its
+// order within each shard. `work` sizes the split (floats touched).
+void RunColumnShards(OpKernelContext* ctx, int64_t dim, int64_t work, int64_t max_shards,
+                     const std::function<void(int64_t, int64_t)>& update) {
+  constexpr int64_t kLine = 16;
+  const int64_t lines = (dim + kLine - 1) / kLine;
+  const int64_t shards = PoolShards(ctx, work, lines, max_shards);
+  const int64_t lines_per = (lines + shards - 1) / shards;
+  const sfctr::Scheduler schedule = PoolScheduler(ctx);
+  sfctr::RunShards(&schedule, shards, shards - 1, [&](int64_t s) {
+    update(std::min(dim, s * lines_per * kLine), std::min(dim, (s + 1) * lines_per * kLine));
+  });
+}
+
 // The variables are locked and readied for a sparse update the way TF's own
 // ResourceSparseApply* kernels do it (training_op_helpers.h).
 class SparseApplyAdagradOp : public OpKernel {
@@ -899,43 +946,83 @@ class SparseApplyAdagradOp : public OpKernel {
                 errors::InvalidArgument("lr and epsilon must be scalars"));
     const int64_t rows = var.dim_size(0), dim = var.dim_size(1);
     const int64_t n = indices.NumElements();
-    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(indices.shape()),
-                errors::InvalidArgument("indices must be a vector, got shape ",
-                                        indices.shape().DebugString()));
-    OP_REQUIRES(ctx, grad.dims() == 2 && grad.dim_size(0) == n && grad.dim_size(1) == dim,
-                errors::InvalidArgument("grad must have shape [", n, ", ", dim, "], got ",
-                                        grad.shape().DebugString()));
-    // Absent: shape [0, 0] exactly (what the Python wrapper passes).
-    const bool has_sq = grad_sq.shape() == grad.shape();
-    OP_REQUIRES(ctx, has_sq || grad_sq.shape() == TensorShape({0, 0}),
-                errors::InvalidArgument("grad_sq must have grad's shape ",
-                                        grad.shape().DebugString(),
-                                        " or be [0, 0] (absent), got ",
-                                        grad_sq.shape().DebugString()));
+    bool has_sq = false;
+    OP_REQUIRES_OK(ctx, CheckSparseUpdate(grad, indices, grad_sq, rows, dim, &has_sq));
     const int32_t* idx = indices.flat<int32_t>().data();
-    for (int64_t i = 0; i < n; ++i) {
-      OP_REQUIRES(ctx, idx[i] >= 0 && idx[i] < rows,
-                  errors::InvalidArgument("indices[", i, "] = ", idx[i], " is not in [0, ",
-                                          rows, "); no row was changed"));
-    }
-    // Shards own ranges of whole cache lines (16 floats) of every row, so
-    // they never write one line from two threads; a repeated index keeps its
-    // order within each shard.
-    constexpr int64_t kLine = 16;
-    const int64_t lines = (dim + kLine - 1) / kLine;
-    const int64_t shards = PoolShards(ctx, n * dim * (has_sq ? 4 : 3), lines, max_shards_);
-    const int64_t lines_per = (lines + shards - 1) / shards;
-    const sfctr::Scheduler schedule = PoolScheduler(ctx);
     float* w = var.flat<float>().data();
     float* a = accum.flat<float>().data();
     const float* g = grad.flat<float>().data();
     const float* g_sq = has_sq ? grad_sq.flat<float>().data() : nullptr;
     const float lr_v = lr.scalar<float>()(), eps_v = epsilon.scalar<float>()();
-    sfctr::RunShards(&schedule, shards, shards - 1, [&](int64_t s) {
-      const int64_t begin = std::min(dim, s * lines_per * kLine);
-      const int64_t end = std::min(dim, (s + 1) * lines_per * kLine);
-      sfctr::AdagradColumns(w, a, dim, g, g_sq, idx, n, lr_v, eps_v, begin, end);
-    });
+    RunColumnShards(ctx, dim, n * dim * (has_sq ? 4 : 3), max_shards_,
+                    [&](int64_t begin, int64_t end) {
+                      sfctr::AdagradColumns(w, a, dim, g, g_sq, idx, n, lr_v, eps_v, begin,
+                                            end);
+                    });
+  }
+
+ private:
+  int64_t max_shards_ = 0;
+};
+
+// FTRL-Proximal on rows `indices` of var, accum and linear (sfctr::FtrlColumns);
+// locked and checked like SparseApplyAdagradOp.
+class SparseApplyFtrlOp : public OpKernel {
+ public:
+  explicit SparseApplyFtrlOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, GetMaxShards(ctx, &max_shards_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    using CPUDevice = Eigen::ThreadPoolDevice;
+    static const char* const kNames[] = {"var", "accum", "linear"};
+    for (int input : {0, 1, 2}) {
+      core::RefCountPtr<Var> v;
+      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, input), &v));
+      OP_REQUIRES_OK(ctx, CheckFloatVariable(v.get(), kNames[input]));
+    }
+    auto locks = MaybeLockVariableInputMutexesInOrder<CPUDevice, float>(
+        ctx, /*do_lock=*/true, /*sparse=*/true, {0, 1, 2});
+    Tensor vars[3];
+    for (int input : {0, 1, 2}) {
+      OP_REQUIRES_OK(ctx, GetInputTensorFromVariable<CPUDevice, float>(
+                              ctx, input, /*lock_held=*/true, /*sparse=*/true, &vars[input]));
+      OP_REQUIRES(ctx, vars[input].IsInitialized() && vars[input].dtype() == DT_FLOAT,
+                  errors::InvalidArgument(kNames[input], " must be an initialized float32 "
+                                          "variable"));
+    }
+    OP_REQUIRES(ctx, vars[0].dims() == 2 && vars[0].shape() == vars[1].shape() &&
+                         vars[0].shape() == vars[2].shape(),
+                errors::InvalidArgument("var, accum and linear must be matrices of one "
+                                        "shape, got ", vars[0].shape().DebugString(), ", ",
+                                        vars[1].shape().DebugString(), " and ",
+                                        vars[2].shape().DebugString()));
+    sfctr::FtrlParams p;
+    float* scalars[] = {&p.lr, &p.l1, &p.l2, &p.l2_shrinkage, &p.lr_power};
+    for (int k = 0; k < 5; ++k) {
+      const Tensor& t = ctx->input(3 + k);
+      OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(t.shape()),
+                  errors::InvalidArgument("lr, l1, l2, l2_shrinkage and lr_power must be "
+                                          "scalars"));
+      *scalars[k] = t.scalar<float>()();
+    }
+    const Tensor& grad = ctx->input(8);
+    const Tensor& indices = ctx->input(9);
+    const Tensor& grad_sq = ctx->input(10);
+    const int64_t rows = vars[0].dim_size(0), dim = vars[0].dim_size(1);
+    const int64_t n = indices.NumElements();
+    bool has_sq = false;
+    OP_REQUIRES_OK(ctx, CheckSparseUpdate(grad, indices, grad_sq, rows, dim, &has_sq));
+    const int32_t* idx = indices.flat<int32_t>().data();
+    float* w = vars[0].flat<float>().data();
+    float* a = vars[1].flat<float>().data();
+    float* z = vars[2].flat<float>().data();
+    const float* g = grad.flat<float>().data();
+    const float* g_sq = has_sq ? grad_sq.flat<float>().data() : nullptr;
+    RunColumnShards(ctx, dim, n * dim * (has_sq ? 5 : 4), max_shards_,
+                    [&](int64_t begin, int64_t end) {
+                      sfctr::FtrlColumns(w, a, z, dim, g, g_sq, idx, n, p, begin, end);
+                    });
   }
 
  private:
@@ -964,6 +1051,7 @@ SFCTR_CPU_KERNEL("SfctrUnique", UniqueOp);
 SFCTR_CPU_KERNEL("SfctrSegmentSums", SegmentSumsOp);
 SFCTR_CPU_KERNEL("SfctrGatherIndex", GatherIndexOp);
 SFCTR_CPU_KERNEL("SfctrSparseApplyAdagrad", SparseApplyAdagradOp);
+SFCTR_CPU_KERNEL("SfctrSparseApplyFtrl", SparseApplyFtrlOp);
 SFCTR_CPU_KERNEL("SfctrNonFiniteMarker", NonFiniteMarkerOp);
 SFCTR_CPU_KERNEL("SfctrGatherRows", GatherRowsOp);
 SFCTR_CPU_KERNEL("SfctrGatherTensorRows", GatherTensorRowsOp);

@@ -67,7 +67,9 @@ def files(rows, tmp_path_factory):
     if _has_pyarrow():
         out["parquet"] = str(d / "rows.parquet")
         out["parquet_nulls"] = str(d / "rows_nulls.parquet")
+        out["parquet_plain"] = str(d / "rows_uncompressed.parquet")  # for tensorflow-io
         write_parquet(out["parquet"], rows, row_group_size=500)
+        write_parquet(out["parquet_plain"], rows, row_group_size=500, compression="none")
         write_parquet(out["parquet_nulls"], rows, nulls=True, row_group_size=500)
     return out
 
@@ -128,7 +130,8 @@ def test_tsv_matches_reference_encoding(rows, files):
 @needs_pyarrow
 @pytest.mark.parametrize(
     "key, engine",
-    [("parquet", "tensorflow_io"), ("parquet", "pyarrow"), ("parquet_nulls", "pyarrow")],
+    [("parquet_plain", "tensorflow_io"), ("parquet", "pyarrow"), ("parquet_plain", "pyarrow"),
+     ("parquet_nulls", "pyarrow")],
 )
 def test_parquet_gives_the_same_batches_as_tsv(files, key, engine):
     tsv = batches(criteo_tsv(files["tsv_stripped"], batch_size=BATCH))
@@ -146,8 +149,9 @@ def test_sharding_partitions_rows_across_files(rows, files, engine):
         if engine == "tsv":
             ds = criteo_tsv([files["tsv"], files["tsv_stripped"]], batch_size=100, shard=(3, index))
         else:
+            key = "parquet_plain" if engine == "tensorflow_io" else "parquet"
             ds = parquet(
-                [files["parquet"], files["parquet"]],
+                [files[key], files[key]],
                 batch_size=100,
                 shard=(3, index),
                 engine=engine,
@@ -164,7 +168,8 @@ def test_drop_remainder_gives_static_batches(files):
     for ds in (
         criteo_tsv(files["tsv"], batch_size=BATCH, drop_remainder=True),
         parquet(files["parquet"], batch_size=BATCH, drop_remainder=True),
-        parquet(files["parquet"], batch_size=BATCH, drop_remainder=True, engine="pyarrow"),
+        parquet(files["parquet_plain"], batch_size=BATCH, drop_remainder=True,
+                engine="tensorflow_io"),
     ):
         features, label = ds.element_spec
         assert features["dense"].shape.as_list() == [BATCH, 13]
@@ -292,7 +297,7 @@ def test_parquet_errors(files, tmp_path):
     import pyarrow.parquet as pq
 
     with pytest.raises(ValueError, match="column 'I1' .* null value"):
-        parquet(files["parquet_nulls"])  # tensorflow-io misreads nulls
+        parquet(files["parquet_nulls"], engine="tensorflow_io")  # it misreads nulls
     with pytest.raises(ValueError, match="engine must be one of"):
         parquet(files["parquet"], engine="spark")
     with pytest.raises(ValueError, match=r"no column\(s\) \['C27'\]"):
@@ -304,12 +309,14 @@ def test_parquet_errors(files, tmp_path):
         path = tmp_path / f"{name}.parquet"
         path.write_bytes(content)
         with pytest.raises(ValueError, match=f"{name}.parquet is not a readable Parquet file"):
+            parquet(str(path), engine="tensorflow_io")
+        with pytest.raises(ValueError, match=f"{name}.parquet is not a readable Parquet file"):
             parquet(str(path))
     for engine in ("tensorflow_io", "pyarrow"):  # labels: 0 or 1, as in criteo_tsv
         for value in (2.0, float("nan")):
             path = str(tmp_path / f"label_{engine}_{value}.parquet")
             pq.write_table(pa.table({"label": [1.0, 0.0, value], "I1": [2.0] * 3,
-                                     "C1": ["a"] * 3}), path)
+                                     "C1": ["a"] * 3}), path, compression="none")
             with pytest.raises(tf.errors.InvalidArgumentError,
                                match=r"parquet, column label: labels must be 0 or 1"):
                 list(parquet(path, dense_columns=["I1"], sparse_columns=["C1"],
@@ -319,6 +326,73 @@ def test_parquet_errors(files, tmp_path):
     for engine in ("tensorflow_io", "pyarrow"):
         with pytest.raises(ValueError, match="'C1' .* string column is required"):
             list(parquet(bad, dense_columns=["I1"], sparse_columns=["C1"], engine=engine))
+
+
+
+def _many_pages(rows, path, compression):
+    """``rows`` as a Parquet file whose categorical columns have many plain
+    (not dictionary-encoded) data pages per row group, as a high-cardinality
+    Criteo column gets once its dictionary overflows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    write_parquet(path, rows)  # the schema and values write_parquet gives
+    table = pq.read_table(path)
+    pq.write_table(pa.table(table.columns, names=table.column_names), path,
+                   compression=compression, use_dictionary=False, data_page_size=2048)
+    meta = pq.ParquetFile(path).metadata
+    assert meta.num_row_groups == 1
+    assert meta.row_group(0).column(14).total_uncompressed_size > 4 * 2048  # several pages
+
+
+@needs_pyarrow
+def test_compressed_string_columns_with_many_pages(tmp_path):
+    """tensorflow-io 0.37.1 returns the values of one page of a compressed
+    string column in place of the others, silently (tensorflow/io#1962):
+    pyarrow (the default engine) reads such files correctly, tensorflow-io's
+    engine refuses them, and reads the uncompressed file correctly."""
+    rows = random_criteo_rows(3_000, seed=3)
+    expected_features, expected_label = rows.encode()
+    for codec in ("snappy", "zstd", "gzip", "none"):
+        path = str(tmp_path / f"pages_{codec}.parquet")
+        _many_pages(rows, path, codec)
+        engines = ["pyarrow", "tensorflow_io"] if codec == "none" else ["pyarrow"]
+        for engine in engines:
+            _, sparse, label = concat(batches(parquet(path, batch_size=512, engine=engine)))
+            np.testing.assert_array_equal(sparse, expected_features["sparse"])
+            np.testing.assert_array_equal(label, expected_label)
+        if codec != "none":
+            with pytest.raises(ValueError, match=r"string column 'C1' of .* is compressed "
+                               rf"\({codec.upper()}\).*engine='pyarrow'"):
+                parquet(path, engine="tensorflow_io")
+
+
+@needs_pyarrow
+def test_pyarrow_engine_reads_dictionary_and_binary_categorical_columns(rows, files, tmp_path):
+    """pandas' ``category`` dtype writes dictionary columns; other writers
+    store strings as binary. Both read like the string file, nulls included."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    expected = batches(parquet(files["parquet_nulls"], batch_size=BATCH))
+    table = pq.read_table(files["parquet_nulls"])
+    for kind in ("dictionary", "binary", "large_binary", "binary dictionary"):
+        columns = []
+        for name, column in zip(table.column_names, table.columns):
+            if name.startswith("C"):
+                if "binary" in kind:
+                    column = column.cast(pa.large_binary() if kind == "large_binary"
+                                         else pa.binary())
+                if "dictionary" in kind:
+                    column = column.dictionary_encode()
+            columns.append(column)
+        path = str(tmp_path / f"{kind.replace(' ', '_')}.parquet")
+        pq.write_table(pa.table(columns, names=table.column_names), path)
+        assert_same_batches(batches(parquet(path, batch_size=BATCH)), expected)
+    bad = str(tmp_path / "list_categorical.parquet")
+    pq.write_table(pa.table({"label": [1], "I1": [2], "C1": [["a"]]}), bad)
+    with pytest.raises(ValueError, match="'C1' .* string column is required"):
+        parquet(bad, dense_columns=["I1"], sparse_columns=["C1"])
 
 
 # ------------------------------------------------------------------ hashing

@@ -8,21 +8,32 @@ identical batches; both refuse labels other than 0 and 1.
 
 Engines:
 
-* ``"tensorflow_io"`` (default): tensorflow-io 0.37.1's native Parquet kernel
-  (column slices of ``tfio.IOTensor.from_parquet``) inside the ``tf.data``
-  graph. **It does not support null values**: with TF 2.16.2 / tensorflow-io
-  0.37.1 a column with nulls is read with the nulls skipped, so its later values
-  shift up into the wrong rows and the end of the column is filled with garbage,
-  silently (``tfio.IODataset.from_parquet`` does the same). This
-  reader therefore refuses files with nulls (checked from the Parquet metadata
-  when ``pyarrow`` is installed; without pyarrow the check is skipped, so only
-  give it null-free files such as those of :func:`write_parquet` with
-  ``nulls=False``).
-* ``"pyarrow"``: reads record batches with pyarrow in Python
-  (``tf.data.Dataset.from_generator``) and supports nulls: a null dense value
+* ``"pyarrow"`` (default): reads record batches with pyarrow in Python
+  (``tf.data.Dataset.from_generator``). Supports nulls (a null dense value
   becomes ``dense_default`` and a null categorical value is treated as the empty
-  string, exactly like an empty TSV field. Needs ``pyarrow`` (a tested version:
-  25.0.1, the newest that supports NumPy 1.26).
+  string, exactly like an empty TSV field), every compression, and categorical
+  columns stored as strings, binary or dictionaries of either (pandas
+  ``category``). Needs ``pyarrow`` (a tested version: 25.0.1, the newest that
+  supports NumPy 1.26).
+* ``"tensorflow_io"``: tensorflow-io 0.37.1's native Parquet kernel (column
+  slices of ``tfio.IOTensor.from_parquet``) inside the ``tf.data`` graph, for
+  files it reads correctly. With TF 2.16.2 / tensorflow-io 0.37.1 it silently
+  misreads two kinds of column, so this engine refuses files that have them
+  (checked from the Parquet metadata with pyarrow, which it therefore also
+  needs):
+
+  - **nulls**: they are skipped, so later values shift up into the wrong rows
+    and the end of the column is filled with garbage;
+  - **compressed string columns**: a compressed (snappy, gzip, zstd, ...) string
+    column chunk with more than one data page comes back with the values of one
+    page repeated in place of the others (60,000 distinct 8-hex values in
+    pyarrow's default 20,000-row pages: 40,000 wrong ids; see
+    https://github.com/tensorflow/io/issues/1962). Writers compress by default
+    (pyarrow, Spark: snappy), and a high-cardinality column overflows its
+    dictionary into several plain pages, so most real Criteo Parquet files have
+    such columns. The page count is not in the metadata, so every compressed
+    string column is refused; write files for this engine with
+    ``write_parquet(..., compression="none")``.
 """
 
 from __future__ import annotations
@@ -75,6 +86,7 @@ def write_parquet(
     *,
     nulls: bool = False,
     row_group_size: int | None = None,
+    compression: str = "snappy",
 ) -> int:
     """Writes ``rows`` as a Criteo-schema Parquet file; returns the row count.
 
@@ -88,6 +100,10 @@ def write_parquet(
         stored as 0 (the readers' default ``dense_default``) and an empty
         categorical field as ``""``, which every engine reads.
       row_group_size: rows per Parquet row group (pyarrow's default if None).
+      compression: the columns' codec, as pyarrow names it (``"snappy"``,
+        pyarrow's default, ``"zstd"``, ``"gzip"``, ... or ``"none"``). Only
+        ``"none"`` files can be read with ``engine="tensorflow_io"`` (see the
+        module docstring).
 
     Example:
       >>> import tempfile, os
@@ -109,16 +125,16 @@ def write_parquet(
         if nulls:
             values = [v if v else None for v in values]
         columns[name] = pa.array(values, pa.string())
-    pa.parquet.write_table(pa.table(columns), os.fspath(path), row_group_size=row_group_size)
+    pa.parquet.write_table(pa.table(columns), os.fspath(path), row_group_size=row_group_size,
+                           compression=compression)
     return rows.num_rows
 
 
-def _check_no_nulls(path: str, columns: Sequence[str]) -> None:
-    """Raises ValueError if a column of the file has nulls (needs pyarrow)."""
-    try:
-        pa = _import_pyarrow()
-    except ImportError:
-        return
+def _check_tfio_can_read(path: str, columns: Sequence[str], strings: Sequence[str]) -> None:
+    """Raises ValueError if a column of the file has nulls, or if one of the
+    ``strings`` columns is compressed: tensorflow-io 0.37.1 misreads both,
+    silently (module docstring)."""
+    pa = _import_pyarrow()
     meta = pa.parquet.ParquetFile(path).metadata
     names = [meta.schema.column(i).name for i in range(meta.num_columns)]
     for name in columns:
@@ -136,6 +152,18 @@ def _check_no_nulls(path: str, columns: Sequence[str]) -> None:
                 "engine='tensorflow_io' (tensorflow-io 0.37.1) silently misreads "
                 "nulls. Use engine='pyarrow', or rewrite the file without nulls"
             )
+    for name in strings:
+        j = names.index(name)
+        for g in range(meta.num_row_groups):
+            codec = meta.row_group(g).column(j).compression
+            if codec != "UNCOMPRESSED":
+                raise ValueError(
+                    f"parquet: string column {name!r} of {path} is compressed ({codec}); "
+                    "engine='tensorflow_io' (tensorflow-io 0.37.1) silently misreads "
+                    "compressed string columns with more than one data page "
+                    "(tensorflow/io#1962). Use engine='pyarrow' (the default), or write "
+                    "the file uncompressed (write_parquet(..., compression='none'))"
+                )
 
 
 def _check_readable(path: str) -> None:
@@ -198,6 +226,14 @@ def _tfio_dataset(
         raise ImportError(
             "engine='tensorflow_io' needs tensorflow-io==0.37.1; or use engine='pyarrow'"
         ) from e
+    try:
+        _import_pyarrow()
+    except ImportError as e:
+        raise ImportError(
+            "engine='tensorflow_io' needs pyarrow too, to check each file for what "
+            f"tensorflow-io 0.37.1 misreads silently ({_PYARROW_HINT}); or use "
+            "engine='pyarrow'"
+        ) from e
     num_shards, index = shard
     wanted = [label, *dense, *sparse]
     out = None
@@ -213,7 +249,7 @@ def _tfio_dataset(
             _check_dtype(path, name, found[name].dtype, "numeric")
         for name in sparse:
             _check_dtype(path, name, found[name].dtype, "string")
-        _check_no_nulls(path, wanted)
+        _check_tfio_can_read(path, wanted, sparse)
         num_rows = int(found[label].shape[0])
         columns = {c: iot(c) for c in wanted}
 
@@ -263,10 +299,25 @@ def _pyarrow_check_schema(
             )
     for name in sparse:
         t = schema.field(name).type
-        if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
+        if not _is_text(pa, t.value_type if pa.types.is_dictionary(t) else t):
             raise ValueError(
-                f"parquet: column {name!r} of {path} has type {t}; a string column is required"
+                f"parquet: column {name!r} of {path} has type {t}; a string column is "
+                "required (string, binary, or a dictionary of either)"
             )
+
+
+def _is_text(pa, t) -> bool:
+    return (pa.types.is_string(t) or pa.types.is_large_string(t)
+            or pa.types.is_binary(t) or pa.types.is_large_binary(t))
+
+
+def _text_values(pa, column) -> np.ndarray:
+    """A categorical column as an object array of str or bytes; null -> empty."""
+    if pa.types.is_dictionary(column.type):
+        column = column.dictionary_decode()
+    empty = b"" if pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type) \
+        else ""
+    return pa.compute.fill_null(column, empty).to_numpy(zero_copy_only=False)
 
 
 def _pyarrow_batches(
@@ -304,7 +355,7 @@ def _pyarrow_batches(
                 den[:, j] = col.to_numpy()
             cat = np.empty((n, len(sparse)), dtype=object)
             for j, c in enumerate(sparse):
-                cat[:, j] = pc.fill_null(rb.column(c), "").to_numpy(zero_copy_only=False)
+                cat[:, j] = _text_values(pa, rb.column(c))
             new = (lab[keep], den[keep], cat[keep])
             if buffer and pos < len(buffer[0]):  # one copy per record batch
                 new = tuple(np.concatenate([b[pos:], x]) for b, x in zip(buffer, new))
@@ -320,7 +371,7 @@ def parquet(
     paths: PathLike | Sequence[PathLike],
     *,
     batch_size: int = 1024,
-    engine: str = "tensorflow_io",
+    engine: str = "pyarrow",
     label_column: str = LABEL_COLUMN,
     dense_columns: Sequence[str] | None = None,
     sparse_columns: Sequence[str] | None = None,
@@ -340,8 +391,8 @@ def parquet(
     Args:
       paths: one file or a list of files, read in order.
       batch_size: rows per batch.
-      engine: ``"tensorflow_io"`` (no nulls allowed) or ``"pyarrow"``; see the
-        module docstring.
+      engine: ``"pyarrow"`` or ``"tensorflow_io"`` (no nulls, no compressed
+        string columns); see the module docstring.
       label_column: numeric label column.
       dense_columns: numeric columns; default ``I1..I13``.
       sparse_columns: string columns; default ``C1..C26``.
@@ -353,7 +404,8 @@ def parquet(
 
     Raises:
       ValueError: unknown engine, a missing column, a column of the wrong type, or
-        (``engine="tensorflow_io"``) a column with nulls.
+        (``engine="tensorflow_io"``) a column with nulls or a compressed string
+        column.
       ImportError: the engine's library is not installed.
 
     Example:
@@ -383,6 +435,7 @@ def parquet(
         ds = ds.rebatch(batch_size, drop_remainder=drop_remainder)
     else:
         for path in paths:
+            _check_readable(path)
             _pyarrow_check_schema(path, label_column, dense, sparse)
         ds = tf.data.Dataset.from_generator(
             lambda: _pyarrow_batches(

@@ -186,11 +186,18 @@ def test_bad_ratings_files_name_the_file(tmp_path, ratings, match):
         load_movielens(tmp_path)
 
 
-def test_a_byte_order_mark_before_the_header_is_skipped(tmp_path):
-    (tmp_path / "movies.csv").write_text("movieId,title,genres\n", encoding="utf-8")
-    (tmp_path / "ratings.csv").write_text(
-        "\ufeffuserId,movieId,rating,timestamp\n1,1,4.0,10\n1,2,3.5,20\n2,3,5.0,30\n",
+@pytest.mark.parametrize("bom_in", ["ratings.csv", "movies.csv", "both"])
+def test_a_byte_order_mark_before_the_header_is_skipped(tmp_path, bom_in):
+    """Files saved by Excel start with one."""
+    def bom(name):
+        return "\ufeff" if bom_in in (name, "both") else ""
+
+    (tmp_path / "movies.csv").write_text(
+        bom("movies.csv") + "movieId,title,genres\n1,Heat (1995),Action|Crime\n",
         encoding="utf-8")
+    (tmp_path / "ratings.csv").write_text(
+        bom("ratings.csv") + "userId,movieId,rating,timestamp\n1,1,4.0,10\n1,2,3.5,20\n"
+        "2,3,5.0,30\n", encoding="utf-8")
     data = load_movielens(tmp_path, split="time", test_fraction=0.34)
     assert data.train_label.shape[0] + data.test_label.shape[0] == 3
 

@@ -208,6 +208,9 @@ def test_crlf_and_gzip(rows, files, tmp_path):
         ("2\t1", r"labels must be 0 or 1.*\b2\b"),
         ("0.5\t1", r"labels must be 0 or 1.*0\.5"),
         ("nan\t1", r"labels must be 0 or 1.*nan"),
+        ("1\t12\tinf", r"dense values must be finite.*\binf\b.*row and column.*1 1"),
+        ("1\t12\t-NaN", r"dense values must be finite.*-NaN"),
+        ("1\t1e39", r"dense values must be finite.*1e39"),
     ],
 )
 def test_bad_tsv_lines_raise_while_iterating(tmp_path, line, match):
@@ -226,6 +229,11 @@ BAD_LINES = [  # (line, reason find_bad_tsv_lines gives)
     ("yes\t7", "label 'yes' is not a number"),
     ("1\tseven\tab", "dense column I1: 'seven' is not a number"),
     ("0\t1_000", "dense column I1: '1_000' is not a number"),
+    ("0\tInfinity", "dense column I1: 'Infinity' is not a number"),  # TF: "inf" only
+    ("0\tinf", "dense column I1: 'inf' is not a finite number"),
+    ("0\t-nan", "dense column I1: '-nan' is not a finite number"),
+    ("0\t3.5e38", "dense column I1: '3.5e38' is not a finite number"),  # beyond float32
+    ("0\t0x1g", "dense column I1: '0x1g' is not a number"),
 ]
 
 
@@ -245,9 +253,13 @@ def test_find_bad_tsv_lines_names_file_and_line_of_what_the_reader_refuses(
         return str(path)
 
     args = dict(num_dense=1, num_sparse=1, compression_type=compression)
-    good = write("good.tsv", [GOOD_LINE, "0\t\t", " 1 \t 2 \tcd\r"])
+    # TF's StringToNumber also reads hexadecimal integers, and so do both.
+    good = write("good.tsv", [GOOD_LINE, "0\t\t", " 1 \t 2 \tcd\r", "0x1\t0X1a", "0\t-0x10",
+                              "1\t.5e1", "0\t1e-50"])
     assert find_bad_tsv_lines(good, **args) == []
-    assert sum(int(y.shape[0]) for _, y in criteo_tsv(good, **args)) == 3
+    batches_ = list(criteo_tsv(good, **args))
+    np.testing.assert_array_equal(batches_[0][0]["dense"].numpy().ravel(),
+                                  [7, 0, 2, 26, -16, 5, 0])
     for k, (line, reason) in enumerate(BAD_LINES):
         bad = write(f"bad_{k}.tsv", [GOOD_LINE, GOOD_LINE, line, GOOD_LINE])
         with pytest.raises(tf.errors.InvalidArgumentError):
@@ -256,7 +268,8 @@ def test_find_bad_tsv_lines_names_file_and_line_of_what_the_reader_refuses(
         assert [(f.path, f.line) for f in found] == [(bad, 3)]
         assert reason in found[0].reason
     every = write("every.tsv", [line for line, _ in BAD_LINES])
-    assert [f.line for f in find_bad_tsv_lines(every, **args)] == list(range(1, 8))
+    assert [f.line for f in find_bad_tsv_lines(every, limit=100, **args)] == \
+        list(range(1, len(BAD_LINES) + 1))
     assert len(find_bad_tsv_lines(every, limit=2, **args)) == 2
 
 
@@ -269,13 +282,38 @@ def test_spaces_around_numbers_are_ignored_and_spaces_alone_are_empty(tmp_path):
     np.testing.assert_array_equal(features["dense"].numpy(), [[7.0, -1.0], [-1.0, 2.0]])
 
 
-def test_a_gzip_file_read_as_text_is_refused_up_front(files, tmp_path):
+def test_files_compressed_otherwise_than_compression_type_are_refused_up_front(
+        files, tmp_path):
+    import zlib
+
     gz = tmp_path / "day_0.tsv.gz"
     with gzip.open(gz, "wt") as f:
         f.write("1\t2\n")
-    with pytest.raises(ValueError, match=r"day_0.tsv.gz is gzip-compressed; pass "
-                                         r"compression_type='GZIP'"):
-        criteo_tsv([files["tsv"], str(gz)])
+    zl = tmp_path / "day_0.tsv.z"
+    zl.write_bytes(zlib.compress(b"1\t2\n"))
+    empty = tmp_path / "empty.tsv"
+    empty.write_bytes(b"")
+    plain = files["tsv"]
+    for reader in (criteo_tsv, find_bad_tsv_lines):
+        name = reader.__name__
+        with pytest.raises(ValueError, match=rf"{name}: .*day_0.tsv.gz is gzip-compressed; "
+                                             r"pass compression_type='GZIP'"):
+            reader([plain, str(gz)])
+        with pytest.raises(ValueError, match=rf"{name}: .*full.tsv is not gzip-compressed.*"
+                                             r"compression_type='GZIP' \(every file"):
+            reader([str(gz), plain], compression_type="GZIP")
+        with pytest.raises(ValueError, match=rf"{name}: .*full.tsv does not start with a zlib "
+                                             r"header, but compression_type='ZLIB'"):
+            reader([str(zl), plain], compression_type="ZLIB")
+        with pytest.raises(ValueError, match=r"day_0.tsv.gz does not start with a zlib"):
+            reader([str(gz)], compression_type="ZLIB")
+    # Matching files (and empty ones) read.
+    assert len(find_bad_tsv_lines([str(gz), str(empty)], num_dense=1, num_sparse=0,
+                                  compression_type="GZIP")) == 0
+    for path, kind in ((gz, "GZIP"), (zl, "ZLIB")):
+        (features, label), = criteo_tsv([str(path), str(empty)], num_dense=1, num_sparse=0,
+                                        compression_type=kind)
+        assert features["dense"].numpy().tolist() == [[2.0]] and label.numpy().tolist() == [[1]]
 
 
 def test_reader_argument_errors(files, tmp_path):
@@ -319,6 +357,16 @@ def test_parquet_errors(files, tmp_path):
                                      "C1": ["a"] * 3}), path, compression="none")
             with pytest.raises(tf.errors.InvalidArgumentError,
                                match=r"parquet, column label: labels must be 0 or 1"):
+                list(parquet(path, dense_columns=["I1"], sparse_columns=["C1"],
+                             engine=engine))
+    for engine in ("tensorflow_io", "pyarrow"):  # dense values: finite, as in criteo_tsv
+        for value in (float("nan"), float("-inf")):
+            path = str(tmp_path / f"dense_{engine}_{value}.parquet")
+            pq.write_table(pa.table({"label": [1.0, 0.0, 1.0], "I1": [2.0, value, 3.0],
+                                     "C1": ["a"] * 3}), path, compression="none")
+            with pytest.raises(tf.errors.InvalidArgumentError,
+                               match=r"parquet: dense values must be finite.*row and column"
+                               r".*1 0.*as a null"):
                 list(parquet(path, dense_columns=["I1"], sparse_columns=["C1"],
                              engine=engine))
     bad = str(tmp_path / "int_categorical.parquet")
@@ -477,6 +525,14 @@ def test_hash_bad_values():
         hash_categorical(0, np.array([1.5]))
     with pytest.raises(TypeError, match="float"):
         hash_categorical(0, ["a", 1.5])
+
+
+def test_random_rows_of_any_count():
+    for n in (0, 1, 5):
+        rows = random_criteo_rows(n, seed=1)
+        assert rows.categorical.shape == (n, 26) and rows.dense.shape == (n, 13)
+        features, label = rows.encode()
+        assert features["sparse"].shape == (n, 26) and label.shape == (n, 1)
 
 
 def test_writer_rejects_tabs(tmp_path):

@@ -22,7 +22,9 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import io
+import math
 import os
+import re
 import zlib
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
@@ -159,7 +161,7 @@ def random_criteo_rows(
     vocab = rng.integers(0, 1 << 32, size=(num_sparse, 1000))
     pick = np.minimum(rng.zipf(1.3, size=(num_rows, num_sparse)) - 1, 999)
     codes = vocab[np.arange(num_sparse)[None, :], pick]
-    categorical = np.char.mod("%08x", codes).astype(object)
+    categorical = np.char.mod("%08x", codes).astype(object).reshape(num_rows, num_sparse)
     categorical[rng.random((num_rows, num_sparse)) < missing_rate] = ""
     if num_sparse:
         cut_rows = np.flatnonzero(rng.random(num_rows) < missing_rate)
@@ -259,6 +261,26 @@ def binary_labels(label: tf.Tensor, reader: str, shown: tf.Tensor | None = None,
         return tf.identity(label)
 
 
+def finite_dense(dense: tf.Tensor, reader: str, shown: tf.Tensor | None = None,
+                 hint: str = "") -> tf.Tensor:
+    """``dense`` once every entry is finite; else an InvalidArgumentError that
+    shows the first other value (from ``shown``, e.g. the field's text, when
+    given) and its row and column in the batch. An infinite or NaN feature
+    would make every loss it reaches NaN."""
+    finite = tf.reduce_all(tf.math.is_finite(dense))
+    first_bad = tf.where(tf.logical_not(tf.math.is_finite(dense)))[:1]
+    ok = tf.debugging.Assert(
+        finite,
+        [f"{reader}: dense values must be finite numbers (not inf, nan, or beyond "
+         "float32's range); this batch has",
+         tf.gather_nd(dense if shown is None else shown, first_bad),
+         "in its row and column", first_bad]
+        + ([hint] if hint else []),
+    )
+    with tf.control_dependencies([ok]):
+        return tf.identity(dense)
+
+
 def _parse_tsv_lines(
     lines: tf.Tensor, num_dense: int, num_sparse: int, dense_default: float
 ) -> tuple[dict[str, tf.Tensor], tf.Tensor]:
@@ -293,6 +315,8 @@ def _parse_tsv_lines(
     empty = tf.equal(dense_str, "")
     dense = tf.strings.to_number(tf.where(empty, "0", dense_str), tf.float32)
     dense = tf.where(empty, tf.constant(dense_default, tf.float32), dense)
+    dense = finite_dense(dense, "criteo_tsv", dense_str,
+                         "(tf_sfctr.data.find_bad_tsv_lines(paths) names the file and line)")
     prefixes = [field_prefix(j) for j in range(num_sparse)]
     return encode_batch(label, dense, table[:, 1 + num_dense :], prefixes)
 
@@ -324,15 +348,25 @@ def _open_lines(path: str, compression_type: str | None) -> Iterator[bytes]:
             yield from f
 
 
-def _bad_number(field: bytes) -> bool:
-    # As TF's StringToNumber reads it: Python's float() also takes "1_000"
-    # and non-ASCII digits, which TF refuses.
-    try:
-        text = field.decode("ascii")
-        float(text)
-    except (UnicodeDecodeError, ValueError):
-        return True
-    return "_" in text
+_DECIMAL = re.compile(rb"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_HEX = re.compile(rb"[+-]?0[xX][0-9a-fA-F]+")
+_SPECIAL = re.compile(rb"[+-]?(?:inf|nan)", re.IGNORECASE)
+
+
+def _number(field: bytes) -> float | None:
+    """``field`` (stripped) as TF's StringToNumber reads it into float32, or
+    None where TF refuses it. Python's ``float()`` differs: it takes "1_000",
+    "infinity" and non-ASCII digits, and refuses hexadecimal integers."""
+    if _DECIMAL.fullmatch(field):
+        value = float(field)
+    elif _HEX.fullmatch(field):
+        value = float(int(field, 16)) if len(field) < 300 else math.inf
+    elif _SPECIAL.fullmatch(field):
+        value = float(field)
+    else:
+        return None
+    with np.errstate(over="ignore"):
+        return float(np.float32(value))
 
 
 def find_bad_tsv_lines(
@@ -365,6 +399,7 @@ def find_bad_tsv_lines(
     num_sparse = check_int("num_sparse", num_sparse, minimum=0)
     limit = check_int("limit", limit, minimum=1)
     _check_compression(compression_type)
+    _check_compressed_alike(paths, compression_type, "find_bad_tsv_lines")
     width = 1 + num_dense + num_sparse
     names = dense_column_names(num_dense)
     found: list[BadLine] = []
@@ -380,16 +415,20 @@ def find_bad_tsv_lines(
                           f"(label + {num_dense} integer + {num_sparse} categorical)")
             elif not label:
                 reason = "empty label (a blank or whitespace-only line?)"
-            elif _bad_number(label):
+            elif _number(label) is None:
                 reason = f"label {label.decode(errors='replace')!r} is not a number"
-            elif float(label) not in (0.0, 1.0):
+            elif _number(label) not in (0.0, 1.0):
                 reason = f"label {label.decode(errors='replace')!r} is not 0 or 1"
             else:
                 for name, field in zip(names, columns[1:1 + num_dense]):
                     field = field.strip()
-                    if field and _bad_number(field):
+                    if not field:
+                        continue
+                    value = _number(field)
+                    if value is None or not math.isfinite(value):
                         reason = (f"dense column {name}: "
-                                  f"{field.decode(errors='replace')!r} is not a number")
+                                  f"{field.decode(errors='replace')!r} is not a "
+                                  f"{'number' if value is None else 'finite number'}")
                         break
             if reason is not None:
                 found.append(BadLine(path, number, reason))
@@ -398,15 +437,31 @@ def find_bad_tsv_lines(
     return found
 
 
-def _refuse_compressed(paths: Sequence[str]) -> None:
-    """A gzip file read as text would fail later with a UnicodeDecodeError:
-    name the file and the argument instead."""
+def _check_compressed_alike(paths: Sequence[str], compression_type: str | None,
+                            who: str) -> None:
+    """Every file must be compressed as ``compression_type`` says. Otherwise a
+    gzip file read as text fails later with a UnicodeDecodeError, and a plain
+    file read as gzip or zlib fails mid-iteration with an inflate error that
+    names no file: name the file and the argument instead (from the first
+    bytes: gzip's magic number, zlib's header check). Empty files pass."""
     for path in paths:
         with tf.io.gfile.GFile(path, "rb") as f:
-            if f.read(2) == b"\x1f\x8b":
-                raise ValueError(
-                    f"criteo_tsv: {path} is gzip-compressed; pass compression_type='GZIP' "
-                    "(every file of one call must be compressed alike)")
+            head = f.read(2)
+        if not head:
+            continue
+        gzip_head = head == b"\x1f\x8b"
+        zlib_head = (len(head) == 2 and head[0] & 0x0F == 8 and head[0] >> 4 <= 7
+                     and (head[0] << 8 | head[1]) % 31 == 0)
+        alike = " (every file of one call must be compressed alike)"
+        if not compression_type and gzip_head:
+            raise ValueError(f"{who}: {path} is gzip-compressed; pass "
+                             f"compression_type='GZIP'{alike}")
+        if compression_type == "GZIP" and not gzip_head:
+            raise ValueError(f"{who}: {path} is not gzip-compressed (it does not start with "
+                             f"gzip's magic bytes 1f 8b), but compression_type='GZIP'{alike}")
+        if compression_type == "ZLIB" and not zlib_head:
+            raise ValueError(f"{who}: {path} does not start with a zlib header, but "
+                             f"compression_type='ZLIB'{alike}")
 
 
 def criteo_tsv(
@@ -434,13 +489,16 @@ def criteo_tsv(
     ``1 + num_dense + num_sparse`` columns ("a line has more than 40
     tab-separated columns"), an empty label ("empty label"; also a blank or
     whitespace-only line), a label other than 0 or 1 ("labels must be 0 or
-    1", with the value), or a label or dense field that is not a number
-    ("StringToNumberOp could not correctly convert string"). The errors name
+    1", with the value), a label or dense field that is not a number
+    ("StringToNumberOp could not correctly convert string"; TF's rules: decimal
+    or hexadecimal ``0x1f`` numbers), or a dense field that is not finite in
+    float32 ("dense values must be finite numbers": ``inf``, ``nan``, 1e39). The errors name
     the batch's offending value; :func:`find_bad_tsv_lines` names the file and
     line. Lines may end in
     ``\\r\\n``; spaces around a label or dense number are ignored, and a
     dense field of spaces only is empty. A gzip file read without
-    ``compression_type="GZIP"`` is refused up front.
+    ``compression_type="GZIP"``, or a file that is not gzip (zlib) read with
+    ``"GZIP"`` (``"ZLIB"``), is refused up front.
 
     Args:
       paths: one file or a list of files, read in order.
@@ -469,8 +527,7 @@ def criteo_tsv(
     num_shards, index = check_shard(shard)
     _check_compression(compression_type)
     dense_default = float(dense_default)
-    if not compression_type:
-        _refuse_compressed(paths)
+    _check_compressed_alike(paths, compression_type, "criteo_tsv")
     ds = tf.data.TextLineDataset(paths, compression_type=compression_type or "")
     if num_shards > 1:
         ds = ds.shard(num_shards, index)

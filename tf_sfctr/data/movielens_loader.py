@@ -108,7 +108,7 @@ def resolve_path(path: PathLike | None = None) -> Path:
 def _read_movies(path: Path) -> dict[int, tuple[str, tuple[str, ...]]]:
     """movieId -> (year string or "", genres)."""
     movies = {}
-    with open(path, encoding="utf-8", newline="") as f:
+    with open(path, encoding="utf-8-sig", newline="") as f:
         reader = csv.reader(f)
         header = next(reader, None)
         if header != ["movieId", "title", "genres"]:

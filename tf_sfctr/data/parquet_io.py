@@ -58,6 +58,7 @@ from tf_sfctr.data.criteo import (
     binary_labels,
     dense_column_names,
     encode_batch,
+    finite_dense,
     sparse_column_names,
 )
 from tf_sfctr.data.hashing import field_prefix
@@ -406,6 +407,8 @@ def parquet(
       ValueError: unknown engine, a missing column, a column of the wrong type, or
         (``engine="tensorflow_io"``) a column with nulls or a compressed string
         column.
+      tf.errors.InvalidArgumentError: while iterating, a label other than 0 or
+        1, or a dense value that is not finite (NaN, inf).
       ImportError: the engine's library is not installed.
 
     Example:
@@ -458,7 +461,9 @@ def parquet(
     ds = ds.map(
         lambda lab, den, cat: encode_batch(
             binary_labels(tf.ensure_shape(lab, [b]), f"parquet, column {label_column}"),
-            tf.ensure_shape(den, [b, len(dense)]),
+            finite_dense(tf.ensure_shape(den, [b, len(dense)]), "parquet",
+                         hint="(store a missing value as a null: engine='pyarrow' reads "
+                         "it as dense_default)"),
             tf.ensure_shape(cat, [b, len(sparse)]),
             prefixes,
         ),

@@ -37,6 +37,10 @@ class ServingEmbedding(keras.layers.Layer):
     def __init__(self, keys: Any = None, rows: Any = None, *, output_dim: Optional[int] = None,
                  num_keys: Optional[int] = None, combiner: Optional[str] = None,
                  pad_id: Union[int, None, list] = 0, **kwargs):
+        # Rows are read in their stored float32 and combined before the cast to
+        # the compute dtype (bfloat16 under mixed_bfloat16), as CachedEmbedding
+        # does; Keras's autocast would gather bfloat16 rows and sum in bfloat16.
+        kwargs.setdefault("autocast", False)
         super().__init__(**kwargs)
         if keys is not None:
             keys = np.asarray(keys, np.int64)

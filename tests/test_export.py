@@ -10,6 +10,7 @@ import textwrap
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tf_sfctr
 from tf_sfctr.export import serving_model
@@ -294,3 +295,100 @@ def test_a_table_inside_a_subclassed_layer_is_refused():
     model = keras.Model(inp, Tower(name="tower")(inp))
     with pytest.raises(ValueError, match="cannot freeze tables inside a subclassed layer"):
         serving_model(model)
+
+
+@pytest.mark.parametrize("kind", ["string", "integer"])
+def test_adapted_lookup_layers_keep_their_vocabulary(rng, tmp_path, kind):
+    """An adapted StringLookup / IntegerLookup keeps its vocabulary as an
+    asset, not a weight: export used to rebuild it empty, and the served model
+    failed on every call ("Table not initialized")."""
+    if kind == "string":
+        x = rng.choice(np.array(list("abcdefg")), size=(64, 2))
+        lookup = keras.layers.StringLookup(name="lookup")
+        inp = keras.Input((2,), dtype="string")
+    else:
+        x = rng.choice(np.array([10, 20, 30, 40, 70], np.int64), size=(64, 2))
+        lookup = keras.layers.IntegerLookup(name="lookup")
+        inp = keras.Input((2,), dtype="int64")
+    lookup.adapt(x.ravel())
+    emb = CachedEmbedding(3, cache_capacity=16, seed=0, name="emb")
+    model = keras.Model(inp, keras.layers.Dense(1, name="out")(
+        keras.layers.Flatten()(emb(lookup(inp)))))
+    model.compile(optimizer="adam", loss="mse")
+    feed = tf.constant(x)  # (Keras refuses NumPy unicode arrays)
+    model.fit(feed, np.ones((64, 1), "float32"), batch_size=8, verbose=0)
+    expected = model.predict(feed, verbose=0)
+    frozen = tf_sfctr.export_for_serving(model, str(tmp_path / "served"))
+    assert frozen.get_layer("lookup").get_vocabulary() == lookup.get_vocabulary()
+    assert len(lookup.get_vocabulary()) == 1 + len(np.unique(x))  # [UNK] + what it saw
+    served, _ = _serve_in_subprocess(tmp_path, tmp_path / "served", x)
+    np.testing.assert_allclose(served, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_mixed_bfloat16_combiners_serve_like_predict(rng):
+    """Rows are combined in float32 and cast once, in training and serving
+    alike (Keras's autocast used to make the served layer sum bfloat16 rows:
+    half of the outputs differed by 1-2 bfloat16 steps)."""
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    try:
+        x = rng.integers(1, 200, size=(256, 8)).astype("int64")
+        inp = keras.Input((8,), dtype="int64")
+        out = {c: CachedEmbedding(4, cache_capacity=256, seed=0, combiner=c,
+                                  embeddings_initializer="uniform", name=f"emb_{c}")(inp)
+               for c in ("sum", "mean", "sqrtn")}
+        model = keras.Model(inp, out)
+        ids = np.arange(1, 200, dtype=np.int64)
+        for c in out:  # rows in the host table (predict does not add them)
+            model.get_layer(f"emb_{c}").assign_rows(
+                ids, rng.uniform(-1, 1, (len(ids), 4)).astype("float32"))
+        expected = model.predict(x, verbose=0)
+        frozen = serving_model(model, pad_id=None)
+        got = frozen.predict(x, verbose=0)
+        for c in expected:
+            assert got[c].dtype == expected[c].dtype
+            np.testing.assert_array_equal(got[c], expected[c])
+    finally:
+        keras.config.set_dtype_policy(previous)
+
+
+def test_subclassed_models_and_bad_export_dirs_are_refused_with_what_to_do(tmp_path):
+    class Tower(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.emb = CachedEmbedding(3, cache_capacity=8, seed=0, combiner="sum")
+
+        def call(self, x):
+            return self.emb(x)
+
+    model = Tower()
+    model(np.array([[1, 2]], np.int64))
+    with pytest.raises(ValueError, match=r"subclassed model \(Tower\): build a functional "
+                                         r"model from its layers"):
+        tf_sfctr.export_for_serving(model, str(tmp_path / "served"))
+    functional = _identity_model(CachedEmbedding(3, cache_capacity=8, seed=0))
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for bad, match in (("", "non-empty path"), (None, "non-empty path"), (3, "non-empty path"),
+                       (str(a_file), "is a file")):
+        with pytest.raises(ValueError, match=match):
+            tf_sfctr.export_for_serving(functional, bad)
+
+
+def test_max_rows_warns_when_capped_use_counts_decide_the_cut():
+    from tf_sfctr.export import MAX_USE_COUNT, _most_used
+
+    ids = np.array([900, 5, 7, 3], np.int64)
+    counts = np.array([MAX_USE_COUNT, MAX_USE_COUNT, 10, MAX_USE_COUNT], np.int64)
+    with pytest.warns(UserWarning, match=r"'t' has 3 rows whose use count reached its cap "
+                                         r"\(65535 steps\), more than max_rows=2"):
+        keep = _most_used(ids, counts, 2, "t")
+    assert ids[keep].tolist() == [3, 5]  # by id among the capped ones
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no cut among capped counts: no warning
+        assert ids[_most_used(ids, counts, 3, "t")].tolist() == [3, 5, 900]
+        assert ids[_most_used(ids, counts, 0, "t")].tolist() == []
+        small = np.array([4, 9, 1, 9], np.int64)
+        assert ids[_most_used(ids, small, 2, "t")].tolist() == [3, 5]  # ties by id

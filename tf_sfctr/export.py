@@ -10,6 +10,8 @@ with CPU and GPU kernels. Ids absent from the table (never seen, or dropped by
 from __future__ import annotations
 
 import os
+import tempfile
+import warnings
 from typing import Optional, Union
 
 import keras
@@ -34,10 +36,28 @@ def _frozen_rows(layer: CachedEmbedding, max_rows: Optional[int]):
         counts = hvd.allgather(counts, name=f"{name}_counts", ignore_name_scope=True)
     ids, rows, counts = ids.numpy(), rows.numpy(), counts.numpy()
     if max_rows is not None and len(ids) > max_rows:
-        # Most used first; ties broken by id so the choice is deterministic.
-        keep = np.lexsort((ids, -counts))[:max_rows]
+        keep = _most_used(ids, counts, max_rows, layer.name)
         ids, rows = ids[keep], rows[keep]
     return ids, rows
+
+
+#: Host rows count the training steps that used them up to this value (16 bits).
+MAX_USE_COUNT = 65535
+
+
+def _most_used(ids: np.ndarray, counts: np.ndarray, max_rows: int, table: str) -> np.ndarray:
+    """Positions of the ``max_rows`` most used rows; ties broken by id so the
+    choice is deterministic. Warns when the cut falls among rows whose count
+    reached its cap, where id order, not use, decides."""
+    keep = np.lexsort((ids, -counts))[:max_rows]
+    saturated = int(np.count_nonzero(counts >= MAX_USE_COUNT))
+    if max_rows and counts[keep[-1]] >= MAX_USE_COUNT and saturated > max_rows:
+        warnings.warn(
+            f"export_for_serving: table {table!r} has {saturated} rows whose use count "
+            f"reached its cap ({MAX_USE_COUNT} steps), more than max_rows={max_rows}; which "
+            "of them are kept is decided by id, not by use. Raise max_rows to keep them "
+            "all.", stacklevel=5)
+    return keep
 
 
 class _UnusedPipelineKey(keras.layers.Layer):
@@ -180,15 +200,23 @@ def _refuse_hidden_tables(model: keras.Model) -> None:
                 "the CachedEmbedding in a functional model instead.")
 
 
-def _copy_weights(source: keras.Model, target: keras.Model) -> None:
+def _copy_state(source: keras.Model, target: keras.Model) -> None:
+    """Copies every layer's weights, and the state Keras saves as assets
+    (an adapted ``StringLookup``'s or ``IntegerLookup``'s vocabulary, which
+    is not a weight and which ``from_config`` does not carry)."""
     for layer in source.layers:
-        if isinstance(layer, CachedEmbedding) or not layer.weights:
-            continue
+        if isinstance(layer, (CachedEmbedding, keras.layers.InputLayer)):
+            continue  # (clone_model makes new inputs, under other names)
         copy = target.get_layer(layer.name)
         if _is_graph_model(layer):
-            _copy_weights(layer, copy)
-        else:
+            _copy_state(layer, copy)
+            continue
+        if layer.weights:
             copy.set_weights(layer.get_weights())
+        if hasattr(layer, "save_assets") and hasattr(copy, "load_assets"):
+            with tempfile.TemporaryDirectory(prefix="tf_sfctr_export_") as assets:
+                layer.save_assets(assets)
+                copy.load_assets(assets)
 
 
 def _pad_for(x) -> Union[int, None, list]:
@@ -236,15 +264,19 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None,
     if pad_id is not None and pad_id != "auto" and (
             isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer))):
         raise ValueError(f"pad_id must be 'auto', None or an int id, got {pad_id!r}")
-    if not isinstance(model, keras.Model) or not hasattr(model, "inputs") or model.inputs is None:
-        raise ValueError("export_for_serving needs a functional or Sequential keras.Model")
+    if not isinstance(model, keras.Model):
+        raise ValueError("export_for_serving needs a functional or Sequential keras.Model, "
+                         f"got {type(model).__name__}")
     try:
-        model.inputs  # noqa: B018 - subclassed models raise here
-    except (AttributeError, ValueError) as err:
+        inputs = model.inputs  # subclassed models have none (or raise)
+    except (AttributeError, ValueError):
+        inputs = None
+    if inputs is None:
         raise ValueError(
             "export_for_serving needs a functional or Sequential keras.Model (it "
-            "rebuilds the graph with frozen tables); wrap a subclassed model's "
-            "layers in a functional model first") from err
+            "rebuilds the graph with frozen tables); this is a subclassed model "
+            f"({type(model).__name__}): build a functional model from its layers first, "
+            "e.g. keras.Model(inputs, outputs) with the CachedEmbedding called on inputs")
 
     # A Sequential model has no `input` structure (Keras raises), only its one input.
     structure = model.inputs[0] if isinstance(model, keras.Sequential) else model.input
@@ -274,7 +306,7 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None,
 
     _refuse_hidden_tables(model)
     copy = keras.models.clone_model(model, clone_function=clone, recursive=True)
-    _copy_weights(model, copy)
+    _copy_state(model, copy)
     if plain is None:
         return copy
     inputs, feed = plain
@@ -291,14 +323,17 @@ def export_for_serving(model: keras.Model, export_dir: str,
     plain ids, under the feature's key); it loads with
     ``tf.saved_model.load`` (or TF Serving) in a process that never imported
     tf_sfctr. ``max_rows`` keeps the most used rows of each table (use counts
-    since the table was created); the others, like never-seen ids, get zeros.
+    since the table was created: the training steps that used each row, up to
+    65535, so rows used in more steps tie, broken by id, with a warning when
+    that decides the cut); the others, like never-seen ids, get zeros.
     Multi-hot inputs (layers with a combiner) may reach the served model as
     dense rows; ``pad_id`` says which id their combiner skips. ``"auto"``
     (default) serves each layer as it was trained: one trained on sparse ids
     skips 0 (what ``tf.sparse.to_dense`` and ``RaggedTensor.to_tensor()``
     pad with), one trained on dense rows counts every position, id 0
     included, as training did. An int or ``None`` applies to every layer.
-    Returns the frozen Keras model that was exported. Under Horovod, call it
+    Returns the frozen Keras model that was exported (it takes what the
+    SavedModel takes: multi-hot features as dense padded rows). Under Horovod, call it
     on every rank: the sharded tables are gathered and rank 0 writes one
     complete SavedModel.
 
@@ -308,6 +343,11 @@ def export_for_serving(model: keras.Model, export_dir: str,
         served = tf.saved_model.load("/tmp/served")
         served.serve(ids)
     """
+    if not isinstance(export_dir, (str, os.PathLike)) or not os.fspath(export_dir):
+        raise ValueError(f"export_dir must be a non-empty path, got {export_dir!r}")
+    if os.path.isfile(export_dir):
+        raise ValueError(f"export_dir {os.fspath(export_dir)!r} is a file; a SavedModel is a "
+                         "directory")
     frozen = serving_model(model, max_rows, pad_id)
     size, rank = _horovod.world()
     if rank == 0:

@@ -45,13 +45,23 @@ class ServingEmbedding(keras.layers.Layer):
         if keys is not None:
             keys = np.asarray(keys, np.int64)
             rows = np.asarray(rows, np.float32)
+            if keys.ndim != 1 or rows.ndim != 2 or rows.shape[0] != keys.shape[0]:
+                raise ValueError(f"keys must be [n] and rows [n, dim], got {keys.shape} "
+                                 f"and {rows.shape}")
+            # Sorted keys with one extra slot (never matched: its row index
+            # is num_keys, the zero row), so the gather stays valid for an
+            # empty table. One copy of the rows, written in sorted order.
             order = np.argsort(keys, kind="stable")
-            keys, rows = keys[order], rows[order]
-            if rows.ndim != 2 or rows.shape[0] != keys.shape[0]:
-                raise ValueError(f"rows must be [len(keys), dim], got {rows.shape}")
-            if len(np.unique(keys)) != len(keys):
+            num_keys, output_dim = rows.shape
+            sorted_keys = np.empty(num_keys + 1, np.int64)
+            np.take(keys, order, out=sorted_keys[:num_keys])
+            sorted_keys[num_keys] = np.iinfo(np.int64).max
+            if np.any(sorted_keys[1:num_keys] == sorted_keys[: num_keys - 1]):
                 raise ValueError("keys must be distinct")
-            output_dim, num_keys = rows.shape[1], keys.shape[0]
+            sorted_rows = np.empty((num_keys + 1, output_dim), np.float32)
+            np.take(rows, order, axis=0, out=sorted_rows[:num_keys])
+            sorted_rows[num_keys] = 0.0
+            keys, rows = sorted_keys, sorted_rows
         if output_dim is None or num_keys is None:
             raise ValueError("ServingEmbedding needs keys and rows (or output_dim and num_keys)")
         self.output_dim = int(output_dim)
@@ -70,15 +80,14 @@ class ServingEmbedding(keras.layers.Layer):
 
     def build(self, input_shape: Any = None) -> None:
         keys, rows = self._initial
-        # One extra key slot (never matched: its row index is num_keys) keeps
-        # the gather valid for an empty table.
+
+        def given(value):  # the variable starts from the prepared array (no zeros first)
+            return "zeros" if value is None else (lambda shape, dtype=None: value)
+
         self.keys = self.add_weight(shape=(self.num_keys + 1,), dtype="int64",
-                                    initializer="zeros", trainable=False, name="keys")
+                                    initializer=given(keys), trainable=False, name="keys")
         self.rows = self.add_weight(shape=(self.num_keys + 1, self.output_dim),
-                                    initializer="zeros", trainable=False, name="rows")
-        if keys is not None:
-            self.keys.assign(np.concatenate([keys, [np.iinfo(np.int64).max]]))
-            self.rows.assign(np.concatenate([rows, np.zeros((1, self.output_dim), np.float32)]))
+                                    initializer=given(rows), trainable=False, name="rows")
         self._initial = (None, None)
 
     def _lookup(self, flat_ids: tf.Tensor) -> tf.Tensor:

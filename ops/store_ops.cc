@@ -169,6 +169,7 @@ REGISTER_OP("SfctrHostExport")
     .Output("ids: int64")
     .Output("rows: float")
     .Output("counts: int64")
+    .Attr("columns: int = -1")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       TF_RETURN_IF_ERROR(VectorOfUnknown(c, 0));
@@ -176,7 +177,9 @@ REGISTER_OP("SfctrHostExport")
                                  InferenceContext::kUnknownDim));
       return VectorOfUnknown(c, 2);
     })
-    .Doc("Every row of the host table with its use count.");
+    .Doc("Every row of the host table with its use count. columns > 0: only the first "
+         "`columns` floats of each row (the embedding without its optimizer state); "
+         "-1: whole rows.");
 
 REGISTER_OP("SfctrHostAddCounts")
     .Input("store: resource")

@@ -392,3 +392,39 @@ def test_max_rows_warns_when_capped_use_counts_decide_the_cut():
         assert ids[_most_used(ids, counts, 0, "t")].tolist() == []
         small = np.array([4, 9, 1, 9], np.int64)
         assert ids[_most_used(ids, small, 2, "t")].tolist() == [3, 5]  # ties by id
+
+
+def test_saved_model_holds_each_table_once(tmp_path):
+    """Keras 3.5's model.export saves every weight twice (as a Keras variable
+    and as the tf.Variable the serving function captures); the tables are
+    written once, and without their optimizer state."""
+    n, dim = 100_000, 16
+    emb = CachedEmbedding(dim, cache_capacity=64, seed=0, name="emb", optimizer="adam")
+    model = _identity_model(emb)
+    ids = np.arange(n, dtype=np.int64) * 7 + 1
+    values = np.random.default_rng(0).uniform(-1, 1, (n, dim)).astype("float32")
+    emb.assign_rows(ids, values)
+    tf_sfctr.export_for_serving(model, str(tmp_path / "served"))
+    stored = sum(f.stat().st_size for f in (tmp_path / "served" / "variables").iterdir())
+    table = n * (dim * 4 + 8)  # rows and keys
+    assert table <= stored < 1.2 * table, (stored, table)
+    served, _ = _serve_in_subprocess(tmp_path, tmp_path / "served", ids[:1000].reshape(500, 2))
+    np.testing.assert_array_equal(served, values[:1000].reshape(500, 2, dim))
+
+
+def test_host_export_of_the_first_columns():
+    emb = CachedEmbedding(4, cache_capacity=8, seed=0, optimizer="adam")  # rows of 12 floats
+    _identity_model(emb)
+    emb.assign_rows(np.arange(1, 30, dtype=np.int64),
+                    np.random.default_rng(1).uniform(size=(29, 4)).astype("float32"))
+    ids, rows, counts = emb.store.host_export()
+    assert rows.shape == (29, 12)
+    for columns in (1, 4, 12):
+        i, r, c = emb.store.host_export(columns=columns)
+        np.testing.assert_array_equal(i, ids)
+        np.testing.assert_array_equal(r, rows[:, :columns])
+        np.testing.assert_array_equal(c, counts)
+    for bad in (0, 13, -2):
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=rf"columns must be -1 \(whole rows\) or 1..12 .*got {bad}"):
+            emb.store.host_export(columns=bad)

@@ -25,8 +25,8 @@ from tf_sfctr.keras_layers.serving_embedding import ServingEmbedding
 
 def _frozen_rows(layer: CachedEmbedding, max_rows: Optional[int]):
     layer.flush()
-    ids, rows, counts = layer.store.host_export()
-    rows = rows[:, : layer.output_dim]
+    # The embedding columns only: each host row also holds its optimizer state.
+    ids, rows, counts = layer.store.host_export(columns=layer.output_dim)
     if layer.mode == "model_parallel":
         # Every rank holds a shard: gather the whole table (collective).
         hvd = _horovod.require()
@@ -313,6 +313,30 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None,
     return keras.Model(inputs, copy(feed), name=f"{model.name}_served")
 
 
+def _write_saved_model(frozen: keras.Model, export_dir) -> None:
+    """What ``frozen.export(export_dir)`` writes, with each table stored once.
+
+    Keras 3.5's ``model.export`` tracks every layer's Keras variables and, in
+    addition, the ``tf.Variable``s its serving function captures, so the
+    SavedModel's checkpoint holds each weight twice (a table of 0.48 GiB made
+    a 1.1 GB SavedModel that took two copies' memory to serve). Here the
+    frozen tables (``ServingEmbedding``) reach the SavedModel only as the
+    variables the function captures; every other layer is tracked as Keras
+    does, so that lookup layers keep their vocabulary (an asset).
+    """
+    archive = keras.export.ExportArchive()
+    for layer in frozen._flatten_layers(include_self=False):
+        if (isinstance(layer, (ServingEmbedding, keras.layers.InputLayer))
+                or _is_graph_model(layer)):
+            continue
+        archive.track(layer)
+    # The serving signature of Keras's export_model: one TensorSpec per input.
+    specs = [tf.TensorSpec((None,) + tuple(x.shape[1:]), dtype=x.dtype, name=x.name)
+             for x in frozen.inputs]
+    archive.add_endpoint("serve", frozen.__call__, [specs] if len(specs) > 1 else specs)
+    archive.write_out(os.fspath(export_dir))
+
+
 def export_for_serving(model: keras.Model, export_dir: str,
                        max_rows: Optional[int] = None,
                        pad_id: Union[int, None, str] = "auto") -> keras.Model:
@@ -355,7 +379,7 @@ def export_for_serving(model: keras.Model, export_dir: str,
         was_logging = keras.config.is_interactive_logging_enabled()
         keras.config.disable_interactive_logging()  # Keras prints every signature
         try:
-            frozen.export(export_dir)
+            _write_saved_model(frozen, export_dir)
         finally:
             if was_logging:
                 keras.config.enable_interactive_logging()

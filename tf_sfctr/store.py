@@ -166,8 +166,11 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
     def host_assign(self, ids: tf.Tensor, values: tf.Tensor):
         return _ops.load().sfctr_host_assign(self.resource_handle, ids, values)
 
-    def host_export(self):
-        return _ops.load().sfctr_host_export(self.resource_handle)
+    def host_export(self, columns: int = -1):
+        """(ids, rows, use counts) of every host row; ``columns`` > 0: only
+        each row's first ``columns`` floats (the embedding, without its
+        optimizer state)."""
+        return _ops.load().sfctr_host_export(self.resource_handle, columns=columns)
 
     def host_add_counts(self, ids: tf.Tensor, counts: tf.Tensor):
         return _ops.load().sfctr_host_add_counts(self.resource_handle, ids, counts)

@@ -116,9 +116,11 @@ class HostTable {
               std::vector<uint32_t>* counts) const;
 
   // Same, written into caller buffers sized by `allocate(n)`, which is
-  // called once with the exact row count while every shard is locked.
+  // called once with the exact row count while every shard is locked. With
+  // 0 < columns < width(), only each row's first `columns` floats (the
+  // embedding without its optimizer state) are written, `columns` apart.
   template <typename Allocate>
-  void ExportTo(Allocate allocate) const;
+  void ExportTo(Allocate allocate, int64_t columns = -1) const;
 
   // Removes every stored id whose use counter is below `min_count`, except
   // the ids in `keep`; returns how many were removed. Their rows go to a
@@ -224,7 +226,8 @@ class HostTable {
 };
 
 template <typename Allocate>
-void HostTable::ExportTo(Allocate allocate) const {
+void HostTable::ExportTo(Allocate allocate, int64_t columns) const {
+  const int64_t cols = (columns > 0 && columns < width_) ? columns : width_;
   const uint64_t num_shards = shard_mask_ + 1;
   std::vector<std::unique_lock<std::mutex>> locks;
   locks.reserve(num_shards);
@@ -245,7 +248,7 @@ void HostTable::ExportTo(Allocate allocate) const {
       ids[i] = e.id;
       counts[i] = CountOf(s, e.row);
       const float* src = RowPtr(s, e.row);
-      std::copy(src, src + width_, rows + i * width_);
+      std::copy(src, src + cols, rows + i * cols);
       ++i;
     }
   }

@@ -422,11 +422,17 @@ class CacheClearOp : public StoreOpKernel {
 
 class HostExportOp : public StoreOpKernel {
  public:
-  using StoreOpKernel::StoreOpKernel;
+  explicit HostExportOp(OpKernelConstruction* ctx) : StoreOpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("columns", &columns_));
+  }
 
  protected:
   void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
-    const int64_t width = store.table().width();
+    const int64_t full = store.table().width();
+    OP_REQUIRES(ctx, columns_ == -1 || (columns_ >= 1 && columns_ <= full),
+                errors::InvalidArgument("SfctrHostExport: columns must be -1 (whole rows) or "
+                                        "1..", full, " (the row width), got ", columns_));
+    const int64_t width = columns_ == -1 ? full : columns_;
     Status status;
     std::vector<int64_t> scratch_ids, scratch_counts;
     std::vector<float> scratch_rows;
@@ -452,9 +458,12 @@ class HostExportOp : public StoreOpKernel {
           *ids = t_ids->flat<int64_t>().data();
           *rows = t_rows->flat<float>().data();
           *counts = t_counts->flat<int64_t>().data();
-        });
+        }, width);
     OP_REQUIRES_OK(ctx, status);
   }
+
+ private:
+  int64_t columns_ = -1;
 };
 
 class HostAddCountsOp : public StoreOpKernel {

@@ -145,6 +145,24 @@ TEST_CASE(HostTableGrowsAndExports) {
     CHECK_EQ(out_rows[i * 6], model[out_ids[i]]);
     CHECK_EQ(out_rows[i * 6 + 5], model[out_ids[i]]);
   }
+  // ExportTo: the same rows in the same order, whole or their first columns.
+  for (int64_t columns : {-1, 6, 2, 1}) {
+    const int64_t cols = columns == -1 ? 6 : columns;
+    std::vector<int64_t> to_ids, to_counts;
+    std::vector<float> to_rows;
+    t.ExportTo([&](int64_t n, int64_t** i, float** r, int64_t** c) {
+      to_ids.resize(n);
+      to_rows.assign(n * cols, -1.0f);
+      to_counts.resize(n);
+      *i = to_ids.data();
+      *r = to_rows.data();
+      *c = to_counts.data();
+    }, columns);
+    CHECK(to_ids == out_ids);
+    for (size_t i = 0; i < out_ids.size(); ++i) {
+      for (int64_t j = 0; j < cols; ++j) CHECK_EQ(to_rows[i * cols + j], out_rows[i * 6 + j]);
+    }
+  }
   // Memory: payload is 8 (id) + 6 * 4 bytes per row. Narrow rows in a
   // mid-sized table are the worst case of the layout (index entries and the
   // geometric arena tail dominate); bench/ measures realistic widths.

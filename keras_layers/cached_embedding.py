@@ -65,25 +65,25 @@ def _eviction_hints(name: str, inputs: dict) -> Optional[tuple]:
     """(ids, steps) of a de-duplicated feature's eviction hints, or None;
     the tensors wait for the check that they pair up (the caller makes the
     step wait for them)."""
-    has_ids, has_steps = "hint_ids" in inputs, "hint_steps" in inputs
+    has_ids, has_steps = "next_hint_ids" in inputs, "next_hint_steps" in inputs
     if has_ids != has_steps:
         raise ValueError(
-            "CachedEmbedding: eviction hints need both 'hint_ids' and 'hint_steps' "
+            "CachedEmbedding: eviction hints need both 'next_hint_ids' and 'next_hint_steps' "
             f"(tf_sfctr.data.with_unique_ids(..., eviction_hints=k) gives both); got only "
-            f"{'hint_ids' if has_ids else 'hint_steps'}")
+            f"{'next_hint_ids' if has_ids else 'next_hint_steps'}")
     if not has_ids:
         return None
-    _check_id_dtype(tf.as_dtype(inputs["hint_ids"].dtype), "hint_ids")
-    _check_id_dtype(tf.as_dtype(inputs["hint_steps"].dtype), "hint_steps")
-    hint_ids = tf.reshape(tf.cast(inputs["hint_ids"], tf.int64), [-1])
-    hint_steps = tf.reshape(inputs["hint_steps"], [-1])
+    _check_id_dtype(tf.as_dtype(inputs["next_hint_ids"].dtype), "next_hint_ids")
+    _check_id_dtype(tf.as_dtype(inputs["next_hint_steps"].dtype), "next_hint_steps")
+    hint_ids = tf.reshape(tf.cast(inputs["next_hint_ids"], tf.int64), [-1])
+    hint_steps = tf.reshape(inputs["next_hint_steps"], [-1])
     if hint_steps.dtype != tf.int32:  # a step beyond 2**31 - 1 is as good as never
         hint_steps = tf.cast(tf.clip_by_value(tf.cast(hint_steps, tf.int64), -2**31, 2**31 - 1),
                              tf.int32)
     # Checked here, before the step changes anything: a lookahead step reads
     # them only late, after its update (SfctrCachePrepare checks them too).
-    what = (f"CachedEmbedding {name!r}: eviction hints need one 'hint_steps' entry per "
-            "'hint_ids' entry, each >= 1 (how many batches after this one the id is "
+    what = (f"CachedEmbedding {name!r}: eviction hints need one 'next_hint_steps' entry per "
+            "'next_hint_ids' entry, each >= 1 (how many batches after this one the id is "
             "used), as tf_sfctr.data.with_unique_ids(..., eviction_hints=k) gives them. "
             "Nothing was changed")
     checks = [
@@ -96,7 +96,7 @@ def _eviction_hints(name: str, inputs: dict) -> Optional[tuple]:
 
 
 _VSI_REQUIRED_KEYS = ("ids", "unique_ids", "inverse")
-_VSI_OPTIONAL_KEYS = ("next_unique_ids", "hint_ids", "hint_steps")
+_VSI_OPTIONAL_KEYS = ("next_unique_ids", "next_hint_ids", "next_hint_steps")
 
 
 def _check_vsi_keys(name: str, inputs: dict) -> None:
@@ -370,7 +370,7 @@ class CachedEmbedding(keras.layers.Layer):
     writes back evicted rows and fills the fetched ones. Results are the same
     as without lookahead. (Local and model-parallel tables; a model-parallel
     step also sends the next ids to their owners. Data-parallel tables
-    ignore the key.) With ``"hint_ids"`` and ``"hint_steps"`` (ids that
+    ignore the key.) With ``"next_hint_ids"`` and ``"next_hint_steps"`` (ids that
     later batches use and how many batches after this one, from
     ``with_unique_ids(..., eviction_hints=k)``) the cache keeps those rows
     when others can go; values are unchanged. (Local and model-parallel

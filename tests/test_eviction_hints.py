@@ -1,4 +1,4 @@
-"""Eviction hints (``hint_ids`` / ``hint_steps``): ids that later batches use
+"""Eviction hints (``next_hint_ids`` / ``next_hint_steps``): ids that later batches use
 stay cached when other rows can go. Hints change which rows are cached, never
 a trained value; they raise the hit rate of a small cache; malformed hints are
 refused before anything changes."""
@@ -50,10 +50,10 @@ def _train(batches, k, lookahead=False, steps_of=None):
             feature["next_unique_ids"] = deduplicate(tf.constant(batches[t + 1]))["unique_ids"]
         if k:
             # The window starts after the batch the step prepares.
-            feature["hint_ids"], feature["hint_steps"] = _hints(
+            feature["next_hint_ids"], feature["next_hint_steps"] = _hints(
                 batches, t, k, first=2 if lookahead else 1)
             if steps_of is not None:
-                feature["hint_steps"] = steps_of(feature["hint_steps"])
+                feature["next_hint_steps"] = steps_of(feature["next_hint_steps"])
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(tf.square(layer(feature, training=True) - w))
         tape.gradient(loss, layer.trainable_variables)
@@ -103,7 +103,7 @@ def test_a_hint_for_the_prepared_batch_itself_is_dropped():
     for t, ids in enumerate(batches[:-1]):
         feature = deduplicate(tf.constant(ids))
         feature["next_unique_ids"] = deduplicate(tf.constant(batches[t + 1]))["unique_ids"]
-        feature["hint_ids"], feature["hint_steps"] = _hints(batches, t, 2, first=1)
+        feature["next_hint_ids"], feature["next_hint_steps"] = _hints(batches, t, 2, first=1)
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(layer(feature, training=True))
         tape.gradient(loss, layer.trainable_variables)
@@ -177,10 +177,10 @@ def test_hand_made_hints_that_do_not_pair_up_change_nothing(lookahead, hint_ids,
     feature = deduplicate(tf.constant(batches[1]))
     if lookahead:
         feature["next_unique_ids"] = deduplicate(tf.constant(batches[2]))["unique_ids"]
-    feature["hint_ids"] = tf.constant(hint_ids, tf.int64)
-    feature["hint_steps"] = tf.constant(hint_steps, tf.int32)
+    feature["next_hint_ids"] = tf.constant(hint_ids, tf.int64)
+    feature["next_hint_steps"] = tf.constant(hint_steps, tf.int32)
     with pytest.raises(tf.errors.InvalidArgumentError,
-                       match="(?s)eviction hints need one 'hint_steps' entry per 'hint_ids' "
+                       match="(?s)eviction hints need one 'next_hint_steps' entry per 'next_hint_ids' "
                              r"entry, each >= 1.*Nothing was changed" + ".*" + shown):
         step(feature)
     np.testing.assert_array_equal(layer.lookup_rows(VOCAB), before)
@@ -190,8 +190,8 @@ def test_hand_made_hints_that_do_not_pair_up_change_nothing(lookahead, hint_ids,
 def test_layer_wants_both_hint_keys():
     layer = _layer()
     feature = deduplicate(tf.constant(_batches(1, 1)[0]))
-    feature["hint_ids"] = tf.constant([1], tf.int64)
-    with pytest.raises(ValueError, match="both 'hint_ids' and 'hint_steps'"):
+    feature["next_hint_ids"] = tf.constant([1], tf.int64)
+    with pytest.raises(ValueError, match="both 'next_hint_ids' and 'next_hint_steps'"):
         layer(feature, training=True)
 
 
@@ -211,9 +211,9 @@ def test_with_unique_ids_hints_name_the_batches_after_the_prepared_one():
             # Counted from this batch.
             want_steps = np.concatenate([np.zeros(0, np.int32)] + [
                 np.full(len(u), j + first) for j, u in enumerate(later)])
-            np.testing.assert_array_equal(s["hint_ids"], want_ids)
-            np.testing.assert_array_equal(s["hint_steps"], want_steps)
-            assert s["hint_steps"].dtype == tf.int32
+            np.testing.assert_array_equal(s["next_hint_ids"], want_ids)
+            np.testing.assert_array_equal(s["next_hint_steps"], want_steps)
+            assert s["next_hint_steps"].dtype == tf.int32
     assert int(with_unique_ids(ds, eviction_hints=2).cardinality()) == 6
     assert int(with_unique_ids(ds, eviction_hints=np.int64(16)).cardinality()) == 6
     for bad in (-1, 17, 1.5, True, "2"):
@@ -228,9 +228,9 @@ def test_with_unique_ids_hints_name_the_batches_after_the_prepared_one():
 
 def test_vsi_inputs_take_the_datasets_hint_window_or_a_bool():
     for k in (True, 1, 2, np.int64(16)):
-        assert {"hint_ids", "hint_steps"} <= set(vsi_inputs("s", (3,), eviction_hints=k))
+        assert {"next_hint_ids", "next_hint_steps"} <= set(vsi_inputs("s", (3,), eviction_hints=k))
     for k in (False, 0):
-        assert "hint_ids" not in vsi_inputs("s", (3,), eviction_hints=k)
+        assert "next_hint_ids" not in vsi_inputs("s", (3,), eviction_hints=k)
     for bad in (-1, 17, "2", 1.5):
         with pytest.raises(ValueError, match=r"vsi_inputs: eviction_hints must be True/False "
                                              r"or the k"):
@@ -266,3 +266,37 @@ def test_fit_with_hints_in_the_pipeline_matches_fit_without():
     np.testing.assert_allclose(hinted.lookup_rows(VOCAB), plain.lookup_rows(VOCAB),
                                rtol=1e-6, atol=1e-7)
     assert hinted.cache_stats()["hits"] >= plain.cache_stats()["hits"]
+
+
+def test_reported_losses_weigh_each_batch_by_its_size_with_hints():
+    """Keras weighs each batch's loss in History, evaluate and val_loss by the
+    leading size of the first input in its flattening order (dict keys
+    sorted): the hint keys sort after "ids", so a hinted feature reports the
+    same loss as plain de-duplication and as the predictions' mean loss (the
+    keys "hint_ids"/"hint_steps" came first: the weight was the number of
+    hinted ids, 0 for the last batches of a pass)."""
+    import keras
+
+    batches = _batches(4, 10)
+    rng = np.random.default_rng(4)
+    labels = rng.normal(size=(len(batches) * BATCH, 1)).astype(np.float32)
+    ids = np.concatenate(batches)
+
+    def evaluate(hints: int):
+        keras.utils.set_random_seed(0)
+        ds = tf.data.Dataset.from_tensor_slices(({"sparse": ids}, labels)).batch(BATCH)
+        ds = with_unique_ids(ds, eviction_hints=hints)
+        inputs = {"sparse": vsi_inputs("sparse", (FIELDS,), eviction_hints=bool(hints))}
+        layer = _layer()
+        x = keras.layers.Flatten()(layer(inputs["sparse"]))
+        model = keras.Model(inputs, keras.layers.Dense(1, kernel_initializer="ones")(x))
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        history = model.fit(ds, epochs=1, verbose=0, shuffle=False)
+        predicted = model.predict(ds, verbose=0)
+        return (model.evaluate(ds, verbose=0), float(np.mean((predicted - labels) ** 2)),
+                history.history["loss"][0])
+
+    plain = evaluate(0)
+    hinted = evaluate(2)
+    assert abs(hinted[0] - hinted[1]) < 1e-5 * abs(hinted[1])  # evaluate == mean loss
+    np.testing.assert_allclose(hinted, plain, rtol=1e-5)

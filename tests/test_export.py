@@ -192,8 +192,8 @@ def test_a_model_trained_on_the_vsi_pipeline_serves_plain_ids(rng, tmp_path):
     flags = json.loads(result.stdout.strip().splitlines()[-1])
     assert flags == {"inputs": ["dense", "sparse"], "tf_sfctr_imported": False}
     feature = deduplicate(tf.constant(x["sparse"]))
-    feature["next_unique_ids"] = feature["hint_ids"] = tf.zeros([0], tf.int64)
-    feature["hint_steps"] = tf.zeros([0], tf.int32)
+    feature["next_unique_ids"] = feature["next_hint_ids"] = tf.zeros([0], tf.int64)
+    feature["next_hint_steps"] = tf.zeros([0], tf.int32)
     want = model({"sparse": feature, "dense": tf.constant(x["dense"])}).numpy()
     np.testing.assert_allclose(np.load(tmp_path / "out.npy"), want, rtol=1e-6, atol=1e-6)
 

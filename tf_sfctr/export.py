@@ -81,7 +81,7 @@ class _UnusedPipelineKey(keras.layers.Layer):
 
 
 _VSI_REQUIRED = {"ids", "unique_ids", "inverse"}
-_VSI_KEYS = _VSI_REQUIRED | {"next_unique_ids", "hint_ids", "hint_steps"}
+_VSI_KEYS = _VSI_REQUIRED | {"next_unique_ids", "next_hint_ids", "next_hint_steps"}
 
 
 def _is_vsi_feature(x) -> bool:

@@ -113,7 +113,7 @@ def with_unique_ids(
         the current step trains (see its docstring); use
         ``vsi_inputs(..., lookahead=True)`` in a functional model.
       eviction_hints: also give the distinct ids of this many later batches
-        (at most 16) as ``features[key]["hint_ids"]``, with ``"hint_steps"``
+        (at most 16) as ``features[key]["next_hint_ids"]``, with ``"next_hint_steps"``
         (int32) saying how many batches after this one each is used (1 = the
         next). The window starts after the batch the step prepares: with
         ``lookahead`` that is the next batch, so the hints are batches 2 ..
@@ -197,7 +197,7 @@ def _with_later_unique_ids(ds: tf.data.Dataset, keys: tuple, lookahead: bool,
                            hints: int) -> tf.data.Dataset:
     """Adds later batches' ``unique_ids`` to each batch: the next batch's as
     ``next_unique_ids`` (``lookahead``) and the ``hints`` batches after the
-    one the step prepares as ``hint_ids`` / ``hint_steps``. One window over
+    one the step prepares as ``next_hint_ids`` / ``next_hint_steps``. One window over
     the de-duplicated batches: upstream work is not repeated."""
     first_hint = 1 if lookahead else 0  # index in `later` of the first hinted batch
 
@@ -239,8 +239,8 @@ def _with_later_unique_ids(ds: tf.data.Dataset, keys: tuple, lookahead: bool,
                 steps = tf.broadcast_to(
                     tf.range(first_hint + 1, first_hint + 1 + tf.shape(padded)[0])[:, None],
                     tf.shape(padded))
-                feature["hint_ids"] = tf.boolean_mask(padded, valid)
-                feature["hint_steps"] = tf.boolean_mask(steps, valid)
+                feature["next_hint_ids"] = tf.boolean_mask(padded, valid)
+                feature["next_hint_steps"] = tf.boolean_mask(steps, valid)
             out[key] = feature
         return (out, *rest)
 
@@ -277,7 +277,7 @@ def vsi_inputs(
     the same result for both.
 
     ``lookahead=True`` adds ``next_unique_ids`` and ``eviction_hints=True``
-    (or the dataset's ``k`` > 0) adds ``hint_ids`` (int64) and ``hint_steps``
+    (or the dataset's ``k`` > 0) adds ``next_hint_ids`` (int64) and ``next_hint_steps``
     (int32), matching ``with_unique_ids(..., lookahead=True, eviction_hints=k)``.
 
     Example:
@@ -325,6 +325,6 @@ def vsi_inputs(
         inputs["next_unique_ids"] = keras.Input(
             shape=(), dtype="int64", name=f"{name}_next_unique_ids")
     if eviction_hints:
-        inputs["hint_ids"] = keras.Input(shape=(), dtype="int64", name=f"{name}_hint_ids")
-        inputs["hint_steps"] = keras.Input(shape=(), dtype="int32", name=f"{name}_hint_steps")
+        inputs["next_hint_ids"] = keras.Input(shape=(), dtype="int64", name=f"{name}_next_hint_ids")
+        inputs["next_hint_steps"] = keras.Input(shape=(), dtype="int32", name=f"{name}_next_hint_steps")
     return inputs

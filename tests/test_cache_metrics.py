@@ -162,3 +162,47 @@ def test_no_cached_embedding_adds_nothing():
     model.compile(optimizer="sgd", loss="mse")
     history = model.fit(np.ones((8, 2)), np.ones((8, 1)), verbose=0, callbacks=[CacheMetrics()])
     assert sorted(history.history) == ["loss"]
+
+
+def test_tables_that_share_a_name_get_their_own_keys(rng):
+    """Keras allows one layer name in separate nested models (two towers):
+    each table then reports under its path, and PruneHostTable counts each."""
+    from tf_sfctr.callbacks import table_log_names
+
+    def tower(name):
+        ids = keras.Input(shape=(FIELDS,), dtype="int64")
+        emb = CachedEmbedding(DIM, cache_capacity=200, seed=1, name="emb")
+        return keras.Model(ids, keras.layers.Flatten()(emb(ids)), name=name), emb
+
+    user_tower, user_emb = tower("user")
+    item_tower, item_emb = tower("item")
+    ids = keras.Input(shape=(FIELDS,), dtype="int64")
+    one_item = keras.layers.Lambda(lambda t: t * 0 + 5)(ids)  # the item table holds 1 row
+    x = keras.layers.Concatenate()([user_tower(ids), item_tower(one_item)])
+    model = keras.Model(ids, keras.layers.Dense(1)(x))
+    model.compile(optimizer="sgd", loss="mse")
+    assert [(layer is user_emb, name) for layer, name in table_log_names(model)] == \
+        [(True, "user/emb"), (False, "item/emb")]
+    x_data, y = _data(rng)
+    metrics = CacheMetrics()
+    prune = tf_sfctr.callbacks.PruneHostTable(min_uses=2)
+    history = model.fit(x_data, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False,
+                        callbacks=[metrics, prune])
+    assert set(prune.pruned_rows) == {"user/emb", "item/emb"}
+    reported = {}
+    for layer, name in ((user_emb, "user/emb"), (item_emb, "item/emb")):
+        # CacheMetrics reads host_rows before PruneHostTable (next in the list) prunes.
+        reported[name] = history.history[f"{name}/host_rows"][0]
+        assert reported[name] == layer.cache_stats()["host_rows"] + prune.pruned_rows[name]
+        assert f"{name}/hit_rate" in history.history
+    assert reported["item/emb"] == 1 < reported["user/emb"]
+    assert "emb/hit_rate" not in history.history
+
+
+def test_docstring_examples():
+    import doctest
+
+    import tf_sfctr.callbacks
+
+    result = doctest.testmod(tf_sfctr.callbacks, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0

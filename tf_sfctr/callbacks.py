@@ -13,7 +13,7 @@ from typing import Optional
 
 import keras
 
-__all__ = ["CacheMetrics", "PruneHostTable", "cached_embeddings"]
+__all__ = ["CacheMetrics", "PruneHostTable", "cached_embeddings", "table_log_names"]
 
 #: The suffixes ``CacheMetrics`` appends to a layer's name to make log keys.
 METRICS = ("hit_rate", "misses_per_step", "evictions_per_step", "host_rows")
@@ -42,6 +42,53 @@ def cached_embeddings(model: keras.layers.Layer) -> list:
     return found
 
 
+def table_log_names(model: keras.layers.Layer) -> list:
+    """``(layer, name)`` for every ``CachedEmbedding`` of ``cached_embeddings(model)``:
+    the name the callbacks' log keys start with. A layer's own name, unless
+    another table of the model has the same name (Keras allows that in
+    separate nested models): then the path of layer names from the model down
+    to it, e.g. ``"tower_a/emb"`` (and ``"#2"``, ``"#3"``... after any path
+    still shared).
+
+    Example:
+
+    >>> import keras
+    >>> from tf_sfctr.keras_layers import CachedEmbedding
+    >>> def tower(name):
+    ...     ids = keras.Input(shape=(2,), dtype="int64")
+    ...     return keras.Model(ids, CachedEmbedding(4, cache_capacity=8, name="emb")(ids),
+    ...                        name=name)
+    >>> ids = keras.Input(shape=(2,), dtype="int64")
+    >>> model = keras.Model(ids, [tower("user")(ids), tower("item")(ids)])
+    >>> [name for _, name in table_log_names(model)]
+    ['user/emb', 'item/emb']
+    """
+    from tf_sfctr.keras_layers import CachedEmbedding
+
+    paths: dict[int, str] = {}
+
+    def walk(layer, prefix):
+        for child in layer._flatten_layers(include_self=False, recursive=False):
+            path = f"{prefix}{child.name}"
+            if isinstance(child, CachedEmbedding):
+                paths.setdefault(id(child), path)
+            walk(child, path + "/")
+
+    walk(model, "")
+    layers = cached_embeddings(model)
+    names = [layer.name for layer in layers]
+    out, taken = [], set()
+    for layer in layers:
+        name = layer.name if names.count(layer.name) == 1 else paths.get(id(layer), layer.name)
+        unique, k = name, 1
+        while unique in taken:
+            k += 1
+            unique = f"{name}#{k}"
+        taken.add(unique)
+        out.append((layer, unique))
+    return out
+
+
 class _Snapshot:
     """Cumulative counters of one layer and the training step they were read at."""
 
@@ -59,6 +106,9 @@ class CacheMetrics(keras.callbacks.Callback):
     ``CachedEmbedding`` of the model while it trains.
 
     At the end of each training batch and of each epoch it adds, per layer:
+
+    Each key starts with the table's name (``table_log_names``: the layer's
+    name, or its path when two tables share one).
 
     * ``<layer name>/hit_rate``: hits / (hits + misses) over the interval since
       the previous report of the same kind (the batch for batch logs, the
@@ -107,7 +157,7 @@ class CacheMetrics(keras.callbacks.Callback):
 
     def __init__(self) -> None:
         super().__init__()
-        self._layers: list = []
+        self._layers: list = []  # (layer, log name)
         self._batch_start: dict[int, _Snapshot] = {}
         self._epoch_start: dict[int, _Snapshot] = {}
         self._batches = 0
@@ -123,7 +173,7 @@ class CacheMetrics(keras.callbacks.Callback):
     def _snapshots(self) -> dict[int, tuple[dict, _Snapshot]]:
         step = self._training_step()
         out = {}
-        for layer in self._layers:
+        for layer, _ in self._layers:
             stats = layer.cache_stats()
             out[id(layer)] = (stats, _Snapshot(stats, step))
         return out
@@ -144,17 +194,17 @@ class CacheMetrics(keras.callbacks.Callback):
 
     def _report(self, logs: Optional[dict], starts: dict[int, _Snapshot]) -> None:
         current = self._snapshots()
-        for layer in self._layers:
+        for layer, name in self._layers:
             stats, now = current[id(layer)]
             values = self._interval_metrics(stats, now, starts.get(id(layer)))
             if logs is not None:
                 for key, value in values.items():
-                    logs[f"{layer.name}/{key}"] = value
+                    logs[f"{name}/{key}"] = value
             starts[id(layer)] = now
 
     # ---------------------------------------------------------------- hooks
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
-        self._layers = cached_embeddings(self.model)
+        self._layers = table_log_names(self.model)
         self._batches = 0
         start = {key: snap for key, (_, snap) in self._snapshots().items()}
         self._batch_start = dict(start)
@@ -183,7 +233,8 @@ class PruneHostTable(keras.callbacks.Callback):
     ``iterations``, so ``steps_per_execution > 1`` prunes as often; the
     check runs after each execution). Each epoch's logs get
     ``<layer name>/pruned_rows``, the rows removed during that epoch, and
-    ``self.pruned_rows`` holds each layer's total.
+    ``self.pruned_rows`` holds each layer's total (keyed as ``table_log_names``
+    names them).
 
     Under Horovod every rank runs its callbacks, so each rank prunes its own
     shard of a model-parallel table.
@@ -225,19 +276,19 @@ class PruneHostTable(keras.callbacks.Callback):
         return int(keras.ops.convert_to_numpy(iterations))
 
     def _prune(self) -> None:
-        for layer in cached_embeddings(self.model):
+        for layer, name in table_log_names(self.model):
             if not layer.built:
                 continue
             removed = layer.prune(self.min_uses)
-            self.pruned_rows[layer.name] = self.pruned_rows.get(layer.name, 0) + removed
-            self._epoch_rows[layer.name] = self._epoch_rows.get(layer.name, 0) + removed
+            self.pruned_rows[name] = self.pruned_rows.get(name, 0) + removed
+            self._epoch_rows[name] = self._epoch_rows.get(name, 0) + removed
 
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
         self._batches = 0
         self._last_prune_step = self._step()
 
     def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
-        self._epoch_rows = {layer.name: 0 for layer in cached_embeddings(self.model)}
+        self._epoch_rows = {name: 0 for _, name in table_log_names(self.model)}
 
     def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
         self._batches += 1

@@ -348,9 +348,10 @@ class CachedEmbedding(keras.layers.Layer):
             middle of a step. The memory is held even if fewer ids arrive.
             Default ``False``.
         seed: seed of the per-id initializer; drawn at random (and kept in the
-            config) when ``None``. Under Horovod, pass the same seed on every
-            rank (or let ``tf_sfctr.distributed.callbacks()`` keep the dense
-            weights in sync: table rows depend only on the seed).
+            config) when ``None``. Under Horovod with more than one rank, a
+            drawn seed is rank 0's, sent to every rank when the layer is built
+            (a collective), so data-parallel replicas start equal; an explicit
+            seed must be the same on every rank.
         distribution: under Horovod with more than one rank,
             ``"model_parallel"`` shards the table over ranks by
             ``owner(id) = Mix64(id) mod size`` and routes ids, rows and
@@ -446,6 +447,9 @@ class CachedEmbedding(keras.layers.Layer):
                 "pass expected_rows=<distinct ids the table will hold> or leave "
                 "reserve_rows False")
         self.reserve_rows = bool(reserve_rows)
+        # A drawn seed is replaced by rank 0's when the layer is built under
+        # Horovod (`build`); an explicit one is the user's to keep equal.
+        self._seed_drawn = seed is None
         if seed is None:
             seed = random.SystemRandom().randrange(2**31)
         if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
@@ -507,6 +511,16 @@ class CachedEmbedding(keras.layers.Layer):
             self._mode = "data_parallel" if self.distribution == "data_parallel" \
                 else "model_parallel"
             self._world_size = size
+            if self._seed_drawn:
+                # Every rank builds its layers in the same order; with rank
+                # 0's seed a data-parallel replica starts from the same rows
+                # everywhere (each rank drew its own: they never converged).
+                hvd = _horovod.require()
+                with tf.init_scope():
+                    self.seed = int(hvd.broadcast(
+                        tf.constant(self.seed, tf.int64), root_rank=0,
+                        name=f"sfctr_seed_{self.name}", ignore_name_scope=True).numpy())
+                self._seed_drawn = False
         expected = self.expected_rows or 0
         if self._mode == "model_parallel":  # this rank's share
             expected = -(-expected // size)

@@ -192,6 +192,36 @@ def run_broadcast(out_dir, rank):
             callbacks=callbacks())
     after = hvd.allgather(sub.dense.kernel.value[None]).numpy()
     np.testing.assert_array_equal(after[0], after[1])
+
+    # Tables without a seed take rank 0's drawn seed when built, also inside
+    # the first traced step of a subclassed model: data-parallel replicas
+    # start (and stay) equal, and every rank reports one seed.
+    class SubDP(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.emb = CachedEmbedding(3, cache_capacity=32, name="unseeded_sub",
+                                       distribution="data_parallel")
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, ids, training=None):
+            return self.dense(keras.ops.reshape(self.emb(ids, training=training), (-1, 6)))
+
+    inp = keras.Input(shape=(2,), dtype="int64")
+    tables = [CachedEmbedding(3, cache_capacity=32, name=f"unseeded_{mode}",
+                              distribution=mode) for mode in ("data_parallel", "model_parallel")]
+    seeded = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Concatenate()(
+        [keras.layers.Flatten()(t(inp)) for t in tables])))
+    sub_dp = SubDP()
+    for m in (seeded, sub_dp):
+        m.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+        m.fit(x, np.ones((4, 1)), batch_size=4, epochs=2, verbose=0, callbacks=callbacks())
+    for layer in (*tables, sub_dp.emb):
+        seeds = hvd.allgather(tf.constant([layer.get_config()["seed"]], tf.int64)).numpy()
+        assert seeds[0] == seeds[1], (layer.name, seeds)
+    ids = np.arange(30, dtype=np.int64)
+    for layer in (tables[0], sub_dp.emb):  # data parallel: replicas read locally
+        rows = hvd.allgather(tf.constant(layer.lookup_rows(ids))[None]).numpy()
+        np.testing.assert_array_equal(rows[0], rows[1])
     np.savez(os.path.join(out_dir, f"broadcast_rank{rank}.npz"), ok=np.array(1))
 
 

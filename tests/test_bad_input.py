@@ -249,7 +249,7 @@ def test_bad_constructor_arguments(kwargs, match):
     (lambda: tf_sfctr.optimizers.Adagrad(learning_rate=float("inf")),
      "learning_rate must be a finite number > 0, got inf"),
     (lambda: tf_sfctr.optimizers.Adam(epsilon=float("nan")),
-     "epsilon must be a finite number >= 0, got nan"),
+     "epsilon must be a finite number > 0, got nan"),
     (lambda: tf_sfctr.optimizers.SGD(momentum=1.0), r"momentum must be in \[0, 1\)"),
     (lambda: tf_sfctr.optimizers.Adagrad(accumulate="x"), "accumulate must be"),
     (lambda: tf_sfctr.optimizers.Adam(beta_1=1.5), r"beta_1 must be in \[0, 1\)"),
@@ -472,3 +472,18 @@ def test_sequential_without_input_says_to_add_an_int64_input():
                               keras.layers.Flatten(), keras.layers.Dense(1)])
     fixed.compile(optimizer="sgd", loss="mse")
     fixed.fit(x, y, verbose=0)
+
+
+@pytest.mark.parametrize("make_input, combiner, match", [
+    (lambda: keras.Input((), dtype="int64"), "mean", r"need rank >= 2, got a symbolic input"),
+    (lambda: keras.Input((10,), dtype="int64", sparse=True), None,
+     r"A sparse input needs a combiner"),
+    (lambda: keras.Input((4, 5), dtype="int64", sparse=True), "sum",
+     r"takes 2-D sparse ids \[batch, ids\], got a symbolic sparse input"),
+])
+def test_functional_models_refuse_inputs_the_layer_cannot_take_when_wired(
+        make_input, combiner, match):
+    """Wiring used to give such inputs a shape (a rank-1 input with a
+    combiner lost its batch axis); predict or fit then failed."""
+    with pytest.raises(ValueError, match=match):
+        CachedEmbedding(3, cache_capacity=8, seed=0, combiner=combiner)(make_input())

@@ -231,3 +231,36 @@ def test_ftrl_keeps_assigned_rows_and_trains_on_from_them(rng, l1):
         want, _, _ = _ftrl_numpy(v, np.full(DIM, n0), z, g, g * g, lr, -0.5, l1, l2, 0.0, beta)
         np.testing.assert_allclose(layer.lookup_rows(ids[i:i + 1])[0], want, rtol=1e-5,
                                    atol=1e-6)
+
+
+def test_settings_whose_first_update_divides_zero_by_zero_are_refused():
+    """A row column whose first gradient is 0 would store 0/0 = NaN silently
+    (the finiteness check reads gradients, not rows), and a checkpoint of
+    the table would then not restore."""
+    opt = tf_sfctr.optimizers
+    with pytest.raises(ValueError, match=r"epsilon must be a finite number > 0, got 0"):
+        opt.Adam(epsilon=0)
+    with pytest.raises(ValueError, match=r"epsilon must be > 0 in float32, got 1e-50"):
+        opt.Adam(epsilon=1e-50)
+    with pytest.raises(ValueError, match=r"initial_accumulator_value \+ epsilon must be > 0 "
+                                         r"in float32.*0.0 \+ 1e-50"):
+        opt.Adagrad(0.1, initial_accumulator_value=0.0, epsilon=1e-50)
+    with pytest.raises(ValueError, match=r"Ftrl: initial_accumulator_value must be > 0 when "
+                                         r"learning_rate_power < 0"):
+        opt.Ftrl(initial_accumulator_value=0.0)
+    # Safe variants stay accepted: epsilon carries Adagrad, l2 or beta carry
+    # Ftrl's denominator, and power 0 has n**0 = 1.
+    opt.Adagrad(0.1, initial_accumulator_value=0.0, epsilon=1e-7)
+    opt.Adagrad(0.1, initial_accumulator_value=0.1, epsilon=0.0)
+    opt.Ftrl(initial_accumulator_value=0.0, l2_regularization_strength=0.1)
+    opt.Ftrl(initial_accumulator_value=0.0, beta=1.0)
+    opt.Ftrl(initial_accumulator_value=0.0, learning_rate_power=0.0)
+
+
+@pytest.mark.parametrize("rate", ["0.1", tf.Variable(0.1), tf.constant(0.1), True, None])
+def test_a_learning_rate_that_is_not_a_number_or_schedule_is_refused(rate):
+    """A tf.Variable was read once at construction, so changing it later did
+    nothing; a string was parsed."""
+    with pytest.raises(ValueError, match=r"learning_rate must be a number, got .*Python or "
+                                         r"NumPy number; .*LearningRateSchedule"):
+        tf_sfctr.optimizers.SGD(rate)

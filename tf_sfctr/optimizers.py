@@ -67,10 +67,15 @@ __all__ = ["TableOptimizer", "SGD", "Adagrad", "Adam", "Ftrl", "get"]
 
 
 def _check_positive(name: str, value: float, allow_zero: bool = False) -> float:
-    try:
-        value = float(value)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{name} must be a number, got {value!r}") from err
+    if isinstance(value, (str, bytes, bool)) or not isinstance(
+            value, (int, float, np.integer, np.floating)):
+        # (A tf.Variable or tensor would be read once, here: later changes to
+        # it would not reach the table.)
+        raise ValueError(f"{name} must be a number, got {value!r} (a Python or NumPy number"
+                         + ("; for a changing learning rate, pass a keras.optimizers."
+                            "schedules.LearningRateSchedule)" if name == "learning_rate"
+                            else ")"))
+    value = float(value)
     if not (value >= 0 if allow_zero else value > 0) or not math.isfinite(value):
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name} must be a finite number {bound}, got {value}")
@@ -210,9 +215,12 @@ class Adagrad(TableOptimizer):
             raise ValueError(
                 f"accumulate must be 'per_occurrence' (Keras 3) or 'summed' "
                 f"(TF1/Keras 2), got {accumulate!r}")
-        if self.initial_accumulator_value == 0 and self.epsilon == 0:
-            raise ValueError("initial_accumulator_value and epsilon cannot both be 0 "
-                             "(the first update would divide by zero)")
+        if np.float32(self.initial_accumulator_value + self.epsilon) == 0:
+            raise ValueError(
+                "initial_accumulator_value + epsilon must be > 0 in float32 (the stored "
+                "accumulator), got "
+                f"{self.initial_accumulator_value!r} + {self.epsilon!r}: a first update "
+                "with a zero gradient would divide 0 by 0 and store NaN")
         self.accumulate = accumulate
         self.needs_squared_occurrences = accumulate == "per_occurrence"
 
@@ -256,7 +264,9 @@ class Adam(TableOptimizer):
                 raise ValueError(f"{name} must be in [0, 1), got {beta}")
         self.beta_1 = float(beta_1)
         self.beta_2 = float(beta_2)
-        self.epsilon = _check_positive("epsilon", epsilon, allow_zero=True)
+        self.epsilon = _check_positive("epsilon", epsilon)
+        if np.float32(self.epsilon) == 0:
+            raise ValueError(f"epsilon must be > 0 in float32, got {epsilon!r}")
 
     def state_initial_values(self) -> list[float]:
         return [0.0, 0.0]
@@ -327,6 +337,13 @@ class Ftrl(TableOptimizer):
             "l2_shrinkage_regularization_strength", l2_shrinkage_regularization_strength,
             allow_zero=True)
         self.beta = _check_positive("beta", beta, allow_zero=True)
+        if (power < 0 and np.float32(self.initial_accumulator_value) == 0
+                and self.l2_regularization_strength == 0 and self.beta == 0):
+            raise ValueError(
+                "Ftrl: initial_accumulator_value must be > 0 when learning_rate_power < 0 "
+                "and l2_regularization_strength and beta are 0: a first update with a zero "
+                "gradient would divide 0 by 0 and store NaN (and assign_rows could not keep "
+                "its rows)")
         if accumulate not in ("per_occurrence", "summed"):
             raise ValueError(
                 f"accumulate must be 'per_occurrence' (Keras 3) or 'summed' "

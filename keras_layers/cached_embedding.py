@@ -1633,6 +1633,21 @@ class CachedEmbedding(keras.layers.Layer):
         ids = inputs["ids"] if isinstance(inputs, dict) and "ids" in inputs else inputs
         for x in keras.tree.flatten(ids):
             if isinstance(x, keras.KerasTensor):
+                # The shape rules call() applies, so that no impossible shape
+                # is wired (a rank-1 input with a combiner lost its batch axis).
+                rank = len(x.shape)
+                if getattr(x, "sparse", False):
+                    if rank != 2:
+                        raise ValueError(f"CachedEmbedding takes 2-D sparse ids [batch, ids], "
+                                         f"got a symbolic sparse input of shape {x.shape}")
+                    self._require_combiner("A sparse")
+                elif rank == 0:
+                    raise ValueError("CachedEmbedding needs ids of rank >= 1 ([batch, ...]), "
+                                     "got a scalar symbolic input")
+                elif self.combiner is not None and rank < 2:
+                    raise ValueError(
+                        f"combiner={self.combiner!r} reduces the last axis of dense ids, so "
+                        f"they need rank >= 2, got a symbolic input of shape {x.shape}")
                 try:
                     _check_id_dtype(tf.as_dtype(x.dtype))
                 except TypeError as err:

@@ -581,6 +581,7 @@ class CachedEmbedding(keras.layers.Layer):
             self._failed_restore = kind(str(err))
             raise
         self._store.before_save = self.flush
+        self._store.counted_ahead = self._counted_ahead
         # A restored table replaces the cache: a prepared plan and a
         # deferred update are void.
         self._store.before_load = self._void_cache_work
@@ -598,6 +599,17 @@ class CachedEmbedding(keras.layers.Layer):
         self._trigger = self.add_weight(
             shape=(), initializer="zeros", trainable=True, name="table_update_trigger")
         self.built = True
+
+    def _counted_ahead(self) -> Optional[tf.Tensor]:
+        """The ids of a lookahead plan whose step the directory has already
+        counted (prepared, not trained yet), for a checkpoint to save their
+        use counts one lower: a restore discards the plan, and the restored
+        run prepares and counts that batch again."""
+        plan = getattr(self, "_plan", None)
+        if plan is None:
+            return None
+        count = tf.where(plan.usable, plan.count, tf.zeros_like(plan.count))
+        return plan.ids.value()[:count]
 
     @property
     def store(self) -> EmbeddingStore:

@@ -302,3 +302,50 @@ def test_a_read_between_a_lookahead_call_and_its_gradient_never_trains_moved_row
         loss = tf.reduce_sum(emb(deduplicate(b), training=True))
     tape.gradient(loss, emb.trainable_weights)
     np.testing.assert_array_equal(emb.lookup_rows(np.arange(5, 9)), np.zeros((4, 2)))
+
+
+def test_use_counts_resume_exactly_from_a_checkpoint_between_lookahead_steps(tmp_path):
+    """The plan prepared during a step has counted the next batch's step for
+    its ids; a restore discards it and the restored run counts that batch
+    again. The checkpoint saves those counts one lower, so the restored run
+    ends with the uninterrupted run's use counts (which decide prune and
+    export's max_rows), as well as its rows."""
+    batches = _batches(11, 8)
+    nexts = [_unique(b) for b in batches[1:]] + [None]
+
+    def run(layer, start, stop):
+        for t in range(start, stop):
+            _step(layer, batches[t], nexts[t])
+
+    def counts(layer):
+        layer.flush()
+        ids, _, c = layer.store.host_export()
+        return dict(zip(ids.numpy().tolist(), c.numpy().tolist()))
+
+    whole = _layer()
+    run(whole, 0, 4)
+    path = tf.train.Checkpoint(table=whole).save(str(tmp_path / "ckpt"))
+    keras_path = str(tmp_path / "t.weights.h5")
+    import keras
+
+    model = keras.Sequential([keras.Input((FIELDS,), dtype="int64"), whole])
+    model.save_weights(keras_path)  # the Keras format saves the same counts
+    run(whole, 4, 8)
+    for restore in ("checkpoint", "keras"):
+        resumed = _layer()
+        if restore == "checkpoint":
+            resumed(tf.constant(batches[0]))  # built
+            tf.train.Checkpoint(table=resumed).restore(path).assert_consumed()
+        else:
+            keras.Sequential([keras.Input((FIELDS,), dtype="int64"), resumed]) \
+                .load_weights(keras_path)
+        run(resumed, 4, 8)
+        np.testing.assert_array_equal(resumed.lookup_rows(VOCAB), whole.lookup_rows(VOCAB))
+        assert counts(resumed) == counts(whole), restore
+    # Saved with no plan pending (plain steps), nothing is taken off.
+    plain = _train_plain(batches[:4])
+    saved = tf.train.Checkpoint(table=plain).save(str(tmp_path / "plain"))
+    again = _layer()
+    again(tf.constant(batches[0]))
+    tf.train.Checkpoint(table=again).restore(saved)
+    assert counts(again) == counts(plain)

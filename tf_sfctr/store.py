@@ -64,6 +64,16 @@ class CheckpointMismatchError(ValueError):
     """A saved table does not fit this layer (format, width or size)."""
 
 
+def _isin(values: tf.Tensor, candidates: tf.Tensor) -> tf.Tensor:
+    """Whether each of ``values`` is among ``candidates`` (both int64; any
+    sizes, also empty, in eager and traced code)."""
+    keys = tf.sort(candidates)
+    pos = tf.searchsorted(keys, values)  # in [0, size]
+    padded = tf.concat([keys, tf.zeros([1], keys.dtype)], 0)
+    return tf.logical_and(pos < tf.size(keys, out_type=pos.dtype),
+                          tf.equal(tf.gather(padded, pos), values))
+
+
 class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
     """Handle to a host table and its cache directory.
 
@@ -80,6 +90,10 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         # Set by the owning layer: writes dirty cache rows back to the host
         # table, so that a checkpoint sees current values.
         self.before_save: Optional[Callable[[], object]] = None
+        # Ids whose use count a checkpoint saves one lower (or None): a
+        # lookahead plan counted its batch's step when it was prepared, and a
+        # run restored from this checkpoint prepares and counts it again.
+        self.counted_ahead: Optional[Callable[[], Optional[tf.Tensor]]] = None
         # Called by load_table after its checks, before the table is replaced.
         self.before_load: Optional[Callable[[], object]] = None
         self.seed = config.seed  # changes when a checkpoint is restored
@@ -205,6 +219,9 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         if self.before_save is not None:
             self.before_save()
         ids, rows, counts = self.host_export()
+        ahead = self.counted_ahead() if self.counted_ahead is not None else None
+        if ahead is not None:
+            counts = counts - tf.cast(_isin(ids, ahead), counts.dtype)
         stats = self.stats()
         return {"header": tf.constant(self.header(), tf.int64), "ids": ids, "rows": rows,
                 "counts": counts, "counters": stats[:3]}

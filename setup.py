@@ -94,9 +94,9 @@ setup(
     # tensorflow-cpu 2.16.x, and pip cannot express "either of the two".
     install_requires=["numpy<2"],
     extras_require={
-        # data.parquet: pyarrow (default engine; also checks files for the
-        # tensorflow-io engine, which misreads nulls and compressed strings)
-        # (which that reader would misplace) and is the other engine.
+        # data.parquet: pyarrow is its default engine and checks files for
+        # the other engine, tensorflow-io's, which misreads nulls and
+        # compressed string columns.
         "data": ["tensorflow-io==0.37.1", "pyarrow==25.0.1"],
         "bench": ["tensorflow-recommenders-addons==0.8.1", "setuptools<70"],
     },

@@ -472,7 +472,10 @@ class CachedEmbedding(keras.layers.Layer):
         # build), as an exception of the same kind and message without its
         # traceback: every later build raises it again.
         self._failed_restore: Optional[Exception] = None
-        self._assign_lock = threading.Lock()
+        # Held by eager reads and assignments between steps: a pending plan
+        # must be applied by one thread only (re-entrant: _assign_local
+        # settles under it).
+        self._assign_lock = threading.RLock()
 
     def _reserved_row_bytes(self) -> int:
         """Host bytes per row that reserve_rows allocates: the value, the
@@ -1055,7 +1058,16 @@ class CachedEmbedding(keras.layers.Layer):
 
     def _settle(self) -> tf.Tensor:
         """Applies a pending plan, so that the device cache matches the
-        directory. Graph or eager; a no-op without a plan."""
+        directory. Graph or eager; a no-op without a plan. Eagerly, under the
+        layer's lock: two threads reading between steps must not both apply
+        one plan (the second would write the loaded ids' rows over the
+        evicted ids' host rows)."""
+        if tf.executing_eagerly():
+            with self._assign_lock:
+                return self._settle_once()
+        return self._settle_once()
+
+    def _settle_once(self) -> tf.Tensor:
         plan = self._plan
 
         def apply():

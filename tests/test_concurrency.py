@@ -58,3 +58,77 @@ def test_concurrent_lookups_and_assigns_stay_consistent():
         np.testing.assert_array_equal(final[w * ids_per_writer:(w + 1) * ids_per_writer], want)
     layer.flush()
     assert layer.cache_stats()["host_rows"] == len(all_ids)
+
+
+def _lookahead_step(layer, ids, next_ids):
+    import tensorflow as tf
+
+    from tf_sfctr.data import deduplicate
+
+    features = deduplicate(tf.constant(ids))
+    features["next_unique_ids"] = deduplicate(tf.constant(next_ids))["unique_ids"]
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.square(layer(features, training=True) - 1.0))
+    tape.gradient(loss, layer.trainable_variables)
+
+
+def _host_table(layer):
+    layer.flush()
+    ids, rows, uses = [t.numpy() for t in layer._store.host_export()]
+    order = np.argsort(ids)
+    return ids[order], rows[order], uses[order]
+
+
+def test_threads_reading_after_a_lookahead_step_apply_its_plan_once():
+    # The step leaves the next batch's cache plan pending (every cached id of
+    # batch `a` is evicted for one of batch `b`). Threads that read between
+    # steps each settle pending plans first; two applying one plan credited
+    # the evicted ids' uses twice, and the later one wrote the loaded ids'
+    # rows over the evicted ids' host rows (7 of 10 trials before the fix).
+    import tf_sfctr
+
+    cap = 64
+    a = np.arange(cap, dtype=np.int64)
+    b = np.arange(cap, 2 * cap, dtype=np.int64)
+
+    def layer():
+        return CachedEmbedding(4, cache_capacity=cap, seed=9,
+                               optimizer=tf_sfctr.optimizers.Adagrad(0.1))
+
+    reference = layer()
+    _lookahead_step(reference, a, b)
+    reference.lookup_rows(a)
+    want = _host_table(reference)
+    readers = {
+        "lookup_rows": lambda t: t.lookup_rows(a),
+        "flush": lambda t: t.flush(),
+        "inference": lambda t: t(a, training=False),
+        "assign_rows": lambda t: t.assign_rows(b[:1], np.ones((1, 4), np.float32)),
+    }
+    for trial in range(16):
+        table = layer()
+        _lookahead_step(table, a, b)
+        assert bool(table._plan.pending.numpy())
+        start = threading.Barrier(4)
+        names = ["lookup_rows", "flush", "inference", "lookup_rows"] if trial % 2 else \
+            ["lookup_rows", "lookup_rows", "assign_rows", "inference"]
+        errors = []
+
+        def read(name):
+            try:
+                start.wait()
+                readers[name](table)
+            except Exception as err:  # noqa: BLE001 - reported below
+                errors.append(err)
+
+        threads = [threading.Thread(target=read, args=(n,)) for n in names]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        ids, rows, uses = _host_table(table)
+        np.testing.assert_array_equal(ids, want[0])
+        np.testing.assert_array_equal(uses, want[2], err_msg=f"trial {trial}: use counts")
+        keep = ids != b[0]  # the assigned row differs from the reference by design
+        np.testing.assert_array_equal(rows[keep], want[1][keep], err_msg=f"trial {trial}: rows")

@@ -33,10 +33,16 @@ constexpr size_t kHugePage = size_t{2} << 20;
 // which showed as ~15 B/row of resident memory in a growing host table).
 constexpr size_t kOwnMapping = size_t{64} << 10;
 
+// `bytes` rounded up to whole 4 KiB pages: a mapping's own length.
+inline size_t WholePages(size_t bytes) { return (bytes + 4095) & ~size_t{4095}; }
+
 // Memory for `bytes` bytes; free it with FreeLarge(p, bytes).
 inline void* AllocateLarge(size_t bytes) {
 #if defined(SFCTR_OWN_MAPPINGS)
   if (bytes >= kOwnMapping) {
+    // munmap needs a page-aligned start: trim the tail after whole pages
+    // (trimmed at p + bytes, it failed and left up to 2 MiB mapped).
+    bytes = WholePages(bytes);
     const bool huge = bytes >= kHugePage;
     // A huge page needs a 2 MiB aligned range: map 2 MiB more, trim it.
     const size_t extra = huge ? kHugePage : 0;
@@ -65,7 +71,7 @@ inline void* AllocateLarge(size_t bytes) {
 inline void FreeLarge(void* p, size_t bytes) {
 #if defined(SFCTR_OWN_MAPPINGS)
   if (bytes >= kOwnMapping) {
-    munmap(p, bytes);
+    munmap(p, WholePages(bytes));
     return;
   }
 #else

@@ -476,6 +476,10 @@ class CachedEmbedding(keras.layers.Layer):
         # must be applied by one thread only (re-entrant: _assign_local
         # settles under it).
         self._assign_lock = threading.RLock()
+        # Per feature (one, or one per feature of a list call): whether
+        # ragged or sparse ids reached a call, whatever its Input said.
+        # export_for_serving's pad_id="auto" reads it.
+        self._fed_sparse: Optional[list] = None
 
     def _reserved_row_bytes(self) -> int:
         """Host bytes per row that reserve_rows allocates: the value, the
@@ -729,6 +733,8 @@ class CachedEmbedding(keras.layers.Layer):
                 inputs = [_float_as_ids(v) for v in inputs]
             else:
                 inputs = _float_as_ids(inputs)
+        else:
+            self._note_input_kinds(inputs)
         if isinstance(inputs, dict):
             # Virtual Sparse Ids computed in the input pipeline
             # (tf_sfctr.data.with_unique_ids): skip de-duplication here.
@@ -779,6 +785,19 @@ class CachedEmbedding(keras.layers.Layer):
         if isinstance(out, list):
             return [tf.cast(x, self.compute_dtype) for x in out]
         return tf.cast(out, self.compute_dtype)
+
+    def _note_input_kinds(self, inputs: Any) -> None:
+        """Records which features got ragged or sparse ids (_fed_sparse)."""
+        if isinstance(inputs, dict):
+            features = [inputs.get("ids")]
+        elif _is_feature_list(inputs):
+            features = list(inputs)
+        else:
+            features = [inputs]
+        fed = [isinstance(x, (tf.RaggedTensor, tf.SparseTensor)) for x in features]
+        if self._fed_sparse is not None and len(self._fed_sparse) == len(fed):
+            fed = [a or b for a, b in zip(self._fed_sparse, fed)]
+        self._fed_sparse = fed
 
     def _warn_if_differentiated(self, rows: tf.Tensor) -> tf.Tensor:
         """``rows`` as they are, read together with the update trigger, so

@@ -181,6 +181,15 @@ def _call_inputs(model: keras.Model, layer: CachedEmbedding) -> list:
     return found
 
 
+def _graph_layers(model: keras.Model) -> list:
+    """The layers of ``model``'s graph and of the graph models nested in it
+    (not their sublayers: a MultiHeadAttention's dropout is never built)."""
+    found = []
+    for layer in model.layers:
+        found += _graph_layers(layer) if _is_graph_model(layer) else [layer]
+    return found
+
+
 def _refuse_hidden_tables(model: keras.Model) -> None:
     """A CachedEmbedding inside a layer that is not a graph model (a
     subclassed layer or model) cannot be swapped for its frozen copy."""
@@ -208,6 +217,8 @@ def _copy_state(source: keras.Model, target: keras.Model) -> None:
         if isinstance(layer, (CachedEmbedding, keras.layers.InputLayer)):
             continue  # (clone_model makes new inputs, under other names)
         copy = target.get_layer(layer.name)
+        if copy is layer:  # a stateless layer, not copied (serving_model)
+            continue
         if _is_graph_model(layer):
             _copy_state(layer, copy)
             continue
@@ -234,8 +245,16 @@ def _served_pad_id(model: keras.Model, layer: CachedEmbedding) -> Union[int, Non
     """The id a served layer's combiner skips in dense rows: 0 for a
     feature trained on sparse ids (dense clients pad with 0), None for one
     trained on dense rows (every position counted); one per feature for a
-    list call. Read from the calls in ``model``'s graph."""
-    pads = [_pad_for(x) for x in _call_inputs(model, layer)]
+    list call. Read from the calls in ``model``'s graph, and from what reached
+    the layer's calls: ragged ids fed through a dense ``keras.Input((None,))``
+    train on their values only, so their dense clients pad too."""
+    fed = layer._fed_sparse or []
+
+    def merged(pad, k):
+        return 0 if pad == 0 or (k < len(fed) and fed[k]) else None
+
+    pads = [[merged(p, k) for k, p in enumerate(x)] if isinstance(x, list) else merged(x, 0)
+            for x in map(_pad_for, _call_inputs(model, layer))]
     if not pads:  # not wired into this graph: as before
         return 0
     if any(p != pads[0] for p in pads[1:]):
@@ -249,7 +268,9 @@ def _served_pad_id(model: keras.Model, layer: CachedEmbedding) -> Union[int, Non
 def serving_model(model: keras.Model, max_rows: Optional[int] = None,
                   pad_id: Union[int, None, str] = "auto") -> keras.Model:
     """A copy of ``model`` whose CachedEmbedding layers are frozen
-    ServingEmbedding layers (same names, same outputs for known ids).
+    ServingEmbedding layers (same names, same outputs for known ids). Layers
+    with weights are copied; stateless ones (no weights) are shared with
+    ``model``.
 
     A model trained on de-duplicated features (``tf_sfctr.data.vsi_inputs``:
     ``{"ids", "unique_ids", "inverse", ...}``) is served on plain ids: each
@@ -300,8 +321,23 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None,
         if isinstance(layer, CachedEmbedding):
             ids, rows = _frozen_rows(layer, max_rows)
             pad = _served_pad_id(model, layer) if isinstance(pad_id, str) else pad_id
+            if isinstance(pad_id, str) and layer.combiner is not None and (
+                    0 in (pad if isinstance(pad, list) else [pad])) and np.any(ids == 0):
+                warnings.warn(
+                    f"export_for_serving: table {layer.name!r} was trained on sparse or "
+                    "ragged ids and has a row for id 0, but served dense rows skip id 0 "
+                    "(pad_id='auto': 0 is what to_dense()/to_tensor() pad with), so its row "
+                    "is left out of served sums and means. If 0 is a real id (e.g. a "
+                    "StringLookup's out-of-vocabulary index), pad served rows with an id "
+                    "the table never saw, say -1, and pass pad_id=-1.", stacklevel=3)
             return ServingEmbedding(ids, rows, combiner=layer.combiner, pad_id=pad,
                                     name=layer.name, dtype=layer.dtype_policy)
+        if isinstance(layer, keras.layers.Layer) and not layer.weights:
+            # Stateless (Flatten, Dropout, Lambda, lookups, ...): the frozen
+            # model calls the layer itself. A copy through from_config loses
+            # what a config cannot hold, e.g. a Lambda's globals (its function
+            # then fails with NameError) or its inferred output shape.
+            return layer
         return layer.__class__.from_config(layer.get_config())
 
     _refuse_hidden_tables(model)
@@ -325,11 +361,11 @@ def _write_saved_model(frozen: keras.Model, export_dir) -> None:
     does, so that lookup layers keep their vocabulary (an asset).
     """
     archive = keras.export.ExportArchive()
-    for layer in frozen._flatten_layers(include_self=False):
-        if (isinstance(layer, (ServingEmbedding, keras.layers.InputLayer))
-                or _is_graph_model(layer)):
+    for layer in _graph_layers(frozen):
+        if isinstance(layer, (ServingEmbedding, keras.layers.InputLayer)):
             continue
-        archive.track(layer)
+        if layer.built or layer.weights:  # (tracking refuses unbuilt layers)
+            archive.track(layer)  # with its sublayers' variables
     # The serving signature of Keras's export_model: one TensorSpec per input.
     specs = [tf.TensorSpec((None,) + tuple(x.shape[1:]), dtype=x.dtype, name=x.name)
              for x in frozen.inputs]
@@ -352,9 +388,10 @@ def export_for_serving(model: keras.Model, export_dir: str,
     that decides the cut); the others, like never-seen ids, get zeros.
     Multi-hot inputs (layers with a combiner) may reach the served model as
     dense rows; ``pad_id`` says which id their combiner skips. ``"auto"``
-    (default) serves each layer as it was trained: one trained on sparse ids
-    skips 0 (what ``tf.sparse.to_dense`` and ``RaggedTensor.to_tensor()``
-    pad with), one trained on dense rows counts every position, id 0
+    (default) serves each layer as it was trained: one trained on sparse or
+    ragged ids skips 0 (what ``tf.sparse.to_dense`` and
+    ``RaggedTensor.to_tensor()`` pad with; it warns when the table has a row
+    for id 0), one trained on dense rows counts every position, id 0
     included, as training did. An int or ``None`` applies to every layer.
     Returns the frozen Keras model that was exported (it takes what the
     SavedModel takes: multi-hot features as dense padded rows). Under Horovod, call it

@@ -603,9 +603,18 @@ class CachedEmbedding(keras.layers.Layer):
             raise
         # The layer's one Keras weight, made last: a build that fails above
         # leaves none behind for a retry to duplicate.
-        self._trigger = self.add_weight(
-            shape=(), initializer="zeros", trainable=True, name="table_update_trigger")
+        self._keep_trigger(self.add_weight(
+            shape=(), initializer="zeros", trainable=True, name="table_update_trigger"))
         self.built = True
+
+    @tf.__internal__.tracking.no_automatic_dependency_tracking
+    def _keep_trigger(self, trigger) -> None:
+        """Keeps the trigger out of tf.train.Checkpoint (it is always zero).
+        A checkpoint restored into an unbuilt subclassed model restores each
+        tracked attribute as it is set, and Keras builds such a model inside
+        its stateless scope, where a Keras variable has no value yet: the
+        trigger's restore failed there, leaving the layer without it."""
+        self._trigger = trigger
 
     def _counted_ahead(self) -> Optional[tf.Tensor]:
         """The ids of a lookahead plan whose step the directory has already

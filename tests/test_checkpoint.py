@@ -313,6 +313,39 @@ def test_restore_into_a_layer_before_it_is_built(rng, tmp_path):
     np.testing.assert_array_equal(fresh.lookup_rows(probe), saved.lookup_rows(probe))
 
 
+def test_restore_into_an_unbuilt_subclassed_model(rng, tmp_path):
+    """Keras builds a subclassed model inside its stateless scope, where a
+    Keras variable has no value: the deferred restore of the layer's trigger
+    weight failed there, and fit then failed ('no attribute _trigger'). The
+    table restores; Keras's own weights do not (README: build first)."""
+
+    class Tower(keras.Model):
+        def __init__(self, seed):
+            super().__init__()
+            self.emb = CachedEmbedding(4, cache_capacity=32, seed=seed, name="emb",
+                                       optimizer=tf_sfctr.optimizers.Adam(0.05))
+            self.out = keras.layers.Dense(1, name="out")
+
+        def call(self, x, training=None):
+            return self.out(keras.ops.sum(self.emb(x, training=training), axis=1))
+
+    x = rng.integers(0, 40, (32, 3))
+    y = rng.random((32, 1)).astype("float32")
+    feed = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    saved = Tower(1)
+    saved.compile(optimizer="adam", loss="mse")
+    saved.fit(feed, verbose=0)
+    path = tf.train.Checkpoint(model=saved).save(str(tmp_path / "ckpt"))
+    fresh = Tower(2)
+    fresh.compile(optimizer="adam", loss="mse")
+    tf.train.Checkpoint(model=fresh).restore(path).expect_partial()
+    fresh(x[:8])  # Keras builds the model in its stateless scope first
+    probe = np.arange(40)
+    np.testing.assert_array_equal(fresh.emb.lookup_rows(probe), saved.emb.lookup_rows(probe))
+    fresh.fit(feed.take(1), verbose=0)
+    assert fresh.emb.cache_stats()["hits"] + fresh.emb.cache_stats()["misses"] > 0
+
+
 def test_a_failed_restore_into_an_unbuilt_layer_is_not_forgotten(rng, tmp_path):
     """A deferred restore that fails when the layer makes its table (here,
     another output_dim) fails that call; TF no longer holds the restore, so

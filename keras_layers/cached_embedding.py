@@ -1671,9 +1671,16 @@ class CachedEmbedding(keras.layers.Layer):
                 f"CachedEmbedding {self.name}: the saved weights hold no table "
                 f"(missing {missing}); they were not written by a CachedEmbedding.")
         table = {k: np.asarray(store[f"table_{k}"]) for k in keys}
+        # Read before the table is replaced: a bad one changes nothing.
+        step = np.asarray(store["table_step"]) if "table_step" in present else None
+        if step is None or step.size != 1 or step.dtype.kind not in "iu" or step.ravel()[0] < 0:
+            raise ValueError(
+                f"CachedEmbedding {self.name}: the saved weights' table_step (the table "
+                f"optimizer's update count) is {'missing' if step is None else step!r}, not "
+                "one integer >= 0; they are corrupt. The current table was left untouched.")
         self._store.load_table(table["header"], table["ids"], table["rows"],
                                table["counts"], table["counters"])
-        self._table_step.assign(int(np.asarray(store["table_step"]).ravel()[0]))
+        self._table_step.assign(int(step.ravel()[0]))
 
     # ---------------------------------------------------------- Keras glue
     def compute_output_shape(self, input_shape: Any) -> tuple:

@@ -369,3 +369,58 @@ def test_a_failed_restore_into_an_unbuilt_layer_is_not_forgotten(rng, tmp_path):
     right = _adagrad_layer(seed=7)
     tf.train.Checkpoint(emb=right).restore(path)
     np.testing.assert_array_equal(right(np.arange(60)).numpy(), saved(np.arange(60)).numpy())
+
+
+def _host_table(layer):
+    layer.flush()
+    return [t.numpy() for t in layer.store.host_export()] + [layer.cache_stats()]
+
+
+def test_bad_saved_arrays_are_refused_before_the_table_changes(rng, tmp_path):
+    """Saved arrays of the wrong kind used to be loaded altered (float ids
+    truncated, unsigned ids past int64 wrapped into other ids) or refused
+    only after the table was cleared (too few counters, a seed past int64,
+    a weights file without table_step)."""
+    layer = _adagrad_layer(seed=3)
+    _train_step(layer, rng.integers(0, 30, 20))
+    store = layer.store
+    saved = {k: np.asarray(v) for k, v in store._serialize_to_tensors().items()}
+    before = _host_table(layer)
+
+    def load(**changes):
+        t = {**saved, **changes}
+        store.load_table(t["header"], t["ids"], t["rows"], t["counts"], t["counters"])
+
+    big = saved["header"].astype(np.uint64)
+    big[3] = np.uint64(2**64 - 1)  # the seed
+    cases = {
+        "float32, not integers": dict(ids=saved["ids"].astype(np.float32) + 0.5),
+        "above the int64 range": dict(ids=saved["ids"].astype(np.uint64) | np.uint64(2**63)),
+        "2 counters, not 3": dict(counters=saved["counters"][:2]),
+        "<U1, not integers": dict(counts=np.array(["a"] * len(saved["ids"]))),
+        "header hold values above": dict(header=big),
+        "rows are int64": dict(rows=saved["rows"].astype(np.int64)),
+    }
+    for message, change in cases.items():
+        with pytest.raises(CheckpointMismatchError, match=message.split(",")[0]):
+            load(**change)
+        after = _host_table(layer)
+        for a, b in zip(after[:3], before[:3]):
+            np.testing.assert_array_equal(a, b, err_msg=message)
+    # A Keras weights file without table_step: refused before the table changes.
+    model = keras.Sequential([keras.Input((2,), dtype="int64"), layer])
+    model.save_weights(str(tmp_path / "w.weights.h5"))
+    import h5py
+    with h5py.File(tmp_path / "w.weights.h5", "r+") as f:
+        paths = []
+        f.visit(lambda name: paths.append(name) if name.endswith("vars/table_step") else None)
+        assert paths, "no table_step in the weights file"
+        del f[paths[0]]
+    other = _adagrad_layer(seed=4)
+    other_model = keras.Sequential([keras.Input((2,), dtype="int64"), other])
+    _train_step(other, np.arange(5))
+    other_before = _host_table(other)
+    with pytest.raises(ValueError, match="table_step"):
+        other_model.load_weights(str(tmp_path / "w.weights.h5"))
+    for a, b in zip(_host_table(other)[:3], other_before[:3]):
+        np.testing.assert_array_equal(a, b)

@@ -52,6 +52,22 @@ class StoreConfig:
 #: version 1 still loads.
 FORMAT_VERSION = 2
 _READABLE_VERSIONS = {1: 4, 2: 6}  # version -> header length
+
+
+def _saved_integers(name: str, values) -> np.ndarray:
+    """A saved integer array as int64, or CheckpointMismatchError: floats
+    would be truncated and unsigned values past int64 would wrap (into other
+    ids, or a seed that fails once the table is cleared)."""
+    a = np.asarray(values)
+    if a.dtype.kind not in "iu":
+        raise CheckpointMismatchError(
+            f"saved table's {name} are {a.dtype}, not integers; it is corrupt. The "
+            "current table was left untouched.")
+    if a.dtype.kind == "u" and a.size and a.max() > np.iinfo(np.int64).max:
+        raise CheckpointMismatchError(
+            f"saved table's {name} hold values above the int64 range; it is corrupt. "
+            "The current table was left untouched.")
+    return a.astype(np.int64)
 _KNOWN_STATE_KINDS = ("SGD", "SGD with momentum", "Adagrad", "Adam", "Ftrl")
 
 
@@ -295,11 +311,23 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
     def load_table(self, header, ids, rows, counts, counters) -> None:
         """Replaces the whole table (host rows, use counts, empty cache,
         counters). Checks everything first: on error nothing changes."""
+        header, ids, counts, counters = (
+            _saved_integers(name, a) for name, a in
+            (("header", header), ("ids", ids), ("use counts", counts), ("counters", counters)))
+        rows = np.asarray(rows)
+        if rows.dtype.kind != "f":
+            raise CheckpointMismatchError(
+                f"saved table's rows are {rows.dtype}, not floats; it is corrupt. The "
+                "current table was left untouched.")
         self.check_table(header, ids, rows)
-        if np.asarray(counts).shape != np.asarray(ids).shape:
+        if counts.shape != ids.shape:
             raise CheckpointMismatchError(
                 "saved table has a use count per id missing; it is corrupt. The "
                 "current table was left untouched.")
+        if counters.size < 3:
+            raise CheckpointMismatchError(
+                f"saved table has {counters.size} counters, not 3 (hits, misses, "
+                "evictions); it is corrupt. The current table was left untouched.")
         if self.before_load is not None:
             self.before_load()
         self.cache_clear()

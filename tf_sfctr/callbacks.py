@@ -89,6 +89,37 @@ def table_log_names(model: keras.layers.Layer) -> list:
     return out
 
 
+class _Steps:
+    """Training steps run so far in a ``fit``, from the optimizer's
+    ``iterations`` as each batch (execution) ends, so that
+    ``steps_per_execution > 1`` counts every step; by batches when the model
+    has no optimizer. Read only at batch ends: on data of unknown size,
+    Keras 3.5 adds one more iteration after the epoch's last batch, which ran
+    no step."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._seen: Optional[int] = None
+
+    @staticmethod
+    def _iterations(model) -> Optional[int]:
+        iterations = getattr(getattr(model, "optimizer", None), "iterations", None)
+        return None if iterations is None else int(keras.ops.convert_to_numpy(iterations))
+
+    def restart(self, model) -> None:
+        """At the start of training or of an epoch."""
+        self._seen = self._iterations(model)
+
+    def batch_end(self, model) -> int:
+        now = self._iterations(model)
+        if now is None or self._seen is None:
+            self.count += 1
+        else:
+            self.count += max(now - self._seen, 0)
+        self._seen = now
+        return self.count
+
+
 class _Snapshot:
     """Cumulative counters of one layer and the training step they were read at."""
 
@@ -121,9 +152,9 @@ class CacheMetrics(keras.callbacks.Callback):
 
     The counters come from ``layer.cache_stats()`` and count distinct ids per
     training step; ``predict``, ``evaluate`` and validation never change
-    them. Steps are counted with ``model.optimizer.iterations`` (so
-    ``steps_per_execution > 1`` is handled), or by batches when the model has
-    no optimizer.
+    them. Steps are counted with ``model.optimizer.iterations`` as batches
+    end (so ``steps_per_execution > 1`` is handled), or by batches when the
+    model has no optimizer.
 
     Keras hands one logs dict to each callback in list order and appends its
     own ``History`` and progress bar after the user's callbacks, so the values
@@ -160,18 +191,11 @@ class CacheMetrics(keras.callbacks.Callback):
         self._layers: list = []  # (layer, log name)
         self._batch_start: dict[int, _Snapshot] = {}
         self._epoch_start: dict[int, _Snapshot] = {}
-        self._batches = 0
+        self._steps = _Steps()
 
     # ---------------------------------------------------------- bookkeeping
-    def _training_step(self) -> int:
-        optimizer = getattr(self.model, "optimizer", None)
-        iterations = getattr(optimizer, "iterations", None)
-        if iterations is None:
-            return self._batches
-        return int(keras.ops.convert_to_numpy(iterations))
-
     def _snapshots(self) -> dict[int, tuple[dict, _Snapshot]]:
-        step = self._training_step()
+        step = self._steps.count
         out = {}
         for layer, _ in self._layers:
             stats = layer.cache_stats()
@@ -205,7 +229,8 @@ class CacheMetrics(keras.callbacks.Callback):
     # ---------------------------------------------------------------- hooks
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
         self._layers = table_log_names(self.model)
-        self._batches = 0
+        self._steps = _Steps()
+        self._steps.restart(self.model)
         start = {key: snap for key, (_, snap) in self._snapshots().items()}
         self._batch_start = dict(start)
         self._epoch_start = dict(start)
@@ -213,12 +238,13 @@ class CacheMetrics(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
         # Anything between epochs (e.g. a manual train_on_batch) is not
         # attributed to the next epoch.
+        self._steps.restart(self.model)
         start = {key: snap for key, (_, snap) in self._snapshots().items()}
         self._epoch_start = start
         self._batch_start = dict(start)
 
     def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
-        self._batches += 1
+        self._steps.batch_end(self.model)
         self._report(logs, self._batch_start)
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
@@ -229,9 +255,9 @@ class PruneHostTable(keras.callbacks.Callback):
     """Prunes the host table of every ``CachedEmbedding`` of the model while
     it trains: ids used in fewer than ``min_uses`` training steps are removed
     (``CachedEmbedding.prune``), at the end of each epoch, or every
-    ``every_steps`` training steps when given (counted with the optimizer's
-    ``iterations``, so ``steps_per_execution > 1`` prunes as often; the
-    check runs after each execution). Each epoch's logs get
+    ``every_steps`` training steps of a ``fit`` call when given (counted with
+    the optimizer's ``iterations``, so ``steps_per_execution > 1`` prunes as
+    often; the check runs after each execution). Each epoch's logs get
     ``<layer name>/pruned_rows``, the rows removed during that epoch, and
     ``self.pruned_rows`` holds each layer's total (keyed as ``table_log_names``
     names them).
@@ -266,14 +292,8 @@ class PruneHostTable(keras.callbacks.Callback):
         self.every_steps = every_steps
         self.pruned_rows: dict = {}
         self._epoch_rows: dict = {}
-        self._batches = 0
+        self._steps = _Steps()
         self._last_prune_step = 0
-
-    def _step(self) -> int:
-        iterations = getattr(getattr(self.model, "optimizer", None), "iterations", None)
-        if iterations is None:
-            return self._batches
-        return int(keras.ops.convert_to_numpy(iterations))
 
     def _prune(self) -> None:
         for layer, name in table_log_names(self.model):
@@ -284,17 +304,17 @@ class PruneHostTable(keras.callbacks.Callback):
             self._epoch_rows[name] = self._epoch_rows.get(name, 0) + removed
 
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
-        self._batches = 0
-        self._last_prune_step = self._step()
+        self._steps = _Steps()
+        self._last_prune_step = 0
 
     def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        self._steps.restart(self.model)
         self._epoch_rows = {name: 0 for _, name in table_log_names(self.model)}
 
     def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
-        self._batches += 1
+        step = self._steps.batch_end(self.model)
         if self.every_steps is None:
             return
-        step = self._step()
         if step // self.every_steps > self._last_prune_step // self.every_steps:
             self._prune()
             self._last_prune_step = step

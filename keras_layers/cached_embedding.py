@@ -267,21 +267,35 @@ def _physical_memory() -> int:
         return 0
 
 
+def _directory_bytes(capacity: int) -> int:
+    """Host bytes of the cache directory (ops/core/cache_directory.h): a
+    32-byte slot and a 2-byte scan key per row, and a map of 16-byte entries
+    sized to the power of two >= 2 x capacity (at least 16)."""
+    entries = 16
+    while entries < 2 * capacity:
+        entries *= 2
+    return capacity * 34 + entries * 16
+
+
 def _check_cache_memory(name: str, capacity: int, dim: int, num_state: int) -> None:
-    """Refuses, on a machine without a GPU, a device cache (rows and their
-    optimizer state, float32, held in host memory there) larger than the
-    machine's memory: a typo in cache_capacity would otherwise take it all.
-    On a GPU, TF's allocator refuses it itself (ResourceExhaustedError)."""
+    """Refuses a cache whose host memory exceeds the machine's: its directory
+    (always in host memory) and, on a machine without a GPU, its rows and
+    their optimizer state (float32). A typo in cache_capacity would otherwise
+    take it all. On a GPU, TF's allocator refuses too many rows itself
+    (ResourceExhaustedError)."""
     physical = _physical_memory()
-    need = capacity * dim * 4 * (1 + num_state)
-    if physical and need > physical and _compute_device() == "/CPU:0":
+    rows = capacity * dim * 4 * (1 + num_state) if _compute_device() == "/CPU:0" else 0
+    directory = _directory_bytes(capacity)
+    if physical and rows + directory > physical:
         raise ValueError(
-            f"CachedEmbedding {name!r}: cache_capacity={capacity} rows of output_dim={dim}"
-            + (f" (x{1 + num_state} with the table optimizer's state)" if num_state else "")
-            + f" need {need / 2**30:.1f} GiB, "
-            f"more than this machine's {physical / 2**30:.1f} GiB of memory (without a GPU the "
-            f"cache lives in host memory). The cache must only hold one step's distinct ids "
-            f"(and what you want kept hot); lower cache_capacity")
+            f"CachedEmbedding {name!r}: cache_capacity={capacity} needs "
+            f"{(rows + directory) / 2**30:.1f} GiB of host memory ("
+            + (f"{rows / 2**30:.1f} GiB of rows of output_dim={dim}"
+               + (f" with the table optimizer's state (x{1 + num_state})" if num_state else "")
+               + " held in host memory without a GPU, " if rows else "")
+            + f"{directory / 2**30:.1f} GiB for the cache's directory), more than this "
+            f"machine's {physical / 2**30:.1f} GiB. The cache must only hold one step's "
+            "distinct ids (and what you want kept hot); lower cache_capacity")
 
 
 def _check_index_memory(name: str, expected_rows: Optional[int], share: int,

@@ -208,9 +208,24 @@ def test_a_cache_beyond_the_machine_memory_is_refused():
     memory: 2**31 - 1 rows x 1024 x 2 floats (Adagrad), 16 TiB, is refused
     before anything is allocated."""
     layer = CachedEmbedding(1024, cache_capacity=2**31 - 1, seed=0, optimizer="adagrad")
-    with pytest.raises(ValueError, match=r"cache_capacity=2147483647 rows of output_dim=1024 "
-                                         r"\(x2 with the table optimizer.s state\) need 16384\.0 GiB, "
-                                         r"more than this machine's .* GiB.*lower cache_capacity"):
+    with pytest.raises(ValueError, match=r"cache_capacity=2147483647 needs 16516\.0 GiB of host "
+                                         r"memory \(16384\.0 GiB of rows of output_dim=1024 with "
+                                         r"the table optimizer's state \(x2\) .*, 132\.0 GiB for "
+                                         r"the cache's directory\), more than this machine's .* "
+                                         r"GiB.*lower cache_capacity"):
+        layer.build(None)
+    assert layer._store is None and not layer.built and not layer.weights
+
+
+def test_a_cache_directory_beyond_the_machine_memory_is_refused():
+    """The directory (~66-98 bytes per cached row, in host memory, GPU or
+    not) was left out of the check: a cache of 1-float rows whose rows fit
+    passed it, and the op then failed blaming expected_rows."""
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    capacity = min(physical // 40, 2**31 - 1)  # rows: 4 bytes each, a tenth of memory
+    layer = CachedEmbedding(1, cache_capacity=capacity, seed=0)
+    with pytest.raises(ValueError, match=r"GiB for the cache's directory\), more than this "
+                                         r"machine's .* lower cache_capacity"):
         layer.build(None)
     assert layer._store is None and not layer.built and not layer.weights
 

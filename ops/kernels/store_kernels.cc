@@ -172,9 +172,11 @@ class StoreCreateOp : public OpKernel {
       resource = new StoreResource(options_);
     } catch (const std::exception&) {  // bad_alloc, or length_error past max_size
       ctx->CtxFailure(errors::ResourceExhausted(
-          "not enough memory for the host table's indexes",
+          "not enough memory for the cache directory of cache_capacity=",
+          options_.cache_capacity, " and the host table's indexes",
           options_.table.reserve_rows ? " and rows" : "", " sized for expected_rows=",
-          options_.table.expected_rows, "; lower expected_rows (or leave it unset)",
+          options_.table.expected_rows,
+          "; lower cache_capacity or expected_rows (or leave it unset)",
           options_.table.reserve_rows ? ", or set reserve_rows=False" : ""));
       return;
     }

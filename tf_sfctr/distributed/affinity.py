@@ -41,8 +41,10 @@ def _local_rank_and_size(local_rank: Optional[int], local_size: Optional[int]):
         if env_rank is None or env_size is None:
             raise ValueError(
                 "share_host_cores needs this rank's local rank and the number of ranks on "
-                "this host: pass local_rank and local_size, call hvd.init() first, or run "
-                "under horovodrun (which sets HOROVOD_LOCAL_RANK and HOROVOD_LOCAL_SIZE)")
+                "this host, and found neither: it reads them from HOROVOD_LOCAL_RANK and "
+                "HOROVOD_LOCAL_SIZE, which horovodrun sets, or from Horovod after hvd.init(). "
+                "Run the script under horovodrun, or pass local_rank and local_size (a single "
+                "process has no cores to share: leave the call out)")
         found = int(env_rank), int(env_size)
     return (found[0] if local_rank is None else local_rank,
             found[1] if local_size is None else local_size)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import keras
 import tensorflow as tf
 
 
@@ -49,3 +50,25 @@ def output_shape(input_shape: Any, combiner: Optional[str], dim: int) -> tuple:
     if combiner is not None:
         shape = shape[:-1]
     return shape + (dim,)
+
+
+def zero_mask(inputs: Any) -> Any:
+    """``mask_zero``'s mask: True where an id is not 0, per feature of a list
+    call; of the ``"ids"`` of a de-duplicated feature."""
+    if isinstance(inputs, dict):
+        inputs = inputs["ids"]
+    if isinstance(inputs, (list, tuple)):
+        return [zero_mask(x) for x in inputs]
+    return keras.ops.not_equal(inputs, 0)
+
+
+def check_mask_zero(mask_zero: Any, combiner: Optional[str]) -> bool:
+    if not isinstance(mask_zero, bool):
+        raise ValueError(f"mask_zero must be True or False, got {mask_zero!r}")
+    if mask_zero and combiner is not None:
+        raise ValueError(
+            f"mask_zero=True masks positions of id 0 in sequences of ids (no combiner); "
+            f"with combiner={combiner!r} each row becomes one vector, with nothing to mask. "
+            "Feed multi-hot ids as tf.SparseTensor / tf.RaggedTensor, whose combiner "
+            "counts only the ids present")
+    return mask_zero

@@ -37,7 +37,13 @@ from tf_sfctr import _ops
 from tf_sfctr import initializers as _initializers
 from tf_sfctr import optimizers as _optimizers
 from tf_sfctr.distributed import _horovod
-from tf_sfctr.keras_layers._combine import combine_last_axis, combine_segments, output_shape
+from tf_sfctr.keras_layers._combine import (
+    check_mask_zero,
+    combine_last_axis,
+    combine_segments,
+    output_shape,
+    zero_mask,
+)
 from tf_sfctr.store import CheckpointMismatchError, EmbeddingStore, StoreConfig
 
 COMBINERS = ("sum", "mean", "sqrtn")
@@ -320,6 +326,19 @@ def _check_index_memory(name: str, expected_rows: Optional[int], share: int,
             + (" or leave reserve_rows False" if row_bytes else ""))
 
 
+#: Arguments of keras.layers.Embedding that CachedEmbedding does not take.
+_KERAS_EMBEDDING_ONLY = {
+    "input_dim": "ids are any int64 values and the host table grows as new ones arrive; "
+                 "max_rows=N bounds it, expected_rows=N sizes it up front",
+    "embeddings_regularizer": "the table's rows are trained by its own optimizer "
+                              "(optimizer=), outside the model's loss; for L1/L2, "
+                              "tf_sfctr.optimizers.Ftrl takes l1/l2_regularization_strength",
+    "embeddings_constraint": "the table's rows are trained by its own optimizer "
+                             "(optimizer=), which applies no constraint",
+    "lora_rank": "LoRA is not supported",
+}
+
+
 @keras.saving.register_keras_serializable(package="tf_sfctr")
 class CachedEmbedding(keras.layers.Layer):
     """Embedding layer whose table lives in host memory, with a device cache.
@@ -366,6 +385,10 @@ class CachedEmbedding(keras.layers.Layer):
             drawn seed is rank 0's, sent to every rank when the layer is built
             (a collective), so data-parallel replicas start equal; an explicit
             seed must be the same on every rank.
+        mask_zero: as in ``keras.layers.Embedding``: id 0 is padding, and
+            the output carries a mask (``ids != 0``) for the layers after it
+            (a GRU, attention). Its row is still looked up and trained like
+            any other id. Not with a combiner. Default ``False``.
         distribution: under Horovod with more than one rank,
             ``"model_parallel"`` shards the table over ranks by
             ``owner(id) = Mix64(id) mod size`` and routes ids, rows and
@@ -433,9 +456,13 @@ class CachedEmbedding(keras.layers.Layer):
         distribution: str = "auto",
         expected_rows: Optional[int] = None,
         reserve_rows: bool = False,
+        mask_zero: bool = False,
         name: Optional[str] = None,
         **kwargs: Any,
     ):
+        for key, reason in _KERAS_EMBEDDING_ONLY.items():
+            if key in kwargs:
+                raise ValueError(f"CachedEmbedding takes no {key}: {reason}")
         super().__init__(name=name, **kwargs)
         self.output_dim = self._positive_int("output_dim", output_dim)
         if self.output_dim > MAX_OUTPUT_DIM:
@@ -450,6 +477,8 @@ class CachedEmbedding(keras.layers.Layer):
         if combiner is not None and combiner not in COMBINERS:
             raise ValueError(f"combiner must be None or one of {COMBINERS}, got {combiner!r}")
         self.combiner = combiner
+        self.mask_zero = check_mask_zero(mask_zero, combiner)
+        self.supports_masking = self.mask_zero
         self.max_rows = None if max_rows is None else self._positive_int("max_rows", max_rows)
         self.expected_rows = (None if expected_rows is None
                               else self._positive_int("expected_rows", expected_rows))
@@ -1749,8 +1778,12 @@ class CachedEmbedding(keras.layers.Layer):
             # A restored checkpoint brings its own seed.
             "seed": self._store.seed if self._store is not None else self.seed,
             "distribution": self.distribution,
+            "mask_zero": self.mask_zero,
         })
         return config
+
+    def compute_mask(self, inputs: Any, mask: Any = None) -> Any:
+        return zero_mask(inputs) if self.mask_zero else None
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "CachedEmbedding":

@@ -19,7 +19,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_sfctr.keras_layers._combine import combine_last_axis, combine_segments, output_shape
+from tf_sfctr.keras_layers._combine import (
+    check_mask_zero,
+    combine_last_axis,
+    combine_segments,
+    output_shape,
+    zero_mask,
+)
 
 
 @keras.saving.register_keras_serializable(package="tf_sfctr")
@@ -36,7 +42,7 @@ class ServingEmbedding(keras.layers.Layer):
 
     def __init__(self, keys: Any = None, rows: Any = None, *, output_dim: Optional[int] = None,
                  num_keys: Optional[int] = None, combiner: Optional[str] = None,
-                 pad_id: Union[int, None, list] = 0, **kwargs):
+                 pad_id: Union[int, None, list] = 0, mask_zero: bool = False, **kwargs):
         # Rows are read in their stored float32 and combined before the cast to
         # the compute dtype (bfloat16 under mixed_bfloat16), as CachedEmbedding
         # does; Keras's autocast would gather bfloat16 rows and sum in bfloat16.
@@ -67,6 +73,8 @@ class ServingEmbedding(keras.layers.Layer):
         self.output_dim = int(output_dim)
         self.num_keys = int(num_keys)
         self.combiner = combiner
+        self.mask_zero = check_mask_zero(mask_zero, combiner)
+        self.supports_masking = self.mask_zero
         # Served multi-hot inputs arrive as dense rows padded with pad_id
         # (what RaggedTensor.to_tensor() and tf.sparse.to_dense use: 0);
         # combiners skip those positions.
@@ -136,8 +144,12 @@ class ServingEmbedding(keras.layers.Layer):
     def compute_output_shape(self, input_shape: Any) -> tuple:
         return output_shape(input_shape, self.combiner, self.output_dim)
 
+    def compute_mask(self, inputs: Any, mask: Any = None) -> Any:
+        return zero_mask(inputs) if self.mask_zero else None
+
     def get_config(self) -> dict:
         config = super().get_config()
         config.update({"output_dim": self.output_dim, "num_keys": self.num_keys,
-                       "combiner": self.combiner, "pad_id": self.pad_id})
+                       "combiner": self.combiner, "pad_id": self.pad_id,
+                       "mask_zero": self.mask_zero})
         return config

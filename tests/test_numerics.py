@@ -146,3 +146,66 @@ def test_lazy_adam_matches_numpy_reference(rng):
         ref.step(grads)
     assert layer.cache_stats()["evictions"] > 100
     np.testing.assert_allclose(layer.lookup_rows(vocab), ref.table, rtol=1e-4, atol=1e-5)
+
+
+def test_mask_zero_sequences_train_and_serve_like_keras_embedding(rng, tmp_path):
+    """mask_zero=True: the same mask, so a GRU over padded sequences trains
+    to the same weights as with keras.layers.Embedding(mask_zero=True); the
+    served model keeps the mask."""
+    vocab, steps, length = 60, 12, 7
+    ids = rng.integers(1, vocab, (BATCH * steps, length))
+    for row, keep in zip(ids, rng.integers(1, length + 1, len(ids))):
+        row[keep:] = 0  # padding
+    labels = rng.random((len(ids), 1)).astype("float32")
+
+    def model(emb):
+        inp = keras.Input((length,), dtype="int64")
+        x = keras.layers.GRU(3, kernel_initializer=keras.initializers.GlorotUniform(1),
+                             recurrent_initializer=keras.initializers.Orthogonal(seed=2))(emb(inp))
+        m = keras.Model(inp, keras.layers.Dense(
+            1, kernel_initializer=keras.initializers.GlorotUniform(3))(x))
+        m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return m
+
+    ours = CachedEmbedding(DIM, cache_capacity=40, seed=0, mask_zero=True, name="emb",
+                           optimizer=tf_sfctr.optimizers.SGD(0.1))
+    ours_model = model(ours)
+    theirs = keras.layers.Embedding(vocab, DIM, mask_zero=True)
+    theirs_model = model(theirs)
+    theirs.set_weights([ours.lookup_rows(np.arange(vocab))])
+    np.testing.assert_array_equal(ours.compute_mask(ids[:2]).numpy(), ids[:2] != 0)
+    for m in (ours_model, theirs_model):
+        m.fit(ids, labels, batch_size=BATCH, shuffle=False, verbose=0)
+    assert ours.cache_stats()["evictions"] > 0
+    np.testing.assert_allclose(ours.lookup_rows(np.arange(vocab)), theirs.get_weights()[0],
+                               rtol=1e-4, atol=1e-5)
+    expected = ours_model.predict(ids, verbose=0)
+    np.testing.assert_allclose(expected, theirs_model.predict(ids, verbose=0),
+                               rtol=1e-4, atol=1e-5)
+    # Without the mask the padding positions would count: a different output.
+    unmasked = keras.layers.Embedding(vocab, DIM)
+    unmasked_model = model(unmasked)
+    unmasked.set_weights(theirs.get_weights())
+    unmasked_model.set_weights(theirs_model.get_weights())
+    assert np.abs(unmasked_model.predict(ids, verbose=0) - expected).max() > 1e-3
+    served = tf_sfctr.export_for_serving(ours_model, str(tmp_path / "served"))
+    assert served.get_layer("emb").mask_zero
+    loaded = tf.saved_model.load(str(tmp_path / "served"))
+    np.testing.assert_allclose(loaded.serve(tf.constant(ids)).numpy(), expected,
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_keras_embedding_arguments_that_do_not_apply_are_refused():
+    for kwargs, message in [
+            (dict(input_dim=1000), "no input_dim: ids are any int64 values.*max_rows"),
+            (dict(embeddings_regularizer="l2"), "no embeddings_regularizer.*Ftrl"),
+            (dict(mask_zero=True, combiner="mean"), "mask_zero=True masks.*combiner='mean'"),
+            (dict(mask_zero=1), "mask_zero must be True or False")]:
+        with pytest.raises(ValueError, match=message):
+            CachedEmbedding(4, cache_capacity=8, **kwargs)
+    # One mask per feature of a list call, and the "ids" of a de-duplicated one.
+    layer = CachedEmbedding(4, cache_capacity=8, mask_zero=True)
+    a, b = np.array([[3, 0]]), np.array([[0, 0, 5]])
+    masks = layer.compute_mask([a, b])
+    assert [m.numpy().tolist() for m in masks] == [[[True, False]], [[False, False, True]]]
+    assert layer.compute_mask({"ids": a}).numpy().tolist() == [[True, False]]

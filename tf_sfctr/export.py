@@ -331,7 +331,8 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None,
                     "StringLookup's out-of-vocabulary index), pad served rows with an id "
                     "the table never saw, say -1, and pass pad_id=-1.", stacklevel=3)
             return ServingEmbedding(ids, rows, combiner=layer.combiner, pad_id=pad,
-                                    name=layer.name, dtype=layer.dtype_policy)
+                                    mask_zero=layer.mask_zero, name=layer.name,
+                                    dtype=layer.dtype_policy)
         if isinstance(layer, keras.layers.Layer) and not layer.weights:
             # Stateless (Flatten, Dropout, Lambda, lookups, ...): the frozen
             # model calls the layer itself. A copy through from_config loses

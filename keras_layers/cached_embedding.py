@@ -1756,6 +1756,8 @@ class CachedEmbedding(keras.layers.Layer):
                     # keras.Sequential without keras.Input builds itself
                     # with float32 inputs, and fit would then pass ids
                     # through float32 (ids above 2**24 would merge).
+                    if not tf.as_dtype(x.dtype).is_floating:
+                        raise
                     raise TypeError(
                         f"{err} The layer got a symbolic {x.dtype} input: if this is a "
                         "keras.Sequential model without keras.Input, start it with "

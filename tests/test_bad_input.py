@@ -487,3 +487,9 @@ def test_functional_models_refuse_inputs_the_layer_cannot_take_when_wired(
     combiner lost its batch axis); predict or fit then failed."""
     with pytest.raises(ValueError, match=match):
         CachedEmbedding(3, cache_capacity=8, seed=0, combiner=combiner)(make_input())
+
+
+def test_a_string_input_says_to_hash_without_the_sequential_hint():
+    with pytest.raises(TypeError, match="got string.*hash strings to int64") as info:
+        CachedEmbedding(2, cache_capacity=4)(keras.Input((2,), dtype="string"))
+    assert "Sequential" not in str(info.value)

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <new>
 #include <random>
 #include <set>
 #include <string>
@@ -1414,6 +1415,39 @@ TEST_CASE(StorePruneKeepsCachedAndPendingIds) {
     store.table().InitialRow(id, init.data());
     CHECK(got == init);
   }
+}
+
+// A shard that throws, on a pool thread or the caller's, does not end the
+// process: every other shard runs, then RunShards rethrows. A scheduler that
+// cannot queue a task leaves the shards to the caller.
+TEST_CASE(RunShardsRethrowsAShardsExceptionOnceAllRan) {
+  std::vector<std::thread> threads;
+  std::mutex mu;
+  const Scheduler spawn = [&](std::function<void()> task) {
+    std::lock_guard<std::mutex> lock(mu);
+    threads.emplace_back(std::move(task));
+  };
+  for (const Scheduler* schedule : {&spawn, static_cast<const Scheduler*>(nullptr)}) {
+    for (int round = 0; round < 20; ++round) {
+      std::vector<std::atomic<int>> runs(16);
+      bool caught = false;
+      try {
+        RunShards(schedule, 16, 3, [&](int64_t s) {
+          runs[s].fetch_add(1);
+          if (s % 5 == 1) throw std::bad_alloc();
+        });
+      } catch (const std::bad_alloc&) {
+        caught = true;
+      }
+      CHECK(caught);
+      for (auto& r : runs) CHECK_EQ(r.load(), 1);
+    }
+  }
+  for (auto& t : threads) t.join();
+  const Scheduler refusing = [](std::function<void()>) { throw std::bad_alloc(); };
+  std::vector<int> ran(8, 0);
+  RunShards(&refusing, 8, 3, [&](int64_t s) { ++ran[s]; });
+  CHECK(ran == std::vector<int>(8, 1));
 }
 
 int main() {

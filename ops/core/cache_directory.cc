@@ -149,13 +149,14 @@ int32_t CacheDirectory::ChooseSlot() {
 }
 
 void CacheDirectory::MarkHints(const EvictionHints& hints,
+                               std::vector<int32_t>* found_scratch,
                                std::vector<int32_t>* marked,
                                int64_t* hinted_per_freq,
                                int64_t* hinted_per_distance) {
   // Two passes so that each pass's random reads can be prefetched: the map
   // entries of the hinted ids, then the slots they point to.
   constexpr int64_t kAhead = 8;
-  std::vector<int32_t> found(hints.n);
+  std::vector<int32_t>& found = *found_scratch;
   for (int64_t i = 0; i < hints.n; ++i) {
     if (i + kAhead < hints.n) {
       __builtin_prefetch(&map_[DirHash(hints.ids[i + kAhead]) & map_mask_]);
@@ -229,17 +230,43 @@ void CacheDirectory::HalveCounters() {
 void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
                             std::vector<int64_t>* miss_positions,
                             std::vector<Eviction>* evicted,
-                            const EvictionHints& hints) {
+                            const EvictionHints& hints, CommitUndo* undo) {
+  int64_t num_misses = 0;
+  for (int64_t i = 0; i < n; ++i) num_misses += slots[i] < 0 ? 1 : 0;
+  // Every allocation first (std::bad_alloc leaves the directory as it was);
+  // from the first change on, nothing below allocates.
+  // The scan key each used slot gets back at the end of this Commit.
+  std::vector<uint16_t> keys_after(n);
+  std::vector<int32_t> hint_found, hinted;
+  if (hints.n > 0 && num_misses > capacity_ - never_used_) {
+    hint_found.resize(hints.n);
+    hinted.reserve(hints.n);
+  }
+  std::vector<int64_t> misses;
+  std::vector<int32_t> chosen;
+  misses.reserve(num_misses);
+  chosen.reserve(num_misses);
+  evicted->reserve(evicted->size() + num_misses);
+  miss_positions->reserve(miss_positions->size() + num_misses);
+  if (undo != nullptr) {
+    undo->replaced.clear();
+    undo->replaced.reserve(num_misses);
+    undo->hand = hand_;
+    undo->never_used = never_used_;
+    undo->stats = stats_;
+    undo->first_eviction = evicted->size();
+    undo->first_miss_position = miss_positions->size();
+  }
   ++step_;
   if (hits_since_halving_ > kHalvingPeriod * static_cast<uint64_t>(capacity_)) {
     HalveCounters();
   }
+  // After halving (which stays: it only ages the counters).
+  if (undo != nullptr) undo->hits_since_halving = hits_since_halving_;
   // Mark hits first so no miss can evict a row this step uses.
   constexpr int64_t kAhead = 8;  // prefetch distance (entries in flight)
   int64_t in_use_per_freq[kFreqLevels] = {};
-  int64_t num_misses = 0;
-  // The scan key each used slot gets back at the end of this Commit.
-  std::vector<uint16_t> keys_after(n);
+  num_misses = 0;
   for (int64_t i = 0; i < n; ++i) {
     if (i + kAhead < n && slots[i + kAhead] >= 0) {
       __builtin_prefetch(&slots_[slots[i + kAhead]]);
@@ -269,11 +296,12 @@ void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
     ++hits_since_halving_;
   }
   const int64_t never_used = capacity_ - never_used_;
-  std::vector<int32_t> hinted;
   if (num_misses > never_used) {
     // in_use_per_freq becomes "kept per counter value": used or hinted.
     int64_t hinted_per_distance[kHintLevels + 1] = {};
-    if (hints.n > 0) MarkHints(hints, &hinted, in_use_per_freq, hinted_per_distance);
+    if (hints.n > 0) {
+      MarkHints(hints, &hint_found, &hinted, in_use_per_freq, hinted_per_distance);
+    }
     SetEvictionThreshold(num_misses - never_used, in_use_per_freq, hinted_per_distance);
   }
   // Passes over the misses, so that the random accesses of each can be
@@ -281,10 +309,6 @@ void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
   // evict and fill those slots, remove the victims from the map, insert the
   // new ids.
   const size_t first_eviction = evicted->size();
-  std::vector<int64_t> misses;
-  std::vector<int32_t> chosen;
-  misses.reserve(num_misses);
-  chosen.reserve(num_misses);
   for (int64_t i = 0; i < n; ++i) {
     if (slots[i] >= 0) continue;
     misses.push_back(i);
@@ -296,6 +320,10 @@ void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
     const int64_t i = misses[j];
     const int32_t slot = chosen[j];
     Slot& s = slots_[slot];
+    if (undo != nullptr) {
+      undo->replaced.push_back(s);  // reserved above
+      undo->replaced.back().hint = 0;  // hints last one Commit
+    }
     if (s.occupied) {  // the caller removes the id from the map
       evicted->push_back(Eviction{s.id, slot, s.uses, s.handle});
       --freq_count_[s.freq];
@@ -351,6 +379,52 @@ void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
   }
   // The step's slots are no longer "in use" for the next Commit's hand.
   for (int64_t i = 0; i < n; ++i) scan_keys_[slots[i]] = keys_after[i];
+  if (undo != nullptr) {
+    undo->misses.swap(misses);
+    undo->chosen.swap(chosen);
+  }
+}
+
+void CacheDirectory::Rollback(const int64_t* ids, int64_t n, const int32_t* slots,
+                              const std::vector<int64_t>& miss_positions,
+                              const std::vector<Eviction>& evicted,
+                              const CommitUndo& undo) {
+  // The map first: the ids placed leave it, the evicted ones come back.
+  for (size_t j = undo.first_miss_position; j < miss_positions.size(); ++j) {
+    MapErase(ids[miss_positions[j]]);
+  }
+  for (size_t j = undo.first_eviction; j < evicted.size(); ++j) {
+    MapInsert(evicted[j].id, evicted[j].slot);
+  }
+  // The slots given to misses get their old contents back (latest first).
+  for (size_t j = undo.replaced.size(); j-- > 0;) {
+    const int32_t k = undo.chosen[j];
+    Slot& s = slots_[k];
+    if (s.occupied) {
+      --freq_count_[s.freq];
+      --size_;
+    }
+    s = undo.replaced[j];
+    if (s.occupied) {
+      ++freq_count_[s.freq];
+      ++size_;
+    }
+    scan_keys_[k] = ScanKey(s);
+  }
+  // The hits give back the use this step counted (once per occurrence).
+  size_t m = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (m < undo.misses.size() && undo.misses[m] == i) {
+      ++m;
+      continue;
+    }
+    Slot& s = slots_[slots[i]];
+    if (s.uses > 0) --s.uses;
+  }
+  hand_ = undo.hand;
+  never_used_ = undo.never_used;
+  stats_ = undo.stats;
+  hits_since_halving_ = undo.hits_since_halving;
 }
 
 void CacheDirectory::SeedFrequency(int32_t slot, uint32_t past_uses) {
@@ -367,12 +441,17 @@ void CacheDirectory::ClearHandles() {
 
 void CacheDirectory::Entries(std::vector<Eviction>* out, bool reset_uses) {
   out->clear();
+  out->reserve(size_);
   for (int64_t k = 0; k < capacity_; ++k) {
-    Slot& s = slots_[k];
+    const Slot& s = slots_[k];
     if (!s.occupied) continue;
     out->push_back(Eviction{s.id, static_cast<int32_t>(k), s.uses, s.handle});
-    if (reset_uses) s.uses = 0;
   }
+  if (reset_uses) ResetUses();
+}
+
+void CacheDirectory::ResetUses() {
+  for (Slot& s : slots_) s.uses = 0;
 }
 
 void CacheDirectory::Clear() {

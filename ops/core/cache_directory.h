@@ -49,12 +49,36 @@ struct CacheStats {
 };
 
 class CacheDirectory {
+ private:
+  struct Slot {
+    int64_t id = 0;
+    uint64_t step = 0;   // last step that used this slot
+    uint32_t uses = 0;
+    uint8_t freq = 0;
+    uint8_t hint = 0;  // batches until a hinted later use (0: no hint), this Commit only
+    bool occupied = false;
+    uint64_t handle = 0;  // host row of the id (0: unknown)
+  };
+
  public:
   struct Eviction {
     int64_t id;
     int32_t slot;
     uint32_t uses;        // steps that used the id while it was cached
     uint64_t handle = 0;  // where its host row lives (SetHandle), 0 if unknown
+  };
+
+  // What a Commit changed, for Rollback.
+  class CommitUndo {
+   private:
+    friend class CacheDirectory;
+    int64_t hand = 0, never_used = 0;
+    uint64_t hits_since_halving = 0;
+    CacheStats stats;
+    size_t first_eviction = 0, first_miss_position = 0;
+    std::vector<int64_t> misses;  // positions of the misses, in order
+    std::vector<int32_t> chosen;  // the slot taken for each ...
+    std::vector<Slot> replaced;   // ... and what it held before
   };
 
   explicit CacheDirectory(int64_t capacity);
@@ -78,11 +102,24 @@ class CacheDirectory {
   // appends the evicted ids to `evicted`. `miss_positions` receives the
   // indices i of the misses, in order. `hints` (ids of later batches) keep
   // their slots if enough others can go; they are only read when the step
-  // has to evict.
+  // has to evict. Everything it allocates comes first: out of memory
+  // (std::bad_alloc) it changes nothing. With `undo`, records what it
+  // changes there for Rollback.
   void Commit(const int64_t* ids, int64_t n, int32_t* slots,
               std::vector<int64_t>* miss_positions,
               std::vector<Eviction>* evicted,
-              const EvictionHints& hints = EvictionHints());
+              const EvictionHints& hints = EvictionHints(),
+              CommitUndo* undo = nullptr);
+
+  // Undoes the last Commit, which filled `undo`, given its ids, n and the
+  // slots, miss_positions and evicted it returned (when the step cannot go
+  // on, e.g. its host fetch ran out of memory): every id is cached in the
+  // slot it had before, with its uses and host handle, and the counters are
+  // as they were. (The hits' raised frequency counters stay; they only
+  // order evictions.) Allocates nothing.
+  void Rollback(const int64_t* ids, int64_t n, const int32_t* slots,
+                const std::vector<int64_t>& miss_positions,
+                const std::vector<Eviction>& evicted, const CommitUndo& undo);
 
   // Starts the frequency counter of a just-admitted slot from the id's use
   // history (steps it was used in before), so a hot id that was evicted
@@ -96,8 +133,12 @@ class CacheDirectory {
   void ClearHandles();
 
   // Every cached (id, slot, uses) triple; resets the use counters when
-  // `reset_uses` (used when flushing to the host table).
+  // `reset_uses` (used when flushing to the host table), only once `out`
+  // holds them all.
   void Entries(std::vector<Eviction>* out, bool reset_uses);
+
+  // Sets every cached id's use counter to 0.
+  void ResetUses();
 
   // Forgets every id (the rows are assumed to be flushed already).
   void Clear();
@@ -107,16 +148,6 @@ class CacheDirectory {
   static constexpr int kHintLevels = 16;
 
  private:
-  struct Slot {
-    int64_t id = 0;
-    uint64_t step = 0;   // last step that used this slot
-    uint32_t uses = 0;
-    uint8_t freq = 0;
-    uint8_t hint = 0;  // batches until a hinted later use (0: no hint), this Commit only
-    bool occupied = false;
-    uint64_t handle = 0;  // host row of the id (0: unknown)
-  };
-
   int64_t FindEntry(int64_t id) const;  // index into map_ or -1
   void MapInsert(int64_t id, int32_t slot);
   void MapErase(int64_t id);
@@ -130,7 +161,10 @@ class CacheDirectory {
   }
   // Marks the cached ids of `hints` that the step does not use; returns the
   // marked slots and counts them per counter value and per distance.
-  void MarkHints(const EvictionHints& hints, std::vector<int32_t>* marked,
+  // `found` (hints.n entries) and `marked` (capacity for hints.n) are
+  // allocated by the caller.
+  void MarkHints(const EvictionHints& hints, std::vector<int32_t>* found,
+                 std::vector<int32_t>* marked,
                  int64_t* hinted_per_freq, int64_t* hinted_per_distance);
   // Sets evict_max_level_ and budget_at_max_ for a step that must evict
   // `needed` slots, given how many slots of each counter value the step uses

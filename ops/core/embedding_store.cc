@@ -14,6 +14,20 @@ CoreStatus EmbeddingStore::Prepare(const int64_t* ids, int64_t n,
                                    PrepareResult* r, const Scheduler* schedule,
                                    const EvictionHints& hints, bool require_distinct) {
   std::lock_guard<std::mutex> lock(mu_);
+  try {
+    return PrepareLocked(ids, n, r, schedule, hints, require_distinct);
+  } catch (const std::bad_alloc&) {
+    // From an allocation before anything changed (PrepareLocked allocates
+    // everything before the directory and the host table change).
+    return table_.OutOfMemory("The step's cache plan did not fit in memory; nothing was "
+                              "changed.");
+  }
+}
+
+CoreStatus EmbeddingStore::PrepareLocked(const int64_t* ids, int64_t n, PrepareResult* r,
+                                         const Scheduler* schedule,
+                                         const EvictionHints& hints,
+                                         bool require_distinct) {
   r->slots.resize(n);
   int64_t num_misses = 0;
   CoreStatus st = directory_.Classify(ids, n, r->slots.data(), &num_misses);
@@ -36,21 +50,13 @@ CoreStatus EmbeddingStore::Prepare(const int64_t* ids, int64_t n,
     st = CheckDistinct(ids, n, r->slots.data(), miss_ids);
     if (!st.ok()) return st;
   }
-  // Reserve host rows for ids never seen before, so that a full table fails
-  // here, before the directory changes.
-  int64_t reserved = 0;
-  if (table_.max_rows() > 0 && !miss_ids.empty()) {
-    reserved = table_.CountMissing(miss_ids.data(), miss_ids.size());
-    st = table_.Reserve(reserved);
-    if (!st.ok()) return st;
-  } else {
-    reserved = static_cast<int64_t>(miss_ids.size());
-    table_.Reserve(reserved);  // cannot fail without a limit
-  }
+  const int64_t new_ids = table_.max_rows() > 0 && !miss_ids.empty()
+                              ? table_.CountMissing(miss_ids.data(), miss_ids.size())
+                              : static_cast<int64_t>(miss_ids.size());
 
-  // The host fetch needs only the miss ids and the table; the directory
-  // commit needs only the directory. With a scheduler they can run at once
-  // (RunShards: a pool thread takes one if it is free).
+  // Everything the step's results need is allocated before the directory or
+  // the host table changes: out of memory (std::bad_alloc) here, nothing
+  // has, and Prepare says so.
   const int width = table_.width();
   std::vector<float> fetched(miss_ids.size() * width);
   std::vector<uint32_t> past_uses(miss_ids.size());
@@ -58,40 +64,80 @@ CoreStatus EmbeddingStore::Prepare(const int64_t* ids, int64_t n,
   std::vector<int64_t> miss_positions;
   std::vector<CacheDirectory::Eviction> evicted;
   miss_positions.reserve(num_misses);
-  RunShards(schedule, miss_ids.empty() ? 1 : 2, 1, [&](int64_t part) {
-    if (part == 0) {
-      directory_.Commit(ids, n, r->slots.data(), &miss_positions, &evicted, hints);
-    } else {
-      table_.FindOrInsertReserved(miss_ids.data(), miss_ids.size(), fetched.data(),
-                                  reserved, past_uses.data(), handles.data());
+  evicted.reserve(num_misses);
+  r->miss_slots.clear();
+  r->miss_slots.reserve(num_misses);
+  r->evict_ids.clear();
+  r->evict_slots.clear();
+  r->evict_uses.clear();
+  r->evict_ids.reserve(num_misses);
+  r->evict_slots.reserve(num_misses);
+  r->evict_uses.reserve(num_misses);
+  pending_ids_.reserve(num_misses);
+  pending_handles_.reserve(num_misses);
+  CacheDirectory::CommitUndo& undo = commit_undo_;  // its buffers are reused
+
+  // Reserve host rows for ids never seen before, so that a full table fails
+  // here, before the directory changes (without a limit it cannot fail).
+  st = table_.Reserve(new_ids);
+  if (!st.ok()) return st;
+
+  // The host fetch needs only the miss ids and the table; the directory
+  // commit needs only the directory. With a scheduler they can run at once
+  // (RunShards: a pool thread takes one if it is free). Neither lets an
+  // exception out (on a pool thread that would end the process).
+  CoreStatus fetch_st, commit_st;
+  bool committed = false, fetch_ran = false;
+  try {
+    RunShards(schedule, miss_ids.empty() ? 1 : 2, 1, [&](int64_t part) {
+      if (part == 0) {
+        try {
+          directory_.Commit(ids, n, r->slots.data(), &miss_positions, &evicted, hints, &undo);
+          committed = true;
+        } catch (const std::bad_alloc&) {  // before it changed anything
+          commit_st = table_.OutOfMemory("The step's cache plan did not fit in memory.");
+        }
+      } else {
+        fetch_ran = true;  // the fetch releases what it does not use of the reservation
+        fetch_st = table_.FindOrInsertReserved(miss_ids.data(), miss_ids.size(),
+                                               fetched.data(), new_ids, past_uses.data(),
+                                               handles.data());
+      }
+    });
+  } catch (const std::bad_alloc&) {  // RunShards' own bookkeeping, before a part ran
+    commit_st = table_.OutOfMemory("The step's cache plan did not fit in memory.");
+  }
+  if (!fetch_ran) table_.Release(new_ids);
+  if (!fetch_st.ok() || !commit_st.ok()) {
+    // The cache goes back to what it held: the step is not taken. New ids
+    // the fetch gave host rows keep them (their initial rows, as a retry
+    // would create them).
+    if (committed) {
+      directory_.Rollback(ids, n, r->slots.data(), miss_positions, evicted, undo);
     }
-  });
+    return CoreStatus::ResourceExhausted(
+        (fetch_st.ok() ? commit_st : fetch_st).message() +
+        " The training step's cache was left as it was (no id placed, none evicted).");
+  }
 
   // miss_positions is a subsequence of classified_misses (equal unless an id
-  // repeated): keep the fetched rows of the positions Commit placed.
-  const bool all_placed = miss_positions.size() == classified_misses.size();
-  r->miss_slots.clear();
-  if (all_placed) {
-    r->miss_rows.swap(fetched);
-  } else {
-    r->miss_rows.resize(miss_positions.size() * width);
-  }
+  // repeated): keep the fetched rows of the positions Commit placed,
+  // compacted in place (a row only moves forward).
   size_t k = 0;
   for (size_t m = 0; m < miss_positions.size(); ++m) {
     while (classified_misses[k] != miss_positions[m]) ++k;
     const int32_t slot = r->slots[miss_positions[m]];
     r->miss_slots.push_back(slot);
-    if (!all_placed) {
+    if (k != m) {
       std::copy(fetched.begin() + k * width, fetched.begin() + (k + 1) * width,
-                r->miss_rows.begin() + m * width);
+                fetched.begin() + m * width);
     }
     directory_.SeedFrequency(slot, past_uses[k]);
     directory_.SetHandle(slot, handles[k]);
   }
+  fetched.resize(miss_positions.size() * width);  // shrinks: no allocation
+  r->miss_rows.swap(fetched);
 
-  r->evict_ids.clear();
-  r->evict_slots.clear();
-  r->evict_uses.clear();
   pending_ids_.clear();
   pending_handles_.clear();
   for (const auto& e : evicted) {
@@ -147,6 +193,15 @@ CoreStatus EmbeddingStore::CheckDistinct(const int64_t* ids, int64_t n,
 CoreStatus EmbeddingStore::WriteBack(const int64_t* ids, int64_t n, const float* rows,
                                      const uint32_t* counts) {
   std::lock_guard<std::mutex> lock(mu_);
+  try {
+    return WriteBackLocked(ids, n, rows, counts);
+  } catch (const std::bad_alloc&) {  // WriteRows' scratch, before any row changed
+    return table_.OutOfMemory("Nothing was written back.");
+  }
+}
+
+CoreStatus EmbeddingStore::WriteBackLocked(const int64_t* ids, int64_t n, const float* rows,
+                                           const uint32_t* counts) {
   // A handle is valid until the host table is cleared (ClearHost forgets
   // them), and it belongs to the id it was recorded with: matching the ids
   // one by one is what makes the shortcut safe.
@@ -192,10 +247,14 @@ void EmbeddingStore::Probe(const int64_t* ids, int64_t n,
 void EmbeddingStore::CachedEntries(std::vector<int64_t>* ids,
                                    std::vector<int32_t>* slots) {
   std::lock_guard<std::mutex> lock(mu_);
+  // The cached uses move to the host table: reset in the cache only once
+  // they are there (out of memory, std::bad_alloc, no count is lost).
   std::vector<CacheDirectory::Eviction> entries;
-  directory_.Entries(&entries, /*reset_uses=*/true);
+  directory_.Entries(&entries, /*reset_uses=*/false);
   ids->clear();
   slots->clear();
+  ids->reserve(entries.size());
+  slots->reserve(entries.size());
   std::vector<uint32_t> uses;
   uses.reserve(entries.size());
   for (const auto& e : entries) {
@@ -204,6 +263,7 @@ void EmbeddingStore::CachedEntries(std::vector<int64_t>* ids,
     uses.push_back(e.uses);
   }
   table_.AddUseCounts(ids->data(), ids->size(), uses.data());
+  directory_.ResetUses();
 }
 
 void EmbeddingStore::ClearCache() {

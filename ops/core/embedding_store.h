@@ -58,6 +58,8 @@ class EmbeddingStore {
   // With `require_distinct`, ids that repeat fail (changing nothing) instead
   // of being placed once: for ids the caller did not de-duplicate itself (a
   // repeated id would get its update applied once per copy).
+  // Out of host memory it fails (ResourceExhausted) with the cache as it was;
+  // new ids the fetch created before that keep their (initial) host rows.
   CoreStatus Prepare(const int64_t* ids, int64_t n, PrepareResult* result,
                      const Scheduler* schedule = nullptr,
                      const EvictionHints& hints = EvictionHints(),
@@ -67,7 +69,7 @@ class EmbeddingStore {
   // given) to their use counters. When `ids` are exactly the last Prepare's
   // evictions, the rows go straight to where the cache remembered them
   // (HostTable::WriteRows: no hashing, no index probe); any other ids take
-  // HostTable::Write.
+  // HostTable::Write (see there for running out of memory).
   CoreStatus WriteBack(const int64_t* ids, int64_t n, const float* rows,
                        const uint32_t* counts);
 
@@ -98,6 +100,11 @@ class EmbeddingStore {
   void SetCounters(int64_t hits, int64_t misses, int64_t evictions);
 
  private:
+  CoreStatus PrepareLocked(const int64_t* ids, int64_t n, PrepareResult* result,
+                           const Scheduler* schedule, const EvictionHints& hints,
+                           bool require_distinct);
+  CoreStatus WriteBackLocked(const int64_t* ids, int64_t n, const float* rows,
+                             const uint32_t* counts);
   // Fails naming an id of `ids` that repeats. `slots` are Classify's
   // (equal slots >= 0 are a repeated cached id); the misses (`miss_ids`)
   // are checked with a small hash set.
@@ -112,6 +119,7 @@ class EmbeddingStore {
   std::vector<uint64_t> pending_handles_;
   int64_t write_backs_by_handle_ = 0;
   std::vector<uint64_t> slot_bits_;  // CheckDistinct's slots seen, one bit each
+  CacheDirectory::CommitUndo commit_undo_;  // Prepare's, to undo a Commit
 };
 
 }  // namespace sfctr

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <new>
+#include <string>
 #include <unordered_set>
 
 #include "mix.h"
@@ -48,6 +49,15 @@ inline uint64_t BlockRows(uint64_t block) {
   return static_cast<uint64_t>(kBaseRows)
          << std::min<uint64_t>(block, kMaxShift);
 }
+
+// Runs `f` when it goes out of scope, also when an exception passes.
+template <typename F>
+struct OnExit {
+  F f;
+  ~OnExit() { f(); }
+};
+template <typename F>
+OnExit(F) -> OnExit<F>;
 
 }  // namespace
 
@@ -103,20 +113,19 @@ void HostTable::AddBlockLocked(Shard& s) const {
   const size_t rows = BlockRows(block);
   s.blocks.reserve(block + 1);
   s.count_blocks.reserve(block + 1);
-  std::unique_ptr<uint16_t[]> counts(new uint16_t[rows]);
-  std::unique_ptr<float[], BlockDeleter> values;
-  if (rows == kLargeBlockRows) {
-    // A shard this large (over 2^17 rows) reads and writes its rows at
-    // random over GBs: huge pages save a page-table walk per access. Rows
-    // fill a block in order, so at most one huge page per shard is
-    // resident but not yet used (smaller blocks stay on normal pages,
-    // where that would be a large share of a small table).
-    const size_t bytes = sizeof(float) * rows * width_;
-    values = std::unique_ptr<float[], BlockDeleter>(static_cast<float*>(AllocateLarge(bytes)),
-                                                    BlockDeleter{bytes});
-  } else {
-    values = std::unique_ptr<float[], BlockDeleter>(new float[rows * width_], BlockDeleter{0});
-  }
+  const size_t count_bytes = sizeof(uint16_t) * rows;
+  std::unique_ptr<uint16_t[], BlockDeleter> counts(
+      static_cast<uint16_t*>(AllocateHeap(count_bytes)), BlockDeleter{count_bytes, false});
+  // A shard this large (over 2^17 rows) reads and writes its rows at random
+  // over GBs: huge pages save a page-table walk per access. Rows fill a
+  // block in order, so at most one huge page per shard is resident but not
+  // yet used (smaller blocks stay on normal pages, where that would be a
+  // large share of a small table).
+  const bool large = rows == kLargeBlockRows;
+  const size_t bytes = sizeof(float) * rows * width_;
+  std::unique_ptr<float[], BlockDeleter> values(
+      static_cast<float*>(large ? AllocateLarge(bytes) : AllocateHeap(bytes)),
+      BlockDeleter{bytes, large});
   s.blocks.push_back(std::move(values));
   s.count_blocks.push_back(std::move(counts));
 }
@@ -222,19 +231,22 @@ void HostTable::GrowLocked(Shard& s, uint64_t want) const {
   };
   size_t new_size = s.entries.empty() ? kInitialEntries : next(s.entries.size());
   while (want * kMaxLoadDen > new_size * kMaxLoadNum) new_size = next(new_size);
-  std::vector<Entry, LargeAllocator<Entry>> old;
-  old.swap(s.entries);
-  s.entries.assign(new_size, Entry{0, kEmptyRow});
-  for (const Entry& e : old) {
+  // The new index is allocated and filled before it replaces the old one:
+  // without the memory for it (std::bad_alloc), the shard keeps its index.
+  std::vector<Entry, LargeAllocator<Entry>> grown(new_size, Entry{0, kEmptyRow});
+  for (const Entry& e : s.entries) {
     if (e.row == kEmptyRow) continue;
     uint64_t pos = HomeOf(HashId(e.id), new_size);
-    while (s.entries[pos].row != kEmptyRow) pos = pos + 1 == new_size ? 0 : pos + 1;
-    s.entries[pos] = e;
+    while (grown[pos].row != kEmptyRow) pos = pos + 1 == new_size ? 0 : pos + 1;
+    grown[pos] = e;
   }
+  s.entries.swap(grown);
 }
 
 HostTable::Entry* HostTable::InsertLocked(Shard& s, int64_t id,
                                           uint64_t hash) const {
+  // Both allocations (a larger index, a new row block) leave the shard as it
+  // was when they fail: the id is then simply not inserted.
   if ((static_cast<uint64_t>(s.used) + 1) * kMaxLoadDen >
       s.entries.size() * kMaxLoadNum) {
     GrowLocked(s, s.used + 1);
@@ -294,65 +306,99 @@ CoreStatus HostTable::Reserve(int64_t rows) {
 
 void HostTable::Release(int64_t rows) { reserved_.fetch_sub(rows); }
 
-void HostTable::FindOrInsertReserved(const int64_t* ids, int64_t n, float* out,
-                                     int64_t reserved, uint32_t* use_counts,
-                                     uint64_t* handles) {
-  int64_t inserted = 0;
-  ForEachByShard(ids, n, [&](int64_t i, Shard& s, uint64_t h) {
-    float* dst = out + i * width_;
-    const Entry* e = Locate(s, ids[i], h);
-    uint32_t row;
-    if (e != nullptr) {
-      row = e->row;
-      std::memcpy(dst, RowPtr(s, row), sizeof(float) * width_);
-      if (use_counts != nullptr) use_counts[i] = CountOf(s, row);
-    } else {
-      row = InsertLocked(s, ids[i], h)->row;
-      float* fresh = RowPtr(s, row);
-      InitialRow(ids[i], fresh);
-      std::memcpy(dst, fresh, sizeof(float) * width_);
-      if (use_counts != nullptr) use_counts[i] = 0;
-      ++inserted;
-    }
-    if (handles != nullptr) handles[i] = MakeHandle(ShardIndex(h), row);
-  });
-  size_.fetch_add(inserted);
-  // Another writer may have inserted some of these ids first; give back what
-  // was not used. (Correctness needs only reserved_ >= size_.)
-  if (reserved > inserted) Release(reserved - inserted);
+CoreStatus HostTable::FindOrInsertReserved(const int64_t* ids, int64_t n, float* out,
+                                           int64_t reserved, uint32_t* use_counts,
+                                           uint64_t* handles) {
+  int64_t inserted = 0, done = 0;
+  try {
+    // Rows count as they are inserted, and what the call did not use of its
+    // reservation (another writer may have inserted some of these ids
+    // first) goes back, also when it runs out of memory half-way.
+    // (Correctness needs only reserved_ >= size_.)
+    OnExit account{[&] {
+      size_.fetch_add(inserted);
+      if (reserved > inserted) Release(reserved - inserted);
+    }};
+    ForEachByShard(ids, n, [&](int64_t i, Shard& s, uint64_t h) {
+      float* dst = out + i * width_;
+      const Entry* e = Locate(s, ids[i], h);
+      uint32_t row;
+      if (e != nullptr) {
+        row = e->row;
+        std::memcpy(dst, RowPtr(s, row), sizeof(float) * width_);
+        if (use_counts != nullptr) use_counts[i] = CountOf(s, row);
+      } else {
+        row = InsertLocked(s, ids[i], h)->row;
+        float* fresh = RowPtr(s, row);
+        InitialRow(ids[i], fresh);
+        std::memcpy(dst, fresh, sizeof(float) * width_);
+        if (use_counts != nullptr) use_counts[i] = 0;
+        ++inserted;
+      }
+      if (handles != nullptr) handles[i] = MakeHandle(ShardIndex(h), row);
+      ++done;
+    });
+  } catch (const std::bad_alloc&) {
+    return OutOfMemory("The fetch stopped after " + std::to_string(done) + " of its " +
+                       std::to_string(n) + " ids; " + std::to_string(inserted) +
+                       " new ids got host rows (their initial values) before that.");
+  }
+  return CoreStatus::Ok();
 }
 
 CoreStatus HostTable::Write(const int64_t* ids, int64_t n, const float* rows,
                             const uint32_t* add_counts) {
-  std::shared_lock<std::shared_mutex> no_prune(prune_mu_);
-  const int64_t need = options_.max_rows > 0 ? CountMissing(ids, n) : n;
-  CoreStatus st = Reserve(need);
-  if (!st.ok()) return st;
-  int64_t inserted = 0;
-  // A batch larger than what a shard holds is mostly new ids (a restore, a
-  // bulk load): size the index for it first. Growing step by step while ids
-  // arrive in index order (as a checkpoint exports them) would pack them
-  // into the front of each smaller index, with long probe runs.
-  auto presize = [this](Shard& s, uint32_t count) {
-    if (count > s.used &&
-        (static_cast<uint64_t>(s.used) + count) * kMaxLoadDen > s.entries.size() * kMaxLoadNum) {
-      GrowLocked(s, static_cast<uint64_t>(s.used) + count);
-    }
-  };
-  ForEachByShard(ids, n, [&](int64_t i, Shard& s, uint64_t h) {
-    Entry* e = Locate(s, ids[i], h);
-    float* dst;
-    if (e == nullptr) {
-      e = InsertLocked(s, ids[i], h);
-      ++inserted;
-    }
-    dst = RowPtr(s, e->row);
-    std::memcpy(dst, rows + i * width_, sizeof(float) * width_);
-    if (add_counts != nullptr) AddSaturating(s, e->row, add_counts[i]);
-  }, presize);
-  size_.fetch_add(inserted);
-  if (need > inserted) Release(need - inserted);
+  int64_t inserted = 0, stored = 0;
+  try {
+    std::shared_lock<std::shared_mutex> no_prune(prune_mu_);
+    const int64_t need = options_.max_rows > 0 ? CountMissing(ids, n) : n;
+    CoreStatus st = Reserve(need);
+    if (!st.ok()) return st;
+    // Inserted rows count, and the unused reservation goes back, also when
+    // the call runs out of memory half-way.
+    OnExit account{[&] {
+      size_.fetch_add(inserted);
+      if (need > inserted) Release(need - inserted);
+    }};
+    // A batch larger than what a shard holds is mostly new ids (a restore, a
+    // bulk load): size the index for it first. Growing step by step while
+    // ids arrive in index order (as a checkpoint exports them) would pack
+    // them into the front of each smaller index, with long probe runs.
+    auto presize = [this](Shard& s, uint32_t count) {
+      if (count > s.used && (static_cast<uint64_t>(s.used) + count) * kMaxLoadDen >
+                                s.entries.size() * kMaxLoadNum) {
+        GrowLocked(s, static_cast<uint64_t>(s.used) + count);
+      }
+    };
+    ForEachByShard(ids, n, [&](int64_t i, Shard& s, uint64_t h) {
+      Entry* e = Locate(s, ids[i], h);
+      if (e == nullptr) {
+        e = InsertLocked(s, ids[i], h);
+        ++inserted;
+      }
+      std::memcpy(RowPtr(s, e->row), rows + i * width_, sizeof(float) * width_);
+      if (add_counts != nullptr) AddSaturating(s, e->row, add_counts[i]);
+      ++stored;
+    }, presize);
+  } catch (const std::bad_alloc&) {
+    return OutOfMemory(
+        "The write stopped after storing " + std::to_string(stored) + " of its " +
+        std::to_string(n) + " rows (" + std::to_string(inserted) +
+        " of them new ids); those rows are complete and the others unchanged, so the "
+        "same call repeated once memory is free stores them all.");
+  }
   return CoreStatus::Ok();
+}
+
+CoreStatus HostTable::OutOfMemory(const std::string& outcome) const {
+  const double mb = static_cast<double>(AllocatedBytes()) / (1 << 20);
+  return CoreStatus::ResourceExhausted(
+      "out of host memory: " + Describe() + " (" + std::to_string(size()) + " rows of " +
+      std::to_string(width_) + " floats, " + std::to_string(static_cast<int64_t>(mb + 0.5)) +
+      " MB of indexes and row blocks) could not get memory for more rows. " + outcome +
+      " Every row stored before is intact. Give the process more memory, or bound the "
+      "table with max_rows (new ids past it then fail before memory runs out) and remove "
+      "rarely used ids with prune.");
 }
 
 void HostTable::WriteRows(const uint64_t* handles, int64_t n, const float* rows,
@@ -393,7 +439,13 @@ void HostTable::WriteRows(const uint64_t* handles, int64_t n, const float* rows,
 CoreStatus HostTable::AssignValues(const int64_t* ids, int64_t n,
                                    const float* values) {
   const int dim = options_.dim;
-  std::vector<float> rows(static_cast<size_t>(n) * width_);
+  std::vector<float> rows;
+  try {
+    rows.resize(static_cast<size_t>(n) * width_);
+  } catch (const std::bad_alloc&) {
+    return OutOfMemory("Nothing was changed (the " + std::to_string(n) +
+                       " rows to assign did not fit).");
+  }
   for (int64_t i = 0; i < n; ++i) {
     float* row = rows.data() + i * width_;
     std::memcpy(row, values + i * dim, sizeof(float) * dim);
@@ -444,22 +496,29 @@ void HostTable::Export(std::vector<int64_t>* ids, std::vector<float>* rows,
 int64_t HostTable::Prune(uint32_t min_count, const std::unordered_set<int64_t>& keep) {
   std::unique_lock<std::shared_mutex> no_writes(prune_mu_);
   int64_t removed = 0;
+  std::vector<Entry> kept;
+  std::vector<uint32_t> freed;
   for (uint64_t k = 0; k <= shard_mask_; ++k) {
     Shard& s = shards_[k];
     std::lock_guard<std::mutex> lock(s.mu);
-    std::vector<Entry> kept;
+    // What can run out of memory (std::bad_alloc) comes before the shard
+    // changes: a prune that stops early leaves each shard pruned or as it
+    // was, and the counts right.
+    kept.clear();
+    freed.clear();
     kept.reserve(s.used);
-    const size_t before = s.free_rows.size();
+    freed.reserve(s.used);
     for (const Entry& e : s.entries) {
       if (e.row == kEmptyRow) continue;
       if (CountOf(s, e.row) < min_count && keep.count(int64_t{e.id}) == 0) {
-        s.free_rows.push_back(e.row);
+        freed.push_back(e.row);
       } else {
         kept.push_back(e);
       }
     }
-    const size_t gone = s.free_rows.size() - before;
+    const size_t gone = freed.size();
     if (gone == 0) continue;
+    s.free_rows.insert(s.free_rows.end(), freed.begin(), freed.end());  // all or nothing
     // Rebuild the index at its size: deleting from a linear-probing index
     // in place would have to move later entries of each probe run back.
     const uint64_t size = s.entries.size();
@@ -470,10 +529,10 @@ int64_t HostTable::Prune(uint32_t min_count, const std::unordered_set<int64_t>& 
       s.entries[pos] = e;
     }
     s.used = static_cast<uint32_t>(kept.size());
+    size_.fetch_sub(static_cast<int64_t>(gone));
+    reserved_.fetch_sub(static_cast<int64_t>(gone));
     removed += static_cast<int64_t>(gone);
   }
-  size_.fetch_sub(removed);
-  reserved_.fetch_sub(removed);
   return removed;
 }
 

@@ -16,6 +16,7 @@
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
+#include <string>
 #include <unordered_set>
 #include <vector>
 
@@ -44,6 +45,7 @@ struct HostTableOptions {
   // "Host table", reserve_rows). The memory is held even if fewer ids arrive.
   bool reserve_rows = false;
   int num_shards = 64;             // lock stripes; rounded up to a power of 2
+  std::string name;                // names the table in errors (may be empty)
 };
 
 class HostTable {
@@ -57,6 +59,12 @@ class HostTable {
   // Floats per stored row: the value and its optimizer state.
   int width() const { return width_; }
   int64_t max_rows() const { return options_.max_rows; }
+  const std::string& name() const { return options_.name; }
+  // "host table 'name'", or "the host table" without a name: for errors.
+  static std::string Describe(const std::string& name) {
+    return name.empty() ? std::string("the host table") : "host table '" + name + "'";
+  }
+  std::string Describe() const { return Describe(options_.name); }
   int64_t size() const { return size_.load(std::memory_order_relaxed); }
 
   // Writes the initial full-width row (value from the initializer, state
@@ -81,9 +89,12 @@ class HostTable {
   // must have been reserved; unused reservations are released. If given,
   // `use_counts` receives each id's use counter (0 for new ids).
   // If given, `handles` receives where each id's row lives (see WriteRows).
-  void FindOrInsertReserved(const int64_t* ids, int64_t n, float* out,
-                            int64_t reserved, uint32_t* use_counts = nullptr,
-                            uint64_t* handles = nullptr);
+  // Out of host memory, fails (ResourceExhausted) part-way: the ids inserted
+  // until then stay, with their initial rows, counted in size(); the outputs
+  // of the others are not filled.
+  CoreStatus FindOrInsertReserved(const int64_t* ids, int64_t n, float* out,
+                                  int64_t reserved, uint32_t* use_counts = nullptr,
+                                  uint64_t* handles = nullptr);
 
   // A row's place in the table: never 0, valid until Clear() (rows never
   // move). Writing by handle skips hashing and the index probe.
@@ -98,6 +109,10 @@ class HostTable {
   // Stores full-width rows (value and state), inserting missing ids. If
   // given, add_counts[i] is added to the use counter of ids[i] on the way
   // (the cache hands back the uses of evicted rows with their values).
+  // Fails (ResourceExhausted), changing nothing, past max_rows. Out of host
+  // memory, fails part-way: each row is then either stored whole or
+  // unchanged, size() counts exactly the ids inserted, and repeating the
+  // call stores the rest.
   CoreStatus Write(const int64_t* ids, int64_t n, const float* rows,
                    const uint32_t* add_counts = nullptr);
 
@@ -123,7 +138,9 @@ class HostTable {
   void ExportTo(Allocate allocate, int64_t columns = -1) const;
 
   // Removes every stored id whose use counter is below `min_count`, except
-  // the ids in `keep`; returns how many were removed. Their rows go to a
+  // the ids in `keep`; returns how many were removed. Out of memory
+  // (std::bad_alloc, from its scratch lists) it stops with each shard
+  // pruned or untouched and size() right. Their rows go to a
   // free list that later inserts take first (memory is reused, not given
   // back), and their handles become invalid. A removed id that comes back
   // starts from its initial row, as if never seen.
@@ -143,6 +160,10 @@ class HostTable {
   // Index capacity (entries) of each shard.
   std::vector<size_t> IndexEntries() const;
 
+  // The error of a call that ran out of host memory: the table's size and
+  // memory, what the call did (`outcome`) and what to do about it.
+  CoreStatus OutOfMemory(const std::string& outcome) const;
+
  private:
 #pragma pack(push, 4)
   struct Entry {  // 12 bytes
@@ -154,14 +175,15 @@ class HostTable {
   static constexpr uint32_t kMaxCount = 0xffffu;
 
   // Row blocks: the largest (capped) blocks are mapped on huge pages, see
-  // AllocateRowLocked; the others come from the heap.
+  // AddBlockLocked; the others, and the use counts, come from the heap.
   struct BlockDeleter {
-    size_t bytes = 0;  // 0: heap
-    void operator()(float* p) const {
-      if (bytes > 0) {
+    size_t bytes = 0;
+    bool large = false;  // from AllocateLarge, else AllocateHeap
+    void operator()(void* p) const {
+      if (large) {
         FreeLarge(p, bytes);
       } else {
-        delete[] p;
+        FreeHeap(p, bytes);
       }
     }
   };
@@ -171,7 +193,7 @@ class HostTable {
     std::vector<Entry, LargeAllocator<Entry>> entries;  // any size
     uint32_t used = 0;                          // occupied entries
     std::vector<std::unique_ptr<float[], BlockDeleter>> blocks;
-    std::vector<std::unique_ptr<uint16_t[]>> count_blocks;  // one per row block
+    std::vector<std::unique_ptr<uint16_t[], BlockDeleter>> count_blocks;  // one per row block
     uint32_t rows = 0;                          // rows handed out from arena
     std::vector<uint32_t> free_rows;            // arena rows of pruned ids
   };
@@ -190,6 +212,7 @@ class HostTable {
   Entry* InsertLocked(Shard& s, int64_t id, uint64_t hash) const;
   // Grows the index (by 3/2 while small, to the shard's next grid size once
   // large; more if needed) so that `want` entries fit under the maximum load.
+  // Without the memory (std::bad_alloc) the shard keeps its index.
   void GrowLocked(Shard& s, uint64_t want) const;
   // Sizes an empty shard's index for its share of expected_rows.
   void PresizeLocked(Shard& s) const;

@@ -12,6 +12,7 @@
 #ifndef TF_SFCTR_OPS_CORE_HUGE_PAGES_H_
 #define TF_SFCTR_OPS_CORE_HUGE_PAGES_H_
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -36,6 +37,66 @@ constexpr size_t kOwnMapping = size_t{64} << 10;
 // `bytes` rounded up to whole 4 KiB pages: a mapping's own length.
 inline size_t WholePages(size_t bytes) { return (bytes + 4095) & ~size_t{4095}; }
 
+// The tables' arrays (host table indexes, row blocks and use counts, the
+// cache directory) are allocated through TrackAllocation, which counts their
+// bytes and, for tests only, can refuse an allocation the way an exhausted
+// system does (std::bad_alloc). Tests of the out-of-memory paths set `limit`
+// or `countdown` (core tests directly; the op library from the test-only
+// environment variable SFCTR_TEST_HOST_MEMORY_LIMIT, see store_kernels.cc).
+// Nothing else sets them: unset, an allocation only adds to `live`.
+struct AllocationHook {
+  std::atomic<int64_t> live{0};       // bytes allocated here and not yet freed
+  std::atomic<int64_t> limit{-1};     // refuse what would take `live` above this (-1: none)
+  std::atomic<int64_t> countdown{-1};  // allocations that still succeed, then none (-1: off)
+  std::atomic<int64_t> refused{0};    // allocations refused so far
+};
+
+inline AllocationHook& TestAllocationHook() {
+  static AllocationHook hook;
+  return hook;
+}
+
+// Counts `bytes` about to be allocated; throws std::bad_alloc if a test's
+// limit refuses them.
+inline void TrackAllocation(size_t bytes) {
+  AllocationHook& h = TestAllocationHook();
+  const int64_t b = static_cast<int64_t>(bytes);
+  if (h.countdown.load(std::memory_order_relaxed) >= 0 &&
+      h.countdown.fetch_sub(1, std::memory_order_relaxed) <= 0) {
+    h.countdown.store(0, std::memory_order_relaxed);  // stays exhausted
+    h.refused.fetch_add(1, std::memory_order_relaxed);
+    throw std::bad_alloc();
+  }
+  const int64_t before = h.live.fetch_add(b, std::memory_order_relaxed);
+  const int64_t limit = h.limit.load(std::memory_order_relaxed);
+  if (limit >= 0 && before + b > limit) {
+    h.live.fetch_sub(b, std::memory_order_relaxed);
+    h.refused.fetch_add(1, std::memory_order_relaxed);
+    throw std::bad_alloc();
+  }
+}
+
+inline void UntrackAllocation(size_t bytes) {
+  TestAllocationHook().live.fetch_sub(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+}
+
+// Heap memory for `bytes` bytes (counted); free it with FreeHeap(p, bytes).
+inline void* AllocateHeap(size_t bytes) {
+  TrackAllocation(bytes);
+  void* p = std::malloc(bytes == 0 ? 1 : bytes);
+  if (p == nullptr) {
+    UntrackAllocation(bytes);
+    throw std::bad_alloc();
+  }
+  return p;
+}
+
+inline void FreeHeap(void* p, size_t bytes) {
+  if (p == nullptr) return;
+  std::free(p);
+  UntrackAllocation(bytes);
+}
+
 // Memory for `bytes` bytes; free it with FreeLarge(p, bytes).
 inline void* AllocateLarge(size_t bytes) {
 #if defined(SFCTR_OWN_MAPPINGS)
@@ -46,9 +107,13 @@ inline void* AllocateLarge(size_t bytes) {
     const bool huge = bytes >= kHugePage;
     // A huge page needs a 2 MiB aligned range: map 2 MiB more, trim it.
     const size_t extra = huge ? kHugePage : 0;
+    TrackAllocation(bytes);
     char* raw = static_cast<char*>(mmap(nullptr, bytes + extra, PROT_READ | PROT_WRITE,
                                         MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
-    if (raw == MAP_FAILED) throw std::bad_alloc();
+    if (raw == MAP_FAILED) {
+      UntrackAllocation(bytes);
+      throw std::bad_alloc();
+    }
     char* p = raw;
     if (huge) {
       const uintptr_t a = reinterpret_cast<uintptr_t>(raw);
@@ -63,21 +128,18 @@ inline void* AllocateLarge(size_t bytes) {
     return p;
   }
 #endif
-  void* p = std::malloc(bytes == 0 ? 1 : bytes);
-  if (p == nullptr) throw std::bad_alloc();
-  return p;
+  return AllocateHeap(bytes);
 }
 
 inline void FreeLarge(void* p, size_t bytes) {
 #if defined(SFCTR_OWN_MAPPINGS)
   if (bytes >= kOwnMapping) {
     munmap(p, WholePages(bytes));
+    UntrackAllocation(WholePages(bytes));
     return;
   }
-#else
-  (void)bytes;
 #endif
-  std::free(p);
+  FreeHeap(p, bytes);
 }
 
 // A std::allocator for std::vector that uses AllocateLarge.

@@ -11,7 +11,9 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <sys/resource.h>
 
@@ -30,6 +32,51 @@
 #include "check.h"
 
 using namespace sfctr;
+
+// Failure injection for every operator new of this test binary: when
+// g_fail_new_at is k >= 0, the allocation k + 1 from then on throws
+// std::bad_alloc, once (the count drops to -1). Tests of the out-of-memory
+// paths walk k over every allocation of a call. (The tables' own arrays are
+// allocated with malloc or mmap, not operator new: AllocationHook in
+// huge_pages.h injects failures there.)
+static std::atomic<int64_t> g_fail_new_at{-1};
+
+static void* CountedNew(size_t n) {
+  if (g_fail_new_at.load(std::memory_order_relaxed) >= 0 &&
+      g_fail_new_at.fetch_sub(1, std::memory_order_relaxed) == 0) {
+    throw std::bad_alloc();
+  }
+  void* p = std::malloc(n == 0 ? 1 : n);
+  if (p == nullptr) throw std::bad_alloc();
+  return p;
+}
+
+void* operator new(size_t n) { return CountedNew(n); }
+void* operator new[](size_t n) { return CountedNew(n); }
+void* operator new(size_t n, const std::nothrow_t&) noexcept {
+  try {
+    return CountedNew(n);
+  } catch (...) {
+    return nullptr;
+  }
+}
+void* operator new[](size_t n, const std::nothrow_t&) noexcept {
+  try {
+    return CountedNew(n);
+  } catch (...) {
+    return nullptr;
+  }
+}
+// Not inlined: GCC would otherwise see free() of what operator new returned
+// (-Wmismatched-new-delete), which is right here.
+__attribute__((noinline)) static void CountedDelete(void* p) noexcept { std::free(p); }
+
+void operator delete(void* p) noexcept { CountedDelete(p); }
+void operator delete[](void* p) noexcept { CountedDelete(p); }
+void operator delete(void* p, size_t) noexcept { CountedDelete(p); }
+void operator delete[](void* p, size_t) noexcept { CountedDelete(p); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { CountedDelete(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { CountedDelete(p); }
 
 namespace {
 
@@ -1417,6 +1464,259 @@ TEST_CASE(StorePruneKeepsCachedAndPendingIds) {
   }
 }
 
+// Running out of host memory ------------------------------------------------
+
+namespace {
+
+// How allocations fail in the out-of-memory tests: any operator new (only
+// the k-th, g_fail_new_at), or the tables' own arrays (AllocationHook: the
+// k-th and every later one, until disarmed, as memory that stays exhausted).
+enum class Inject { kAnyNew, kTableMemory };
+
+void Arm(Inject mode, int64_t k) {
+  if (mode == Inject::kAnyNew) {
+    g_fail_new_at.store(k);
+  } else {
+    TestAllocationHook().refused.store(0);
+    TestAllocationHook().countdown.store(k);
+  }
+}
+
+// Disarms; returns whether an allocation was refused.
+bool Disarm(Inject mode) {
+  if (mode == Inject::kAnyNew) return g_fail_new_at.exchange(-1) < 0;
+  TestAllocationHook().countdown.store(-1);
+  return TestAllocationHook().refused.exchange(0) > 0;
+}
+
+bool IsOutOfMemory(const CoreStatus& st) {
+  return st.code() == CoreStatus::Code::kResourceExhausted &&
+         st.message().find("out of host memory") != std::string::npos;
+}
+
+// Every stored id's row and use count.
+using TableSnapshot = std::map<int64_t, std::pair<std::vector<float>, uint32_t>>;
+TableSnapshot Snapshot(const HostTable& t) {
+  std::vector<int64_t> ids;
+  std::vector<float> rows;
+  std::vector<uint32_t> counts;
+  t.Export(&ids, &rows, &counts);
+  TableSnapshot snap;
+  const int w = t.width();
+  for (size_t i = 0; i < ids.size(); ++i) {
+    snap[ids[i]] = {std::vector<float>(rows.begin() + i * w, rows.begin() + (i + 1) * w),
+                    counts[i]};
+  }
+  return snap;
+}
+
+}  // namespace
+
+// A write that runs out of memory part-way: every row is its old or its new
+// value, never torn; size() counts exactly the stored ids; max_rows keeps
+// its exact room; and once memory is back, the same write completes. Each
+// allocation of the call fails in turn.
+TEST_CASE(HostTableWriteOutOfMemoryKeepsEveryRow) {
+  for (Inject mode : {Inject::kAnyNew, Inject::kTableMemory}) {
+    HostTableOptions o = Options(3, 1, /*max_rows=*/2000);
+    o.num_shards = 4;
+    HostTable t(o);
+    const int w = t.width();
+    const auto row_of = [w](int64_t id, float version) {
+      std::vector<float> r(w);
+      for (int j = 0; j < w; ++j) r[j] = static_cast<float>(id % 1000) + 0.25f * j + version;
+      return r;
+    };
+    std::vector<int64_t> old_ids;
+    std::vector<float> rows;
+    for (int i = 0; i < 300; ++i) {
+      old_ids.push_back(1000003LL * i + 5);
+      const auto r = row_of(old_ids.back(), 1);
+      rows.insert(rows.end(), r.begin(), r.end());
+    }
+    CHECK(t.Write(old_ids.data(), old_ids.size(), rows.data()).ok());
+    // New values for half the stored ids, and 400 new ids, mixed.
+    std::vector<int64_t> batch(old_ids.begin(), old_ids.begin() + 150);
+    for (int i = 0; i < 400; ++i) batch.push_back(-77LL * i - 3);
+    std::shuffle(batch.begin(), batch.end(), std::mt19937_64(3));
+    std::vector<float> batch_rows;
+    for (int64_t id : batch) {
+      const auto r = row_of(id, 2);
+      batch_rows.insert(batch_rows.end(), r.begin(), r.end());
+    }
+    const std::set<int64_t> in_batch(batch.begin(), batch.end());
+    const std::set<int64_t> was_stored(old_ids.begin(), old_ids.end());
+    int failures = 0;
+    for (int64_t k = 0;; ++k) {
+      Arm(mode, k);
+      const CoreStatus st = t.Write(batch.data(), batch.size(), batch_rows.data());
+      const bool fired = Disarm(mode);
+      if (!fired) {
+        CHECK(st.ok());
+        break;
+      }
+      CHECK(IsOutOfMemory(st));
+      ++failures;
+      const TableSnapshot snap = Snapshot(t);
+      CHECK_EQ(t.size(), static_cast<int64_t>(snap.size()));
+      for (int64_t id : old_ids) {
+        const auto it = snap.find(id);
+        CHECK(it != snap.end());
+        CHECK(it->second.first == row_of(id, 1) ||
+              (in_batch.count(id) && it->second.first == row_of(id, 2)));
+      }
+      for (const auto& kv : snap) {
+        if (!was_stored.count(kv.first)) CHECK(kv.second.first == row_of(kv.first, 2));
+      }
+    }
+    CHECK(failures > 0);
+    const TableSnapshot snap = Snapshot(t);
+    CHECK_EQ(t.size(), int64_t{700});
+    for (int64_t id : batch) CHECK(snap.at(id).first == row_of(id, 2));
+    // The room left under max_rows is exact after the failed calls.
+    std::vector<int64_t> fill;
+    for (int i = 0; i < 2000 - 700 + 1; ++i) fill.push_back(7777777LL + 13 * i);
+    std::vector<float> fill_rows(fill.size() * w, 1.0f);
+    CHECK(t.Write(fill.data(), fill.size() - 1, fill_rows.data()).ok());
+    const CoreStatus full = t.Write(&fill.back(), 1, fill_rows.data());
+    CHECK(!full.ok() && full.message().find("max_rows=2000") != std::string::npos);
+  }
+  CHECK_EQ(TestAllocationHook().refused.load(), int64_t{0});
+}
+
+// A shard whose index cannot grow keeps the index it has (it used to be
+// swapped out before the larger one was allocated: every row of the shard
+// was lost).
+TEST_CASE(HostTableIndexThatCannotGrowKeepsItsRows) {
+  HostTableOptions o = Options(2, 0);
+  o.num_shards = 1;
+  HostTable t(o);
+  std::vector<int64_t> ids;
+  std::vector<float> rows;
+  for (int i = 0; i < 14; ++i) {
+    ids.push_back(31LL * i + 1);
+    rows.push_back(static_cast<float>(i));
+    rows.push_back(-static_cast<float>(i));
+  }
+  // 13 rows fill an index of 16 entries to its maximum load (13/16).
+  CHECK(t.Write(ids.data(), 13, rows.data()).ok());
+  CHECK(t.IndexEntries() == std::vector<size_t>{16});
+  Arm(Inject::kTableMemory, 0);  // the next table allocation: the larger index
+  const CoreStatus st = t.Write(&ids[13], 1, &rows[26]);
+  CHECK(Disarm(Inject::kTableMemory));
+  CHECK(IsOutOfMemory(st));
+  CHECK(st.message().find("stopped after storing 0 of its 1 rows") != std::string::npos);
+  CHECK_EQ(t.size(), int64_t{13});
+  CHECK(t.IndexEntries() == std::vector<size_t>{16});
+  std::vector<float> got(14 * 2);
+  t.Find(ids.data(), 14, got.data());
+  CHECK(std::equal(got.begin(), got.begin() + 26, rows.begin()));
+  std::vector<float> init(2);
+  t.InitialRow(ids[13], init.data());
+  CHECK(got[26] == init[0] && got[27] == init[1]);
+  // With the memory back, the row goes in.
+  CHECK(t.Write(&ids[13], 1, &rows[26]).ok());
+  CHECK_EQ(t.size(), int64_t{14});
+  t.Find(ids.data(), 14, got.data());
+  CHECK(got == rows);
+}
+
+// The tables' arrays count against a test limit (as under SFCTR_TEST_HOST_
+// MEMORY_LIMIT), inserts past it fail cleanly, and the bytes come back
+// when a table goes.
+TEST_CASE(HostTableMemoryLimitRefusesNewRowsUntilMemoryReturns) {
+  AllocationHook& hook = TestAllocationHook();
+  const int64_t live_before = hook.live.load();
+  {
+    HostTable t(Options(16, 1));
+    const int64_t empty = hook.live.load();
+    hook.limit.store(empty + (int64_t{4} << 20));  // 4 MB more for this table
+    std::vector<int64_t> ids(20000);
+    for (int i = 0; i < 20000; ++i) ids[i] = 7919LL * i;
+    std::vector<float> values(ids.size() * 16, 0.5f);
+    int64_t stored = 0;
+    CoreStatus st;
+    for (size_t b = 0; b < ids.size() && st.ok(); b += 1000) {
+      st = t.AssignValues(&ids[b], 1000, &values[b * 16]);
+      stored = t.size();
+    }
+    CHECK(IsOutOfMemory(st));
+    CHECK(hook.live.load() <= hook.limit.load());
+    CHECK(stored > 1000 && stored < 20000);
+    // Stored rows read back; writing them again needs no memory.
+    std::vector<float> got(stored * t.width());
+    const TableSnapshot snap = Snapshot(t);
+    CHECK_EQ(static_cast<int64_t>(snap.size()), stored);
+    for (const auto& kv : snap) CHECK_EQ(kv.second.first[0], 0.5f);
+    std::vector<int64_t> present;
+    for (const auto& kv : snap) present.push_back(kv.first);
+    std::vector<float> again(present.size() * 16, 2.0f);
+    CHECK(t.AssignValues(present.data(), present.size(), again.data()).ok());
+    // Memory back: the rest goes in.
+    hook.limit.store(-1);
+    CHECK(t.AssignValues(ids.data(), ids.size(), values.data()).ok());
+    CHECK_EQ(t.size(), int64_t{20000});
+  }
+  hook.refused.store(0);
+  CHECK_EQ(hook.live.load(), live_before);
+}
+
+// A prune that runs out of memory part-way leaves each shard pruned or as it
+// was: no row of a kept id is freed (a later insert would overwrite it) and
+// size() is right.
+TEST_CASE(HostTablePruneOutOfMemoryKeepsEveryKeptRow) {
+  HostTableOptions o = Options(2, 0);
+  o.num_shards = 4;
+  HostTable t(o);
+  std::vector<int64_t> ids;
+  std::vector<float> rows;
+  std::vector<uint32_t> counts;
+  for (int i = 0; i < 600; ++i) {
+    ids.push_back(1000003LL * i - 11);
+    rows.push_back(static_cast<float>(i));
+    rows.push_back(0.5f);
+    counts.push_back(static_cast<uint32_t>(i % 3));
+  }
+  CHECK(t.Write(ids.data(), ids.size(), rows.data(), counts.data()).ok());
+  const std::unordered_set<int64_t> keep = {ids[0]};
+  const auto kept = [&](size_t i) { return counts[i] >= 2 || i == 0; };
+  int failures = 0;
+  for (int64_t k = 0;; ++k) {
+    Arm(Inject::kAnyNew, k);
+    int64_t removed = -1;
+    try {
+      removed = t.Prune(2, keep);
+    } catch (const std::bad_alloc&) {
+    }
+    const bool fired = Disarm(Inject::kAnyNew);
+    const TableSnapshot snap = Snapshot(t);
+    CHECK_EQ(t.size(), static_cast<int64_t>(snap.size()));
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const auto it = snap.find(ids[i]);
+      if (kept(i)) CHECK(it != snap.end());
+      if (it != snap.end()) CHECK(it->second.first[0] == rows[2 * i] && it->second.second == counts[i]);
+    }
+    if (removed >= 0) break;
+    CHECK(fired);
+    ++failures;
+  }
+  CHECK(failures > 0);
+  CHECK_EQ(t.size(), int64_t{201});
+  // New ids take the freed rows, none of a kept id.
+  std::vector<int64_t> fresh(600);
+  for (int i = 0; i < 600; ++i) fresh[i] = -5LL * i - 2;
+  std::vector<float> fresh_rows(600 * 2);
+  for (int i = 0; i < 1200; ++i) fresh_rows[i] = 1000.0f + i;
+  CHECK(t.Write(fresh.data(), fresh.size(), fresh_rows.data()).ok());
+  const TableSnapshot snap = Snapshot(t);
+  CHECK_EQ(snap.size(), size_t{801});
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (kept(i)) CHECK(snap.at(ids[i]).first[0] == rows[2 * i]);
+  }
+  // (A row freed twice would hold two of them.)
+  for (int i = 0; i < 600; ++i) CHECK(snap.at(fresh[i]).first[0] == fresh_rows[2 * i]);
+}
+
 // A shard that throws, on a pool thread or the caller's, does not end the
 // process: every other shard runs, then RunShards rethrows. A scheduler that
 // cannot queue a task leaves the shards to the caller.
@@ -1448,6 +1748,245 @@ TEST_CASE(RunShardsRethrowsAShardsExceptionOnceAllRan) {
   std::vector<int> ran(8, 0);
   RunShards(&refusing, 8, 3, [&](int64_t s) { ++ran[s]; });
   CHECK(ran == std::vector<int>(8, 1));
+}
+
+// A Commit whose allocations fail (each in turn) changes nothing.
+TEST_CASE(DirectoryCommitOutOfMemoryChangesNothing) {
+  CacheDirectory d(8);
+  Step(d, {1, 2, 3, 4, 5, 6, 7, 8});
+  Step(d, {1, 2, 3});
+  const auto state = [&d] {
+    std::vector<CacheDirectory::Eviction> e;
+    d.Entries(&e, /*reset_uses=*/false);
+    std::vector<std::tuple<int64_t, int32_t, uint32_t>> out;
+    for (const auto& x : e) out.emplace_back(x.id, x.slot, x.uses);
+    out.emplace_back(d.size(), d.stats().hits, d.stats().evictions);
+    return out;
+  };
+  const std::vector<int64_t> ids = {1, 9, 10, 4, 11};
+  const std::vector<int64_t> hint_ids = {5, 6};
+  const std::vector<int32_t> hint_steps = {1, 1};
+  EvictionHints hints;
+  hints.ids = hint_ids.data();
+  hints.steps = hint_steps.data();
+  hints.n = 2;
+  int failures = 0;
+  for (int64_t k = 0;; ++k) {
+    const auto before = state();
+    std::vector<int32_t> slots(ids.size());
+    int64_t misses = 0;
+    CHECK(d.Classify(ids.data(), ids.size(), slots.data(), &misses).ok());
+    std::vector<int64_t> pos;
+    std::vector<CacheDirectory::Eviction> ev;
+    CacheDirectory::CommitUndo undo;
+    Arm(Inject::kAnyNew, k);
+    bool ok = true;
+    try {
+      d.Commit(ids.data(), ids.size(), slots.data(), &pos, &ev, hints, &undo);
+    } catch (const std::bad_alloc&) {
+      ok = false;
+    }
+    Disarm(Inject::kAnyNew);
+    if (ok) {
+      CHECK_EQ(ev.size(), size_t{3});
+      break;
+    }
+    ++failures;
+    CHECK(state() == before);
+  }
+  CHECK(failures > 0);
+  for (int64_t id : ids) CHECK(d.Probe(id) >= 0);
+}
+
+// Rollback after a Commit with hits, repeated ids, evictions and hints: the
+// directory holds what it held (ids, slots, uses, host handles, counters).
+TEST_CASE(DirectoryRollbackRestoresTheCache) {
+  CacheDirectory d(6);
+  Step(d, {1, 2, 3, 4, 5, 6});
+  Step(d, {1, 2});
+  for (int64_t id = 1; id <= 6; ++id) d.SetHandle(d.Probe(id), 100 + id);
+  const auto entries = [&d] {
+    std::vector<CacheDirectory::Eviction> e;
+    d.Entries(&e, /*reset_uses=*/false);
+    std::vector<std::tuple<int64_t, int32_t, uint32_t, uint64_t>> out;
+    for (const auto& x : e) out.emplace_back(x.id, x.slot, x.uses, x.handle);
+    return out;
+  };
+  const auto before = entries();
+  const CacheStats stats = d.stats();
+  const int64_t size = d.size();
+  std::vector<int64_t> ids = {1, 7, 8, 1, 8, 9};
+  std::vector<int32_t> slots(ids.size());
+  int64_t misses = 0;
+  CHECK(d.Classify(ids.data(), ids.size(), slots.data(), &misses).ok());
+  const std::vector<int64_t> hint_ids = {2, 3};
+  const std::vector<int32_t> hint_steps = {1, 2};
+  EvictionHints hints;
+  hints.ids = hint_ids.data();
+  hints.steps = hint_steps.data();
+  hints.n = 2;
+  std::vector<int64_t> pos;
+  std::vector<CacheDirectory::Eviction> ev;
+  CacheDirectory::CommitUndo undo;
+  d.Commit(ids.data(), ids.size(), slots.data(), &pos, &ev, hints, &undo);
+  // Four victims: the repeated 8 took a slot too (left empty).
+  CHECK_EQ(ev.size(), size_t{4});
+  CHECK(d.Probe(7) >= 0 && d.Probe(9) >= 0);
+  d.Rollback(ids.data(), ids.size(), slots.data(), pos, ev, undo);
+  CHECK(entries() == before);
+  CHECK_EQ(d.size(), size);
+  CHECK_EQ(d.stats().hits, stats.hits);
+  CHECK_EQ(d.stats().misses, stats.misses);
+  CHECK_EQ(d.stats().evictions, stats.evictions);
+  for (int64_t id = 0; id < 12; ++id) CHECK_EQ(d.Probe(id) >= 0, id >= 1 && id <= 6);
+  // And it goes on as usual: the same step evicts three ids it does not use.
+  const std::vector<int64_t> out = Step(d, {1, 7, 8, 9});
+  CHECK_EQ(out.size(), size_t{3});
+  CHECK(std::find(out.begin(), out.end(), 1) == out.end());
+  for (int64_t id : {1, 7, 8, 9}) CHECK(d.Probe(id) >= 0);
+}
+
+// The store under failing allocations: each Prepare, write-back and flush of
+// a model-checked run (as RunStoreAgainstModel, with eviction hints) is
+// first tried with each of its allocations failing in turn. A Prepare that
+// fails leaves the cache as it was (same ids in the same slots, same
+// counters) and the host rows intact (new ids of the step may have their
+// initial rows); a write-back or flush that fails changes nothing. The rows
+// and use counts come out as without failures.
+void RunStoreUnderAllocationFailures(Inject mode, const Scheduler* schedule) {
+  StoreOptions o;
+  o.table = Options(2, 1);
+  o.table.num_shards = 4;
+  o.cache_capacity = 32;
+  EmbeddingStore store(o);
+  const int w = store.table().width();
+  std::vector<float> cache(o.cache_capacity * w, -1.0f);
+  std::map<int64_t, std::vector<float>> model;
+  std::map<int64_t, uint32_t> uses;
+  std::vector<int64_t> universe;
+  for (int64_t id = -150; id < 150; ++id) universe.push_back(id);
+  std::vector<int32_t> probe_before(universe.size()), probe_after(universe.size());
+  std::mt19937_64 rng(13);
+  int failed_prepares = 0;
+  for (int step = 0; step < 100; ++step) {
+    std::set<int64_t> uniq;
+    const int n = 1 + rng() % 32;
+    while (static_cast<int>(uniq.size()) < n) uniq.insert(rng() % 300 - 150);
+    std::vector<int64_t> ids(uniq.begin(), uniq.end());
+    std::vector<int64_t> hint_ids;
+    std::vector<int32_t> hint_steps;
+    for (int h = 0; h < 8; ++h) {
+      hint_ids.push_back(rng() % 300 - 150);
+      hint_steps.push_back(1 + rng() % 3);
+    }
+    EvictionHints hints;
+    hints.ids = hint_ids.data();
+    hints.steps = hint_steps.data();
+    hints.n = 8;
+    PrepareResult r;
+    for (int64_t k = 0;; ++k) {
+      store.Probe(universe.data(), universe.size(), probe_before.data());
+      const StoreStats before = store.Stats();
+      const TableSnapshot host_before = Snapshot(store.table());
+      Arm(mode, k);
+      const CoreStatus st = store.Prepare(ids.data(), ids.size(), &r, schedule, hints);
+      const bool fired = Disarm(mode);
+      if (st.ok()) break;  // (also when it absorbed a failure: a helper not started)
+      CHECK(fired);
+      CHECK(IsOutOfMemory(st));
+      ++failed_prepares;
+      store.Probe(universe.data(), universe.size(), probe_after.data());
+      CHECK(probe_after == probe_before);
+      const StoreStats after = store.Stats();
+      CHECK_EQ(after.hits, before.hits);
+      CHECK_EQ(after.misses, before.misses);
+      CHECK_EQ(after.evictions, before.evictions);
+      CHECK_EQ(after.cached_rows, before.cached_rows);
+      const TableSnapshot host_after = Snapshot(store.table());
+      CHECK_EQ(store.table().size(), static_cast<int64_t>(host_after.size()));
+      for (const auto& kv : host_before) CHECK(host_after.at(kv.first) == kv.second);
+      for (const auto& kv : host_after) {
+        if (host_before.count(kv.first)) continue;
+        CHECK(uniq.count(kv.first));
+        std::vector<float> init(w);
+        store.table().InitialRow(kv.first, init.data());
+        CHECK(kv.second.first == init && kv.second.second == 0);
+      }
+    }
+    std::vector<float> back;
+    for (int32_t s : r.evict_slots) {
+      back.insert(back.end(), cache.begin() + s * w, cache.begin() + (s + 1) * w);
+    }
+    for (int64_t k = 0;; ++k) {
+      const TableSnapshot host_before = Snapshot(store.table());
+      const int64_t by_handle = store.write_backs_by_handle();
+      Arm(mode, k);
+      const CoreStatus st = store.WriteBack(r.evict_ids.data(), r.evict_ids.size(),
+                                            back.data(), r.evict_uses.data());
+      const bool fired = Disarm(mode);
+      if (st.ok()) break;
+      CHECK(fired);
+      CHECK(IsOutOfMemory(st));
+      CHECK(Snapshot(store.table()) == host_before);
+      CHECK_EQ(store.write_backs_by_handle(), by_handle);
+    }
+    for (size_t m = 0; m < r.miss_slots.size(); ++m) {
+      std::copy(r.miss_rows.begin() + m * w, r.miss_rows.begin() + (m + 1) * w,
+                cache.begin() + r.miss_slots[m] * w);
+    }
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (!model.count(ids[i])) {
+        std::vector<float> init(w);
+        store.table().InitialRow(ids[i], init.data());
+        model[ids[i]] = init;
+      }
+      ++uses[ids[i]];
+      std::vector<float>& want = model[ids[i]];
+      float* row = cache.data() + r.slots[i] * w;
+      for (int j = 0; j < w; ++j) CHECK_EQ(row[j], want[j]);
+      for (int j = 0; j < 2; ++j) row[j] += 1.0f;
+      for (int j = 2; j < 4; ++j) row[j] += 10.0f;
+      std::copy(row, row + w, want.begin());
+    }
+  }
+  CHECK(failed_prepares > 0);
+  // Flush: the cached uses move to the host table once, failure or not.
+  std::vector<int64_t> cached_ids;
+  std::vector<int32_t> cached_slots;
+  for (int64_t k = 0;; ++k) {
+    const TableSnapshot host_before = Snapshot(store.table());
+    Arm(mode, k);
+    bool ok = true;
+    try {
+      store.CachedEntries(&cached_ids, &cached_slots);
+    } catch (const std::bad_alloc&) {
+      ok = false;
+    }
+    const bool fired = Disarm(mode);
+    if (ok) break;
+    CHECK(fired);
+    CHECK(Snapshot(store.table()) == host_before);
+  }
+  for (size_t i = 0; i < cached_ids.size(); ++i) {
+    CHECK(store.table().Write(&cached_ids[i], 1, cache.data() + cached_slots[i] * w).ok());
+  }
+  const TableSnapshot host = Snapshot(store.table());
+  CHECK_EQ(host.size(), model.size());
+  CHECK_EQ(store.table().size(), static_cast<int64_t>(model.size()));
+  for (const auto& kv : model) {
+    CHECK(host.at(kv.first).first == kv.second);
+    CHECK_EQ(host.at(kv.first).second, uses[kv.first]);
+  }
+}
+
+TEST_CASE(StoreOutOfMemoryLeavesTheCacheAsItWas) {
+  const Scheduler spawn = [](std::function<void()> task) {
+    std::thread(std::move(task)).detach();
+  };
+  for (Inject mode : {Inject::kAnyNew, Inject::kTableMemory}) {
+    RunStoreUnderAllocationFailures(mode, nullptr);
+    RunStoreUnderAllocationFailures(mode, &spawn);
+  }
 }
 
 int main() {

@@ -615,6 +615,7 @@ class CachedEmbedding(keras.layers.Layer):
             state_kind=opt.state_kind,
             expected_rows=expected,
             reserve_rows=self.reserve_rows,
+            name=self.name,
         ))
         try:
             # Tracking the table restores it now if a checkpoint was restored

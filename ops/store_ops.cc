@@ -33,6 +33,7 @@ REGISTER_OP("SfctrStoreCreate")
     .Attr("cache_capacity: int >= 1")
     .Attr("expected_rows: int >= 0 = 0")
     .Attr("reserve_rows: bool = false")
+    .Attr("table_name: string = ''")
     .SetIsStateful()
     .SetShapeFn(shape_inference::ScalarShape)
     .Doc(R"doc(
@@ -40,6 +41,7 @@ Creates an embedding store (host hash table + device-cache directory) and
 returns a reference-counted handle; the store is freed with its last handle.
 expected_rows (0: no estimate) sizes the host table's indexes up front;
 reserve_rows also allocates and touches the row memory of that many rows.
+table_name (e.g. the owning layer's name) names the table in errors.
 )doc");
 
 REGISTER_OP("SfctrCachePrepare")

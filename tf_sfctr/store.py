@@ -36,6 +36,8 @@ class StoreConfig:
     expected_rows: int = 0
     #: Also allocate and touch the host rows of expected_rows up front.
     reserve_rows: bool = False
+    #: Names the table in its errors (the owning layer's name); may be empty.
+    name: str = ""
 
     @property
     def num_state(self) -> int:
@@ -137,6 +139,7 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
             cache_capacity=c.cache_capacity,
             expected_rows=c.expected_rows,
             reserve_rows=c.reserve_rows,
+            table_name=c.name,
         )
 
     # Training-step cache management -------------------------------------

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <functional>
@@ -30,13 +31,28 @@
 namespace tensorflow {
 namespace {
 
+// Test-only: SFCTR_TEST_HOST_MEMORY_LIMIT=<bytes> makes the tables of this
+// library refuse memory beyond that many bytes (of host table indexes, row
+// blocks and cache directories, all stores together), as an exhausted host
+// would (sfctr::TestAllocationHook), so that tests can run a table out of
+// memory without exhausting the machine (tests/test_out_of_memory.py). Read
+// once, when the library is loaded. Never set it outside tests.
+[[maybe_unused]] const bool kTestMemoryLimitRead = [] {
+  const char* limit = std::getenv("SFCTR_TEST_HOST_MEMORY_LIMIT");
+  if (limit != nullptr && *limit != '\0') {
+    sfctr::TestAllocationHook().limit.store(std::strtoll(limit, nullptr, 10));
+  }
+  return true;
+}();
+
 class StoreResource : public ResourceBase {
  public:
-  explicit StoreResource(const sfctr::StoreOptions& options)
-      : store_(options) {}
+  explicit StoreResource(const sfctr::StoreOptions& options) : store_(options) {}
   sfctr::EmbeddingStore& store() { return store_; }
   std::string DebugString() const override {
-    return "SfctrEmbeddingStore(dim=" + std::to_string(store_.table().dim()) +
+    const std::string& name = store_.table().name();
+    return "SfctrEmbeddingStore(" + (name.empty() ? "" : "'" + name + "', ") +
+           "dim=" + std::to_string(store_.table().dim()) +
            ", rows=" + std::to_string(store_.table().size()) + ")";
   }
   int64_t MemoryUsed() const override {
@@ -47,15 +63,42 @@ class StoreResource : public ResourceBase {
   sfctr::EmbeddingStore store_;
 };
 
-Status ToTf(const sfctr::CoreStatus& st) {
+// `st` as a TF status. The core's errors about the table's room (max_rows,
+// memory) name the table; with `ctx` they also name the op.
+Status ToTf(const sfctr::CoreStatus& st, OpKernelContext* ctx = nullptr) {
   switch (st.code()) {
     case sfctr::CoreStatus::Code::kOk:
       return OkStatus();
     case sfctr::CoreStatus::Code::kResourceExhausted:
+      if (ctx != nullptr) {
+        return errors::ResourceExhausted(ctx->op_kernel().type_string(), ": ", st.message());
+      }
       return errors::ResourceExhausted(st.message());
     default:
       return errors::InvalidArgument(st.message());
   }
+}
+
+// Runs a kernel body that may run out of host memory (std::bad_alloc from
+// the core or the kernel's own buffers): the op fails with
+// ResourceExhausted, "<op>: out of host memory <where()>", instead of the
+// exception unwinding into TensorFlow (which ends the process). Returns
+// whether the body finished. The core's entry points that change a table
+// already return a status saying what was kept; this catches the rest
+// (reads, exports, scratch buffers, a pool task's bookkeeping).
+template <typename Where, typename Body>
+bool CatchOutOfMemory(OpKernelContext* ctx, const Where& where, const Body& body) {
+  try {
+    body();
+    return true;
+  } catch (const std::bad_alloc&) {
+    ctx->CtxFailure(errors::ResourceExhausted(ctx->op_kernel().type_string(),
+                                              ": out of host memory ", where()));
+  } catch (const std::length_error&) {  // a buffer past max_size
+    ctx->CtxFailure(errors::ResourceExhausted(ctx->op_kernel().type_string(),
+                                              ": a buffer too large for memory ", where()));
+  }
+  return false;
 }
 
 Status GetStore(OpKernelContext* ctx, core::RefCountPtr<StoreResource>* out) {
@@ -63,14 +106,23 @@ Status GetStore(OpKernelContext* ctx, core::RefCountPtr<StoreResource>* out) {
 }
 
 // Base of every kernel that works on a store: looks the resource up and
-// hands it to ComputeOnStore.
+// hands it to ComputeOnStore, with running out of memory made an error.
 class StoreOpKernel : public OpKernel {
  public:
   using OpKernel::OpKernel;
   void Compute(OpKernelContext* ctx) final {
     core::RefCountPtr<StoreResource> res;
     OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
-    ComputeOnStore(ctx, res->store());
+    sfctr::EmbeddingStore& store = res->store();
+    CatchOutOfMemory(
+        ctx,
+        [&] {
+          return "working on " + store.table().Describe() +
+                 " (its rows are intact: each is stored whole or unchanged). Give the "
+                 "process more memory, or bound the table with max_rows and remove rarely "
+                 "used ids with prune.";
+        },
+        [&] { ComputeOnStore(ctx, store); });
   }
 
  protected:
@@ -117,6 +169,15 @@ void OutputVector(OpKernelContext* ctx, int index, const std::vector<T>& v) {
   std::copy(v.begin(), v.end(), out->flat<T>().data());
 }
 
+// Use counts as an int64 output, converted on the way (no temporary buffer
+// that could run out of memory after the store changed).
+void OutputCounts(OpKernelContext* ctx, int index, const std::vector<uint32_t>& v) {
+  Tensor* out = nullptr;
+  OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                          index, TensorShape({static_cast<int64_t>(v.size())}), &out));
+  std::copy(v.begin(), v.end(), out->flat<int64_t>().data());
+}
+
 void OutputMatrix(OpKernelContext* ctx, int index, const std::vector<float>& v,
                   int64_t width) {
   Tensor* out = nullptr;
@@ -143,6 +204,7 @@ class StoreCreateOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("cache_capacity", &capacity));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("expected_rows", &expected_rows));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("reserve_rows", &options_.table.reserve_rows));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("table_name", &options_.table.name));
     OP_REQUIRES(ctx, sfctr::ParseInitKind(kind, &options_.table.init.kind),
                 errors::InvalidArgument(
                     "init_kind must be constant, uniform, normal or "
@@ -173,7 +235,8 @@ class StoreCreateOp : public OpKernel {
     } catch (const std::exception&) {  // bad_alloc, or length_error past max_size
       ctx->CtxFailure(errors::ResourceExhausted(
           "not enough memory for the cache directory of cache_capacity=",
-          options_.cache_capacity, " and the host table's indexes",
+          options_.cache_capacity, " and the indexes of ",
+          sfctr::HostTable::Describe(options_.table.name),
           options_.table.reserve_rows ? " and rows" : "", " sized for expected_rows=",
           options_.table.expected_rows,
           "; lower cache_capacity or expected_rows (or leave it unset)",
@@ -260,9 +323,11 @@ class CachePrepareOp : public StoreOpKernel {
                                                require_distinct_);
     // Prepare changes nothing when it fails (every check, including the host
     // rows' reservation against max_rows, comes before the directory
-    // changes), so a refused plan can be skipped.
+    // changes; out of host memory, the directory change is undone and only
+    // new ids may have got their initial host rows), so a refused plan can
+    // be skipped.
     const bool skipped = !st.ok() && skip_if_refused_;
-    if (!skipped) OP_REQUIRES_OK(ctx, ToTf(st));
+    if (!skipped) OP_REQUIRES_OK(ctx, ToTf(st, ctx));
     if (skipped) {
       r = sfctr::PrepareResult();
       r.slots.assign(ids.NumElements(), -1);
@@ -273,9 +338,7 @@ class CachePrepareOp : public StoreOpKernel {
     const int next = 2 + num_parts_;
     OutputVector(ctx, next, r.evict_slots);
     OutputVector(ctx, next + 1, r.evict_ids);
-    OutputVector<int64_t>(ctx, next + 2,
-                          std::vector<int64_t>(r.evict_uses.begin(),
-                                               r.evict_uses.end()));
+    OutputCounts(ctx, next + 2, r.evict_uses);
     Tensor* prepared = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(next + 3, TensorShape({}), &prepared));
     prepared->scalar<bool>()() = !skipped;
@@ -338,7 +401,8 @@ class HostWriteOp : public StoreOpKernel {
       rows = joined.data();
     }
     OP_REQUIRES_OK(ctx, ToTf(store.WriteBack(ids.flat<int64_t>().data(), n, rows,
-                                             add.empty() ? nullptr : add.data())));
+                                             add.empty() ? nullptr : add.data()),
+                             ctx));
   }
 };
 
@@ -361,7 +425,8 @@ class HostAssignOp : public StoreOpKernel {
                       ") holds ", v[i], ". Nothing was changed."));
     }
     OP_REQUIRES_OK(ctx, ToTf(table.AssignValues(ids.flat<int64_t>().data(),
-                                                ids.NumElements(), v)));
+                                                ids.NumElements(), v),
+                             ctx));
   }
 };
 
@@ -576,8 +641,17 @@ class UniqueOp : public OpKernel {
     // huge one).
     thread_local sfctr::Deduplicator dedup;
     thread_local std::vector<int64_t> unique;
-    dedup.Run(ids.flat<int64_t>().data(), n, num_groups_, &unique,
-              inverse->flat<int32_t>().data(), sizes->flat<int32_t>().data());
+    const bool ran = CatchOutOfMemory(
+        ctx, [n] { return "de-duplicating " + std::to_string(n) + " ids"; },
+        [&] {
+          dedup.Run(ids.flat<int64_t>().data(), n, num_groups_, &unique,
+                    inverse->flat<int32_t>().data(), sizes->flat<int32_t>().data());
+        });
+    if (!ran) {  // give back what the scratch holds
+      dedup.Trim(0);
+      std::vector<int64_t>().swap(unique);
+      return;
+    }
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(
                             0, TensorShape({static_cast<int64_t>(unique.size())}), &out));
@@ -627,6 +701,16 @@ sfctr::Scheduler PoolScheduler(OpKernelContext* ctx) {
   return [pool](std::function<void()> task) { pool->Schedule(std::move(task)); };
 }
 
+// sfctr::RunShards with shards - 1 helpers; its bookkeeping running out of
+// memory (before any shard ran) fails the op.
+template <typename Fn>
+void RunKernelShards(OpKernelContext* ctx, const sfctr::Scheduler* schedule, int64_t shards,
+                     const Fn& fn) {
+  CatchOutOfMemory(
+      ctx, [] { return std::string("splitting the work over the thread pool"); },
+      [&] { sfctr::RunShards(schedule, shards, shards - 1, fn); });
+}
+
 class SegmentSumsOp : public OpKernel {
  public:
   explicit SegmentSumsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -673,7 +757,7 @@ class SegmentSumsOp : public OpKernel {
                                       max_shards_);
     const int64_t per = (num_segments + shards - 1) / shards;
     const sfctr::Scheduler schedule = PoolScheduler(ctx);
-    sfctr::RunShards(&schedule, shards, shards - 1, [&](int64_t s) {
+    RunKernelShards(ctx, &schedule, shards, [&](int64_t s) {
       const int64_t begin = s * per;
       sfctr::SegmentSums(in, seg, n, dim, begin, std::min(num_segments, begin + per), out,
                          out_sq);
@@ -809,7 +893,7 @@ void GatherMatrixRows(OpKernelContext* ctx, const Tensor& params, const Tensor& 
   const int64_t shards = PoolShards(ctx, n * dim, n, max_shards);
   const int64_t per = (n + shards - 1) / shards;
   const sfctr::Scheduler schedule = PoolScheduler(ctx);
-  sfctr::RunShards(&schedule, shards, shards - 1, [&](int64_t s) {
+  RunKernelShards(ctx, &schedule, shards, [&](int64_t s) {
     const int64_t end = std::min(n, (s + 1) * per);
     for (int64_t i = s * per; i < end; ++i) {
       if (i + kAhead < end) {
@@ -912,7 +996,7 @@ void RunColumnShards(OpKernelContext* ctx, int64_t dim, int64_t work, int64_t ma
   const int64_t shards = PoolShards(ctx, work, lines, max_shards);
   const int64_t lines_per = (lines + shards - 1) / shards;
   const sfctr::Scheduler schedule = PoolScheduler(ctx);
-  sfctr::RunShards(&schedule, shards, shards - 1, [&](int64_t s) {
+  RunKernelShards(ctx, &schedule, shards, [&](int64_t s) {
     update(std::min(dim, s * lines_per * kLine), std::min(dim, (s + 1) * lines_per * kLine));
   });
 }

@@ -617,6 +617,10 @@ class CachedEmbedding(keras.layers.Layer):
             reserve_rows=self.reserve_rows,
             name=self.name,
         ))
+        # Which part of the table this rank holds, known to a restore that
+        # runs when the table is tracked (below).
+        store.replicated = self._mode == "data_parallel"
+        store.shard = _horovod.world() if self._mode == "model_parallel" else (1, 0)
         try:
             # Tracking the table restores it now if a checkpoint was restored
             # into this layer before it was built (TF's deferred restore).

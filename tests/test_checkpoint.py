@@ -283,6 +283,25 @@ def test_distributed_restore_leaves_tables_the_checkpoint_lacks_alone(rng, tmp_p
 
 
 
+def test_tables_record_which_shard_they_are(rng, tmp_path):
+    """Format 3: the header says which shard a table is (world size and rank
+    of a model-parallel writer, 1 and 0 for a complete table); version-2
+    tables (without it) still load."""
+    model, emb = _model()
+    emb.lookup_rows([1])
+    header = emb.store.header()
+    assert header[0] == 3 and header.size == 8 and header[6:].tolist() == [1, 0]
+    emb.store.shard = (2, 1)
+    assert emb.store.header()[6:].tolist() == [2, 1]
+    emb.store.shard = (1, 0)
+    version2 = header[:6].copy()
+    version2[0] = 2
+    rows = np.full((1, 3 * DIM), 0.25, np.float32)
+    emb.store.load_table(version2, np.array([42]), rows, np.ones(1, np.int64),
+                         np.zeros(3, np.int64))
+    np.testing.assert_array_equal(emb.lookup_rows([42]), rows[:, :DIM])
+
+
 def _adagrad_layer(seed, dim=DIM):
     return CachedEmbedding(dim, cache_capacity=CAPACITY, seed=seed,
                            optimizer=tf_sfctr.optimizers.Adagrad(0.1))

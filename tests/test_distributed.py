@@ -287,3 +287,27 @@ def test_exact_resume_on_two_ranks(results):
     for rank in range(sc.WORLD):
         losses = results("resume", rank)["losses"]
         assert len(losses) == sc.STEPS - 16 and np.all(np.isfinite(losses))
+
+
+def _restore_target(max_rows=None):
+    opt_name, kind, _, _ = sc.SCENARIOS["mp_adagrad_fit"]
+    emb, dense, opt = sc.build(opt_name, kind, "auto")
+    emb.max_rows = max_rows
+    model = sc.fit_model(emb, dense, opt, sc.global_batches(kind)[:1])
+    return emb, dense, model
+
+
+def test_plain_restore_of_one_shard_into_one_process_is_refused(results):
+    """A model-parallel rank's shard holds only that rank's rows: a plain
+    tf.train.Checkpoint restore of it into a 1-process layer is refused
+    (it loaded a partial table silently), pointing to distributed.restore."""
+    from tf_sfctr.store import CheckpointMismatchError
+
+    emb, dense, model = _restore_target()
+    rows = emb.lookup_rows(sc.vocab())
+    prefix = results("ckpt_2ranks", None) / "shard-00000-of-00002" / "ckpt"
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"shard of rank 0 of 2 .* this layer holds the whole table.*"
+                             r"tf_sfctr\.distributed\.restore"):
+        tf.train.Checkpoint(model=model).restore(str(prefix)).expect_partial()
+    np.testing.assert_array_equal(emb.lookup_rows(sc.vocab()), rows)

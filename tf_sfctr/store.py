@@ -51,9 +51,10 @@ class StoreConfig:
 
 #: Version of the saved table layout; bump on any incompatible change.
 #: 2 added the optimizer's state kind and the replicated flag to the header;
-#: version 1 still loads.
-FORMAT_VERSION = 2
-_READABLE_VERSIONS = {1: 4, 2: 6}  # version -> header length
+#: 3 the shard the table is (world size and rank of a model-parallel
+#: writer; 1 and 0 for a complete table). Versions 1 and 2 still load.
+FORMAT_VERSION = 3
+_READABLE_VERSIONS = {1: 4, 2: 6, 3: 8}  # version -> header length
 
 
 def _saved_integers(name: str, values) -> np.ndarray:
@@ -123,6 +124,12 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         # table (data parallel), so a restore loads one complete copy per rank
         # instead of re-partitioning rows by owner.
         self.replicated = False
+        # Set by the owning layer under Horovod: (world size, rank) of a
+        # model-parallel table, which holds the ids this rank owns; (1, 0)
+        # for a complete table. Saved in the header; a plain restore
+        # (tf.train.Checkpoint outside tf_sfctr.distributed.restore) refuses
+        # a table that is another shard than this one.
+        self.shard = (1, 0)
         super().__init__(device="/CPU:0")
 
     def _create_resource(self):
@@ -252,15 +259,58 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
             if self.collected is not None:
                 self.collected.append(t)
             return tf.no_op()
+        self.check_shard(t["header"], t["ids"])
         self.load_table(t["header"], t["ids"], t["rows"], t["counts"], t["counters"])
         return tf.no_op()
 
     def header(self) -> np.ndarray:
         """[format version, output_dim, state rows, seed, state kind code,
-        replicated (1: a data-parallel replica, a complete table)]."""
+        replicated (1: a data-parallel replica, a complete table), shards
+        (the model-parallel writer's world size; 1: a complete table), shard
+        (the writer's rank)]."""
         c = self.config
+        shards, shard = self.shard
         return np.array([FORMAT_VERSION, c.dim, c.num_state, self.seed,
-                         state_kind_code(c.state_kind), int(self.replicated)], np.int64)
+                         state_kind_code(c.state_kind), int(self.replicated), shards, shard],
+                        np.int64)
+
+    def check_shard(self, header, ids) -> None:
+        """Raises CheckpointMismatchError if a table restored by a plain
+        ``tf.train.Checkpoint`` (not ``tf_sfctr.distributed.restore``, which
+        collects and re-partitions shards) is not the part of the table this
+        layer holds: a model-parallel rank's shard restored into a layer that
+        holds the whole table or another shard (the other ranks' rows would
+        be missing), or a complete table restored into a model-parallel rank
+        (every rank would hold every row)."""
+        header = np.asarray(header).ravel()
+        shards, shard = self.shard
+        how = ("Restore the directory tf_sfctr.distributed.save wrote with "
+               "tf_sfctr.distributed.restore(checkpoint, directory), on any number of ranks: it "
+               "collects every shard and gives each rank the rows it owns. The current table "
+               "was left untouched.")
+        mine = ("this layer holds the whole table" if shards == 1 else
+                f"this layer is rank {shard} of {shards} of a model-parallel table")
+        if header.size >= 8 and int(header[6]) > 1:
+            saved = (int(header[6]), int(header[7]))
+            if saved != (shards, shard):
+                raise CheckpointMismatchError(
+                    f"saved table is the shard of rank {saved[1]} of {saved[0]} of a "
+                    f"model-parallel table (it holds only the rows that rank owned) but "
+                    f"{mine}. {how}")
+            return
+        if shards == 1:
+            return
+        # A complete table onto a model-parallel rank. Format 3 says so; older
+        # tables tell by their ids (a shard holds only its owner's).
+        complete = header.size >= 8 or (header.size >= 6 and int(header[5]) == 1)
+        if not complete:
+            from tf_sfctr.distributed.exchange import owner_of
+
+            complete = bool(np.any(owner_of(np.asarray(ids).ravel(), shards) != shard))
+        if complete:
+            raise CheckpointMismatchError(
+                f"saved table is a complete table (every id) but {mine}, which holds only "
+                f"the ids it owns: every rank would hold every row. {how}")
 
     def check_table(self, header, ids, rows) -> None:
         """Raises CheckpointMismatchError if a saved table cannot be loaded."""

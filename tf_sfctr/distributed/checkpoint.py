@@ -85,12 +85,15 @@ def _check_built(checkpoint: tf.train.Checkpoint) -> None:
 
 def _normalized_header(header) -> np.ndarray:
     """A saved header in the current layout (format 1 had no state kind,
-    now 0 = unknown, and no replicated flag), so that every rank broadcasts
-    the same shape."""
+    now 0 = unknown, and no replicated flag; formats 1 and 2 did not say
+    which shard a table is), so that every rank broadcasts the same shape."""
     h = np.asarray(header, np.int64).ravel()
     if h.size == 4:  # format 1
         h = np.concatenate([h, [0, 0]])
-        h[0] = 2
+    if h.size == 6:  # format 2
+        h = np.concatenate([h, [1, 0]])
+    h = h.copy()
+    h[0] = 3
     return h
 
 

@@ -25,7 +25,7 @@ def _data(rng, steps):
     return vocab, x, y
 
 
-def _model(opt="adam", dim=DIM, seed=5):
+def _model(opt="adam", dim=DIM, seed=5, units=1):
     table_opt = {"adam": tf_sfctr.optimizers.Adam(0.05),
                  "adagrad": tf_sfctr.optimizers.Adagrad(0.1),
                  "sgd": tf_sfctr.optimizers.SGD(0.1),
@@ -35,7 +35,7 @@ def _model(opt="adam", dim=DIM, seed=5):
     emb = CachedEmbedding(dim, cache_capacity=CAPACITY, optimizer=table_opt, seed=seed,
                           name="emb")
     x = keras.layers.Flatten()(emb(inp))
-    out = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(3))(x)
+    out = keras.layers.Dense(units, kernel_initializer=keras.initializers.GlorotUniform(3))(x)
     model = keras.Model(inp, out)
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     return model, emb
@@ -281,6 +281,59 @@ def test_distributed_restore_leaves_tables_the_checkpoint_lacks_alone(rng, tmp_p
     np.testing.assert_array_equal(extra.lookup_rows([7, 8]), np.ones((2, DIM)))
     assert extra.cache_stats()["host_rows"] == 2
 
+
+
+def _everything(model, emb, vocab):
+    """Table rows, every weight, the Keras optimizer's variables and
+    table_step: what a failed restore must leave as it was."""
+    return ([emb.lookup_rows(vocab), int(emb._table_step.numpy())]
+            + [np.array(w) for w in model.get_weights()]
+            + [np.array(v.numpy()) for v in model.optimizer.variables])
+
+
+def _assert_same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("damage", ["other_optimizer", "other_dense", "truncated",
+                                    "missing_shard", "no_manifest"])
+def test_a_failed_distributed_restore_changes_nothing(rng, tmp_path, damage):
+    """tf_sfctr.distributed.restore checks the table, the variables' shapes
+    and reads every shard back before it restores anything: a refused table
+    (another optimizer), a dense layer of another shape or a damaged shard
+    leaves the dense weights, the Keras optimizer's state and table_step as
+    they were too, not only the table."""
+    from tf_sfctr.distributed import restore, save
+
+    vocab, x, y = _data(rng, 6)
+    model, _ = _model("adam")
+    _fit(model, x, y)
+    directory = tmp_path / "ckpt"
+    save(_ckpt(model), str(directory))
+    shard = directory / "shard-00000-of-00001"
+    if damage == "truncated":
+        data = next(shard.glob("ckpt.data-*"))
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    elif damage == "missing_shard":
+        for f in shard.iterdir():
+            f.unlink()
+        shard.rmdir()
+    elif damage == "no_manifest":
+        (directory / "manifest.json").unlink()
+    other, other_emb = _model("adagrad" if damage == "other_optimizer" else "adam", seed=8,
+                              units=2 if damage == "other_dense" else 1)
+    _fit(other, x[: 2 * BATCH], np.repeat(y[: 2 * BATCH], 2 if damage == "other_dense" else 1,
+                                         axis=1))
+    before = _everything(other, other_emb, vocab)
+    match = {"other_optimizer": "optimizer state rows", "truncated": "cannot be read",
+             "other_dense": r"with shape \[12, 1\] but the variable .* has shape \[12, 2\]",
+             "missing_shard": "shard-00000-of-00001 is missing",
+             "no_manifest": "missing or unreadable"}[damage]
+    with pytest.raises(CheckpointMismatchError, match=match):
+        restore(_ckpt(other), str(directory))
+    _assert_same(_everything(other, other_emb, vocab), before)
 
 
 def test_tables_record_which_shard_they_are(rng, tmp_path):

@@ -289,12 +289,89 @@ def test_exact_resume_on_two_ranks(results):
         assert len(losses) == sc.STEPS - 16 and np.all(np.isfinite(losses))
 
 
+def test_failed_restores_raise_the_same_error_on_every_rank(results):
+    """2 -> 2 restores of a directory with shard 1 missing or truncated, and a 1 -> 2 restore whose larger share exceeds max_rows:
+    every rank raised the same error and changed nothing (the worker checked
+    rows, dense weights, optimizer iterations and table_step, then read rows
+    collectively: nobody was left waiting)."""
+    got = [results("restore_checks_messages", rank) for rank in range(sc.WORLD)]
+    shares = results("restore_checks", 0)["shares"]
+    expected = {
+        "missing": "shard-00001-of-00002 is missing",
+        "truncated": "shard-00001-of-00002 of",
+        "max_rows": f"rank {int(np.argmax(shares))} would hold {int(shares.max())} (the ids it "
+                    f"owns) but its layer has max_rows={int(shares.max()) - 1}",
+    }
+    for label, text in expected.items():
+        assert str(got[0][label]) == str(got[1][label]), label
+        assert text in str(got[0][label]), (label, str(got[0][label]))
+        assert "Nothing was restored on any rank" in str(got[0][label])
+    assert "cannot be read" in str(got[0]["truncated"])
+
+
+def test_restore_on_more_ranks_bounds_each_share_by_max_rows(results):
+    """1 -> 2 into layers whose max_rows holds the larger owner's share but
+    not the whole saved table: restored, each rank its share."""
+    want = np.load(results("ckpt_1rank_rows.npy", None))
+    for rank in range(sc.WORLD):
+        np.testing.assert_array_equal(results("restore_checks", rank)["rows"], want)
+
+
+def test_plain_restores_of_a_shard_or_a_complete_table_are_refused(results):
+    """tf.train.Checkpoint.restore (not tf_sfctr.distributed.restore) of a
+    complete table into model-parallel ranks, or of another rank's shard, is
+    refused on that rank (the worker checked its table was unchanged)."""
+    for rank in range(sc.WORLD):
+        got = results("restore_checks_messages", rank)
+        assert "complete table" in str(got["plain_complete"])
+        assert f"rank {1 - rank} of 2" in str(got["plain_other_shard"])
+        for label in ("plain_complete", "plain_other_shard"):
+            assert "tf_sfctr.distributed.restore(checkpoint, directory)" in str(got[label])
+
+
 def _restore_target(max_rows=None):
     opt_name, kind, _, _ = sc.SCENARIOS["mp_adagrad_fit"]
     emb, dense, opt = sc.build(opt_name, kind, "auto")
     emb.max_rows = max_rows
     model = sc.fit_model(emb, dense, opt, sc.global_batches(kind)[:1])
     return emb, dense, model
+
+
+def _target_state(emb, dense, model):
+    return (emb.lookup_rows(sc.vocab()), dense.kernel.numpy(), int(model.optimizer.iterations),
+            int(emb._table_step.numpy()))
+
+
+@pytest.mark.parametrize("name", ["missing", "truncated", "max_rows"])
+def test_failed_restore_on_one_process_changes_nothing(results, name):
+    """2 -> 1 restores that fail (shard 1 missing or truncated; the two
+    shards together exceed max_rows though each fits) leave the
+    dense weights, the optimizer state and table_step as they were, not only
+    the table."""
+    from tf_sfctr.distributed import restore
+    from tf_sfctr.store import CheckpointMismatchError
+
+    directory = results("rc", None) / ("b" if name == "max_rows" else name)
+    max_rows = None
+    if name == "max_rows":
+        sizes = [len(_saved_ids_of(directory, r)) for r in range(sc.WORLD)]
+        max_rows = max(sizes)
+    emb, dense, model = _restore_target(max_rows)
+    before = _target_state(emb, dense, model)
+    with pytest.raises(CheckpointMismatchError, match="Nothing was restored"):
+        restore(tf.train.Checkpoint(model=model, optimizer=model.optimizer), str(directory))
+    for a, b in zip(before, _target_state(emb, dense, model)):
+        np.testing.assert_array_equal(a, b)
+    if name == "max_rows":  # the whole table fits: restored
+        emb, dense, model = _restore_target(sum(sizes))
+        restore(tf.train.Checkpoint(model=model, optimizer=model.optimizer), str(directory))
+        assert emb.cache_stats()["host_rows"] == sum(sizes)
+
+
+def _saved_ids_of(directory, rank):
+    reader = tf.train.load_checkpoint(str(directory / f"shard-{rank:05d}-of-00002" / "ckpt"))
+    key = [k for k in reader.get_variable_to_shape_map() if k.endswith("_store/.ATTRIBUTES/ids")]
+    return reader.get_tensor(key[0])
 
 
 def test_plain_restore_of_one_shard_into_one_process_is_refused(results):

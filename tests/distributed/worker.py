@@ -402,6 +402,125 @@ def run_robustness(out_dir, rank, size):
     np.savez(os.path.join(out_dir, f"robust_done_rank{rank}.npz"), ok=np.array(1))
 
 
+def _saved_ids(prefix):
+    """The table ids of a 1-table checkpoint (read without restoring it)."""
+    reader = tf.train.load_checkpoint(prefix)
+    key = [k for k in reader.get_variable_to_shape_map() if k.endswith("_store/.ATTRIBUTES/ids")]
+    assert len(key) == 1, key
+    return reader.get_tensor(key[0])
+
+
+def run_restore_checks(out_dir, rank, size):
+    """tf_sfctr.distributed.restore checks everything before it changes
+    anything, and the ranks agree: a damaged directory, or a table
+    that does not fit one rank, makes every rank raise the same error (none
+    waits in a collective), and no rank's weights, optimizer state or table
+    changed. Each rank records its messages; the test compares them."""
+    import shutil
+
+    from tf_sfctr.distributed import restore, save
+    from tf_sfctr.store import CheckpointMismatchError
+
+    v = sc.vocab()
+    opt_name, kind, distribution, _ = sc.SCENARIOS["mp_adagrad_fit"]
+    batches = [sc.local_part(b, rank) for b in sc.global_batches(kind)]
+
+    def make(max_rows=None, steps=1):
+        emb, dense, opt = sc.build(opt_name, kind, distribution)
+        if max_rows is not None:
+            emb.max_rows = max_rows
+        model = sc.fit_model(emb, dense, DistributedOptimizer(opt), batches[:steps], callbacks())
+        return emb, dense, model
+
+    def state(emb, dense, model):
+        return (emb.lookup_rows(v), dense.kernel.numpy(), int(model.optimizer.iterations),
+                int(emb._table_step.numpy()))
+
+    emb, dense, model = make(steps=6)
+    base = os.path.join(out_dir, "rc")
+    save(tf.train.Checkpoint(model=model, optimizer=model.optimizer), os.path.join(base, "a"))
+    model.fit(*batches[6], batch_size=len(batches[6][1]), verbose=0)
+    save(tf.train.Checkpoint(model=model, optimizer=model.optimizer), os.path.join(base, "b"))
+    saved_b = state(emb, dense, model)
+    shard1 = "shard-00001-of-00002"
+    if rank == 0:
+        for name in ("missing", "truncated"):
+            shutil.copytree(os.path.join(base, "b"), os.path.join(base, name))
+        shutil.rmtree(os.path.join(base, "missing", shard1))
+        data = [f for f in os.listdir(os.path.join(base, "truncated", shard1)) if ".data-" in f]
+        path = os.path.join(base, "truncated", shard1, data[0])
+        with open(path, "rb") as f:
+            raw = f.read()
+        with open(path, "wb") as f:
+            f.write(raw[: len(raw) // 2])
+    hvd.allreduce(tf.constant(0), name="restore_checks_copied")
+
+    messages = {}
+
+    def refused(label, directory, layers=None):
+        emb2, dense2, model2 = layers or make()
+        before = state(emb2, dense2, model2)
+        try:
+            restore(tf.train.Checkpoint(model=model2, optimizer=model2.optimizer), directory)
+            raise AssertionError(f"{label}: restored")
+        except CheckpointMismatchError as err:
+            messages[label] = str(err)
+        # Nothing changed here (the rows are read collectively: no rank is
+        # left waiting in the restore's collectives).
+        after = state(emb2, dense2, model2)
+        for a, b in zip(before, after):
+            np.testing.assert_array_equal(a, b, err_msg=label)
+
+    # 2 -> 2, shard 1 missing: rank 0 has its own shard but must not wait
+    # for rank 1, nor restore its dense weights.
+    refused("missing", os.path.join(base, "missing"))
+    # 2 -> 2, shard 1 truncated: only rank 1 reads it; rank 0 hears of it.
+    refused("truncated", os.path.join(base, "truncated"))
+    # The good directory restores (after the failed attempts).
+    emb2, dense2, model2 = make()
+    restore(tf.train.Checkpoint(model=model2, optimizer=model2.optimizer),
+            os.path.join(base, "b"))
+    for a, b in zip(saved_b, state(emb2, dense2, model2)):
+        np.testing.assert_array_equal(a, b)
+
+    # 1 -> 2 with max_rows: each rank's re-partitioned share is what must
+    # fit, not the whole saved table.
+    one = os.path.join(out_dir, "ckpt_1rank")
+    ids = _saved_ids(os.path.join(one, "shard-00000-of-00001", "ckpt"))
+    shares = np.bincount(owner_of(ids, size), minlength=size)
+    assert shares.max() < len(ids)
+    emb3, dense3, model3 = make(max_rows=int(shares.max()))
+    restore(tf.train.Checkpoint(model=model3, optimizer=model3.optimizer), one)
+    assert emb3.cache_stats()["host_rows"] == shares[rank]
+    np.savez(os.path.join(out_dir, f"restore_checks_rank{rank}.npz"),
+             rows=emb3.lookup_rows(v), shares=shares)
+    # One row less than the larger share: refused on every rank, naming it.
+    refused("max_rows", one, make(max_rows=int(shares.max()) - 1))
+
+    # A plain tf.train.Checkpoint restore (not distributed.restore): of the
+    # 1-process checkpoint into model-parallel layers (every rank would hold
+    # every row), and of the other rank's shard, is refused; of this rank's
+    # own shard it works.
+    for label, prefix in (("plain_complete", os.path.join(one, "shard-00000-of-00001", "ckpt")),
+                          ("plain_other_shard", os.path.join(
+                              base, "b", f"shard-{1 - rank:05d}-of-00002", "ckpt"))):
+        emb4, dense4, model4 = make()
+        rows4 = emb4.lookup_rows(v)
+        try:
+            tf.train.Checkpoint(model=model4).restore(prefix).expect_partial()
+            raise AssertionError(f"{label}: restored")
+        except CheckpointMismatchError as err:
+            messages[label] = str(err)
+        np.testing.assert_array_equal(emb4.lookup_rows(v), rows4)
+    emb5, dense5, model5 = make()
+    tf.train.Checkpoint(model=model5, optimizer=model5.optimizer).restore(
+        os.path.join(base, "b", f"shard-{rank:05d}-of-00002", "ckpt")).expect_partial()
+    for a, b in zip(saved_b, state(emb5, dense5, model5)):
+        np.testing.assert_array_equal(a, b)
+    np.savez(os.path.join(out_dir, f"restore_checks_messages_rank{rank}.npz"),
+             **{k: np.array(m) for k, m in messages.items()})
+
+
 def run_resume(out_dir, rank):
     """Exact resume on 2 ranks: train N steps, save, train M more; versus a
     fresh model restored from the save training the same M steps."""
@@ -436,7 +555,8 @@ def run_resume(out_dir, rank):
 def main():
     out_dir = sys.argv[1]
     only = sys.argv[2:] or list(sc.SCENARIOS) + ["routing", "extras", "broadcast", "checkpoint",
-                                            "robustness", "resume", "deferred"]
+                                            "robustness", "resume", "deferred",
+                                            "restore_checks"]
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     assert size == sc.WORLD, size
@@ -463,6 +583,8 @@ def main():
             run_deferred(out_dir, rank, size)
         elif name == "checkpoint":
             run_checkpoint_and_export(out_dir, rank, size)
+        elif name == "restore_checks":
+            run_restore_checks(out_dir, rank, size)
         else:
             run_equivalence(out_dir, name, rank)
         print(f"rank {rank}: {name} done", flush=True)

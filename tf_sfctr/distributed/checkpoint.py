@@ -3,16 +3,26 @@ ranks.
 
 ``save(checkpoint, directory)`` has every rank write its own shard
 (``shard-R-of-N/``) with ``tf.train.Checkpoint.write`` plus, from rank 0, a
-``manifest.json``. ``restore(checkpoint, directory)`` reads the manifest:
-with the same number of ranks, each rank reads its own shard; with another
-number, rank r reads shards s with ``s % world_size == r``, and the table rows
-are sent to their new owners (``owner(id) = Mix64(id) mod world_size``) with
-one all-to-all, so every row ends up exactly once on its owner. Dense weights
-and optimizer state are replicated, so any shard restores them. A
-data-parallel table's shards are complete copies (their header says so):
-each rank loads one whole. Across rank counts, restoring a sharded table
-into a data-parallel layer, or a replicated one into a model-parallel layer
-on several ranks, is refused, as is a restore into layers not built yet.
+``manifest.json``.
+
+``restore(checkpoint, directory)`` reads the manifest: with the same number
+of ranks, each rank reads its own shard; with another number, rank r reads
+shards s with ``s % world_size == r``, and the table rows are sent to their
+new owners (``owner(id) = Mix64(id) mod world_size``) with one all-to-all, so
+every row ends up exactly once on its owner. Dense weights and optimizer
+state are replicated, so any shard restores them. A data-parallel table's
+shards are complete copies (their header says so): each rank loads one
+whole. Across rank counts, restoring a sharded table into a data-parallel
+layer, or a replicated one into a model-parallel layer on several ranks, is
+refused, as is a restore into layers not built yet.
+
+Before anything is restored, every rank checks the part it will read: every
+shard is there, this rank's shards read back whole
+(every tensor), each of their tables fits its layer (format, width,
+optimizer, ids of the right owner) and, re-partitioned, each rank's share
+fits its ``max_rows``. The ranks agree on the outcome: if a check fails on
+any rank, every rank raises the same ``CheckpointMismatchError`` and nothing
+changed anywhere (no weight, optimizer state or table).
 
 Without Horovod (or with one rank) the same calls work in a single process,
 which is how a 2-rank checkpoint is loaded for evaluation or export.
@@ -27,20 +37,30 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
+import types
+from typing import Optional
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.core.protobuf import trackable_object_graph_pb2
 
 from tf_sfctr.distributed._horovod import require, world
 from tf_sfctr.store import CheckpointMismatchError, EmbeddingStore
 
 MANIFEST = "manifest.json"
+_OBJECT_GRAPH = "_CHECKPOINTABLE_OBJECT_GRAPH"
+_TABLE_KEYS = ("header", "ids", "rows", "counts", "counters")
+
+
+def _shard_name(rank: int, size: int) -> str:
+    return f"shard-{rank:05d}-of-{size:05d}"
 
 
 def _shard_prefix(directory: str, rank: int, size: int) -> str:
-    return os.path.join(directory, f"shard-{rank:05d}-of-{size:05d}", "ckpt")
+    return os.path.join(directory, _shard_name(rank, size), "ckpt")
 
 
 def _barrier(name: str) -> None:
@@ -48,6 +68,20 @@ def _barrier(name: str) -> None:
     if size > 1:
         hvd = require()
         hvd.allreduce(tf.constant(0), op=hvd.Sum, name=name)
+
+
+def _allgather(obj, name: str) -> list:
+    """Every rank's ``obj`` (picklable), in rank order (collective)."""
+    size, _ = world()
+    if size == 1:
+        return [obj]
+    return list(require().allgather_object(obj, name=name))
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, CheckpointMismatchError):
+        return str(err)
+    return f"{type(err).__name__}: {str(err).strip()}"
 
 
 def save(checkpoint: tf.train.Checkpoint, directory: str) -> str:
@@ -79,8 +113,7 @@ def _check_built(checkpoint: tf.train.Checkpoint) -> None:
         raise CheckpointMismatchError(
             f"tf_sfctr.distributed.restore on a different number of ranks needs built "
             f"layers, but CachedEmbedding {unbuilt} are not built yet: build the model "
-            f"first (call it on one batch, or model.build), then restore. Nothing was "
-            f"restored.")
+            f"first (call it on one batch, or model.build), then restore.")
 
 
 def _normalized_header(header) -> np.ndarray:
@@ -114,53 +147,113 @@ def _collecting(stores):
             store.collecting = False
 
 
-def restore(checkpoint: tf.train.Checkpoint, directory: str) -> None:
-    """Restores a checkpoint written by :func:`save` on any number of ranks
-    (collective: call on every rank)."""
+def _read_manifest(directory: str) -> int:
+    """The world size of the save."""
     manifest_path = os.path.join(directory, MANIFEST)
     try:
         with open(manifest_path) as f:
-            saved_size = int(json.load(f)["world_size"])
-    except (OSError, ValueError, KeyError) as err:
+            manifest = json.load(f)
+        saved_size = int(manifest["world_size"])
+        if saved_size < 1:
+            raise ValueError(f"world_size {saved_size}")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise CheckpointMismatchError(
             f"{manifest_path} is missing or unreadable: {directory} was not written by "
-            f"tf_sfctr.distributed.save") from err
-    size, rank = world()
-    stores = _stores(checkpoint)
-    if saved_size == size and not stores:
-        # No table built yet: each rank's shard (its rows, or a data-parallel
-        # complete copy) is loaded whole when its layer is built.
-        checkpoint.read(_shard_prefix(directory, rank, size)).expect_partial()
-        return
-    if saved_size != size:
-        _check_built(checkpoint)
-    mine = [s for s in range(saved_size) if s % size == rank]
-    # Read this rank's shards, collecting table rows instead of loading them;
-    # a rank without a shard still needs the replicated dense state (and
-    # sees, like every rank, whether the tables were saved replicated).
-    with _collecting(stores):
-        for s in mine or [0]:
-            checkpoint.read(_shard_prefix(directory, s, saved_size)).expect_partial()
-    for k, store in enumerate(stores):
-        parts = store.collected or []
-        store.collected = None
-        if not parts:
-            # Not in this checkpoint (every rank read at least one shard, so
-            # all agree): left as it is, like any object the checkpoint lacks.
+            f"tf_sfctr.distributed.save, or that save did not finish.") from err
+    return saved_size
+
+
+def _check_shards_present(directory: str, saved_size: int) -> None:
+    """Every shard the manifest lists is there."""
+    missing = [_shard_name(s, saved_size) for s in range(saved_size)
+               if not tf.io.gfile.exists(_shard_prefix(directory, s, saved_size) + ".index")]
+    if missing:
+        raise CheckpointMismatchError(
+            f"{directory} is incomplete: {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} missing; its {MANIFEST} lists "
+            f"{saved_size} shard{'s' if saved_size > 1 else ''} (one per rank that saved it), "
+            f"and every one is needed.")
+
+
+def _matched(checkpoint, graph) -> list[tuple[object, object]]:
+    """(live object, its node of the saved object graph) for every object
+    the checkpoint restores into: matched the way TensorFlow restores, from
+    the root by the names of children."""
+    matched, seen = [], set()
+    queue = [(checkpoint, 0)]
+    while queue:
+        obj, node_id = queue.pop(0)
+        if (id(obj), node_id) in seen:
             continue
-        _load_repartitioned(store, parts, size, f"sfctr_restore_{k}", bool(mine),
-                            saved_size)
+        seen.add((id(obj), node_id))
+        node = graph.nodes[node_id]
+        matched.append((obj, node))
+        if isinstance(obj, EmbeddingStore):
+            continue
+        children = tf.train.TrackableView.children(obj)
+        for ref in node.children:
+            child = children.get(ref.local_name)
+            if child is not None:
+                queue.append((child, ref.node_id))
+    return matched
 
 
-def _load_repartitioned(store: EmbeddingStore, parts: list, size: int, name: str,
-                        mine: bool, saved_size: int) -> None:
-    c = store.config
-    width = c.width
-    if parts:
-        for p in parts:
-            store.check_table(p["header"], p["ids"], p["rows"])
-    saved_replicated = any(_replicated(p["header"]) for p in parts)
-    format1 = any(np.asarray(p["header"]).size == 4 for p in parts)
+def _read_shard(checkpoint, directory: str, s: int, saved_size: int,
+                stores) -> dict[int, dict]:
+    """Reads every tensor of shard ``s`` (a damaged shard fails here, before
+    anything is restored) and checks the shapes of the variables it restores;
+    returns the tables of ``stores`` it holds (index in ``stores`` -> saved
+    tensors)."""
+    name = _shard_name(s, saved_size)
+    index = {id(store): k for k, store in enumerate(stores)}
+    try:
+        reader = tf.train.load_checkpoint(_shard_prefix(directory, s, saved_size))
+        graph = trackable_object_graph_pb2.TrackableObjectGraph()
+        graph.ParseFromString(reader.get_tensor(_OBJECT_GRAPH))
+        shapes = reader.get_variable_to_shape_map()
+        matched = _matched(checkpoint, graph)
+        wanted, tables = {}, {}
+        for obj, node in matched:
+            if id(obj) in index:
+                k = index[id(obj)]
+                tables[k] = {}
+                wanted.update({a.checkpoint_key: (k, a.name) for a in node.attributes})
+        for key in sorted(shapes):
+            value = reader.get_tensor(key)
+            if key in wanted:
+                k, attr = wanted[key]
+                tables[k][attr] = value
+    except Exception as err:  # noqa: BLE001 - any failure to read is reported
+        raise CheckpointMismatchError(
+            f"{name} of {directory} cannot be read ({_describe(err)}); it is damaged "
+            f"(truncated or corrupt).") from err
+    # A variable of another shape (another model) would fail its restore
+    # half way through the others.
+    for obj, node in matched:
+        shape = getattr(obj, "shape", None)
+        for attr in node.attributes:
+            if attr.name != "VARIABLE_VALUE" or shape is None or attr.checkpoint_key not in shapes:
+                continue
+            if list(shapes[attr.checkpoint_key]) != list(shape):
+                raise CheckpointMismatchError(
+                    f"{name} of {directory} saved {attr.checkpoint_key} with shape "
+                    f"{list(shapes[attr.checkpoint_key])} but the variable it restores into "
+                    f"({getattr(obj, 'path', None) or getattr(obj, 'name', '?')}) has shape "
+                    f"{list(shape)}: the checkpoint is of another model.")
+    for k, table in tables.items():
+        absent = [attr for attr in _TABLE_KEYS if attr not in table]
+        if absent:
+            raise CheckpointMismatchError(
+                f"{name} of {directory} holds a table without {absent}; it is corrupt.")
+    return tables
+
+
+def _table_mode(store: EmbeddingStore, headers: list, size: int, saved_size: int) -> str:
+    """"whole": each rank loads one complete table (data parallel, or one
+    process reading replicas); "shards": the rows are re-partitioned to
+    their owners. Raises for a restore across distributions."""
+    saved_replicated = any(_replicated(h) for h in headers)
+    format1 = any(np.asarray(h).size == 4 for h in headers)
     # A data-parallel shard, like a 1-process table, is a complete table. A
     # format-1 shard does not say; on as many ranks as saved it, trust the
     # layer's mode (as format 1 always did).
@@ -178,8 +271,190 @@ def _load_repartitioned(store: EmbeddingStore, parts: list, size: int, name: str
                 " but the layer is " + ("data parallel" if store.replicated
                                         else "model parallel") +
                 "; restore it with the distribution it was saved with, on as many ranks "
-                "as saved it (or on one process, which reads either). Nothing was "
-                "restored.")
+                "as saved it (or on one process, which reads either).")
+        return "whole"
+    return "shards"
+
+
+def _check_part(store: EmbeddingStore, part: dict, mode: str, s: int, saved_size: int,
+                name: str) -> None:
+    """Raises CheckpointMismatchError if ``part`` (shard ``s``'s table)
+    cannot be restored into ``store``."""
+    from tf_sfctr.distributed.exchange import owner_of
+
+    header = np.asarray(part["header"]).ravel()
+    if mode == "whole":
+        store.check_table(header, part["ids"], part["rows"])
+    else:
+        # max_rows bounds the re-partitioned share each rank gets, checked
+        # once every rank has counted its rows' new owners.
+        unbounded = types.SimpleNamespace(
+            config=dataclasses.replace(store.config, max_rows=0))
+        EmbeddingStore.check_table(unbounded, header, part["ids"], part["rows"])
+    ids = np.asarray(part["ids"])
+    if np.asarray(part["counts"]).shape != ids.shape or np.asarray(part["counters"]).size != 3:
+        raise CheckpointMismatchError(
+            f"{name}'s table has a use count per id or its counters missing; it is corrupt.")
+    if header.size >= 8:  # format 3 says which shard the table is
+        said = (int(header[6]), int(header[7]))
+        expected = (1, 0) if _replicated(header) else (saved_size, s)
+        if said != expected:
+            raise CheckpointMismatchError(
+                f"{name} holds the table of " + (
+                    "one process (a complete table)" if said[0] == 1
+                    else f"rank {said[1]} of {said[0]}") +
+                f", not rank {s} of {saved_size}'s shard; the directory mixes shards of "
+                "different checkpoints.")
+    if mode == "shards" and saved_size > 1:
+        foreign = int(np.sum(owner_of(ids, saved_size) != s))
+        if foreign:
+            raise CheckpointMismatchError(
+                f"{name} holds {foreign} of its {ids.size} rows for ids rank {s} of "
+                f"{saved_size} does not own; it is not that rank's shard of a model-parallel "
+                "table (a complete table restored onto every rank with a plain "
+                "tf.train.Checkpoint before it was saved, or a shard from elsewhere).")
+
+
+def _check(checkpoint, directory: str, stores, size: int, rank: int):
+    """Everything restore checks before it changes anything, for this rank:
+    (saved_size, {store index: (new owners' row counts, max_rows)})."""
+    from tf_sfctr.distributed.exchange import owner_of
+
+    saved_size = _read_manifest(directory)
+    if saved_size != size:
+        _check_built(checkpoint)
+    _check_shards_present(directory, saved_size)
+    mine = [s for s in range(saved_size) if s % size == rank]
+    parts: dict[int, list] = {}
+    for s in mine or [0]:
+        for k, table in _read_shard(checkpoint, directory, s, saved_size, stores).items():
+            parts.setdefault(k, []).append((s, table))
+    shares = {}
+    for k, store_parts in sorted(parts.items()):
+        store = stores[k]
+        mode = _table_mode(store, [t["header"] for _, t in store_parts], size, saved_size)
+        for s, table in store_parts:
+            _check_part(store, table, mode, s, saved_size, _shard_name(s, saved_size))
+        if mode == "shards":
+            counts = np.zeros(size, np.int64)
+            if mine:  # (shard 0 read for the dense state only adds no rows)
+                for _, table in store_parts:
+                    counts += np.bincount(owner_of(table["ids"], size), minlength=size)
+            shares[k] = (counts, int(store.config.max_rows))
+    return saved_size, shares
+
+
+def _table_name(checkpoint, store: EmbeddingStore) -> str:
+    """The name of the layer that owns ``store`` (for messages)."""
+    from tf_sfctr.keras_layers.cached_embedding import CachedEmbedding
+
+    for obj in tf.train.TrackableView(checkpoint).descendants():
+        if isinstance(obj, CachedEmbedding) and getattr(obj, "_store", None) is store:
+            return f"CachedEmbedding {obj.name!r}"
+    return "a CachedEmbedding"
+
+
+def _check_shares(checkpoint, reports: list, stores, size: int) -> Optional[str]:
+    """Whether every rank's share of each re-partitioned table fits its
+    max_rows (the same answer on every rank: all see every report)."""
+    for k in sorted({k for _, shares in reports for k in shares}):
+        counts = sum((shares[k][0] for _, shares in reports if k in shares),
+                     np.zeros(size, np.int64))
+        for r, (_, shares) in enumerate(reports):
+            if k not in shares:
+                continue
+            max_rows = shares[k][1]
+            if max_rows and counts[r] > max_rows:
+                total = int(counts.sum())
+                if size == 1:
+                    return (f"saved table has {total} rows but this layer has "
+                            f"max_rows={max_rows}.")
+                return (f"saved table of {_table_name(checkpoint, stores[k])} has {total} rows; "
+                        f"re-partitioned over {size} ranks, rank {r} would hold "
+                        f"{int(counts[r])} (the ids it owns) but its layer has "
+                        f"max_rows={max_rows}.")
+    return None
+
+
+def _failure(reports_or_messages: list, directory: str, size: int) -> Optional[str]:
+    for r, message in enumerate(reports_or_messages):
+        if message is not None:
+            return message if size == 1 else (
+                f"tf_sfctr.distributed.restore from {directory} failed on rank {r}: {message}")
+    return None
+
+
+def restore(checkpoint: tf.train.Checkpoint, directory: str) -> None:
+    """Restores a checkpoint written by :func:`save` on any number of ranks
+    (collective: call on every rank). Checks everything first: if anything
+    is wrong on any rank, every rank raises the same
+    ``CheckpointMismatchError`` and nothing was restored on any."""
+    size, rank = world()
+    stores = _stores(checkpoint)
+    error, message, shares, saved_size = None, None, {}, 0
+    try:
+        saved_size, shares = _check(checkpoint, directory, stores, size, rank)
+    except Exception as err:  # noqa: BLE001 - agreed on below, then raised
+        error, message = err, _describe(err)
+    # Collective: every rank learns every rank's outcome, and so raises the
+    # same error as the others (or none); nothing was read into the model.
+    reports = _allgather((message, shares), "sfctr_restore_checked")
+    failure = _failure([m for m, _ in reports], directory, size)
+    if failure is None:
+        failure = _check_shares(checkpoint, reports, stores, size)
+    if failure is not None:
+        raise CheckpointMismatchError(
+            f"{failure.rstrip()} Nothing was restored"
+            f"{' on any rank' if size > 1 else ''}.") from error
+
+    mine = [s for s in range(saved_size) if s % size == rank]
+    # No table built yet and as many ranks as saved: each rank's shard (its
+    # rows, or a data-parallel complete copy) is loaded whole when its layer
+    # is built (the layer checks that it is this rank's shard).
+    deferred = saved_size == size and not stores
+    error, message = None, None
+    try:
+        if deferred:
+            checkpoint.read(_shard_prefix(directory, rank, size)).expect_partial()
+        else:
+            # Read this rank's shards, collecting table rows instead of
+            # loading them; a rank without a shard still needs the
+            # replicated dense state (and sees, like every rank, whether the
+            # tables were saved replicated).
+            with _collecting(stores):
+                for s in mine or [0]:
+                    checkpoint.read(_shard_prefix(directory, s, saved_size)).expect_partial()
+    except Exception as err:  # noqa: BLE001 - agreed on below, then raised
+        error, message = err, _describe(err)
+    # Reading can still fail after the checks (say, a file changed in
+    # between): every rank hears of it rather than wait in the exchange.
+    failure = _failure(_allgather(message, "sfctr_restore_read"), directory, size)
+    if failure is not None:
+        for store in stores:
+            store.collected = None
+        if error is not None:
+            raise error
+        raise CheckpointMismatchError(
+            f"{failure} (after its checks had passed). The tables were not restored; other "
+            f"weights may have been.")
+    if deferred:
+        return
+    for k, store in enumerate(stores):
+        parts = store.collected or []
+        store.collected = None
+        if not parts:
+            # Not in this checkpoint (every rank read at least one shard, so
+            # all agree): left as it is, like any object the checkpoint lacks.
+            continue
+        _load_repartitioned(store, parts, size, f"sfctr_restore_{k}", bool(mine),
+                            saved_size)
+
+
+def _load_repartitioned(store: EmbeddingStore, parts: list, size: int, name: str,
+                        mine: bool, saved_size: int) -> None:
+    c = store.config
+    width = c.width
+    if _table_mode(store, [p["header"] for p in parts], size, saved_size) == "whole":
         p = parts[0]
         store.load_table(p["header"], p["ids"], p["rows"], p["counts"], p["counters"])
         return

@@ -336,6 +336,43 @@ def test_a_failed_distributed_restore_changes_nothing(rng, tmp_path, damage):
     _assert_same(_everything(other, other_emb, vocab), before)
 
 
+def test_shards_of_different_saves_are_refused(rng, tmp_path):
+    """Each tf_sfctr.distributed.save has its own id, in manifest.json and in
+    every shard's shard.json: a directory whose shard comes from another save
+    (copied in, or left by a save that stopped half way) is refused, naming
+    the shard, before anything is restored."""
+    import shutil
+
+    from tf_sfctr.distributed import restore, save
+
+    vocab, x, y = _data(rng, 6)
+    model, emb = _model()
+    _fit(model, x[: 3 * BATCH], y[: 3 * BATCH])
+    save(_ckpt(model), str(tmp_path / "a"))
+    _fit(model, x[3 * BATCH:], y[3 * BATCH:])
+    save(_ckpt(model), str(tmp_path / "b"))
+    name = "shard-00000-of-00001"
+    shutil.rmtree(tmp_path / "b" / name)
+    shutil.copytree(tmp_path / "a" / name, tmp_path / "b" / name)
+    other, other_emb = _model(seed=8)
+    _fit(other, x[: 2 * BATCH], y[: 2 * BATCH])
+    before = _everything(other, other_emb, vocab)
+    with pytest.raises(CheckpointMismatchError,
+                       match=f"mixes shards of different saves.*but {name} \\(save "):
+        restore(_ckpt(other), str(tmp_path / "b"))
+    # A shard without its shard.json (a save that stopped before writing it).
+    (tmp_path / "b" / name / "shard.json").unlink()
+    with pytest.raises(CheckpointMismatchError, match=f"{name} \\(its shard.json is missing"):
+        restore(_ckpt(other), str(tmp_path / "b"))
+    _assert_same(_everything(other, other_emb, vocab), before)
+    # The untouched directory restores; so does one written before save ids
+    # (manifest format 1, no shard.json).
+    restore(_ckpt(other), str(tmp_path / "a"))
+    (tmp_path / "a" / "manifest.json").write_text('{"world_size": 1, "format": 1}')
+    (tmp_path / "a" / name / "shard.json").unlink()
+    restore(_ckpt(other), str(tmp_path / "a"))
+
+
 def test_tables_record_which_shard_they_are(rng, tmp_path):
     """Format 3: the header says which shard a table is (world size and rank
     of a model-parallel writer, 1 and 0 for a complete table); version-2

@@ -290,7 +290,8 @@ def test_exact_resume_on_two_ranks(results):
 
 
 def test_failed_restores_raise_the_same_error_on_every_rank(results):
-    """2 -> 2 restores of a directory with shard 1 missing or truncated, and a 1 -> 2 restore whose larger share exceeds max_rows:
+    """2 -> 2 restores of a directory with shard 1 missing, truncated or from
+    another save, and a 1 -> 2 restore whose larger share exceeds max_rows:
     every rank raised the same error and changed nothing (the worker checked
     rows, dense weights, optimizer iterations and table_step, then read rows
     collectively: nobody was left waiting)."""
@@ -298,6 +299,7 @@ def test_failed_restores_raise_the_same_error_on_every_rank(results):
     shares = results("restore_checks", 0)["shares"]
     expected = {
         "missing": "shard-00001-of-00002 is missing",
+        "mixed": "mixes shards of different saves",
         "truncated": "shard-00001-of-00002 of",
         "max_rows": f"rank {int(np.argmax(shares))} would hold {int(shares.max())} (the ids it "
                     f"owns) but its layer has max_rows={int(shares.max()) - 1}",
@@ -342,10 +344,10 @@ def _target_state(emb, dense, model):
             int(emb._table_step.numpy()))
 
 
-@pytest.mark.parametrize("name", ["missing", "truncated", "max_rows"])
+@pytest.mark.parametrize("name", ["missing", "mixed", "truncated", "max_rows"])
 def test_failed_restore_on_one_process_changes_nothing(results, name):
-    """2 -> 1 restores that fail (shard 1 missing or truncated; the two
-    shards together exceed max_rows though each fits) leave the
+    """2 -> 1 restores that fail (shard 1 missing, truncated or from another
+    save; the two shards together exceed max_rows though each fits) leave the
     dense weights, the optimizer state and table_step as they were, not only
     the table."""
     from tf_sfctr.distributed import restore

@@ -412,7 +412,7 @@ def _saved_ids(prefix):
 
 def run_restore_checks(out_dir, rank, size):
     """tf_sfctr.distributed.restore checks everything before it changes
-    anything, and the ranks agree: a damaged directory, or a table
+    anything, and the ranks agree: a damaged or mixed directory, or a table
     that does not fit one rank, makes every rank raise the same error (none
     waits in a collective), and no rank's weights, optimizer state or table
     changed. Each rank records its messages; the test compares them."""
@@ -444,9 +444,11 @@ def run_restore_checks(out_dir, rank, size):
     saved_b = state(emb, dense, model)
     shard1 = "shard-00001-of-00002"
     if rank == 0:
-        for name in ("missing", "truncated"):
+        for name in ("missing", "mixed", "truncated"):
             shutil.copytree(os.path.join(base, "b"), os.path.join(base, name))
         shutil.rmtree(os.path.join(base, "missing", shard1))
+        shutil.rmtree(os.path.join(base, "mixed", shard1))
+        shutil.copytree(os.path.join(base, "a", shard1), os.path.join(base, "mixed", shard1))
         data = [f for f in os.listdir(os.path.join(base, "truncated", shard1)) if ".data-" in f]
         path = os.path.join(base, "truncated", shard1, data[0])
         with open(path, "rb") as f:
@@ -474,6 +476,8 @@ def run_restore_checks(out_dir, rank, size):
     # 2 -> 2, shard 1 missing: rank 0 has its own shard but must not wait
     # for rank 1, nor restore its dense weights.
     refused("missing", os.path.join(base, "missing"))
+    # 2 -> 2, shard 1 from another save of the same run.
+    refused("mixed", os.path.join(base, "mixed"))
     # 2 -> 2, shard 1 truncated: only rank 1 reads it; rank 0 hears of it.
     refused("truncated", os.path.join(base, "truncated"))
     # The good directory restores (after the failed attempts).

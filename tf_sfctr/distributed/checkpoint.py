@@ -2,8 +2,11 @@
 ranks.
 
 ``save(checkpoint, directory)`` has every rank write its own shard
-(``shard-R-of-N/``) with ``tf.train.Checkpoint.write`` plus, from rank 0, a
-``manifest.json``.
+(``shard-R-of-N/``) with ``tf.train.Checkpoint.write`` plus a small
+``shard.json`` naming the save, and then, from rank 0, a ``manifest.json``
+(written once every shard is complete). Each save draws an id (rank 0, sent
+to every rank) that the manifest and every ``shard.json`` record, so shards
+of different saves in one directory are told apart.
 
 ``restore(checkpoint, directory)`` reads the manifest: with the same number
 of ranks, each rank reads its own shard; with another number, rank r reads
@@ -17,7 +20,7 @@ layer, or a replicated one into a model-parallel layer on several ranks, is
 refused, as is a restore into layers not built yet.
 
 Before anything is restored, every rank checks the part it will read: every
-shard is there, this rank's shards read back whole
+shard is there and from the same save, this rank's shards read back whole
 (every tensor), each of their tables fits its layer (format, width,
 optimizer, ids of the right owner) and, re-partitioned, each rank's share
 fits its ``max_rows``. The ranks agree on the outcome: if a check fails on
@@ -51,6 +54,11 @@ from tf_sfctr.distributed._horovod import require, world
 from tf_sfctr.store import CheckpointMismatchError, EmbeddingStore
 
 MANIFEST = "manifest.json"
+#: Per shard: the id of the save that wrote it, its rank and world size.
+SHARD_INFO = "shard.json"
+#: 2 added the save id (manifest and shard.json); format 1 still restores,
+#: without the check that its shards come from one save.
+MANIFEST_FORMAT = 2
 _OBJECT_GRAPH = "_CHECKPOINTABLE_OBJECT_GRAPH"
 _TABLE_KEYS = ("header", "ids", "rows", "counts", "counters")
 
@@ -61,13 +69,6 @@ def _shard_name(rank: int, size: int) -> str:
 
 def _shard_prefix(directory: str, rank: int, size: int) -> str:
     return os.path.join(directory, _shard_name(rank, size), "ckpt")
-
-
-def _barrier(name: str) -> None:
-    size, _ = world()
-    if size > 1:
-        hvd = require()
-        hvd.allreduce(tf.constant(0), op=hvd.Sum, name=name)
 
 
 def _allgather(obj, name: str) -> list:
@@ -84,15 +85,78 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).strip()}"
 
 
+def _write_json(path: str, value: dict) -> None:
+    """Writes ``path`` whole or not at all (a temporary file, renamed)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(value, f)
+    os.replace(tmp, path)
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
+
+
+def _draw_save_id() -> int:
+    return int.from_bytes(os.urandom(8), "little") % (2**63 - 1) + 1
+
+
 def save(checkpoint: tf.train.Checkpoint, directory: str) -> str:
-    """Writes this rank's shard (collective: call on every rank)."""
+    """Writes this rank's shard (collective: call on every rank). If writing
+    fails on any rank, every rank raises and the directory has no
+    ``manifest.json`` (``restore`` refuses it)."""
     size, rank = world()
-    path = checkpoint.write(_shard_prefix(directory, rank, size))
+    save_id = _draw_save_id() if rank == 0 else 0
+    if size > 1:
+        save_id = int(require().broadcast(tf.constant(save_id, tf.int64), 0,
+                                          name="sfctr_checkpoint_save_id").numpy())
+    prefix = _shard_prefix(directory, rank, size)
+    info = os.path.join(os.path.dirname(prefix), SHARD_INFO)
+    error, path = None, None
+    try:
+        # The old manifest and shard.json go first: a save that stops half
+        # way leaves a directory that restore refuses, not one that mixes
+        # this save's shards with the last one's.
+        if rank == 0:
+            _remove(os.path.join(directory, MANIFEST))
+        _remove(info)
+    except OSError as err:
+        error = err
+    try:
+        # Every rank calls write, which is collective for model-parallel
+        # tables (their flush).
+        path = checkpoint.write(prefix)
+    except Exception as err:  # noqa: BLE001 - agreed on below, then raised
+        error = error or err
+    if error is None:
+        try:
+            _write_json(info, {"save_id": save_id, "rank": rank, "world_size": size})
+        except OSError as err:
+            error = err
+    _agree_on_save(error, directory, "sfctr_checkpoint_saved")
+    # Every shard is complete: the manifest makes the directory a checkpoint.
+    error = None
     if rank == 0:
-        with open(os.path.join(directory, MANIFEST), "w") as f:
-            json.dump({"world_size": size, "format": 1}, f)
-    _barrier("sfctr_checkpoint_saved")
+        try:
+            _write_json(os.path.join(directory, MANIFEST),
+                        {"world_size": size, "format": MANIFEST_FORMAT, "save_id": save_id})
+        except OSError as err:
+            error = err
+    _agree_on_save(error, directory, "sfctr_checkpoint_manifest")
     return path
+
+
+def _agree_on_save(error: Optional[BaseException], directory: str, name: str) -> None:
+    failures = [(r, m) for r, m in enumerate(
+        _allgather(None if error is None else _describe(error), name)) if m is not None]
+    if error is not None:
+        raise error
+    if failures:
+        r, message = failures[0]
+        raise RuntimeError(
+            f"tf_sfctr.distributed.save to {directory} failed on rank {r}: {message}. The "
+            f"directory holds no complete checkpoint (no {MANIFEST}).")
 
 
 def _stores(checkpoint: tf.train.Checkpoint) -> list[EmbeddingStore]:
@@ -147,32 +211,59 @@ def _collecting(stores):
             store.collecting = False
 
 
-def _read_manifest(directory: str) -> int:
-    """The world size of the save."""
+def _read_manifest(directory: str) -> tuple[int, Optional[int]]:
+    """(world size of the save, its save id or None for format 1)."""
     manifest_path = os.path.join(directory, MANIFEST)
     try:
         with open(manifest_path) as f:
             manifest = json.load(f)
         saved_size = int(manifest["world_size"])
+        save_id = manifest.get("save_id")
+        save_id = None if save_id is None else int(save_id)
         if saved_size < 1:
             raise ValueError(f"world_size {saved_size}")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise CheckpointMismatchError(
             f"{manifest_path} is missing or unreadable: {directory} was not written by "
             f"tf_sfctr.distributed.save, or that save did not finish.") from err
-    return saved_size
+    return saved_size, save_id
 
 
-def _check_shards_present(directory: str, saved_size: int) -> None:
-    """Every shard the manifest lists is there."""
-    missing = [_shard_name(s, saved_size) for s in range(saved_size)
-               if not tf.io.gfile.exists(_shard_prefix(directory, s, saved_size) + ".index")]
+def _check_shards_present(directory: str, saved_size: int, save_id: Optional[int]) -> None:
+    """Every shard the manifest lists is there, written by the same save."""
+    missing, foreign = [], []
+    for s in range(saved_size):
+        name = _shard_name(s, saved_size)
+        if not tf.io.gfile.exists(_shard_prefix(directory, s, saved_size) + ".index"):
+            missing.append(name)
+            continue
+        if save_id is None:  # format 1: no save ids
+            continue
+        try:
+            with open(os.path.join(directory, name, SHARD_INFO)) as f:
+                info = json.load(f)
+            got = (int(info["save_id"]), int(info["rank"]), int(info["world_size"]))
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            foreign.append(f"{name} (its {SHARD_INFO} is missing or unreadable: "
+                           f"{type(err).__name__})")
+            continue
+        if got[0] != save_id:
+            foreign.append(f"{name} (save {got[0]:016x})")
+        elif got[1:] != (s, saved_size):
+            foreign.append(f"{name} (written by rank {got[1]} of {got[2]})")
     if missing:
         raise CheckpointMismatchError(
             f"{directory} is incomplete: {', '.join(missing)} "
             f"{'is' if len(missing) == 1 else 'are'} missing; its {MANIFEST} lists "
             f"{saved_size} shard{'s' if saved_size > 1 else ''} (one per rank that saved it), "
             f"and every one is needed.")
+    if foreign:
+        raise CheckpointMismatchError(
+            f"{directory} mixes shards of different saves: its {MANIFEST} is from save "
+            f"{save_id:016x} but {', '.join(foreign)} "
+            f"{'is' if len(foreign) == 1 else 'are'} not (shards copied from another "
+            f"directory, or a save that did not finish). Restore a directory that one "
+            f"tf_sfctr.distributed.save wrote completely.")
 
 
 def _matched(checkpoint, graph) -> list[tuple[object, object]]:
@@ -320,10 +411,10 @@ def _check(checkpoint, directory: str, stores, size: int, rank: int):
     (saved_size, {store index: (new owners' row counts, max_rows)})."""
     from tf_sfctr.distributed.exchange import owner_of
 
-    saved_size = _read_manifest(directory)
+    saved_size, save_id = _read_manifest(directory)
     if saved_size != size:
         _check_built(checkpoint)
-    _check_shards_present(directory, saved_size)
+    _check_shards_present(directory, saved_size, save_id)
     mine = [s for s in range(saved_size) if s % size == rank]
     parts: dict[int, list] = {}
     for s in mine or [0]:

@@ -521,6 +521,26 @@ def run_restore_checks(out_dir, rank, size):
         os.path.join(base, "b", f"shard-{rank:05d}-of-00002", "ckpt")).expect_partial()
     for a, b in zip(saved_b, state(emb5, dense5, model5)):
         np.testing.assert_array_equal(a, b)
+    # A save whose write fails on rank 1 only (its shard's path is taken by a
+    # file), right after a step (whose table update the save delivers to the
+    # owners, collectively): both ranks raise, none waits, and no manifest
+    # is written.
+    model.fit(*batches[7], batch_size=len(batches[7][1]), verbose=0)
+    failing = os.path.join(base, "save_fails")
+    if rank == 0:
+        os.makedirs(failing)
+        with open(os.path.join(failing, shard1), "w") as f:
+            f.write("not a directory")
+    hvd.allreduce(tf.constant(0), name="restore_checks_save_fails")
+    try:
+        save(tf.train.Checkpoint(model=model, optimizer=model.optimizer), failing)
+        raise AssertionError("save did not fail")
+    except OSError as err:
+        assert rank == 1, err
+    except RuntimeError as err:
+        assert rank == 0 and "failed on rank 1" in str(err), err
+    assert not os.path.exists(os.path.join(failing, "manifest.json"))
+    emb.lookup_rows(v)  # collective: both ranks are here
     np.savez(os.path.join(out_dir, f"restore_checks_messages_rank{rank}.npz"),
              **{k: np.array(m) for k, m in messages.items()})
 

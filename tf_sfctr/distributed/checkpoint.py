@@ -111,6 +111,13 @@ def save(checkpoint: tf.train.Checkpoint, directory: str) -> str:
     if size > 1:
         save_id = int(require().broadcast(tf.constant(save_id, tf.int64), 0,
                                           name="sfctr_checkpoint_save_id").numpy())
+    # The collective part of writing a table (a model-parallel layer's flush
+    # delivers the last step's update to the owners) happens here, on every
+    # rank: the write below then has none left, and a rank whose write fails
+    # leaves no other waiting in it.
+    for store in _stores(checkpoint):
+        if store.before_save is not None:
+            store.before_save()
     prefix = _shard_prefix(directory, rank, size)
     info = os.path.join(os.path.dirname(prefix), SHARD_INFO)
     error, path = None, None
@@ -124,8 +131,6 @@ def save(checkpoint: tf.train.Checkpoint, directory: str) -> str:
     except OSError as err:
         error = err
     try:
-        # Every rank calls write, which is collective for model-parallel
-        # tables (their flush).
         path = checkpoint.write(prefix)
     except Exception as err:  # noqa: BLE001 - agreed on below, then raised
         error = error or err

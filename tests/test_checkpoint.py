@@ -298,19 +298,28 @@ def _assert_same(a, b):
 
 
 @pytest.mark.parametrize("damage", ["other_optimizer", "other_dense", "truncated",
-                                    "missing_shard", "no_manifest"])
+                                    "missing_shard", "no_manifest", "float_ids"])
 def test_a_failed_distributed_restore_changes_nothing(rng, tmp_path, damage):
     """tf_sfctr.distributed.restore checks the table, the variables' shapes
     and reads every shard back before it restores anything: a refused table
-    (another optimizer), a dense layer of another shape or a damaged shard
-    leaves the dense weights, the Keras optimizer's state and table_step as
-    they were too, not only the table."""
+    (another optimizer), a dense layer of another shape, a damaged shard or
+    a corrupt table (float ids, which load_table refuses) leaves the dense
+    weights, the Keras optimizer's state and table_step as they were too,
+    not only the table."""
     from tf_sfctr.distributed import restore, save
 
     vocab, x, y = _data(rng, 6)
-    model, _ = _model("adam")
+    model, emb = _model("adam")
     _fit(model, x, y)
     directory = tmp_path / "ckpt"
+    if damage == "float_ids":
+        serialize = emb.store._serialize_to_tensors
+
+        def float_ids():
+            saved = serialize()
+            return dict(saved, ids=tf.cast(saved["ids"], tf.float64))
+
+        emb.store._serialize_to_tensors = float_ids
     save(_ckpt(model), str(directory))
     shard = directory / "shard-00000-of-00001"
     if damage == "truncated":
@@ -330,6 +339,7 @@ def test_a_failed_distributed_restore_changes_nothing(rng, tmp_path, damage):
     match = {"other_optimizer": "optimizer state rows", "truncated": "cannot be read",
              "other_dense": r"with shape \[12, 1\] but the variable .* has shape \[12, 2\]",
              "missing_shard": "shard-00000-of-00001 is missing",
+             "float_ids": "ids are float64, not integers",
              "no_manifest": "missing or unreadable"}[damage]
     with pytest.raises(CheckpointMismatchError, match=match):
         restore(_ckpt(other), str(directory))

@@ -282,7 +282,8 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         holds the whole table or another shard (the other ranks' rows would
         be missing), or a complete table restored into a model-parallel rank
         (every rank would hold every row)."""
-        header = np.asarray(header).ravel()
+        header = _saved_integers("header", header).ravel()
+        ids = _saved_integers("ids", ids)
         shards, shard = self.shard
         how = ("Restore the directory tf_sfctr.distributed.save wrote with "
                "tf_sfctr.distributed.restore(checkpoint, directory), on any number of ranks: it "
@@ -306,7 +307,7 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         if not complete:
             from tf_sfctr.distributed.exchange import owner_of
 
-            complete = bool(np.any(owner_of(np.asarray(ids).ravel(), shards) != shard))
+            complete = bool(np.any(owner_of(ids.ravel(), shards) != shard))
         if complete:
             raise CheckpointMismatchError(
                 f"saved table is a complete table (every id) but {mine}, which holds only "

@@ -51,7 +51,7 @@ import tensorflow as tf
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
 from tf_sfctr.distributed._horovod import require, world
-from tf_sfctr.store import CheckpointMismatchError, EmbeddingStore
+from tf_sfctr.store import CheckpointMismatchError, EmbeddingStore, _saved_integers
 
 MANIFEST = "manifest.json"
 #: Per shard: the id of the save that wrote it, its rank and world size.
@@ -323,19 +323,26 @@ def _read_shard(checkpoint, directory: str, s: int, saved_size: int,
         raise CheckpointMismatchError(
             f"{name} of {directory} cannot be read ({_describe(err)}); it is damaged "
             f"(truncated or corrupt).") from err
-    # A variable of another shape (another model) would fail its restore
-    # half way through the others.
+    # A variable of another shape or dtype (another model) would fail its
+    # restore half way through the others.
+    dtypes = reader.get_variable_to_dtype_map()
     for obj, node in matched:
-        shape = getattr(obj, "shape", None)
+        shape, dtype = getattr(obj, "shape", None), getattr(obj, "dtype", None)
         for attr in node.attributes:
-            if attr.name != "VARIABLE_VALUE" or shape is None or attr.checkpoint_key not in shapes:
+            key = attr.checkpoint_key
+            if attr.name != "VARIABLE_VALUE" or shape is None or key not in shapes:
                 continue
-            if list(shapes[attr.checkpoint_key]) != list(shape):
+            what = getattr(obj, "path", None) or getattr(obj, "name", "?")
+            if list(shapes[key]) != list(shape):
                 raise CheckpointMismatchError(
-                    f"{name} of {directory} saved {attr.checkpoint_key} with shape "
-                    f"{list(shapes[attr.checkpoint_key])} but the variable it restores into "
-                    f"({getattr(obj, 'path', None) or getattr(obj, 'name', '?')}) has shape "
-                    f"{list(shape)}: the checkpoint is of another model.")
+                    f"{name} of {directory} saved {key} with shape {list(shapes[key])} but "
+                    f"the variable it restores into ({what}) has shape {list(shape)}: the "
+                    f"checkpoint is of another model.")
+            if dtype is not None and tf.as_dtype(dtype) != dtypes[key]:
+                raise CheckpointMismatchError(
+                    f"{name} of {directory} saved {key} as {dtypes[key].name} but the "
+                    f"variable it restores into ({what}) is {tf.as_dtype(dtype).name}: the "
+                    f"checkpoint is of another model.")
     for k, table in tables.items():
         absent = [attr for attr in _TABLE_KEYS if attr not in table]
         if absent:
@@ -378,17 +385,26 @@ def _check_part(store: EmbeddingStore, part: dict, mode: str, s: int, saved_size
     cannot be restored into ``store``."""
     from tf_sfctr.distributed.exchange import owner_of
 
-    header = np.asarray(part["header"]).ravel()
+    # What load_table checks before it changes anything (it runs after the
+    # dense weights are restored).
+    header, ids, counts, counters = (
+        _saved_integers(label, part[key]) for label, key in
+        (("header", "header"), ("ids", "ids"), ("use counts", "counts"),
+         ("counters", "counters")))
+    header = header.ravel()
+    rows = np.asarray(part["rows"])
+    if rows.dtype.kind != "f":
+        raise CheckpointMismatchError(
+            f"{name}'s table has rows of {rows.dtype}, not floats; it is corrupt.")
     if mode == "whole":
-        store.check_table(header, part["ids"], part["rows"])
+        store.check_table(header, ids, rows)
     else:
         # max_rows bounds the re-partitioned share each rank gets, checked
         # once every rank has counted its rows' new owners.
         unbounded = types.SimpleNamespace(
             config=dataclasses.replace(store.config, max_rows=0))
-        EmbeddingStore.check_table(unbounded, header, part["ids"], part["rows"])
-    ids = np.asarray(part["ids"])
-    if np.asarray(part["counts"]).shape != ids.shape or np.asarray(part["counters"]).size != 3:
+        EmbeddingStore.check_table(unbounded, header, ids, rows)
+    if counts.shape != ids.shape or counters.size < 3:
         raise CheckpointMismatchError(
             f"{name}'s table has a use count per id or its counters missing; it is corrupt.")
     if header.size >= 8:  # format 3 says which shard the table is
@@ -561,7 +577,8 @@ def _load_repartitioned(store: EmbeddingStore, parts: list, size: int, name: str
     rows = (np.concatenate([p["rows"] for p in parts]) if parts
             else np.zeros((0, width), np.float32))
     counts = np.concatenate([p["counts"] for p in parts]) if parts else np.zeros(0, np.int64)
-    counters = (np.sum([p["counters"] for p in parts], axis=0) if parts
+    counters = (np.sum([np.asarray(p["counters"], np.int64).ravel()[:3] for p in parts], axis=0)
+                if parts
                 else np.zeros(3, np.int64))
     if size > 1:
         from tf_sfctr.distributed import exchange

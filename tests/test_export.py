@@ -494,3 +494,21 @@ def test_host_export_of_the_first_columns():
         with pytest.raises(tf.errors.InvalidArgumentError,
                            match=rf"columns must be -1 \(whole rows\) or 1..12 .*got {bad}"):
             emb.store.host_export(columns=bad)
+
+
+def test_max_rows_keeps_each_kept_id_with_its_own_row():
+    """The kept ids are the most used, in whatever order the host table lists
+    them: each must keep its own row (a cut that reordered ids but not rows
+    would serve other ids' rows)."""
+    emb = CachedEmbedding(3, cache_capacity=64, seed=4, name="emb")
+    # Uses: id k used k times, so the most used are the largest ids, spread
+    # over the host table's order.
+    for k in range(1, 13):
+        emb(np.arange(k, 13, dtype=np.int64), training=True)
+    ids = np.arange(1, 13, dtype=np.int64)
+    frozen = serving_model(_identity_model(emb), max_rows=5).get_layer("emb")
+    assert frozen.num_keys == 5
+    served = frozen(ids[:, None]).numpy()[:, 0]
+    rows = emb.lookup_rows(ids)
+    np.testing.assert_array_equal(served[-5:], rows[-5:])  # ids 8..12: kept, own rows
+    np.testing.assert_array_equal(served[:-5], np.zeros_like(rows[:-5]))

@@ -36,6 +36,9 @@ SCENARIOS = {
     # FTRL: two state rows, the per-occurrence squares summed over ranks.
     "mp_ftrl_dense": ("ftrl", "dense", "model_parallel", "loop"),
     "dp_ftrl_dense": ("ftrl", "dense", "data_parallel", "loop"),
+    # Adam reads the table step (bias correction): a deferred update must
+    # use the step of the call it belongs to.
+    "mp_adam_dense": ("adam", "dense", "model_parallel", "loop"),
 }
 
 
@@ -86,6 +89,7 @@ def build(opt_name: str, kind: str, distribution: str):
     table_opt = {
         "sgd": lambda: tf_sfctr.optimizers.SGD(0.5),
         "adagrad": lambda: tf_sfctr.optimizers.Adagrad(0.3, initial_accumulator_value=0.05),
+        "adam": lambda: tf_sfctr.optimizers.Adam(0.05),
         "ftrl": lambda: tf_sfctr.optimizers.Ftrl(0.3, initial_accumulator_value=0.05,
                                                  l1_regularization_strength=0.001),
     }[opt_name]()

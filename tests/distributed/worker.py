@@ -131,6 +131,19 @@ def run_deferred(out_dir, rank, size):
     values = np.full((6, 2), 7.0 + rank, np.float32)
     emb.assign_rows(mine, values)
     np.testing.assert_array_equal(emb.lookup_rows(mine), values)
+    # Two ranks setting the same ids: the higher rank's values win, on every
+    # rank, whether the table is sharded or replicated.
+    both = v[60:63]
+    replica = CachedEmbedding(2, cache_capacity=16, optimizer=tf_sfctr.optimizers.SGD(1.0),
+                              seed=3, name="deferred_dp", distribution="data_parallel")
+    replica.build(None)
+    for layer in (emb, replica):
+        layer.assign_rows(both[::1 - 2 * rank], np.full((3, 2), 100.0 + rank, np.float32)
+                          + np.arange(3, dtype=np.float32)[::1 - 2 * rank, None])
+        np.testing.assert_array_equal(
+            layer.lookup_rows(both),
+            np.full((3, 2), 100.0 + size - 1, np.float32) + np.arange(3)[:, None],
+            err_msg=f"{layer.distribution}: conflicting assign_rows")
     # restore right after a step: the pending update is void.
     step(ids)
     restore(tf.train.Checkpoint(emb=emb), ckpt_dir)

@@ -2,10 +2,11 @@
 
 A table is trained by its own optimizer (as in HugeCTR, TorchRec and
 keras-rs), independent of the Keras optimizer that trains the dense layers.
-The update runs on the device cache with stock TF ops (fused sparse kernels
-where TF has one for the formula; Adagrad on CPU uses our own fused kernel,
-which gives the same bits as TF's CPU kernel), only on the rows a step used: rows absent from a
-step are never touched ("lazy").
+The update runs on the device cache, only on the rows a step used: rows absent
+from a step are never touched ("lazy"). Adagrad and Ftrl run in our own fused
+kernels on CPU (Adagrad's gives the same bits as TF's CPU kernel); with a GPU
+visible, in TF's fused sparse kernels (per-occurrence Ftrl in stock ops). SGD
+and Adam run in stock TF ops.
 
 Formulas, with ``g`` the gradient of a row summed over its occurrences in the
 step, ``s`` (Adagrad and Ftrl) the sum of the squares of the per-occurrence

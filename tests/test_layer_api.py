@@ -552,3 +552,66 @@ def test_assign_rows_takes_bfloat16_values():
     values = tf.constant([[0.5, -1.25, 3.0, 1.0 / 3.0]] * 2, tf.bfloat16)
     emb.assign_rows([7, 9], values)
     np.testing.assert_array_equal(emb.lookup_rows([7, 9]), tf.cast(values, tf.float32).numpy())
+
+
+def test_jit_compile_true_runs_without_xla_and_trains_the_table():
+    """README: jit_compile=True makes Keras turn XLA off for the whole model,
+    with a warning, and the table still trains (the custom ops have no XLA
+    kernels)."""
+    inp = keras.Input(shape=(2,), dtype="int64")
+    emb = CachedEmbedding(4, cache_capacity=16, seed=1, optimizer="sgd")
+    model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
+    with pytest.warns(UserWarning, match="jit_compile"):
+        model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+    before = emb.lookup_rows([1, 2])
+    model.fit(np.array([[1, 2]] * 8), np.ones((8, 1)), batch_size=4, verbose=0)
+    assert model.jit_compile is False
+    assert not np.allclose(emb.lookup_rows([1, 2]), before)
+
+
+def test_a_custom_loop_trains_the_table_like_fit():
+    """README, "Custom training loops": the gradient of every trainable weight
+    applied with the Keras optimizer trains the table as fit does. The update
+    runs in the backward pass of the training call, so a gradient taken for
+    the dense weights only runs it too (design.md), once per step, eagerly
+    and traced."""
+    x = np.array([[1, 2], [3, 1], [2, 4], [5, 5]], np.int64)
+    y = np.array([[1.0], [0.0], [1.0], [0.0]], np.float32)
+
+    def build():
+        keras.utils.set_random_seed(0)
+        inp = keras.Input(shape=(2,), dtype="int64")
+        emb = CachedEmbedding(3, cache_capacity=16, seed=7,
+                              optimizer=tf_sfctr.optimizers.Adagrad(0.5))
+        model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
+        return model, emb
+
+    def loop(model, dense_only, traced):
+        opt = keras.optimizers.SGD(0.1)
+        variables = [v for v in model.trainable_variables
+                     if not (dense_only and "table_update_trigger" in v.path)]
+        opt.build(variables)
+
+        def step():
+            with tf.GradientTape() as tape:
+                loss = keras.losses.MeanSquaredError()(y, model(x, training=True))
+            opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+        step = tf.function(step) if traced else step
+        for _ in range(3):
+            step()
+
+    ids = np.arange(1, 6)
+    by_fit, fit_emb = build()
+    assert [v.name for v in fit_emb.trainable_weights] == ["table_update_trigger"]
+    by_fit.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    by_fit.fit(x, y, batch_size=4, epochs=3, shuffle=False, verbose=0)
+    want = fit_emb.lookup_rows(ids)
+    assert not np.allclose(want, build()[1].lookup_rows(ids))
+    for dense_only in (False, True):
+        for traced in (False, True):
+            model, emb = build()
+            loop(model, dense_only, traced)
+            np.testing.assert_allclose(emb.lookup_rows(ids), want, rtol=1e-6,
+                                       err_msg=f"dense_only={dense_only}, traced={traced}")
+            assert int(emb._table_step.numpy()) == 3

@@ -264,3 +264,24 @@ def test_a_learning_rate_that_is_not_a_number_or_schedule_is_refused(rate):
     with pytest.raises(ValueError, match=r"learning_rate must be a number, got .*Python or "
                                          r"NumPy number; .*LearningRateSchedule"):
         tf_sfctr.optimizers.SGD(rate)
+
+
+@pytest.mark.parametrize("name,keras_class", [
+    ("sgd", keras.optimizers.SGD), ("adagrad", keras.optimizers.Adagrad),
+    ("adam", keras.optimizers.Adam), ("ftrl", keras.optimizers.Ftrl)])
+def test_a_name_gives_its_class_with_keras_defaults(name, keras_class):
+    """README: a name gives that class with its own defaults, as in Keras
+    ("adagrad": learning rate 0.001); optimizer=None gives Adagrad(0.01)."""
+    opt = CachedEmbedding(2, cache_capacity=4, seed=0, optimizer=name).table_optimizer
+    assert type(opt).__name__.lower() == name
+    keras_defaults = keras_class().get_config()
+    shared = set(opt.get_config()) & set(keras_defaults)
+    assert "learning_rate" in shared
+    assert {k: opt.get_config()[k] for k in shared} == {
+        k: pytest.approx(keras_defaults[k]) for k in shared}
+
+
+def test_the_default_table_optimizer_is_adagrad_at_learning_rate_0_01():
+    opt = CachedEmbedding(2, cache_capacity=4, seed=0).table_optimizer
+    assert type(opt) is tf_sfctr.optimizers.Adagrad
+    assert opt.get_config() == tf_sfctr.optimizers.Adagrad(learning_rate=0.01).get_config()

@@ -19,8 +19,9 @@ constexpr uint64_t kGeometricRows =
     static_cast<uint64_t>(kBaseRows) * ((2ull << kMaxShift) - 1);
 constexpr uint64_t kLargeBlockRows = static_cast<uint64_t>(kBaseRows) << kMaxShift;
 constexpr size_t kInitialEntries = 16;
-// Grow the index by 3/2 when more than 13/16 of the entries are used: the
-// load stays between 54% and 81% (a power-of-two index drops to 41%, which
+// Grow the index when more than 13/16 of the entries are used, by 3/2 while
+// small and about 5/4 once large (GrowLocked): the load stays between 54%
+// and 81% (a power-of-two index drops to 41%, which
 // cost up to 9 more bytes per row at 12 bytes per entry).
 constexpr uint64_t kMaxLoadNum = 13, kMaxLoadDen = 16;
 constexpr size_t kFineGrowthEntries = 4096;

@@ -3,8 +3,9 @@
 //
 // Layout (see docs/design.md, "Host table"): the table is split into lock
 // stripes (shards) chosen by a mix of the id. Each shard has an
-// open-addressing index of 12-byte entries {id, row number}, grown by 1.5x
-// (so it is never less than 54% full), and an arena of row blocks whose size
+// open-addressing index of 12-byte entries {id, row number}, grown by 3/2
+// while small and by about 5/4 past 4096 entries (so it is at least 54%, once
+// large about 65%, full), and an arena of row blocks whose size
 // grows geometrically, with a 16-bit use counter per row beside them, so rows
 // never move when the index grows and a small table stays small. TF-free.
 #ifndef TF_SFCTR_OPS_CORE_HOST_TABLE_H_

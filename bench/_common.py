@@ -130,7 +130,25 @@ class ZipfStream:
 
     def batches(self, n: int, batch: int, fields: int, seed: int = 0) -> list[np.ndarray]:
         """n batches of ranks [batch, fields] (seeds seed, seed+1, ...)."""
-        return [self.ranks(batch, fields, seed * 1_000_003 + i) for i in range(n)]
+        return [self.batch_number(i, batch, fields, seed) for i in range(n)]
+
+    def batch_number(self, i: int, batch: int, fields: int, seed: int = 0) -> np.ndarray:
+        """Batch ``i`` of ``batches(n, batch, fields, seed)`` alone."""
+        return self.ranks(batch, fields, seed * 1_000_003 + i)
+
+    def first_eviction(self, batch: int, fields: int, capacity: int, seed: int = 0,
+                       limit: int = 100) -> int:
+        """Number of the first batch of ``batches(..., seed)`` after which the
+        distinct ids seen so far no longer fit ``capacity`` rows: a cache that
+        started empty evicts from then on (``limit`` if not within ``limit``
+        batches). On a power law each batch brings fewer new ids than the last,
+        so this comes much later than ``capacity / distinct ids per batch``."""
+        seen = np.zeros(0, np.int64)
+        for i in range(limit):
+            seen = np.union1d(seen, self.batch_number(i, batch, fields, seed))
+            if len(seen) > capacity:
+                return i
+        return limit
 
 
 _SAMPLERS: dict = {}

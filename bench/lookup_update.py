@@ -46,7 +46,6 @@ with the BFC allocator; its titles and target lines say so.
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import os
 import sys
@@ -183,13 +182,19 @@ def make_tfra(dim: int, w: tf.Tensor, name: str, expected: int | None = None):
 
 
 # ----------------------------------------------------------------- workload
+#: Seed of the benchmark's id streams (C.ZipfStream.batches).
+STREAM_SEED = 1
+#: At most this many warm-up steps.
+MAX_WARMUP = 60
+
+
 class Workload:
     """Batches of one (vocab, alpha) stream as raw ids and as table rows."""
 
     def __init__(self, vocab: int, alpha: float, batch: int, fields: int, n: int):
         self.vocab, self.alpha, self.batch, self.fields = vocab, alpha, batch, fields
         stream = C.ZipfStream(vocab, alpha)
-        ranks = stream.batches(n, batch, fields, seed=1)
+        ranks = stream.batches(n, batch, fields, seed=STREAM_SEED)
         self.distinct = np.array([len(np.unique(r)) for r in ranks])
         self.ids = [tf.constant(stream.ids_of_ranks(r)) for r in ranks]
         self.index = [tf.constant(stream.index_of_ranks(r)) for r in ranks]
@@ -384,6 +389,17 @@ def print_profile(tr: "_profile.Trace", wall_ms: float, ref) -> None:
 
 
 # ----------------------------------------------------------------- main
+def warmup_steps(vocab: int, alpha: float, batch: int, fields: int,
+                 cache_frac: float) -> tuple[int, int]:
+    """(warm-up steps, number of the batch a cache of ``cache_frac`` x vocab rows
+    first evicts at) on the Workload's stream: the warm-up lasts until that
+    cache has filled and evicted for a few steps, as timed steps of a cache
+    still filling write nothing back (at most MAX_WARMUP steps)."""
+    fill = C.ZipfStream(vocab, alpha).first_eviction(
+        batch, fields, int(cache_frac * vocab), STREAM_SEED, limit=MAX_WARMUP)
+    return min(MAX_WARMUP, fill + 3), fill
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--vocab", type=int, default=1_000_000)
@@ -422,10 +438,11 @@ def main(argv=None) -> int:
     results = {}  # (variant, alpha, dim, frac) -> dict
     profile = None
     for alpha in args.alphas:
-        # Warm-up long enough for the largest cache to fill and start evicting.
-        probe = Workload(args.vocab, alpha, args.batch, args.fields, 2)
-        u = float(probe.distinct.mean())
-        warmup = min(40, 3 + math.ceil(1.5 * max(args.cache_fracs) * args.vocab / u))
+        warmup, fill = warmup_steps(args.vocab, alpha, args.batch, args.fields,
+                                    max(args.cache_fracs))
+        if fill + 3 > MAX_WARMUP:
+            print(f"NOTE: the {max(args.cache_fracs):.0%} cache is still filling after the "
+                  f"{MAX_WARMUP} warm-up steps")
         if args.tiny:
             warmup = min(warmup, 5)
         n_prof = args.profile_steps if alpha == ref[0] else 0
@@ -434,7 +451,8 @@ def main(argv=None) -> int:
                       warmup + args.steps + n_prof + 1)
         u_timed = float(wl.distinct[warmup:warmup + args.steps].mean())
         print(f"alpha {alpha}: {wl.n_ids:,} ids/step, {u_timed:,.0f} distinct/step "
-              f"(timed steps), {warmup} warm-up steps", flush=True)
+              f"(timed steps), {warmup} warm-up steps (the {max(args.cache_fracs):.0%} cache "
+              f"first evicts at step {fill})", flush=True)
         hint = None if args.no_size_hint else args.vocab
         for dim in args.dims:
             w = tf.random.stateless_normal([args.batch, args.fields, dim], seed=[1, 2])

@@ -1,7 +1,7 @@
 """The benchmarks measure what they say: Belady's and LRU's hit counts are
-the optimum and LRU's (against brute force on tiny traces), and
-bench/host_memory.py counts the table's memory, not the benchmark's own
-buffers.
+the optimum and LRU's (against brute force on tiny traces), the timed steps of
+bench/lookup_update.py start once the cache evicts, and bench/host_memory.py
+counts the table's memory, not the benchmark's own buffers.
 
 Nothing here looks at a timing.
 """
@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 
@@ -22,8 +23,9 @@ def bench():
     try:
         import cache_policy
         import host_memory
+        import lookup_update
 
-        yield cache_policy, host_memory
+        yield cache_policy, host_memory, lookup_update
     finally:
         sys.path.remove(BENCH)
 
@@ -87,6 +89,29 @@ def test_belady_and_lru_simulations_match_brute_force(bench):
         assert belady == _most_hits(batches, capacity), batches
         lru = cache_policy.simulate(batches, vocab, capacity, "lru").sum()
         assert lru in _lru_hits(batches, capacity), batches
+
+
+def test_lookup_update_times_steps_only_after_the_cache_evicts(bench):
+    # Zipf 1.2 with a 20% cache: the stream brings few new ids per step, so the
+    # cache fills much later than capacity / distinct ids per step (the
+    # warm-up used to end 4 steps before the first eviction here, 13 of the
+    # 30 timed steps at the reference size).
+    from tf_sfctr.initializers import InitSpec
+    from tf_sfctr.store import EmbeddingStore, StoreConfig
+
+    lookup_update = bench[2]
+    vocab, batch, fields, alpha, frac = 200_000, 1024, 26, 1.2, 0.2
+    warmup, fill = lookup_update.warmup_steps(vocab, alpha, batch, fields, frac)
+    assert warmup > fill
+    wl = lookup_update.Workload(vocab, alpha, batch, fields, fill + 1)
+    store = EmbeddingStore(StoreConfig(dim=1, state_init=(), init=InitSpec("constant", 0.0, 0.0),
+                                       seed=0, max_rows=0, cache_capacity=int(frac * vocab)))
+    first = None
+    for i, ids in enumerate(wl.ids):
+        store.cache_prepare(tf.unique(tf.reshape(ids, [-1]))[0])
+        if first is None and store.stats().numpy()[2] > 0:
+            first = i
+    assert first == fill
 
 
 def test_host_memory_counts_the_table_not_the_benchmark(bench):

@@ -92,6 +92,14 @@ def pairs(data):
     return list(zip(data[:-1], data[1:]))
 
 
+def profile_batches(data, start: int, n: int, lookahead: bool):
+    """The n batches (lookahead: (batch i, batch i + 1) pairs) profiled after
+    the timed steps, which end before batch ``start``: the lookahead step has
+    prepared batch ``start`` and must go on from there (rounds * (steps //
+    rounds) timed steps can be fewer than --steps)."""
+    return pairs(data[start:start + n + 1]) if lookahead else data[start:start + n]
+
+
 def run_steps(step, data, warmup: int, barrier=None) -> list[float]:
     """Seconds of each step after the warm-up."""
     for i in range(warmup):
@@ -216,10 +224,10 @@ def worker(args) -> int:
     step = variants[1][1]
     if args.profile_steps:
         # Both ranks run the steps (collectives); rank 0 traces its kernels.
-        extra = data[args.warmup + args.steps:]
-        if args.profile_lookahead:  # steps on (batch i, batch i + 1) pairs
+        extra = profile_batches(data, args.warmup + timed_steps, args.profile_steps,
+                                args.profile_lookahead)
+        if args.profile_lookahead:
             step = variants[0][1]
-            extra = pairs(data[args.warmup + args.steps:])
         barrier()
         if rank == 0:
             import _profile

@@ -122,3 +122,19 @@ def test_host_memory_counts_the_table_not_the_benchmark(bench):
     # (69 B/row inside this test process).
     resident, allocated = host_memory.measure(400_000, 16, 0)
     assert 72 <= resident <= allocated
+
+
+def test_distributed_profile_goes_on_from_the_last_timed_batch():
+    # --steps 5 in 2 rounds times 4 steps: the lookahead step has prepared
+    # batch warmup + 4, and a profile of (batch warmup + 5, ...) pairs failed
+    # the layer's check of its de-duplicated feature.
+    sys.path.insert(0, BENCH)
+    try:
+        import distributed
+    finally:
+        sys.path.remove(BENCH)
+    warmup, steps, rounds, profiled = 2, 5, 2, 2
+    data = list(range(warmup + steps + profiled + 1))
+    start = warmup + rounds * (steps // rounds)
+    assert distributed.profile_batches(data, start, profiled, lookahead=True) == [(6, 7), (7, 8)]
+    assert distributed.profile_batches(data, start, profiled, lookahead=False) == [6, 7]

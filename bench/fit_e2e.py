@@ -310,6 +310,7 @@ def main(argv=None) -> int:
             model.fit(ds, epochs=1, verbose=0, callbacks=[timer])
             spent[name].extend(np.diff(timer.ends).tolist())
     steps = per_round * args.rounds
+    intervals = len(spent[OURS])  # a fit call's first step has no interval before it
     step_s = {name: float(np.median(v)) for name, v in spent.items()}  # robust to bursts
     ours_sps = args.batch / step_s[OURS]
     rows = []
@@ -344,7 +345,8 @@ def main(argv=None) -> int:
     C.table(["variant (baseline)", "samples/s", "ms/step (median step interval)", "cache hit rate",
              "CachedEmbedding speed-up vs this row", "target"], rows,
             title=f"model.fit of a DLRM-style model (13 dense + 26 sparse, dim {DIM}), batch "
-                  f"{args.batch}, {steps} timed steps per variant in {args.rounds} rounds, "
+                  f"{args.batch}, {steps} steps per variant in {args.rounds} rounds "
+                  f"(medians over the {intervals} intervals between their ends), "
                   f"synthetic Criteo-like data ({vocab:,} ids, Zipf {args.alpha}); TF CPU "
                   f"allocator: {C.ALLOCATOR}")
     return 0

@@ -377,6 +377,38 @@ def test_parquet_errors(files, tmp_path):
 
 
 
+@needs_pyarrow
+def test_parquet_integers_past_float_precision(tmp_path):
+    """Integers that float64 (dense) or float32 (label) cannot hold exactly
+    round as in criteo_tsv and engine='tensorflow_io'; the pyarrow engine
+    raised a bare ArrowInvalid mid-iteration (its safe cast), naming no
+    column, and so refused a label past 2**24 without the 0-or-1 message."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = str(tmp_path / "big.parquet")
+    dense = [2**53 + 1, -(2**62) - 1, 5]
+    pq.write_table(pa.table({"label": pa.array([1, 0, 1], pa.int64()),
+                             "I1": pa.array(dense, pa.int64()),
+                             "I2": pa.array([2**64 - 1, 2**63 + 1, 7], pa.uint64()),
+                             "C1": ["a", "b", "c"]}), path, compression="none")
+    expected = np.array([dense, [2**64 - 1, 2**63 + 1, 7]], np.float64).T.astype(np.float32)
+    got = concat(batches(parquet(path, dense_columns=["I1", "I2"], sparse_columns=["C1"])))
+    np.testing.assert_array_equal(got[0], expected)
+    tsv = str(tmp_path / "big.tsv")
+    with open(tsv, "w") as f:
+        f.writelines(f"{y}\t{a}\t{b}\t{c}\n" for y, a, b, c in
+                     zip([1, 0, 1], dense, [2**64 - 1, 2**63 + 1, 7], "abc"))
+    np.testing.assert_array_equal(
+        concat(batches(criteo_tsv(tsv, num_dense=2, num_sparse=1)))[0], expected)
+    pq.write_table(pa.table({"label": pa.array([1, 2**24 + 1], pa.int64()), "I1": [1, 2],
+                             "C1": ["a", "b"]}), path, compression="none")
+    for engine in ("pyarrow", "tensorflow_io"):
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=r"column label: labels must be 0 or 1.*16777216"):
+            list(parquet(path, dense_columns=["I1"], sparse_columns=["C1"], engine=engine))
+
+
 def _many_pages(rows, path, compression):
     """``rows`` as a Parquet file whose categorical columns have many plain
     (not dictionary-encoded) data pages per row group, as a high-cardinality

@@ -349,10 +349,13 @@ def _pyarrow_batches(
             lab = rb.column(label)
             if lab.null_count:
                 raise ValueError(f"parquet: column {label!r} of {path} has nulls")
-            lab = lab.cast(pa.float32()).to_numpy()
+            # safe=False: integers past float32's (float64's) exact range round, as
+            # in criteo_tsv, instead of raising a bare ArrowInvalid mid-iteration.
+            lab = lab.cast(pa.float32(), safe=False).to_numpy()
             den = np.zeros((n, len(dense)), np.float32)
             for j, c in enumerate(dense):
-                col = pc.fill_null(rb.column(c).cast(pa.float64()), float(dense_default))
+                col = pc.fill_null(rb.column(c).cast(pa.float64(), safe=False),
+                                   float(dense_default))
                 den[:, j] = col.to_numpy()
             cat = np.empty((n, len(sparse)), dtype=object)
             for j, c in enumerate(sparse):

@@ -409,6 +409,34 @@ def test_parquet_integers_past_float_precision(tmp_path):
             list(parquet(path, dense_columns=["I1"], sparse_columns=["C1"], engine=engine))
 
 
+@needs_pyarrow
+def test_tensorflow_io_engine_refuses_column_types_it_misreads(tmp_path):
+    """tensorflow-io 0.37.1 reads unsigned 32- and 64-bit columns as signed
+    (2**64 - 1 as -1.0, silently) and crashes the process (SIGSEGV) on a
+    file with a half-float column, even one it is not asked for: such files
+    are refused up front; the pyarrow engine reads them right."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = {"label": pa.array([1, 0], pa.int64()), "C1": ["a", "b"]}
+    for kind, column in (("uint64", pa.array([2**64 - 1, 2**63], pa.uint64())),
+                         ("uint32", pa.array([2**32 - 1, 2**31], pa.uint32()))):
+        path = str(tmp_path / f"{kind}.parquet")
+        pq.write_table(pa.table({**columns, "I1": column}), path, compression="none")
+        with pytest.raises(ValueError, match=rf"column 'I1' of .* has type {kind}; .*signed"):
+            parquet(path, dense_columns=["I1"], sparse_columns=["C1"], engine="tensorflow_io")
+        dense = concat(batches(parquet(path, dense_columns=["I1"], sparse_columns=["C1"])))[0]
+        np.testing.assert_array_equal(dense[:, 0], np.float32(column.to_numpy()))
+    path = str(tmp_path / "half.parquet")
+    pq.write_table(pa.table({**columns, "I1": [1, 2],
+                             "unused": pa.array(np.float16([0.5, 1.5]))}),
+                   path, compression="none")
+    with pytest.raises(ValueError, match=r"column 'unused' of .* half-float"):
+        parquet(path, dense_columns=["I1"], sparse_columns=["C1"], engine="tensorflow_io")
+    dense = concat(batches(parquet(path, dense_columns=["I1", "unused"], sparse_columns=["C1"])))[0]
+    np.testing.assert_array_equal(dense, [[1, 0.5], [2, 1.5]])
+
+
 def _many_pages(rows, path, compression):
     """``rows`` as a Parquet file whose categorical columns have many plain
     (not dictionary-encoded) data pages per row group, as a high-cardinality

@@ -34,6 +34,10 @@ Engines:
     such columns. The page count is not in the metadata, so every compressed
     string column is refused; write files for this engine with
     ``write_parquet(..., compression="none")``.
+
+  It also refuses unsigned 32- and 64-bit label or dense columns (read as
+  signed: 2**64 - 1 comes back as -1) and files with a half-float column
+  (which crash the process).
 """
 
 from __future__ import annotations
@@ -167,6 +171,31 @@ def _check_tfio_can_read(path: str, columns: Sequence[str], strings: Sequence[st
                 )
 
 
+def _check_tfio_types(path: str, numeric: Sequence[str]) -> None:
+    """Raises ValueError for column types tensorflow-io 0.37.1 cannot read:
+    a half-float column anywhere in the file crashes the process (SIGSEGV)
+    when it opens the file, and unsigned 32- and 64-bit ``numeric`` columns
+    come back as signed, silently (2**64 - 1 as -1)."""
+    pa = _import_pyarrow()
+    schema = pa.parquet.read_schema(path)
+    for field in schema:
+        if pa.types.is_float16(field.type):
+            raise ValueError(
+                f"parquet: column {field.name!r} of {path} is a half-float (float16) "
+                "column, which crashes tensorflow-io 0.37.1 (even when not read). "
+                "Use engine='pyarrow' (the default)"
+            )
+    for name in numeric:
+        if name in schema.names:
+            t = schema.field(name).type
+            if pa.types.is_uint32(t) or pa.types.is_uint64(t):
+                raise ValueError(
+                    f"parquet: column {name!r} of {path} has type {t}; engine="
+                    "'tensorflow_io' (tensorflow-io 0.37.1) silently reads it as signed "
+                    f"(2**{t.bit_width} - 1 as -1). Use engine='pyarrow' (the default)"
+                )
+
+
 def _check_readable(path: str) -> None:
     """Raises ValueError unless ``path`` looks like a whole Parquet file.
     tensorflow-io 0.37.1 crashes the process (SIGSEGV) on a truncated or
@@ -241,6 +270,7 @@ def _tfio_dataset(
     offset = 0  # global index of the file's first row
     for path in paths:
         _check_readable(path)
+        _check_tfio_types(path, [label, *dense])
         iot = tfio.IOTensor.from_parquet(path)
         found = {c.numpy().decode(): spec for c, spec in zip(iot.columns, iot.spec)}
         missing = [c for c in wanted if c not in found]
@@ -408,8 +438,8 @@ def parquet(
 
     Raises:
       ValueError: unknown engine, a missing column, a column of the wrong type, or
-        (``engine="tensorflow_io"``) a column with nulls or a compressed string
-        column.
+        (``engine="tensorflow_io"``) a column with nulls, a compressed string
+        column, an unsigned 32- or 64-bit numeric column or a half-float column.
       tf.errors.InvalidArgumentError: while iterating, a label other than 0 or
         1, or a dense value that is not finite (NaN, inf).
       ImportError: the engine's library is not installed.

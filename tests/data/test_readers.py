@@ -327,6 +327,16 @@ def test_reader_argument_errors(files, tmp_path):
         criteo_tsv(str(tmp_path / "missing.tsv"))
     with pytest.raises(ValueError, match="compression_type"):
         criteo_tsv(files["tsv"], compression_type="BZ2")
+    # A non-finite default failed every batch with an empty dense field later,
+    # blaming the data ("this batch has []"; for parquet, "store a missing
+    # value as a null" about nulls).
+    readers = [criteo_tsv] + ([parquet] if _has_pyarrow() else [])
+    for reader, path in zip(readers, [files["tsv"], files.get("parquet_nulls")]):
+        for value in (float("nan"), float("inf"), -1e39, "nan"):
+            with pytest.raises(ValueError, match=r"dense_default must be a finite number"):
+                reader(path, dense_default=value)
+        with pytest.raises(TypeError, match=r"dense_default must be a finite number, got None"):
+            reader(path, dense_default=None)
 
 
 @needs_pyarrow

@@ -26,6 +26,21 @@ def check_int(name: str, value: object, *, minimum: int) -> int:
     return int(value)
 
 
+def check_dense_default(value: object) -> float:
+    """``value`` as a float, finite in float32. The readers refuse dense values
+    that are not finite, so a default of NaN or inf would fail every batch with
+    an empty (null) dense field, with an error blaming the data."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"dense_default must be a finite number, got {value!r}") from None
+    if not abs(number) <= float(np.finfo(np.float32).max):
+        raise ValueError(
+            f"dense_default must be a finite number within float32's range, got {value!r}"
+        )
+    return number
+
+
 def check_shard(shard: Shard) -> tuple[int, int]:
     """Validates ``shard=(num_shards, index)``; ``None`` means ``(1, 0)``."""
     if shard is None:

@@ -37,6 +37,7 @@ from tf_sfctr.data._common import (
     SPARSE_KEY,
     PathLike,
     Shard,
+    check_dense_default,
     check_int,
     check_paths,
     check_shard,
@@ -504,7 +505,7 @@ def criteo_tsv(
       paths: one file or a list of files, read in order.
       batch_size: rows per batch.
       num_dense, num_sparse: column counts (13 and 26 for Criteo).
-      dense_default: value of an empty dense field.
+      dense_default: value of an empty dense field (a finite number).
       shard: ``(num_shards, index)``: keep every ``num_shards``-th line starting
         at line ``index`` of the concatenated files (the shards partition the
         rows; every shard still reads all files).
@@ -526,7 +527,7 @@ def criteo_tsv(
     num_sparse = check_int("num_sparse", num_sparse, minimum=0)
     num_shards, index = check_shard(shard)
     _check_compression(compression_type)
-    dense_default = float(dense_default)
+    dense_default = check_dense_default(dense_default)
     _check_compressed_alike(paths, compression_type, "criteo_tsv")
     ds = tf.data.TextLineDataset(paths, compression_type=compression_type or "")
     if num_shards > 1:

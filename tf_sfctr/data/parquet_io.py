@@ -51,6 +51,7 @@ import tensorflow as tf
 from tf_sfctr.data._common import (
     PathLike,
     Shard,
+    check_dense_default,
     check_int,
     check_paths,
     check_shard,
@@ -430,14 +431,16 @@ def parquet(
       label_column: numeric label column.
       dense_columns: numeric columns; default ``I1..I13``.
       sparse_columns: string columns; default ``C1..C26``.
-      dense_default: value of a null dense field (``engine="pyarrow"``).
+      dense_default: value of a null dense field (``engine="pyarrow"``; a finite
+        number).
       shard: ``(num_shards, index)``: keep rows ``index, index + num_shards, ...``
         of the concatenated files (the shards partition the rows).
       prefetch: add ``prefetch(AUTOTUNE)``.
       drop_remainder: drop a last partial batch.
 
     Raises:
-      ValueError: unknown engine, a missing column, a column of the wrong type, or
+      ValueError: unknown engine, a dense_default that is not finite, a missing
+        column, a column of the wrong type, or
         (``engine="tensorflow_io"``) a column with nulls, a compressed string
         column, an unsigned 32- or 64-bit numeric column or a half-float column.
       tf.errors.InvalidArgumentError: while iterating, a label other than 0 or
@@ -456,6 +459,7 @@ def parquet(
     paths = check_paths(paths)
     batch_size = check_int("batch_size", batch_size, minimum=1)
     num_shards, index = check_shard(shard)
+    dense_default = check_dense_default(dense_default)
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     dense = list(dense_column_names() if dense_columns is None else dense_columns)
@@ -479,7 +483,7 @@ def parquet(
                 label_column,
                 dense,
                 sparse,
-                float(dense_default),
+                dense_default,
                 batch_size,
                 (num_shards, index),
                 drop_remainder,

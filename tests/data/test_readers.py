@@ -193,6 +193,15 @@ def test_crlf_and_gzip(rows, files, tmp_path):
     )
 
 
+def test_carriage_returns_inside_a_line_are_dropped(tmp_path):
+    """As documented: TensorFlow's line reader drops every carriage return of
+    a line, not only a trailing one, so 'a\\rb' is read as 'ab'."""
+    path = tmp_path / "cr.tsv"
+    path.write_bytes(b"1\t2\ta\rb\n0\t3\tc\r\n")
+    features, _ = next(iter(criteo_tsv(str(path), num_dense=1, num_sparse=1)))
+    np.testing.assert_array_equal(features["sparse"][:, 0], hash_categorical(0, ["ab", "c"]))
+
+
 # ------------------------------------------------------------------ bad input
 
 

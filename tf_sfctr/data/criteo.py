@@ -496,7 +496,9 @@ def criteo_tsv(
     float32 ("dense values must be finite numbers": ``inf``, ``nan``, 1e39). The errors name
     the batch's offending value; :func:`find_bad_tsv_lines` names the file and
     line. Lines may end in
-    ``\\r\\n``; spaces around a label or dense number are ignored, and a
+    ``\\r\\n``; a carriage return elsewhere in a line is dropped as well
+    (TensorFlow's line reader drops every one), so a categorical value
+    ``"a\\rb"`` gets the id of ``"ab"``. Spaces around a label or dense number are ignored, and a
     dense field of spaces only is empty. A gzip file read without
     ``compression_type="GZIP"``, or a file that is not gzip (zlib) read with
     ``"GZIP"`` (``"ZLIB"``), is refused up front.

@@ -208,6 +208,8 @@ def test_a_byte_order_mark_before_the_header_is_skipped(tmp_path, bom_in):
         ({"split": "bogus"}, ValueError, "split must be one of"),
         ({"test_fraction": 1.5}, ValueError, "test_fraction"),
         ({"test_fraction": 0}, ValueError, "test_fraction"),
+        ({"test_fraction": True}, ValueError, r"test_fraction must be a number in \(0, 1\)"),
+        ({"test_fraction": "0.2"}, ValueError, r"test_fraction must be a number in \(0, 1\)"),
         ({"seed": -3}, ValueError, "seed"),
         ({"history": -1}, ValueError, "history"),
         ({"path": "/nonexistent/movielens"}, FileNotFoundError, "ratings.csv"),
@@ -216,6 +218,14 @@ def test_a_byte_order_mark_before_the_header_is_skipped(tmp_path, bom_in):
 def test_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         load_movielens(**kwargs)
+
+
+def test_numpy_test_fraction(data):
+    """A NumPy float (e.g. from a config array) splits like a Python float; a
+    np.float32(0.2) was refused with 'test_fraction must be in (0, 1), got 0.2'."""
+    split = load_movielens(test_fraction=np.float32(0.2))
+    assert split.test_label.shape == data.test_label.shape
+    np.testing.assert_array_equal(split.test_features["sparse"], data.test_features["sparse"])
 
 
 def test_docstring_examples():

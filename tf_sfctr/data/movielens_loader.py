@@ -241,8 +241,11 @@ def load_movielens(
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    if not isinstance(test_fraction, (int, float)) or not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
+    if (isinstance(test_fraction, (bool, np.bool_))
+            or not isinstance(test_fraction, (int, float, np.integer, np.floating))
+            or not 0.0 < test_fraction < 1.0):
+        raise ValueError(f"test_fraction must be a number in (0, 1), got {test_fraction!r}")
+    test_fraction = float(test_fraction)
     seed = check_int("seed", seed, minimum=0)
     history = check_int("history", history, minimum=0)
     directory = resolve_path(path)

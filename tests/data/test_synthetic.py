@@ -263,6 +263,17 @@ def test_bad_arguments(kwargs, match):
         synthetic_criteo(args.pop("num_rows"), **args)
 
 
+def test_numpy_alpha():
+    """A NumPy integer exponent is an exponent like a Python int; np.int64(2)
+    was refused with 'alpha must be a float > 0, got 2'."""
+    np.testing.assert_array_equal(zipf_pmf(10, np.int64(2)), zipf_pmf(10, 2))
+    a = SyntheticCriteoSpec(num_sparse=2, vocab_sizes=50, alpha=np.int64(2)).arrays(64)
+    b = SyntheticCriteoSpec(num_sparse=2, vocab_sizes=50, alpha=2.0).arrays(64)
+    np.testing.assert_array_equal(a.features["sparse"], b.features["sparse"])
+    with pytest.raises(TypeError, match="alpha must be a float > 0, got True"):
+        zipf_pmf(10, np.bool_(True))
+
+
 @pytest.mark.parametrize(
     "module", [tf_sfctr.data.synthetic, tf_sfctr.data.zipf, tf_sfctr.data.calibration]
 )

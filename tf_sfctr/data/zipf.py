@@ -83,7 +83,9 @@ def zipf_pmf(vocab_size: int, alpha: float) -> np.ndarray:
 
 
 def check_alpha(alpha: float) -> float:
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float, np.floating)):
+    if isinstance(alpha, (bool, np.bool_)) or not isinstance(
+        alpha, (int, float, np.integer, np.floating)
+    ):
         raise TypeError(f"alpha must be a float > 0, got {alpha!r}")
     alpha = float(alpha)
     if not math.isfinite(alpha) or alpha <= 0:

@@ -216,7 +216,7 @@ def test_with_unique_ids_hints_name_the_batches_after_the_prepared_one():
             assert s["next_hint_steps"].dtype == tf.int32
     assert int(with_unique_ids(ds, eviction_hints=2).cardinality()) == 6
     assert int(with_unique_ids(ds, eviction_hints=np.int64(16)).cardinality()) == 6
-    for bad in (-1, 17, 1.5, True, "2"):
+    for bad in (-1, 17, 1.5, True, np.True_, "2"):
         # The message shows the value given.
         with pytest.raises(ValueError, match=rf"eviction_hints must be an int from 0.*got "
                                              rf"{re.escape(repr(bad))}"):

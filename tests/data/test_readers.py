@@ -193,6 +193,35 @@ def test_crlf_and_gzip(rows, files, tmp_path):
     )
 
 
+def test_writers_store_bytes_and_int_categoricals_as_the_text_encode_hashes(tmp_path):
+    """Bytes are written as their UTF-8 text (not "b'..'") and integers in
+    decimal, so the files read back to ``rows.encode()``; other values are
+    refused naming the position."""
+    base = random_criteo_rows(6, seed=4)
+    cat = base.categorical.copy()
+    cat[0, 0], cat[1, 2], cat[2, 3] = "é".encode(), np.int64(77), b""
+    rows = CriteoRows(base.labels, base.dense, base.dense_missing, cat)
+    (features, label) = rows.encode()
+    write_criteo_tsv(tmp_path / "a.tsv", rows)
+    write_parquet(tmp_path / "a.parquet", rows)
+    for ds in (criteo_tsv(str(tmp_path / "a.tsv"), batch_size=6),
+               parquet(str(tmp_path / "a.parquet"), batch_size=6)):
+        ((dense, sparse, y),) = batches(ds)
+        np.testing.assert_array_equal(sparse, features["sparse"])
+        np.testing.assert_array_equal(dense, features["dense"])
+        np.testing.assert_array_equal(y, label)
+    for bad, err, match in ((b"\xff", ValueError, r"categorical\[1, 4\].*not UTF-8"),
+                            (None, TypeError, r"categorical\[1, 4\] = None.*str"),
+                            (2.5, TypeError, r"categorical\[1, 4\] = 2.5.*str")):
+        cat2 = cat.copy()
+        cat2[1, 4] = bad
+        rows2 = CriteoRows(base.labels, base.dense, base.dense_missing, cat2)
+        with pytest.raises(err, match=match):
+            write_criteo_tsv(tmp_path / "b.tsv", rows2)
+        with pytest.raises(err, match=match):
+            write_parquet(tmp_path / "b.parquet", rows2)
+
+
 def test_carriage_returns_inside_a_line_are_dropped(tmp_path):
     """As documented: TensorFlow's line reader drops every carriage return of
     a line, not only a trailing one, so 'a\\rb' is read as 'ab'."""

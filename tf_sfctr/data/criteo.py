@@ -172,6 +172,26 @@ def random_criteo_rows(
     return CriteoRows(labels, dense, dense_missing, categorical)
 
 
+def categorical_text(value, i: int, j: int) -> str:
+    """The text a writer stores for ``rows.categorical[i, j]``, which the readers
+    hash to the id ``CriteoRows.encode`` gives: a str as is, bytes as their
+    UTF-8 text, an integer in decimal (the values ``hash_categorical`` takes)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (bytes, np.bytes_)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(
+                f"rows.categorical[{i}, {j}] = {bytes(value)!r} is not UTF-8 text; the "
+                "writers store categorical values as text") from None
+    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+        return str(int(value))
+    raise TypeError(
+        f"rows.categorical[{i}, {j}] = {value!r} ({type(value).__name__}): categorical "
+        "values must be str (\"\" where empty), bytes or int")
+
+
 def write_criteo_tsv(
     path: PathLike, rows: CriteoRows, *, strip_trailing_empty: bool = False
 ) -> int:
@@ -184,7 +204,9 @@ def write_criteo_tsv(
         then has fewer than 40 columns), as some Criteo copies do.
 
     Raises:
-      ValueError: a categorical value contains a tab, newline or carriage return.
+      ValueError: a categorical value contains a tab, newline or carriage return,
+        or is bytes that are not UTF-8.
+      TypeError: a categorical value is not str, bytes or int.
 
     Example:
       >>> import tempfile, os
@@ -200,7 +222,7 @@ def write_criteo_tsv(
                 for v, missing in zip(rows.dense[i], rows.dense_missing[i])
             ]
             for j, v in enumerate(rows.categorical[i]):
-                v = str(v)
+                v = categorical_text(v, i, j)
                 if "\t" in v or "\n" in v or "\r" in v:
                     raise ValueError(
                         f"rows.categorical[{i}, {j}] = {v!r} contains a tab or line "

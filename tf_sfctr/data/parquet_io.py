@@ -61,6 +61,7 @@ from tf_sfctr.data.criteo import (
     LABEL_COLUMN,
     CriteoRows,
     binary_labels,
+    categorical_text,
     dense_column_names,
     encode_batch,
     finite_dense,
@@ -127,7 +128,7 @@ def write_parquet(
         else:
             columns[name] = pa.array(np.where(missing, 0, rows.dense[:, j]), pa.int64())
     for j, name in enumerate(sparse_column_names(rows.categorical.shape[1])):
-        values = [str(v) for v in rows.categorical[:, j]]
+        values = [categorical_text(v, i, j) for i, v in enumerate(rows.categorical[:, j])]
         if nulls:
             values = [v if v else None for v in values]
         columns[name] = pa.array(values, pa.string())

@@ -165,7 +165,7 @@ def with_unique_ids(
 
     given = eviction_hints
     try:
-        if isinstance(given, bool):
+        if isinstance(given, (bool, np.bool_)):
             raise TypeError
         eviction_hints = operator.index(given)
     except TypeError:
@@ -176,7 +176,7 @@ def with_unique_ids(
             f"{MAX_HINT_BATCHES} (later batches whose ids are hints; the cache tells "
             f"distances apart up to {MAX_HINT_BATCHES}), got {given!r}"
             + (" (vsi_inputs takes eviction_hints=True for any k > 0)"
-               if isinstance(given, bool) else ""))
+               if isinstance(given, (bool, np.bool_)) else ""))
     _check_flag("with_unique_ids", "lookahead", lookahead)
     ds = dataset.map(dedup, num_parallel_calls=num_parallel_calls, deterministic=True)
     if lookahead or eviction_hints:

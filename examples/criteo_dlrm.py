@@ -159,7 +159,12 @@ def datasets(args: argparse.Namespace,
         if steps < 1:
             raise SystemExit(f"{total} rows are too few for a training and a test set")
         ds = ds.map(_log_dense, num_parallel_calls=tf.data.AUTOTUNE)
-        train_ds, test_ds = ds.take(steps), ds.skip(steps).take(test_batches)
+        # The readers' size is unknown to tf.data; Keras 3.5 then warns at every
+        # epoch's end that the input "ran out of data; interrupting training".
+        # Every rank has at least `batches` batches: state the sizes.
+        train_ds = ds.take(steps).apply(tf.data.experimental.assert_cardinality(steps))
+        test_ds = ds.skip(steps).take(test_batches).apply(
+            tf.data.experimental.assert_cardinality(test_batches))
         # Files are read once per epoch; cache the test set's batches.
         test_ds = test_ds.cache()
         source = f"{total:,} rows of {len(paths)} file(s)"

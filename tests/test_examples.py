@@ -150,6 +150,45 @@ def test_criteo_dlrm_reads_files(tmp_path, kind):
     assert 0.0 < _hit_rates(summary)["categorical"] <= 1.0, summary
 
 
+def _import_example(name: str):
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(EXAMPLES))
+
+
+@pytest.mark.parametrize("kind", ["tsv", "parquet"])
+def test_criteo_dlrm_file_datasets_have_known_sizes(tmp_path, kind):
+    """The readers' datasets have no known size; Keras 3.5 would then count one
+    more optimizer iteration per epoch (Adam's bias correction goes off) and
+    warn that the input "ran out of data; interrupting training". The example
+    states the sizes it computed, on every rank, and they hold."""
+    criteo_dlrm = _import_example("criteo_dlrm")
+    rows = tf_sfctr.data.random_criteo_rows(2001, seed=2)
+    path = tmp_path / f"day_0.{kind}"
+    if kind == "tsv":
+        tf_sfctr.data.write_criteo_tsv(path, rows)
+    else:
+        pytest.importorskip("pyarrow")
+        tf_sfctr.data.write_parquet(path, rows)
+    args = criteo_dlrm.parse_args([f"--{kind}", str(path), "--batch-size", "128"])
+    seen = []
+    for world in (criteo_dlrm.World(), criteo_dlrm.World(2, 0), criteo_dlrm.World(2, 1)):
+        train_ds, test_ds, steps, _, _ = criteo_dlrm.datasets(args, world)
+        test_batches = int(test_ds.cardinality())
+        assert int(train_ds.cardinality()) == steps and test_batches >= 1, world
+        labels = [y.numpy() for ds in (train_ds, test_ds) for _, y in ds]
+        assert len(labels) == steps + test_batches, world
+        seen.append(sum(len(y) for y in labels))
+    # One process reads every row; two ranks read the rows between them.
+    assert seen[0] == 2001 and seen[1] + seen[2] == 2001, seen
+    model = keras.Sequential([keras.Input((13,)), keras.layers.Dense(1)])
+    model.compile("adam", "mse")
+    model.fit(train_ds.map(lambda f, y: (f["dense"], y)), epochs=2, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 2 * steps
+
+
 def test_serve_example_predictions_match(tmp_path):
     out = _example("serve.py", "--rows", "4000", "--check-rows", "256",
                    "--export", str(tmp_path / "served"))

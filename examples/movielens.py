@@ -87,7 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", default=None,
                    help="MovieLens directory; by default the copy shipped in data/")
     p.add_argument("--export", metavar="DIR", default=None,
-                   help="write a SavedModel for serving (stock TF ops only) to DIR")
+                   help="write a SavedModel for serving (stock TF ops only) to DIR "
+                        "(--embedding cached only)")
     args = p.parse_args(argv)
     for name in ("epochs", "batch_size", "embedding_dim", "cache_capacity"):
         if getattr(args, name) < 1:
@@ -96,6 +97,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--rows must be >= 0")
     if args.history < 0:
         p.error("--history must be >= 0")
+    if args.export and args.embedding == "keras":
+        # (Its bags take tf.SparseTensor ids, which a SavedModel's signature
+        # serves as dense tensors, and its ids are remapped in tf.data.)
+        p.error("--export serves the CachedEmbedding model: leave out --embedding keras")
     return args
 
 

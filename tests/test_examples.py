@@ -229,6 +229,19 @@ def test_movielens_history_shares_the_id_table():
     assert 0.65 < _number(keras_run["test AUC"]) <= 1.0, keras_run
 
 
+@pytest.mark.parametrize("history", ["0", "5"])
+def test_movielens_refuses_to_export_the_keras_baseline(history, capsys):
+    """--embedding keras --export failed in the export, after training: its bag
+    layers cannot take the dense ids a SavedModel signature serves."""
+    movielens = _import_example("movielens")
+    with pytest.raises(SystemExit) as stop:
+        movielens.parse_args(["--embedding", "keras", "--export", "/tmp/unused",
+                              "--history", history])
+    assert stop.value.code == 2
+    assert "--export serves the CachedEmbedding model" in capsys.readouterr().err
+    assert movielens.parse_args(["--export", "/tmp/unused", "--history", history]).export
+
+
 @pytest.mark.parametrize("history", [0, 5])
 def test_movielens_export_serves_multi_hot_features_like_keras(tmp_path, history):
     sys.path.insert(0, str(EXAMPLES))

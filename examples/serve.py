@@ -15,6 +15,9 @@ Run::
     python examples/serve.py                   # ~15 s
     python examples/serve.py --export /tmp/dlrm_served --save /tmp/dlrm.keras
     python examples/serve.py --load /tmp/dlrm.keras
+
+It runs in one process (not under ``horovodrun``; the other examples export
+from several ranks with ``--export``).
 """
 
 from __future__ import annotations
@@ -118,6 +121,11 @@ def serve_in_fresh_process(export_dir: str, batch: dict[str, np.ndarray],
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if int(os.environ.get("HOROVOD_SIZE", "1")) > 1:
+        # Every rank would train its own model and write the same --export and
+        # --save paths.
+        raise SystemExit("serve.py runs in one process, not under horovodrun: under "
+                         "Horovod, export with movielens.py or criteo_dlrm.py --export DIR")
     keras.utils.set_random_seed(args.seed)
     data = tf_sfctr.data.synthetic_criteo(args.rows, batch_size=args.batch_size,
                                           num_dense=NUM_DENSE, num_sparse=NUM_SPARSE,

@@ -199,6 +199,18 @@ def test_serve_example_predictions_match(tmp_path):
     assert (tmp_path / "served" / "saved_model.pb").is_file()
 
 
+def test_serve_example_refuses_several_ranks(tmp_path, monkeypatch):
+    """Under horovodrun -np 2 each rank trained its own model and both wrote
+    the same --export and --save paths."""
+    serve = _import_example("serve")
+    monkeypatch.setenv("HOROVOD_SIZE", "2")
+    monkeypatch.setenv("HOROVOD_RANK", "1")
+    with pytest.raises(SystemExit, match="one process, not under horovodrun"):
+        serve.main(["--rows", "512", "--check-rows", "16", "--export", str(tmp_path / "s"),
+                    "--save", str(tmp_path / "m.keras")])
+    assert not list(tmp_path.iterdir())
+
+
 def test_movielens_under_horovodrun_two_ranks(tmp_path):
     if not HOROVODRUN.is_file():
         pytest.skip(f"no horovodrun next to {sys.executable}")

@@ -80,8 +80,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="add the movies of the user's latest K earlier ratings, embedded "
                         "with the id table (shared with the movie field); 0: none")
     p.add_argument("--rows", type=int, default=0,
-                   help="use only the first ROWS training rows (and ROWS/4 test rows); "
-                        "0: all (80,669 train, 20,167 test)")
+                   help="train on ROWS rows an epoch (whole batches, shared by the ranks), "
+                        "a new sample of the shuffled training rows every epoch, and test "
+                        "on about ROWS/4 rows spread over the test set; 0: all (80,003 "
+                        "train, 20,001 test)")
     p.add_argument("--seed", type=int, default=0,
                    help="of the train/test split, the shuffling, initial rows and dense weights")
     p.add_argument("--data", default=None,

@@ -241,6 +241,29 @@ def test_movielens_history_shares_the_id_table():
     assert 0.65 < _number(keras_run["test AUC"]) <= 1.0, keras_run
 
 
+def test_movielens_rows_does_what_its_help_says(capsys):
+    """--rows R: R rows an epoch rounded up to whole batches, drawn anew each
+    epoch (the help said "the first ROWS training rows"), and the help's
+    counts of all rows are the shipped data's (it gave another release's)."""
+    movielens = _import_example("movielens")
+    with pytest.raises(SystemExit):
+        movielens.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    counts = re.search(r"0: all \(([0-9,]+) train, ([0-9,]+) test\)", text)
+    data = tf_sfctr.data.load_movielens(seed=0)
+    assert counts and (int(counts.group(1).replace(",", "")),
+                       int(counts.group(2).replace(",", ""))) == (
+        len(data.train_label), len(data.test_label)), text
+    assert "new sample of the shuffled training rows every epoch" in text
+    args = movielens.parse_args(["--rows", "300", "--batch-size", "128"])
+    train_ds, _, steps = movielens.datasets(args, movielens.World(), None)
+    epochs = [[tuple(r) for f, _ in train_ds for r in np.concatenate(
+        [f["sparse"].numpy(), f["dense"].numpy().view(np.int32).astype(np.int64)], 1)]
+        for _ in range(2)]
+    assert steps == 3 and [len(e) for e in epochs] == [384, 384]
+    assert len(set(epochs[0]) & set(epochs[1])) < 100
+
+
 @pytest.mark.parametrize("history", ["0", "5"])
 def test_movielens_refuses_to_export_the_keras_baseline(history, capsys):
     """--embedding keras --export failed in the export, after training: its bag

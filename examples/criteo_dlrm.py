@@ -116,6 +116,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--reserve-rows needs --expected-rows (how many rows to reserve)")
     if not 0.0 < args.test_fraction < 1.0:
         p.error("--test-fraction must be in (0, 1)")
+    if args.tsv and len({path.endswith(".gz") for path in args.tsv}) > 1:
+        # One reader reads them all, with one compression type.
+        p.error("--tsv files must be all gzip (.gz) or all plain; decompress or "
+                "compress some of them")
     return args
 
 

@@ -219,9 +219,15 @@ def train(model: keras.Model, train_ds: tf.data.Dataset, test_ds: tf.data.Datase
 
 def batches_per_rank(num_rows: int, batch_size: int, world: World) -> int:
     """Batches every rank can take from a row-sharded dataset: all ranks must
-    run the same number of steps (each step is collective under Horovod)."""
+    run the same number of steps (each step is collective under Horovod).
+    Fewer rows than ranks leave a rank without data: ``SystemExit``."""
     rows = num_rows // world.size
-    return max(1, -(-rows // batch_size))
+    if rows < 1:
+        # (That rank would end its epoch at once and the others wait for it
+        # in their first step forever.)
+        raise SystemExit(f"{num_rows} rows cannot be shared by {world.size} ranks: "
+                         "every rank needs at least one")
+    return -(-rows // batch_size)
 
 
 def print_summary(title: str, lines: Sequence[tuple[str, str]]) -> None:

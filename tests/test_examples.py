@@ -189,6 +189,22 @@ def test_criteo_dlrm_file_datasets_have_known_sizes(tmp_path, kind):
     assert int(model.optimizer.iterations.numpy()) == 2 * steps
 
 
+def test_criteo_dlrm_refuses_fewer_rows_than_ranks():
+    """horovodrun -np 2 ... criteo_dlrm.py --rows 1 hung: rank 1's shard had no
+    row, it ended its epoch at once and rank 0 waited in its first step."""
+    criteo_dlrm = _import_example("criteo_dlrm")
+    args = criteo_dlrm.parse_args(["--rows", "1"])
+    for rank in (0, 1):
+        with pytest.raises(SystemExit, match="1 rows cannot be shared by 2 ranks"):
+            criteo_dlrm.datasets(args, criteo_dlrm.World(2, rank))
+    train_ds, _, steps, _, _ = criteo_dlrm.datasets(args, criteo_dlrm.World())
+    assert steps == 1 and sum(len(y) for _, y in train_ds) == 1
+    args = criteo_dlrm.parse_args(["--rows", "3", "--batch-size", "2"])
+    for rank in (0, 1):  # 2 rows and 1 row: one step each
+        train_ds, _, steps, _, _ = criteo_dlrm.datasets(args, criteo_dlrm.World(2, rank))
+        assert steps == 1 and len(list(train_ds)) == 1
+
+
 def test_criteo_dlrm_refuses_gzip_and_plain_tsv_together(capsys):
     """The example picks one compression for all --tsv files; a mix failed
     with the reader's advice to pass compression_type, which it has no flag for."""

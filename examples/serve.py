@@ -91,6 +91,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                  "check_rows"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("save", "load"):
+        path = getattr(args, name)
+        if path is not None and not path.endswith(".keras"):
+            # Keras also writes legacy .h5 files, without the table.
+            p.error(f"--{name} takes a .keras file (the Keras format holds the table; "
+                    f"a legacy .h5 file does not), got {path!r}")
     return args
 
 

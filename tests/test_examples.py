@@ -226,6 +226,17 @@ def test_serve_example_predictions_match(tmp_path):
     assert (tmp_path / "served" / "saved_model.pb").is_file()
 
 
+@pytest.mark.parametrize("flag", ["--save", "--load"])
+def test_serve_example_takes_only_keras_files(flag, capsys):
+    """--save x.h5 wrote a legacy HDF5 file holding the table's trigger weight
+    but no table, and --load of it failed in Keras's Concatenate."""
+    serve = _import_example("serve")
+    with pytest.raises(SystemExit):
+        serve.parse_args([flag, "/tmp/dlrm.h5"])
+    assert f"{flag} takes a .keras file" in capsys.readouterr().err
+    assert getattr(serve.parse_args([flag, "/tmp/dlrm.keras"]), flag[2:]) == "/tmp/dlrm.keras"
+
+
 def test_serve_example_refuses_several_ranks(tmp_path, monkeypatch):
     """Under horovodrun -np 2 each rank trained its own model and both wrote
     the same --export and --save paths."""

@@ -339,6 +339,18 @@ _KERAS_EMBEDDING_ONLY = {
 }
 
 
+def _in_legacy_h5_format() -> bool:
+    """True while Keras 3 writes or reads a model in its legacy HDF5 format
+    (``model.save("x.h5")``, ``load_model`` of such a file): both run inside a
+    scope that sets Keras's global attribute ``use_legacy_config``. Read only;
+    without that attribute (another Keras) this is False."""
+    try:
+        from keras.src.backend.common import global_state
+    except ImportError:
+        return False
+    return bool(global_state.get_global_attribute("use_legacy_config", False))
+
+
 @keras.saving.register_keras_serializable(package="tf_sfctr")
 class CachedEmbedding(keras.layers.Layer):
     """Embedding layer whose table lives in host memory, with a device cache.
@@ -1771,6 +1783,13 @@ class CachedEmbedding(keras.layers.Layer):
         return super().compute_output_spec(inputs, training=training)
 
     def get_config(self) -> dict[str, Any]:
+        if _in_legacy_h5_format():
+            raise ValueError(
+                f"CachedEmbedding '{self.name}': Keras's legacy HDF5 format (model.save of an "
+                "'.h5' path) stores a layer's Keras weights only, not its table, which would be "
+                "lost. Save a '.keras' file (model.save('model.keras')), Keras weights "
+                "(model.save_weights('model.weights.h5')) or a tf.train.Checkpoint; the "
+                "served model comes from tf_sfctr.export_for_serving.")
         config = super().get_config()
         config.update({
             "output_dim": self.output_dim,
@@ -1794,6 +1813,11 @@ class CachedEmbedding(keras.layers.Layer):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "CachedEmbedding":
+        if _in_legacy_h5_format():
+            raise ValueError(
+                "A file in Keras's legacy HDF5 format holds no CachedEmbedding table (the "
+                f"layer '{config.get('name')}' would start from its initial rows). Load the "
+                "model from a '.keras' file, Keras weights or a tf.train.Checkpoint.")
         config = dict(config)
         config["optimizer"] = _optimizers.get(config.get("optimizer"))
         return cls(**config)

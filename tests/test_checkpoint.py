@@ -124,6 +124,28 @@ def test_keras_format_round_trip(rng, tmp_path, opt):
     np.testing.assert_allclose(lemb.lookup_rows(vocab), emb.lookup_rows(vocab), rtol=1e-6)
 
 
+def test_legacy_h5_model_files_are_refused(rng, tmp_path):
+    """Keras's legacy HDF5 format holds Keras weights only: a model saved that
+    way lost its table silently and loaded with initial rows."""
+    vocab, x, y = _data(rng, 2)
+    model, emb = _model("adagrad")
+    _fit(model, x, y)
+    rows = emb.lookup_rows(vocab)
+    with pytest.raises(ValueError, match=r"CachedEmbedding 'emb': Keras's legacy HDF5 format"
+                                         r".*not its table.*'\.keras' file"):
+        model.save(str(tmp_path / "m.h5"))
+    # Nothing changed, and the modern formats still work after the refusal.
+    np.testing.assert_array_equal(emb.lookup_rows(vocab), rows)
+    model.save(str(tmp_path / "m.keras"))
+    config = emb.get_config()
+    from keras.src.legacy.saving import saving_options  # the scope load_model's h5 path sets
+
+    with saving_options.keras_option_scope(use_legacy_config=True):
+        with pytest.raises(ValueError, match=r"legacy HDF5 format holds no CachedEmbedding "
+                                             r"table \(the layer 'emb'"):
+            CachedEmbedding.from_config(config)
+
+
 def test_model_checkpoint_callback(rng, tmp_path):
     vocab, x, y = _data(rng, 10)
     model, emb = _model()

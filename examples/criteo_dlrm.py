@@ -19,7 +19,7 @@ training step, and each step also prepares the cache for the next batch
 
 Run::
 
-    python examples/criteo_dlrm.py                       # 200k rows, ~1 min on 2 cores
+    python examples/criteo_dlrm.py                       # 200k rows, ~20 s on 2 cores
     python examples/criteo_dlrm.py --vsi
     python examples/criteo_dlrm.py --tsv day_0.tsv --cache-capacity 1000000
     horovodrun -np 2 -H localhost:2 --gloo python examples/criteo_dlrm.py
@@ -169,7 +169,8 @@ def datasets(args: argparse.Namespace,
         train_ds = ds.take(steps).apply(tf.data.experimental.assert_cardinality(steps))
         test_ds = ds.skip(steps).take(test_batches).apply(
             tf.data.experimental.assert_cardinality(test_batches))
-        # Files are read once per epoch; cache the test set's batches.
+        # Files are read once per epoch; cache the test set's batches (in memory,
+        # about 264 bytes a row: 10% of a real Criteo day, ~4.6M rows, is ~1.2 GB).
         test_ds = test_ds.cache()
         source = f"{total:,} rows of {len(paths)} file(s)"
         planted = None
@@ -248,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
              + (f" (planted model: {planted:.4f})" if planted else "")),
             ("cache hit rate", hit_rate_line(result) + " (last epoch)"),
             ("misses per step", ", ".join(
-                f"{t} {result.last(t, 'misses_per_step'):,.0f}" for t in result.tables)),
+                f"{t} {result.last(t, 'misses_per_step'):,.0f}" for t in result.tables)
+             + (" (mean over ranks)" if world.size > 1 else "")),
             ("host rows", ", ".join(f"{t} {int(result.last(t, 'host_rows')):,}"
                                     for t in result.tables)
              + (" (per rank)" if world.size > 1 else "")),

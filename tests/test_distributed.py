@@ -231,6 +231,21 @@ def test_broadcast_makes_replicas_equal(results):
         assert int(results("broadcast", rank)["ok"]) == 1
 
 
+def test_callbacks_before_ours_cannot_split_the_ranks(tmp_path):
+    """A rank stopping alone (a callback listed before callbacks(), on its own
+    metrics) stops every rank; a learning rate changed on one rank raises on
+    every rank; an optimizer that does not average gradients warns. The worker
+    asserts each; a rank left waiting would time the job out."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    proc = subprocess.run(
+        [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, WORKER,
+         str(tmp_path), "callback_order"], capture_output=True, text=True, timeout=300,
+        env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for rank in range(sc.WORLD):
+        assert int(np.load(tmp_path / f"callback_order_rank{rank}.npz")["epochs"]) == 2
+
+
 def test_owner_function_matches_the_routing_op():
     from tf_sfctr import _ops
     from tf_sfctr.distributed import owner_of

@@ -589,6 +589,62 @@ def run_resume(out_dir, rank):
     np.savez(os.path.join(out_dir, f"resume_rank{rank}.npz"), losses=np.array(losses))
 
 
+def run_callback_order(out_dir, rank):
+    """Callbacks listed before callbacks() see this rank's metrics only: a
+    rank stopping alone stops every rank at that epoch's end (it hung the
+    other ranks in their next step), a learning rate changed on one rank
+    raises on every rank, and a model whose optimizer does not average
+    gradients gets a warning."""
+    import warnings
+
+    class OnRank1(keras.callbacks.Callback):
+        def __init__(self, stop=False, halve_lr=False):
+            super().__init__()
+            self.stop, self.halve_lr = stop, halve_lr
+
+        def on_epoch_end(self, epoch, logs=None):
+            if rank == 1 and epoch == 1:
+                if self.stop:
+                    self.model.stop_training = True
+                if self.halve_lr:
+                    lr = self.model.optimizer.learning_rate
+                    lr.assign(lr * 0.5)
+
+    def model_and_data(optimizer):
+        inp = keras.Input(shape=(2,), dtype="int64")
+        emb = CachedEmbedding(3, cache_capacity=32, seed=0, name="order")
+        model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
+        model.compile(optimizer=optimizer, loss="mse")
+        return model, np.arange(16, dtype=np.int64).reshape(8, 2) + 10 * rank, np.ones((8, 1))
+
+    model, x, y = model_and_data(DistributedOptimizer(keras.optimizers.SGD(0.1)))
+    history = model.fit(x, y, batch_size=4, epochs=5, verbose=0,
+                        callbacks=[OnRank1(stop=True), *callbacks()])
+    epochs = len(history.history["loss"])
+    assert epochs == 2, epochs
+    # Still in step: a collective after fit.
+    assert hvd.allreduce(tf.constant(1.0), op=hvd.Sum).numpy() == 2.0
+
+    model, x, y = model_and_data(DistributedOptimizer(keras.optimizers.SGD(0.1)))
+    _expect_error(lambda: model.fit(x, y, batch_size=4, epochs=5, verbose=0,
+                                    callbacks=[OnRank1(halve_lr=True), *callbacks()]),
+                  "The learning rate differs between Horovod ranks")
+    assert int(model.optimizer.iterations) == 4  # two epochs, then stopped
+    assert hvd.allreduce(tf.constant(1.0), op=hvd.Sum).numpy() == 2.0
+
+    model, x, y = model_and_data(keras.optimizers.SGD(0.1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=callbacks())
+    assert any("does not average gradients" in str(w.message) for w in caught), caught
+    model, x, y = model_and_data(DistributedOptimizer(keras.optimizers.SGD(0.1)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=callbacks())
+    assert not any("does not average gradients" in str(w.message) for w in caught), caught
+    np.savez(os.path.join(out_dir, f"callback_order_rank{rank}.npz"), epochs=np.array(epochs))
+
+
 def main():
     out_dir = sys.argv[1]
     only = sys.argv[2:] or list(sc.SCENARIOS) + ["routing", "extras", "broadcast", "checkpoint",
@@ -612,6 +668,8 @@ def main():
             run_extras(out_dir, rank, size)
         elif name == "broadcast":
             run_broadcast(out_dir, rank)
+        elif name == "callback_order":
+            run_callback_order(out_dir, rank)
         elif name == "robustness":
             run_robustness(out_dir, rank, size)
         elif name == "resume":

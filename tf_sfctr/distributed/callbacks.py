@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -41,6 +43,7 @@ class BroadcastInitialState(keras.callbacks.Callback):
         self._done = True
 
     def on_train_begin(self, logs=None):
+        _warn_unless_averaging(self.model)
         if self._done or not (self.model.built and self.model.trainable_variables):
             return  # not built yet: after the first step
         self._broadcast()
@@ -50,9 +53,36 @@ class BroadcastInitialState(keras.callbacks.Callback):
             self._broadcast()
 
 
+def _warn_unless_averaging(model):
+    hvd = require()
+    opt = getattr(model, "optimizer", None)
+    opt = getattr(opt, "inner_optimizer", opt)  # a LossScaleOptimizer's
+    if hvd.size() > 1 and opt is not None and not getattr(type(opt), "_sfctr_distributed",
+                                                           False):
+        warnings.warn(
+            f"The model's optimizer ({type(opt).__name__}) does not average gradients over "
+            f"the {hvd.size()} Horovod ranks: each rank's dense weights would follow its own "
+            "batches and the replicas drift apart (the tables stay shared). Compile with "
+            "tf_sfctr.distributed.DistributedOptimizer(optimizer).")
+
+
 class AverageMetrics(keras.callbacks.Callback):
     """Replaces each logged metric by its mean over ranks at the end of an
-    epoch (and of evaluation), so every rank reports the global value."""
+    epoch (and of evaluation), so every rank reports the same value: the
+    global one for means over examples (loss, accuracy) when every rank had
+    as many examples; the mean of the ranks' values otherwise (e.g. AUC).
+
+    Put it before the callbacks that read metrics (``EarlyStopping``,
+    ``ReduceLROnPlateau``, ``ModelCheckpoint(save_best_only=True)``), so they
+    decide on the averaged values. At the end of each epoch the ranks also
+    agree on stopping: if any rank's ``model.stop_training`` is set (by a
+    callback that ran before this one, on its own rank's metrics), every rank
+    stops; a rank stopping alone would leave the others waiting in their next
+    step's collectives. A learning rate that differs between ranks then (set
+    by such a callback) raises on every rank, as the replicas would drift
+    apart. A stop requested at the end of a batch (``TerminateOnNaN``) is
+    not agreed on: it ends the epoch on that rank only.
+    """
 
     def _average(self, logs):
         if not logs:
@@ -66,6 +96,27 @@ class AverageMetrics(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self._average(logs)
+        self._agree()
+
+    def _agree(self):
+        hvd = require()
+        model = self.model
+        stop = 1.0 if getattr(model, "stop_training", False) else 0.0
+        lr = 0.0
+        if getattr(model, "optimizer", None) is not None:
+            lr = float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
+        # One max-reduction: any rank stopping, and the largest and smallest rate.
+        most = hvd.allreduce(tf.constant([stop, lr, -lr], tf.float64), op=hvd.Max,
+                             name="sfctr_epoch_end").numpy()
+        if most[0] > 0:
+            model.stop_training = True
+        if most[1] != -most[2]:
+            raise ValueError(
+                f"The learning rate differs between Horovod ranks at the end of this epoch "
+                f"(from {-most[2]:g} to {most[1]:g}; this rank: {lr:g}): a callback that ran "
+                "before tf_sfctr.distributed.callbacks() (e.g. ReduceLROnPlateau) changed it "
+                "from this rank's own metrics, and the replicas would drift apart. Put "
+                "tf_sfctr.distributed.callbacks() first in the callbacks list.")
 
     def on_test_end(self, logs=None):
         self._average(logs)
@@ -73,11 +124,14 @@ class AverageMetrics(keras.callbacks.Callback):
 
 def callbacks(root_rank: int = 0) -> list[keras.callbacks.Callback]:
     """The callbacks a Horovod ``model.fit`` needs: broadcast the initial state
-    from ``root_rank`` and average metrics over ranks.
+    from ``root_rank`` and average metrics over ranks. Put them before the
+    callbacks that act on metrics (see ``AverageMetrics``), and pass them to
+    ``evaluate`` too for averaged results.
 
     Example::
 
-        model.fit(ds.shard(hvd.size(), hvd.rank()),
-                  callbacks=tf_sfctr.distributed.callbacks())
+        model.fit(ds, steps_per_epoch=steps,  # the same on every rank
+                  callbacks=[*tf_sfctr.distributed.callbacks(),
+                             keras.callbacks.EarlyStopping(patience=2)])
     """
     return [BroadcastInitialState(root_rank), AverageMetrics()]

@@ -246,6 +246,36 @@ def test_callbacks_before_ours_cannot_split_the_ranks(tmp_path):
         assert int(np.load(tmp_path / f"callback_order_rank{rank}.npz")["epochs"]) == 2
 
 
+def test_distributed_optimizer_keeps_a_built_optimizers_state():
+    """Wrapping a trained optimizer (keras.models.load_model's, a restored
+    one) keeps its iterations, Adam moments and learning rate: they started
+    over, silently. The given optimizer is left as it was."""
+    import keras
+
+    from tf_sfctr.distributed import DistributedOptimizer
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    x = np.arange(24, dtype=np.float32).reshape(8, 3)
+    model.fit(x, np.ones((8, 2)), batch_size=4, epochs=3, verbose=0)
+    opt = model.optimizer
+    opt.learning_rate.assign(0.004)  # as ReduceLROnPlateau would
+    before = [v.numpy().copy() for v in opt.variables]
+    wrapped = DistributedOptimizer(opt)
+    assert wrapped is not opt and wrapped.built and int(wrapped.iterations) == 6
+    assert len(wrapped.variables) == len(before)
+    for got, want in zip(wrapped.variables, before):
+        np.testing.assert_array_equal(got.numpy(), want)
+    for got, want in zip(opt.variables, before):
+        np.testing.assert_array_equal(got.numpy(), want)
+    assert float(wrapped.learning_rate) == np.float32(0.004)
+    # Its slots belong to the model's variables (a step finds them).
+    assert [id(v) for v in wrapped._trainable_variables] == \
+        [id(v) for v in model.trainable_variables]
+    # An unbuilt optimizer stays unbuilt.
+    assert not DistributedOptimizer(keras.optimizers.Adam(0.01)).built
+
+
 def test_owner_function_matches_the_routing_op():
     from tf_sfctr import _ops
     from tf_sfctr.distributed import owner_of

@@ -2,7 +2,8 @@
 
 Keras 3 optimizers are wrapped by making a subclass of the given optimizer's
 class whose ``apply`` averages the gradients with ``hvd.grouped_allreduce``
-first; the user's optimizer object is not modified (its config is copied).
+first; the user's optimizer object is not modified (its config, and its state if built, are
+copied).
 Table rows never pass through here: each ``CachedEmbedding`` routes its own
 sparse gradients to the owning rank (model parallel) or all-reduces them
 (data parallel), and sharded table state is never all-reduced.
@@ -38,6 +39,10 @@ def _averaging_apply(self, grads, trainable_variables=None):
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer) -> keras.optimizers.Optimizer:
     """A copy of ``optimizer`` that averages gradients over Horovod ranks.
 
+    A built optimizer (one that has trained, ``keras.models.load_model``'s,
+    one restored from a checkpoint) is copied with its state: iterations,
+    slots (Adam's moments) and learning rate, for the same variables.
+
     Example::
 
         import horovod.tensorflow as hvd
@@ -60,4 +65,10 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer) -> keras.optimiz
             "__module__": base.__module__,
             "__doc__": f"{base.__name__} averaging gradients over Horovod ranks."})
         _CLASSES[base] = cls
-    return cls.from_config(optimizer.get_config())
+    copy = cls.from_config(optimizer.get_config())
+    if optimizer.built:  # a resumed run: the state goes on (it started over)
+        copy.build(optimizer._trainable_variables)
+        state = {}
+        optimizer.save_own_variables(state)
+        copy.load_own_variables(state)
+    return copy

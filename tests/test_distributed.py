@@ -246,6 +246,17 @@ def test_callbacks_before_ours_cannot_split_the_ranks(tmp_path):
         assert int(np.load(tmp_path / f"callback_order_rank{rank}.npz")["epochs"]) == 2
 
 
+def test_callbacks_reused_for_another_model_send_its_state(tmp_path):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    proc = subprocess.run(
+        [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, WORKER,
+         str(tmp_path), "callbacks_reused"], capture_output=True, text=True, timeout=300,
+        env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for rank in range(sc.WORLD):
+        assert int(np.load(tmp_path / f"callbacks_reused_rank{rank}.npz")["ok"]) == 1
+
+
 def test_distributed_optimizer_keeps_a_built_optimizers_state():
     """Wrapping a trained optimizer (keras.models.load_model's, a restored
     one) keeps its iterations, Adam moments and learning rate: they started

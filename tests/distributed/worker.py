@@ -645,6 +645,24 @@ def run_callback_order(out_dir, rank):
     np.savez(os.path.join(out_dir, f"callback_order_rank{rank}.npz"), epochs=np.array(epochs))
 
 
+def run_callbacks_reused(out_dir, rank):
+    """One callbacks() list given to two models' fit: each model starts from
+    rank 0's state (the second was left with each rank's own weights)."""
+    cbs = callbacks()
+    x = np.arange(16, dtype=np.int64).reshape(8, 2) + 10 * rank
+    for name in ("reused_a", "reused_b"):
+        inp = keras.Input(shape=(2,), dtype="int64")
+        dense = keras.layers.Dense(1, kernel_initializer=keras.initializers.RandomNormal(seed=rank))
+        model = keras.Model(inp, dense(keras.layers.Flatten()(
+            CachedEmbedding(3, cache_capacity=32, seed=0, name=name)(inp))))
+        model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+        for _ in range(2):  # a second fit of the same model sends nothing
+            model.fit(x, np.ones((8, 1)), batch_size=4, verbose=0, callbacks=cbs)
+            kernels = hvd.allgather(dense.kernel.value[None]).numpy()
+            np.testing.assert_array_equal(kernels[0], kernels[1], err_msg=name)
+    np.savez(os.path.join(out_dir, f"callbacks_reused_rank{rank}.npz"), ok=np.array(1))
+
+
 def main():
     out_dir = sys.argv[1]
     only = sys.argv[2:] or list(sc.SCENARIOS) + ["routing", "extras", "broadcast", "checkpoint",
@@ -670,6 +688,8 @@ def main():
             run_broadcast(out_dir, rank)
         elif name == "callback_order":
             run_callback_order(out_dir, rank)
+        elif name == "callbacks_reused":
+            run_callbacks_reused(out_dir, rank)
         elif name == "robustness":
             run_robustness(out_dir, rank, size)
         elif name == "resume":

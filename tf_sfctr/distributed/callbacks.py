@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import keras
 import numpy as np
@@ -23,12 +24,20 @@ class BroadcastInitialState(keras.callbacks.Callback):
 
     Table rows are not broadcast: they are sharded (model parallel) or built
     identically from the layer's seed (data parallel).
+
+    The state is sent once per model: a later ``fit`` of the same model
+    continues from equal replicas; the callback given to another model's
+    ``fit`` sends that model's state.
     """
 
     def __init__(self, root_rank: int = 0):
         super().__init__()
         self.root_rank = root_rank
-        self._done = False
+        self._sent_for = None  # weak reference to the model whose state was sent
+
+    @property
+    def _done(self) -> bool:
+        return self._sent_for is not None and self._sent_for() is self.model
 
     def _broadcast(self):
         hvd = require()
@@ -40,7 +49,7 @@ class BroadcastInitialState(keras.callbacks.Callback):
             variables += [v.value if hasattr(v, "value") else v
                           for v in model.optimizer.variables]
         hvd.broadcast_variables(variables, root_rank=self.root_rank)
-        self._done = True
+        self._sent_for = weakref.ref(model)
 
     def on_train_begin(self, logs=None):
         _warn_unless_averaging(self.model)

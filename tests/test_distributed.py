@@ -257,6 +257,28 @@ def test_callbacks_reused_for_another_model_send_its_state(tmp_path):
         assert int(np.load(tmp_path / f"callbacks_reused_rank{rank}.npz")["ok"]) == 1
 
 
+def _run_worker(tmp_path, scenario):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    return subprocess.run(
+        [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, WORKER,
+         str(tmp_path), scenario], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_ranks_with_different_numbers_of_batches_are_refused(tmp_path):
+    """Known numbers of batches that differ: fit, evaluate and predict raise
+    on every rank before a step (the worker checks; rank 0 hung before)."""
+    proc = _run_worker(tmp_path, "uneven_steps")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for rank in range(sc.WORLD):
+        assert int(np.load(tmp_path / f"uneven_steps_rank{rank}.npz")["ok"]) == 1
+
+
+def test_a_rank_without_data_ends_the_job_with_a_message(tmp_path):
+    proc = _run_worker(tmp_path, "empty_epoch")
+    assert proc.returncode != 0
+    assert "This Horovod rank (1) ran no training step in epoch 1" in proc.stdout + proc.stderr
+
+
 def test_distributed_optimizer_keeps_a_built_optimizers_state():
     """Wrapping a trained optimizer (keras.models.load_model's, a restored
     one) keeps its iterations, Adam moments and learning rate: they started

@@ -663,6 +663,46 @@ def run_callbacks_reused(out_dir, rank):
     np.savez(os.path.join(out_dir, f"callbacks_reused_rank{rank}.npz"), ok=np.array(1))
 
 
+def _small_model(name):
+    inp = keras.Input(shape=(2,), dtype="int64")
+    model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(
+        CachedEmbedding(3, cache_capacity=32, seed=0, name=name)(inp))))
+    model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    return model
+
+
+def run_uneven_steps(out_dir, rank):
+    """Ranks whose numbers of batches Keras knows and that differ (rank 0
+    has 3 batches, rank 1 has 2) are refused on every rank before the first
+    step of fit, evaluate and predict (rank 0 waited forever in its third)."""
+    model = _small_model("uneven")
+    rows = 12 if rank == 0 else 8
+    x, y = np.arange(2 * rows, dtype=np.int64).reshape(rows, 2), np.ones((rows, 1))
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+    for call in (lambda: model.fit(x, y, batch_size=4, verbose=0, callbacks=callbacks()),
+                 lambda: model.fit(ds, verbose=0, callbacks=callbacks()),
+                 lambda: model.evaluate(ds, verbose=0, callbacks=callbacks()),
+                 lambda: model.predict(ds, verbose=0, callbacks=callbacks())):
+        _expect_error(call, "steps on the 2 Horovod ranks")
+    assert int(model.optimizer.iterations) == 0
+    # As many batches on every rank (steps_per_epoch, take): trains.
+    model.fit(ds.repeat(), steps_per_epoch=2, epochs=2, verbose=0, callbacks=callbacks())
+    model.evaluate(ds.take(2), verbose=0, callbacks=callbacks())
+    assert int(model.optimizer.iterations) == 4
+    np.savez(os.path.join(out_dir, f"uneven_steps_rank{rank}.npz"), ok=np.array(1))
+
+
+def run_empty_epoch(out_dir, rank):
+    """Rank 1's data (of unknown size) is empty: it raises at the epoch's
+    end, before any collective; horovodrun ends the job (rank 0 waited in
+    its first step forever)."""
+    model = _small_model("empty")
+    rows = 8 if rank == 0 else 0
+    x, y = np.arange(2 * rows, dtype=np.int64).reshape(rows, 2), np.ones((rows, 1))
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(4).filter(lambda *_: True)
+    model.fit(ds, verbose=0, callbacks=callbacks())
+
+
 def main():
     out_dir = sys.argv[1]
     only = sys.argv[2:] or list(sc.SCENARIOS) + ["routing", "extras", "broadcast", "checkpoint",
@@ -690,6 +730,10 @@ def main():
             run_callback_order(out_dir, rank)
         elif name == "callbacks_reused":
             run_callbacks_reused(out_dir, rank)
+        elif name == "uneven_steps":
+            run_uneven_steps(out_dir, rank)
+        elif name == "empty_epoch":
+            run_empty_epoch(out_dir, rank)
         elif name == "robustness":
             run_robustness(out_dir, rank, size)
         elif name == "resume":

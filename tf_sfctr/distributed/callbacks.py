@@ -91,7 +91,54 @@ class AverageMetrics(keras.callbacks.Callback):
     by such a callback) raises on every rank, as the replicas would drift
     apart. A stop requested at the end of a batch (``TerminateOnNaN``) is
     not agreed on: it ends the epoch on that rank only.
+
+    Every rank must run as many steps. When ``fit``, ``evaluate`` or
+    ``predict`` starts and Keras knows each rank's number of batches (arrays,
+    datasets of known cardinality, ``steps_per_epoch``), ranks with different
+    numbers raise on every rank before the first step; a rank that ran no
+    training step in an epoch raises at its end. (Other ranks would wait in
+    their steps forever.)
     """
+
+    def __init__(self):
+        super().__init__()
+        self._in_fit = False
+        self._trained = False
+
+    def _check_steps(self, call):
+        hvd = require()
+        steps = (self.params or {}).get("steps")
+        mine = -1.0 if steps is None else float(steps)  # -1: not known here
+        most = hvd.allreduce(tf.constant([mine, -mine], tf.float64), op=hvd.Max,
+                             name="sfctr_steps").numpy()
+        largest, smallest = most[0], -most[1]
+        if smallest >= 0 and largest != smallest:
+            raise ValueError(
+                f"{call} would run {int(smallest)} to {int(largest)} steps on the "
+                f"{hvd.size()} Horovod ranks (this rank: {int(mine)}); every rank must run as "
+                "many (each step is collective: the ranks with more would wait forever). "
+                "Give every rank as many batches: steps_per_epoch (or steps=) with "
+                "dataset.repeat(), or dataset.take(n) on every rank.")
+
+    def on_train_begin(self, logs=None):
+        self._in_fit = True
+        self._check_steps("fit")
+
+    def on_train_end(self, logs=None):
+        self._in_fit = False
+
+    def on_test_begin(self, logs=None):
+        if not self._in_fit:  # fit's validation shares fit's params
+            self._check_steps("evaluate")
+
+    def on_predict_begin(self, logs=None):
+        self._check_steps("predict")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._trained = False
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._trained = True
 
     def _average(self, logs):
         if not logs:
@@ -104,6 +151,13 @@ class AverageMetrics(keras.callbacks.Callback):
             logs[k] = float(v)
 
     def on_epoch_end(self, epoch, logs=None):
+        if not self._trained:
+            # Before any collective: the others are waiting in a step.
+            raise ValueError(
+                f"This Horovod rank ({require().rank()}) ran no training step in epoch "
+                f"{epoch + 1}: its data ended. Every rank must run as many steps (each step is "
+                "collective); give every rank as many batches: steps_per_epoch with "
+                "dataset.repeat(), or dataset.take(n) on every rank.")
         self._average(logs)
         self._agree()
 

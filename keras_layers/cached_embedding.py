@@ -760,6 +760,19 @@ class CachedEmbedding(keras.layers.Layer):
             self._call_suffixes[base] = f"{base}_{k}" if k else base
         return self._call_suffixes[base]
 
+    def _check_local_alone(self) -> None:
+        """Refuses to train a local table (built before ``hvd.init()``) once
+        Horovod runs several ranks: each rank would train its own copy."""
+        if self._mode != "local" or self._store is None:
+            return
+        size, _ = _horovod.world()
+        if size > 1:
+            raise RuntimeError(
+                f"CachedEmbedding {self.name!r} was built before hvd.init(), as a local "
+                f"table, and Horovod now runs {size} ranks: each rank would train its own "
+                "copy of the table apart from the others. Call hvd.init() before building "
+                "the model (README, \"Scale out with Horovod\").")
+
     def _check_dtype_policy(self) -> None:
         """Refuses mixed_float16, at build and again when a training call is
         traced (the policy may be set after the layer was built, and Keras
@@ -791,6 +804,7 @@ class CachedEmbedding(keras.layers.Layer):
         training = bool(flag) and self.trainable
         if training:
             self._check_dtype_policy()
+            self._check_local_alone()
         update_graph = self._check_one_training_call() if training else None
         self._call_suffixes = {}
         if _keras_shape_inference():

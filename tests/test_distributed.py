@@ -279,6 +279,42 @@ def test_a_rank_without_data_ends_the_job_with_a_message(tmp_path):
     assert "This Horovod rank (1) ran no training step in epoch 1" in proc.stdout + proc.stderr
 
 
+BUILT_BEFORE_INIT = """
+import horovod.tensorflow as hvd, keras, numpy as np
+import tf_sfctr
+from tf_sfctr.keras_layers import CachedEmbedding
+
+inp = keras.Input((2,), dtype="int64")
+emb = CachedEmbedding(3, cache_capacity=64, seed=0, name="early")
+model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
+hvd.init()
+model.compile(optimizer=tf_sfctr.distributed.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+              loss="mse")
+assert emb.mode == "local"
+emb.lookup_rows(np.arange(3))  # inference and reads are left alone
+try:
+    model.fit(np.arange(16).reshape(8, 2), np.full((8, 1), float(hvd.rank())), batch_size=4,
+              verbose=0, callbacks=tf_sfctr.distributed.callbacks())
+except RuntimeError as err:
+    assert "was built before hvd.init()" in str(err), err
+    print(f"rank {hvd.rank()} refused", flush=True)
+"""
+
+
+def test_a_table_built_before_hvd_init_is_not_trained_apart(tmp_path):
+    """A model built before hvd.init() has local tables: each rank trained its
+    own copy, silently apart. Training refuses it on every rank."""
+    script = tmp_path / "early.py"
+    script.write_text(BUILT_BEFORE_INIT)
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    proc = subprocess.run(
+        [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(script)],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for rank in range(sc.WORLD):
+        assert f"rank {rank} refused" in proc.stdout
+
+
 def test_distributed_optimizer_keeps_a_built_optimizers_state():
     """Wrapping a trained optimizer (keras.models.load_model's, a restored
     one) keeps its iterations, Adam moments and learning rate: they started

@@ -231,37 +231,29 @@ def test_broadcast_makes_replicas_equal(results):
         assert int(results("broadcast", rank)["ok"]) == 1
 
 
+def _run_worker(tmp_path, scenario):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    return subprocess.run(
+        [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, WORKER,
+         str(tmp_path), scenario], capture_output=True, text=True, timeout=300, env=env)
+
+
 def test_callbacks_before_ours_cannot_split_the_ranks(tmp_path):
     """A rank stopping alone (a callback listed before callbacks(), on its own
     metrics) stops every rank; a learning rate changed on one rank raises on
     every rank; an optimizer that does not average gradients warns. The worker
     asserts each; a rank left waiting would time the job out."""
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    proc = subprocess.run(
-        [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, WORKER,
-         str(tmp_path), "callback_order"], capture_output=True, text=True, timeout=300,
-        env=env)
+    proc = _run_worker(tmp_path, "callback_order")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     for rank in range(sc.WORLD):
         assert int(np.load(tmp_path / f"callback_order_rank{rank}.npz")["epochs"]) == 2
 
 
 def test_callbacks_reused_for_another_model_send_its_state(tmp_path):
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    proc = subprocess.run(
-        [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, WORKER,
-         str(tmp_path), "callbacks_reused"], capture_output=True, text=True, timeout=300,
-        env=env)
+    proc = _run_worker(tmp_path, "callbacks_reused")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     for rank in range(sc.WORLD):
         assert int(np.load(tmp_path / f"callbacks_reused_rank{rank}.npz")["ok"]) == 1
-
-
-def _run_worker(tmp_path, scenario):
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    return subprocess.run(
-        [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, WORKER,
-         str(tmp_path), scenario], capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_ranks_with_different_numbers_of_batches_are_refused(tmp_path):

@@ -132,15 +132,21 @@ def test_criteo_dlrm_trains_its_table_with_ftrl():
     _check_cached_summary(summary, {"categorical"}, min_auc=0.59)
 
 
-@pytest.mark.parametrize("kind", ["tsv", "parquet"])
-def test_criteo_dlrm_reads_files(tmp_path, kind):
-    rows = tf_sfctr.data.random_criteo_rows(3000, seed=1)
+def _criteo_file(tmp_path, kind, n, seed):
+    """A day_0.tsv / day_0.parquet file of n random Criteo rows."""
+    rows = tf_sfctr.data.random_criteo_rows(n, seed=seed)
     path = tmp_path / f"day_0.{kind}"
     if kind == "tsv":
         tf_sfctr.data.write_criteo_tsv(path, rows)
     else:
         pytest.importorskip("pyarrow")
         tf_sfctr.data.write_parquet(path, rows)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["tsv", "parquet"])
+def test_criteo_dlrm_reads_files(tmp_path, kind):
+    path = _criteo_file(tmp_path, kind, 3000, seed=1)
     out = _example("criteo_dlrm.py", f"--{kind}", str(path), "--batch-size", "256",
                    "--cache-capacity", "8192")
     summary = _summary(out)
@@ -165,13 +171,7 @@ def test_criteo_dlrm_file_datasets_have_known_sizes(tmp_path, kind):
     warn that the input "ran out of data; interrupting training". The example
     states the sizes it computed, on every rank, and they hold."""
     criteo_dlrm = _import_example("criteo_dlrm")
-    rows = tf_sfctr.data.random_criteo_rows(2001, seed=2)
-    path = tmp_path / f"day_0.{kind}"
-    if kind == "tsv":
-        tf_sfctr.data.write_criteo_tsv(path, rows)
-    else:
-        pytest.importorskip("pyarrow")
-        tf_sfctr.data.write_parquet(path, rows)
+    path = _criteo_file(tmp_path, kind, 2001, seed=2)
     args = criteo_dlrm.parse_args([f"--{kind}", str(path), "--batch-size", "128"])
     seen = []
     for world in (criteo_dlrm.World(), criteo_dlrm.World(2, 0), criteo_dlrm.World(2, 1)):

@@ -307,6 +307,32 @@ def test_distributed_restore_leaves_tables_the_checkpoint_lacks_alone(rng, tmp_p
     assert extra.cache_stats()["host_rows"] == 2
 
 
+def test_distributed_checkpoints_go_through_tf_file_systems(rng):
+    """tf_sfctr.distributed.save and restore write and read every file
+    (shards, shard.json, manifest.json) through tf.io.gfile, so a directory
+    on a file system TensorFlow knows (gs://, s3:// with tensorflow-io...)
+    works as a local one does. TF's in-memory ram:// file system stands in
+    for them; the local file functions fail on it."""
+    from tf_sfctr.distributed import restore, save
+
+    vocab, x, y = _data(rng, 5)
+    model, emb = _model("adagrad")
+    _fit(model, x, y)
+    directory = f"ram://sfctr_test_{rng.integers(1 << 62)}/ckpt"
+    save(_ckpt(model), directory)
+    assert sorted(tf.io.gfile.listdir(directory)) == ["manifest.json", "shard-00000-of-00001"]
+    other, other_emb = _model("adagrad", seed=9)
+    _fit(other, x[:BATCH], y[:BATCH])
+    restore(_ckpt(other), directory)
+    np.testing.assert_array_equal(other_emb.lookup_rows(vocab), emb.lookup_rows(vocab))
+    for a, b in zip(other.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    # The checks read through it too: a directory without its manifest is refused.
+    tf.io.gfile.remove(f"{directory}/manifest.json")
+    with pytest.raises(CheckpointMismatchError, match="missing or unreadable"):
+        restore(_ckpt(other), directory)
+
+
 
 def _everything(model, emb, vocab):
     """Table rows, every weight, the Keras optimizer's variables and

@@ -85,17 +85,30 @@ def _describe(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).strip()}"
 
 
+#: What a failed file operation raises: ``tf.io.gfile`` raises TensorFlow's
+#: errors (``NotFoundError``, ``PermissionDeniedError``...), which are not
+#: ``OSError``s.
+_FILE_ERRORS = (OSError, tf.errors.OpError)
+
+
 def _write_json(path: str, value: dict) -> None:
-    """Writes ``path`` whole or not at all (a temporary file, renamed)."""
+    """Writes ``path`` whole or not at all (a temporary file, renamed).
+    Through ``tf.io.gfile``, like the shards, so any file system TensorFlow
+    writes checkpoints to works (``gs://``, ``ram://``...)."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(value, f)
-    os.replace(tmp, path)
+    with tf.io.gfile.GFile(tmp, "w") as f:
+        f.write(json.dumps(value))
+    tf.io.gfile.rename(tmp, path, overwrite=True)
+
+
+def _read_json(path: str) -> dict:
+    with tf.io.gfile.GFile(path, "r") as f:
+        return json.loads(f.read())
 
 
 def _remove(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(path)
+    with contextlib.suppress(FileNotFoundError, tf.errors.NotFoundError):
+        tf.io.gfile.remove(path)
 
 
 def _draw_save_id() -> int:
@@ -128,7 +141,7 @@ def save(checkpoint: tf.train.Checkpoint, directory: str) -> str:
         if rank == 0:
             _remove(os.path.join(directory, MANIFEST))
         _remove(info)
-    except OSError as err:
+    except _FILE_ERRORS as err:
         error = err
     try:
         path = checkpoint.write(prefix)
@@ -137,7 +150,7 @@ def save(checkpoint: tf.train.Checkpoint, directory: str) -> str:
     if error is None:
         try:
             _write_json(info, {"save_id": save_id, "rank": rank, "world_size": size})
-        except OSError as err:
+        except _FILE_ERRORS as err:
             error = err
     _agree_on_save(error, directory, "sfctr_checkpoint_saved")
     # Every shard is complete: the manifest makes the directory a checkpoint.
@@ -146,7 +159,7 @@ def save(checkpoint: tf.train.Checkpoint, directory: str) -> str:
         try:
             _write_json(os.path.join(directory, MANIFEST),
                         {"world_size": size, "format": MANIFEST_FORMAT, "save_id": save_id})
-        except OSError as err:
+        except _FILE_ERRORS as err:
             error = err
     _agree_on_save(error, directory, "sfctr_checkpoint_manifest")
     return path
@@ -220,14 +233,13 @@ def _read_manifest(directory: str) -> tuple[int, Optional[int]]:
     """(world size of the save, its save id or None for format 1)."""
     manifest_path = os.path.join(directory, MANIFEST)
     try:
-        with open(manifest_path) as f:
-            manifest = json.load(f)
+        manifest = _read_json(manifest_path)
         saved_size = int(manifest["world_size"])
         save_id = manifest.get("save_id")
         save_id = None if save_id is None else int(save_id)
         if saved_size < 1:
             raise ValueError(f"world_size {saved_size}")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+    except (*_FILE_ERRORS, ValueError, KeyError, TypeError, AttributeError) as err:
         raise CheckpointMismatchError(
             f"{manifest_path} is missing or unreadable: {directory} was not written by "
             f"tf_sfctr.distributed.save, or that save did not finish.") from err
@@ -245,10 +257,9 @@ def _check_shards_present(directory: str, saved_size: int, save_id: Optional[int
         if save_id is None:  # format 1: no save ids
             continue
         try:
-            with open(os.path.join(directory, name, SHARD_INFO)) as f:
-                info = json.load(f)
+            info = _read_json(os.path.join(directory, name, SHARD_INFO))
             got = (int(info["save_id"]), int(info["rank"]), int(info["world_size"]))
-        except (OSError, ValueError, KeyError, TypeError) as err:
+        except (*_FILE_ERRORS, ValueError, KeyError, TypeError) as err:
             foreign.append(f"{name} (its {SHARD_INFO} is missing or unreadable: "
                            f"{type(err).__name__})")
             continue
@@ -303,7 +314,10 @@ def _read_shard(checkpoint, directory: str, s: int, saved_size: int,
     name = _shard_name(s, saved_size)
     index = {id(store): k for k, store in enumerate(stores)}
     try:
-        reader = tf.train.load_checkpoint(_shard_prefix(directory, s, saved_size))
+        # The prefix itself (load_checkpoint would take a prefix that its file
+        # system reports as a directory, as ram:// does, for a directory).
+        reader = tf.compat.v1.train.NewCheckpointReader(
+            _shard_prefix(directory, s, saved_size))
         graph = trackable_object_graph_pb2.TrackableObjectGraph()
         graph.ParseFromString(reader.get_tensor(_OBJECT_GRAPH))
         shapes = reader.get_variable_to_shape_map()

@@ -133,6 +133,26 @@ def test_batch_and_epoch_values_are_differences_of_cache_stats(rng, steps_per_ex
         assert history.history[f"{name}/host_rows"][-1] == layer.cache_stats()["host_rows"]
 
 
+def test_steps_count_with_gradient_accumulation():
+    """An optimizer with gradient_accumulation_steps=k counts one iteration
+    per k steps in its public `iterations`: misses per step were k times too
+    high."""
+    x = np.arange(32, dtype=np.int64).reshape(16, 2)  # 2 new ids a step
+    per_step = []
+    for accumulate in (None, 4):
+        ids = keras.Input(shape=(2,), dtype="int64")
+        emb = CachedEmbedding(2, cache_capacity=8, seed=0, name="items")
+        model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(emb(ids))))
+        model.compile(optimizer=keras.optimizers.SGD(gradient_accumulation_steps=accumulate),
+                      loss="mse")
+        recorder = _Recorder([emb])
+        history = model.fit(x, np.zeros((16, 1)), batch_size=1, shuffle=False, verbose=0,
+                            callbacks=[CacheMetrics(), recorder])
+        assert [logs["items/misses_per_step"] for logs in recorder.batch_logs] == [2.0] * 16
+        per_step.append(history.history["items/misses_per_step"])
+    assert per_step == [[2.0], [2.0]]
+
+
 def test_cache_metrics_do_not_change_loss_or_training(rng):
     ids, label = _data(rng)
     runs = []

@@ -153,3 +153,16 @@ def test_the_callback_counts_steps_and_logs_each_epoch(steps_per_execution, ever
     assert prune.calls == 3 * 16 // every
     per_epoch = history.history["items/pruned_rows"]
     assert len(per_epoch) == 3 and sum(per_epoch) == prune.pruned_rows["items"] > 0
+
+
+def test_every_steps_counts_steps_with_gradient_accumulation():
+    """With gradient_accumulation_steps=4 the optimizer's public `iterations`
+    counts updates: every_steps=4 pruned once in 16 steps, not 4 times."""
+    inp = keras.Input((2,), dtype="int64")
+    emb = CachedEmbedding(2, cache_capacity=8, seed=0, name="items")
+    model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
+    model.compile(optimizer=keras.optimizers.SGD(gradient_accumulation_steps=4), loss="mse")
+    prune = _CountingPrune(min_uses=2, every_steps=4)
+    model.fit(np.arange(32, dtype=np.int64).reshape(16, 2), np.ones((16, 1)), batch_size=1,
+              verbose=0, callbacks=[prune])
+    assert prune.calls == 4

@@ -95,7 +95,9 @@ class _Steps:
     ``steps_per_execution > 1`` counts every step; by batches when the model
     has no optimizer. Read only at batch ends: on data of unknown size,
     Keras 3.5 adds one more iteration after the epoch's last batch, which ran
-    no step."""
+    no step. The optimizer's own counter is read (``_iterations``): with
+    ``gradient_accumulation_steps=k`` its public ``iterations`` counts
+    updates, one per ``k`` steps."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -103,7 +105,10 @@ class _Steps:
 
     @staticmethod
     def _iterations(model) -> Optional[int]:
-        iterations = getattr(getattr(model, "optimizer", None), "iterations", None)
+        optimizer = getattr(model, "optimizer", None)
+        iterations = getattr(optimizer, "_iterations", None)
+        if iterations is None:
+            iterations = getattr(optimizer, "iterations", None)
         return None if iterations is None else int(keras.ops.convert_to_numpy(iterations))
 
     def restart(self, model) -> None:
@@ -152,9 +157,10 @@ class CacheMetrics(keras.callbacks.Callback):
 
     The counters come from ``layer.cache_stats()`` and count distinct ids per
     training step; ``predict``, ``evaluate`` and validation never change
-    them. Steps are counted with ``model.optimizer.iterations`` as batches
-    end (so ``steps_per_execution > 1`` is handled), or by batches when the
-    model has no optimizer.
+    them. Steps are counted with the optimizer's iteration counter as batches
+    end (so ``steps_per_execution > 1`` is handled, and so is
+    ``gradient_accumulation_steps``, whose steps each count), or by batches
+    when the model has no optimizer.
 
     Keras hands one logs dict to each callback in list order and appends its
     own ``History`` and progress bar after the user's callbacks, so the values
@@ -256,8 +262,9 @@ class PruneHostTable(keras.callbacks.Callback):
     it trains: ids used in fewer than ``min_uses`` training steps are removed
     (``CachedEmbedding.prune``), at the end of each epoch, or every
     ``every_steps`` training steps of a ``fit`` call when given (counted with
-    the optimizer's ``iterations``, so ``steps_per_execution > 1`` prunes as
-    often; the check runs after each execution). Each epoch's logs get
+    the optimizer's iteration counter, so ``steps_per_execution > 1`` prunes as
+    often; the check runs after each execution; with
+    ``gradient_accumulation_steps`` every step counts, not every update). Each epoch's logs get
     ``<layer name>/pruned_rows``, the rows removed during that epoch, and
     ``self.pruned_rows`` holds each layer's total (keyed as ``table_log_names``
     names them).

@@ -166,3 +166,27 @@ def test_every_steps_counts_steps_with_gradient_accumulation():
     model.fit(np.arange(32, dtype=np.int64).reshape(16, 2), np.ones((16, 1)), batch_size=1,
               verbose=0, callbacks=[prune])
     assert prune.calls == 4
+
+
+def test_the_callback_leaves_a_frozen_table_alone():
+    """A frozen table (trainable=False, e.g. pretrained rows) serves its rows
+    like inference and counts no uses: the callback removed every one of its
+    rows, which then read as initial rows."""
+    frozen = CachedEmbedding(2, cache_capacity=16, seed=0, name="pretrained")
+    pretrained = np.linspace(-0.1, 0.1, 200, dtype=np.float32).reshape(100, 2)
+    frozen.assign_rows(np.arange(100), pretrained)
+    frozen.trainable = False
+    trained = CachedEmbedding(2, cache_capacity=16, seed=1, name="trained")
+    inp = keras.Input((2,), dtype="int64")
+    x = keras.layers.Concatenate()([keras.layers.Flatten()(frozen(inp)),
+                                    keras.layers.Flatten()(trained(inp))])
+    model = keras.Model(inp, keras.layers.Dense(1)(x))
+    model.compile(optimizer="sgd", loss="mse")
+    prune = PruneHostTable(min_uses=2)
+    history = model.fit(np.arange(64, dtype=np.int64).reshape(32, 2) % 50, np.zeros((32, 1)),
+                        batch_size=8, verbose=0, callbacks=[prune])
+    assert prune.pruned_rows["trained"] > 0
+    assert prune.pruned_rows.get("pretrained", 0) == 0
+    assert history.history["pretrained/pruned_rows"] == [0]
+    assert frozen.cache_stats()["host_rows"] == 100
+    np.testing.assert_array_equal(frozen.lookup_rows(np.arange(100)), pretrained)

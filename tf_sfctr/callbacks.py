@@ -269,6 +269,9 @@ class PruneHostTable(keras.callbacks.Callback):
     ``self.pruned_rows`` holds each layer's total (keyed as ``table_log_names``
     names them).
 
+    Frozen tables (``trainable = False``) are left alone: they count no
+    uses (a pretrained table would lose every row it does not cache).
+
     Under Horovod every rank runs its callbacks, so each rank prunes its own
     shard of a model-parallel table.
 
@@ -304,7 +307,9 @@ class PruneHostTable(keras.callbacks.Callback):
 
     def _prune(self) -> None:
         for layer, name in table_log_names(self.model):
-            if not layer.built:
+            if not layer.built or not layer.trainable:
+                # A frozen table serves its rows like inference and counts
+                # no uses: every row it does not cache would go.
                 continue
             removed = layer.prune(self.min_uses)
             self.pruned_rows[name] = self.pruned_rows.get(name, 0) + removed

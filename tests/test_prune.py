@@ -94,10 +94,17 @@ def test_bad_arguments_are_refused():
     for bad in (0, -1, 65537, 1.5, True, "2"):
         with pytest.raises(ValueError, match=r"min_uses must be an int in \[1, 65536\]"):
             layer.prune(bad)
-    with pytest.raises(ValueError, match="min_uses"):
-        PruneHostTable(min_uses=0)
-    with pytest.raises(ValueError, match="every_steps"):
-        PruneHostTable(min_uses=2, every_steps=0)
+    for bad in (0, -1, 65537, 1.5, True, np.True_, "2", np.int64(0)):
+        with pytest.raises(ValueError, match=r"min_uses must be an int in \[1, 65536\]"):
+            PruneHostTable(min_uses=bad)
+    for bad in (0, -3, 2.0, True, np.True_, "10", np.int32(0)):
+        with pytest.raises(ValueError, match="every_steps must be None or an int >= 1"):
+            PruneHostTable(min_uses=2, every_steps=bad)
+    # NumPy integers are ints, as for layer.prune (they were refused, the
+    # message saying "must be an int ..., got 2").
+    prune = PruneHostTable(min_uses=np.int64(2), every_steps=np.int32(100))
+    assert (prune.min_uses, prune.every_steps) == (2, 100)
+    assert type(prune.min_uses) is int and type(prune.every_steps) is int
 
 
 def test_the_callback_bounds_the_table_during_fit(rng):

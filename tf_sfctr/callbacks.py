@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 import keras
+import numpy as np
 
 __all__ = ["CacheMetrics", "PruneHostTable", "cached_embeddings", "table_log_names"]
 
@@ -292,14 +293,17 @@ class PruneHostTable(keras.callbacks.Callback):
 
     def __init__(self, min_uses: int, every_steps: Optional[int] = None):
         super().__init__()
-        if isinstance(min_uses, bool) or not isinstance(min_uses, int) or not \
-                1 <= min_uses <= 65536:
-            raise ValueError(f"min_uses must be an int in [1, 65536], got {min_uses!r}")
-        if every_steps is not None and (isinstance(every_steps, bool)
-                                        or not isinstance(every_steps, int) or every_steps < 1):
+        # NumPy integers are ints here, as in CachedEmbedding.prune.
+        if isinstance(min_uses, (bool, np.bool_)) or \
+                not isinstance(min_uses, (int, np.integer)) or not 1 <= min_uses <= 65536:
+            raise ValueError(f"min_uses must be an int in [1, 65536] (use counters saturate "
+                             f"at 65535), got {min_uses!r}")
+        if every_steps is not None and (isinstance(every_steps, (bool, np.bool_))
+                                        or not isinstance(every_steps, (int, np.integer))
+                                        or every_steps < 1):
             raise ValueError(f"every_steps must be None or an int >= 1, got {every_steps!r}")
-        self.min_uses = min_uses
-        self.every_steps = every_steps
+        self.min_uses = int(min_uses)
+        self.every_steps = None if every_steps is None else int(every_steps)
         self.pruned_rows: dict = {}
         self._epoch_rows: dict = {}
         self._steps = _Steps()

@@ -157,17 +157,24 @@ class CacheMetrics(keras.callbacks.Callback):
       interval (this rank's shard under Horovod model parallelism).
 
     The counters come from ``layer.cache_stats()`` and count distinct ids per
-    training step; ``predict``, ``evaluate`` and validation never change
-    them. Steps are counted with the optimizer's iteration counter as batches
-    end (so ``steps_per_execution > 1`` is handled, and so is
+    training step when the step's cache is prepared; ``predict``, ``evaluate``
+    and validation never change them. With lookahead (``next_unique_ids``)
+    each step also prepares the next batch, so a batch's values hold the next
+    batch's misses and evictions (the first batch's, its own and the next's;
+    the last batch's, none, as it has no next batch). Steps are counted with
+    the optimizer's iteration counter as batches end (so
+    ``steps_per_execution > 1`` is handled, and so is
     ``gradient_accumulation_steps``, whose steps each count), or by batches
     when the model has no optimizer.
 
     Keras hands one logs dict to each callback in list order and appends its
     own ``History`` and progress bar after the user's callbacks, so the values
     reach ``History`` (epoch logs) and the progress bar. Other callbacks see
-    them only if they come *after* ``CacheMetrics`` in the list: put it first,
-    before ``keras.callbacks.TensorBoard``, ``CSVLogger`` or
+    the epoch values only if they come *after* ``CacheMetrics`` in the list:
+    one before it finds under these keys, at the end of an epoch, the values
+    of the epoch's last batch (Keras starts the epoch logs from the last
+    batch's). Put it first, before ``keras.callbacks.TensorBoard``,
+    ``CSVLogger``, ``EarlyStopping``, ``ModelCheckpoint`` or
     ``tf_sfctr.distributed.callbacks()`` (whose metric averaging then averages
     the epoch values over ranks). The progress bar shows, as for every
     non-stateful log, the mean of the batch values so far in the epoch.

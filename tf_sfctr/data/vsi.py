@@ -101,6 +101,19 @@ def with_unique_ids(
     batched dataset (the readers of :mod:`tf_sfctr.data` already prefetch;
     mapping after their prefetch is fine).
 
+    With ``lookahead`` or ``eviction_hints``, apply it after every stage
+    that splits, drops or reorders batches (``ds.shard(hvd.size(),
+    hvd.rank())``, a ``shuffle`` or ``filter`` of batches): each batch names
+    the batches that follow it where it is applied. A ``shard`` after it
+    sends the next batch to another rank, so the hints name other ranks'
+    batches and no step can use the cache plan its previous step made.
+    Trained values stay the same, but every lookahead step then prepares
+    the cache twice, the batches it never trains are counted in the ids'
+    use counts and hit/miss counters, and their new ids get host rows
+    (which count towards ``max_rows``). ``repeat`` and ``take`` after it
+    are fine. ``cache_stats()["prepared_ahead"]`` counts the steps that
+    used their plan (all but the first of each pass).
+
     Args:
       dataset: batches of ``(features, label[, weights])`` with a dict
         ``features``.

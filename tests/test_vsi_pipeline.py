@@ -206,3 +206,29 @@ def test_vsi_inputs():
             vsi_inputs("bag", (None,), ragged=True)
     with pytest.raises(ValueError, match="not both"):
         vsi_inputs("bag", (None,), ragged=True, sparse=True)
+
+
+@pytest.mark.parametrize("kw", [{"lookahead": True}, {"eviction_hints": 2}],
+                         ids=["lookahead", "hints"])
+def test_later_batches_keep_an_infinite_cardinality(kw):
+    """with_unique_ids of a repeated dataset stays infinite with lookahead or
+    hints, as without: a take(n) after it then has n batches. (It was
+    unknown, and Keras 3.5 counted an extra optimizer step per epoch of such
+    data: Adam's bias correction, and so every trained value, drifted.)"""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 50, size=(40, 3))
+    y = rng.normal(size=(40, 1)).astype(np.float32)
+    base = tf.data.Dataset.from_tensor_slices(({"sparse": ids}, y)).batch(8).repeat()
+    ds = with_unique_ids(base, **kw)
+    assert int(ds.cardinality()) == int(with_unique_ids(base).cardinality()) \
+        == tf.data.INFINITE_CARDINALITY
+    assert int(ds.take(7).cardinality()) == 7
+    assert len(list(ds.take(7))) == 7
+
+    inputs = {"sparse": vsi_inputs("sparse", (3,), lookahead=kw.get("lookahead", False),
+                                   eviction_hints=bool(kw.get("eviction_hints", 0)))}
+    x = keras.layers.Flatten()(CachedEmbedding(2, cache_capacity=64, seed=0)(inputs["sparse"]))
+    model = keras.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.fit(ds.take(7), epochs=2, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 14

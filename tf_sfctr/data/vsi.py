@@ -194,8 +194,11 @@ def with_unique_ids(
     ds = dataset.map(dedup, num_parallel_calls=num_parallel_calls, deterministic=True)
     if lookahead or eviction_hints:
         ds = _with_later_unique_ids(ds, keys, lookahead, eviction_hints)
+        # Kept known (the window below loses it), so that Keras counts steps:
+        # also an infinite one, so that a take(n) after it has n batches
+        # (unknown, Keras 3.5 counted an extra optimizer step per epoch).
         known = dataset.cardinality()
-        if int(known) >= 0:  # keep it known, so that Keras counts steps
+        if int(known) >= 0 or int(known) == tf.data.INFINITE_CARDINALITY:
             ds = ds.apply(tf.data.experimental.assert_cardinality(known))
     return ds.prefetch(tf.data.AUTOTUNE) if prefetch else ds
 

@@ -512,3 +512,25 @@ def test_max_rows_keeps_each_kept_id_with_its_own_row():
     rows = emb.lookup_rows(ids)
     np.testing.assert_array_equal(served[-5:], rows[-5:])  # ids 8..12: kept, own rows
     np.testing.assert_array_equal(served[:-5], np.zeros_like(rows[:-5]))
+
+
+def test_max_rows_does_not_count_the_batch_a_lookahead_step_prepared():
+    """A lookahead step counts the next batch's use for its ids when it
+    prepares the cache, before that batch trains; max_rows counts uses as an
+    uninterrupted plain run (and a checkpoint) does, so an id only prepared
+    does not push out a trained one."""
+    from tf_sfctr.data import deduplicate
+
+    def frozen_keys(next_ids):
+        emb = CachedEmbedding(2, cache_capacity=8, seed=0, name="emb")
+        feature = deduplicate(tf.constant([[5, 6]], tf.int64))
+        if next_ids is not None:
+            feature["next_unique_ids"] = tf.constant(next_ids, tf.int64)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(emb(feature, training=True))
+        tape.gradient(loss, emb.trainable_variables)
+        frozen = serving_model(_identity_model(emb), max_rows=2).get_layer("emb")
+        return frozen.keys.numpy()[:-1].tolist()
+
+    assert frozen_keys(None) == [5, 6]
+    assert frozen_keys([1]) == [5, 6]  # not id 1, prepared but never trained

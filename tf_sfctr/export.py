@@ -21,12 +21,20 @@ import tensorflow as tf
 from tf_sfctr.distributed import _horovod
 from tf_sfctr.keras_layers.cached_embedding import CachedEmbedding
 from tf_sfctr.keras_layers.serving_embedding import ServingEmbedding
+from tf_sfctr.store import _isin
 
 
 def _frozen_rows(layer: CachedEmbedding, max_rows: Optional[int]):
     layer.flush()
     # The embedding columns only: each host row also holds its optimizer state.
     ids, rows, counts = layer.store.host_export(columns=layer.output_dim)
+    ahead = layer._counted_ahead()
+    if ahead is not None:
+        # A lookahead plan counted the next batch's step for its ids before
+        # that step trained them: count uses as a checkpoint saves them
+        # (capped counts stay at the cap, which they had reached anyway).
+        ahead = tf.logical_and(_isin(ids, ahead), counts < MAX_USE_COUNT)
+        counts = counts - tf.cast(ahead, counts.dtype)
     if layer.mode == "model_parallel":
         # Every rank holds a shard: gather the whole table (collective).
         hvd = _horovod.require()

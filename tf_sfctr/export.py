@@ -405,7 +405,8 @@ def export_for_serving(model: keras.Model, export_dir: str,
     Returns the frozen Keras model that was exported (it takes what the
     SavedModel takes: multi-hot features as dense padded rows). Under Horovod, call it
     on every rank: the sharded tables are gathered and rank 0 writes one
-    complete SavedModel.
+    complete SavedModel (every rank holds the whole frozen tables meanwhile, so
+    each takes the export's memory).
 
     Example::
 

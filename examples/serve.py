@@ -84,7 +84,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save", metavar="PATH.keras", default=None,
                    help="also save the trained Keras model (table included)")
     p.add_argument("--load", metavar="PATH.keras", default=None,
-                   help="export this model (saved with --save) instead of training one")
+                   help="export this model (saved with --save) instead of training one; "
+                   "pass the --rows it trained on: the check rows are the data's first rows, "
+                   "and an id it never trained is served as zeros but predicted from its "
+                   "initial row")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     for name in ("rows", "epochs", "batch_size", "embedding_dim", "cache_capacity",
@@ -170,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rows compared:    {len(expected)}")
     print(f"max |served - keras predict|: {diff:.2e}")
     print(f"predictions match: {'yes' if match else 'NO'}", flush=True)
+    if not match and args.load:
+        print(f"(--load: was {args.load} trained on --rows {args.rows}? Rows it never trained "
+              "on hold ids that are served as zeros but predicted from their initial rows.)")
     return 0 if match and not report["tf_sfctr_imported"] else 1
 
 

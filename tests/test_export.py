@@ -534,3 +534,22 @@ def test_max_rows_does_not_count_the_batch_a_lookahead_step_prepared():
 
     assert frozen_keys(None) == [5, 6]
     assert frozen_keys([1]) == [5, 6]  # not id 1, prepared but never trained
+
+
+def test_exports_go_through_tf_file_systems(tmp_path, monkeypatch):
+    """export_for_serving checks and creates export_dir through tf.io.gfile,
+    as TensorFlow writes the SavedModel, so a path on another file system
+    (gs://...; TF's ram:// here) works and no local directory named after
+    its scheme appears (os.makedirs made ./ram:/ before)."""
+    monkeypatch.chdir(tmp_path)
+    emb = CachedEmbedding(3, cache_capacity=8, seed=0)
+    model = _identity_model(emb)
+    ids = np.array([[1, 2], [9, 1]], np.int64)
+    model(ids)
+    emb.assign_rows([1, 2], np.ones((2, 3), np.float32))
+    export_dir = f"ram://sfctr_export_{np.random.default_rng().integers(1 << 62)}/a/served"
+    tf_sfctr.export_for_serving(model, export_dir)
+    served = tf.saved_model.load(export_dir)
+    np.testing.assert_array_equal(np.asarray(served.serve(ids)),
+                                  [[[1, 1, 1], [1, 1, 1]], [[0, 0, 0], [1, 1, 1]]])
+    assert list(tmp_path.iterdir()) == []

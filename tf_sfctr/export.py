@@ -416,13 +416,17 @@ def export_for_serving(model: keras.Model, export_dir: str,
     """
     if not isinstance(export_dir, (str, os.PathLike)) or not os.fspath(export_dir):
         raise ValueError(f"export_dir must be a non-empty path, got {export_dir!r}")
-    if os.path.isfile(export_dir):
-        raise ValueError(f"export_dir {os.fspath(export_dir)!r} is a file; a SavedModel is a "
-                         "directory")
+    export_dir = os.fspath(export_dir)
+    # Through tf.io.gfile, as TensorFlow writes the SavedModel: the directory
+    # may be on any file system it knows (gs://...).
+    if tf.io.gfile.exists(export_dir) and not tf.io.gfile.isdir(export_dir):
+        raise ValueError(f"export_dir {export_dir!r} is a file; a SavedModel is a directory")
     frozen = serving_model(model, max_rows, pad_id)
     size, rank = _horovod.world()
     if rank == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(export_dir)), exist_ok=True)
+        parent = os.path.dirname(export_dir.rstrip("/"))
+        if parent:
+            tf.io.gfile.makedirs(parent)
         was_logging = keras.config.is_interactive_logging_enabled()
         keras.config.disable_interactive_logging()  # Keras prints every signature
         try:

@@ -18,6 +18,11 @@ Status VectorOfUnknown(InferenceContext* c, int output) {
   return OkStatus();
 }
 
+// Input 1 of a store op: a vector of ids.
+Status IdsVector(InferenceContext* c, ShapeHandle* ids) {
+  return c->WithRank(c->input(1), 1, ids);
+}
+
 }  // namespace
 
 REGISTER_OP("SfctrStoreCreate")
@@ -107,7 +112,19 @@ REGISTER_OP("SfctrHostWrite")
     .Input("rows: num_parts * float")
     .Input("counts: int64")
     .SetIsStateful()
-    .SetShapeFn(shape_inference::NoOutputs)
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle ids, unused;
+      TF_RETURN_IF_ERROR(IdsVector(c, &ids));
+      int num_parts;
+      TF_RETURN_IF_ERROR(c->GetAttr("num_parts", &num_parts));
+      for (int p = 0; p < num_parts; ++p) {
+        ShapeHandle rows;
+        TF_RETURN_IF_ERROR(c->WithRank(c->input(2 + p), 2, &rows));
+        shape_inference::DimensionHandle n;
+        TF_RETURN_IF_ERROR(c->Merge(c->Dim(ids, 0), c->Dim(rows, 0), &n));
+      }
+      return c->WithRank(c->input(2 + num_parts), 1, &unused);
+    })
     .Doc(R"doc(
 Stores full-width rows (value and optimizer state) in the host table, given
 as `num_parts` column blocks whose widths add up to the row width (e.g. the
@@ -120,7 +137,13 @@ REGISTER_OP("SfctrHostAssign")
     .Input("ids: int64")
     .Input("values: float")
     .SetIsStateful()
-    .SetShapeFn(shape_inference::NoOutputs)
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle ids, values;
+      TF_RETURN_IF_ERROR(IdsVector(c, &ids));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 2, &values));
+      shape_inference::DimensionHandle n;
+      return c->Merge(c->Dim(ids, 0), c->Dim(values, 0), &n);
+    })
     .Doc("Sets row values in the host table and resets their optimizer state.");
 
 REGISTER_OP("SfctrHostRead")
@@ -129,8 +152,9 @@ REGISTER_OP("SfctrHostRead")
     .Output("rows: float")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Matrix(c->Dim(c->input(1), 0),
-                                 InferenceContext::kUnknownDim));
+      ShapeHandle ids;
+      TF_RETURN_IF_ERROR(IdsVector(c, &ids));
+      c->set_output(0, c->Matrix(c->Dim(ids, 0), InferenceContext::kUnknownDim));
       return OkStatus();
     })
     .Doc(R"doc(
@@ -144,7 +168,9 @@ REGISTER_OP("SfctrCacheProbe")
     .Output("slots: int32")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->input(1));
+      ShapeHandle ids;
+      TF_RETURN_IF_ERROR(IdsVector(c, &ids));
+      c->set_output(0, ids);
       return OkStatus();
     })
     .Doc("Cache slot of each id, or -1 when not cached. No side effects.");
@@ -188,7 +214,11 @@ REGISTER_OP("SfctrHostAddCounts")
     .Input("ids: int64")
     .Input("counts: int64")
     .SetIsStateful()
-    .SetShapeFn(shape_inference::NoOutputs)
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle ids;
+      TF_RETURN_IF_ERROR(IdsVector(c, &ids));
+      return c->Merge(ids, c->input(2), &ids);
+    })
     .Doc("Adds to the use counters of stored ids (restoring a checkpoint).");
 
 REGISTER_OP("SfctrHostClear")
@@ -203,6 +233,8 @@ REGISTER_OP("SfctrHostPrune")
     .Output("removed: int64")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &unused));
       c->set_output(0, c->Scalar());
       return OkStatus();
     })
@@ -311,9 +343,11 @@ REGISTER_OP("SfctrSparseApplyAdagrad")
       ShapeHandle unused;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 0, &unused));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 0, &unused));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(4), 2, &unused));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(5), 1, &unused));
-      return OkStatus();
+      ShapeHandle grad, indices;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(4), 2, &grad));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(5), 1, &indices));
+      shape_inference::DimensionHandle n;
+      return c->Merge(c->Dim(grad, 0), c->Dim(indices, 0), &n);
     })
     .Doc(R"doc(
 Adagrad on the rows `indices` of the float variables `var` and `accum`
@@ -346,9 +380,11 @@ REGISTER_OP("SfctrSparseApplyFtrl")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle unused;
       for (int k = 3; k < 8; ++k) TF_RETURN_IF_ERROR(c->WithRank(c->input(k), 0, &unused));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(8), 2, &unused));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(9), 1, &unused));
-      return OkStatus();
+      ShapeHandle grad, indices;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(8), 2, &grad));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(9), 1, &indices));
+      shape_inference::DimensionHandle n;
+      return c->Merge(c->Dim(grad, 0), c->Dim(indices, 0), &n);
     })
     .Doc(R"doc(
 FTRL-Proximal on the rows `indices` of the float variables `var`, `accum` and
@@ -479,8 +515,12 @@ REGISTER_OP("SfctrFrame")
     .Attr("steady: bool = false")
     .SetShapeFn([](InferenceContext* c) {
       const int n = c->num_inputs() / 2;
-      ShapeHandle counts;
+      ShapeHandle counts, unused;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(n), 1, &counts));
+      for (int k = 0; k < n; ++k) {
+        TF_RETURN_IF_ERROR(c->WithRank(c->input(k), 1, &unused));
+        TF_RETURN_IF_ERROR(c->Merge(counts, c->input(n + k), &unused));
+      }
       c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
       c->set_output(1, counts);
       return OkStatus();
@@ -507,7 +547,8 @@ REGISTER_OP("SfctrUnframe")
     .SetShapeFn([](InferenceContext* c) {
       int n = 0;
       TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
-      ShapeHandle sizes;
+      ShapeHandle sizes, message;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &message));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &sizes));
       for (int k = 0; k < n; ++k) c->set_output(k, c->Vector(InferenceContext::kUnknownDim));
       c->set_output(n, c->Matrix(c->Dim(sizes, 0), n));

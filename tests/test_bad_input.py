@@ -367,6 +367,20 @@ def test_repeated_unique_ids_are_refused_in_training(trained, unique, inverse):
     _assert_unchanged(trained, snap)
 
 
+def test_unique_ids_repeated_past_the_cache_capacity_name_the_repeat(trained):
+    """Eight unique_ids, two distinct, in a 6-row cache: the error named 8
+    "distinct ids" and asked for a larger cache (which then failed on the
+    repeat); it names the repeat."""
+    unique = np.array([5, 5, 5, 5, 5, 5, 5, 8], np.int64)
+    inverse = np.arange(8, dtype=np.int32)
+    feature = _vsi(unique[inverse], unique, inverse)
+    snap = _snapshot(trained)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"id 5 appears twice .*positions 0 and 1.*Nothing was changed"):
+        trained(feature, training=True)
+    _assert_unchanged(trained, snap)
+
+
 def test_repeated_next_unique_ids_give_no_plan():
     """Lookahead with a next batch whose ids repeat: no plan is made, the step
     trains as without lookahead, and the next step prepares its own cache."""

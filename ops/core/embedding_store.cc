@@ -29,8 +29,16 @@ CoreStatus EmbeddingStore::PrepareLocked(const int64_t* ids, int64_t n, PrepareR
                                          const EvictionHints& hints,
                                          bool require_distinct) {
   r->slots.resize(n);
+  CoreStatus st;
+  if (require_distinct && n > directory_.capacity()) {
+    // More ids than the cache holds may be copies of fewer: name the repeat
+    // (Classify would ask for a larger cache for them).
+    std::fill(r->slots.begin(), r->slots.end(), -1);
+    st = CheckDistinct(ids, n, r->slots.data(), std::vector<int64_t>(ids, ids + n));
+    if (!st.ok()) return st;
+  }
   int64_t num_misses = 0;
-  CoreStatus st = directory_.Classify(ids, n, r->slots.data(), &num_misses);
+  st = directory_.Classify(ids, n, r->slots.data(), &num_misses);
   if (!st.ok()) return st;
 
   // Ids not in the cache, in input order. Callers pass distinct ids; if one

@@ -992,6 +992,18 @@ TEST_CASE(StoreRequireDistinctRefusesRepeatsUnchanged) {
     const int64_t ids[] = {1, 2, 3, 100 + k};
     CHECK(store.Prepare(ids, 4, &r, nullptr, EvictionHints(), true).ok());
   }
+  // More ids than the cache holds, two of them distinct: the repeat is
+  // named, not the capacity.
+  const int64_t copies[] = {7, 7, 7, 7, 7, 8};
+  CoreStatus st = store.Prepare(copies, 6, &r, nullptr, EvictionHints(), true);
+  CHECK(!st.ok());
+  CHECK(st.message().find("id 7 appears twice") != std::string::npos);
+  CHECK(st.message().find("positions 0 and 1") != std::string::npos);
+  // Distinct ids past the capacity: the capacity.
+  const int64_t many[] = {10, 11, 12, 13, 14};
+  st = store.Prepare(many, 5, &r, nullptr, EvictionHints(), true);
+  CHECK(!st.ok());
+  CHECK(st.message().find("5 distinct ids but cache_capacity is 4") != std::string::npos);
 }
 
 // Reference de-duplication: first-occurrence order, then a stable grouping by

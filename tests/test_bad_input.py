@@ -111,6 +111,23 @@ def test_assign_rows_bad_values(trained, values, match):
     _assert_unchanged(trained, snap)
 
 
+def test_ftrl_assign_rows_refuses_values_whose_linear_term_overflows():
+    """FTRL keeps an assigned row with the linear term -(value * ~31.6) at lr
+    0.01: 1e38 stored an infinite one, which made the row infinite at its
+    next update and every checkpoint of the table unrestorable. Refused,
+    changing nothing; the largest values that fit are kept."""
+    layer = CachedEmbedding(4, cache_capacity=6, seed=0,
+                            optimizer=tf_sfctr.optimizers.Ftrl(0.01))
+    layer(np.array([3, 1]), training=True)
+    snap = _snapshot(layer)
+    with pytest.raises(ValueError, match=r"too large for the Ftrl.*row 1 .*Nothing was changed"):
+        layer.assign_rows([3, 1], np.array([[1.0] * 4, [0, 0, -1e38, 0]], np.float32))
+    _assert_unchanged(layer, snap)
+    layer.assign_rows([3, 1], np.full((2, 4), 1e37, np.float32))
+    assert np.all(np.isfinite(layer.store.host_read(tf.constant([3, 1], tf.int64)).numpy()))
+    np.testing.assert_array_equal(layer.lookup_rows([3, 1]), np.full((2, 4), 1e37, np.float32))
+
+
 def test_assign_rows_bad_ids(trained):
     snap = _snapshot(trained)
     with pytest.raises(ValueError, match="distinct"):

@@ -367,7 +367,19 @@ class Ftrl(TableOptimizer):
         quadratic = n0 ** -self.learning_rate_power / lr + 2.0 * (self.l2_regularization_strength
                                         + self.beta / (2.0 * lr))
         z = -(w * quadratic + np.sign(w) * self.l1_regularization_strength)
-        return [np.full(w.shape, n0, np.float32), z.astype(np.float32)]
+        with np.errstate(over="ignore", invalid="ignore"):
+            z = z.astype(np.float32)
+        if not np.all(np.isfinite(z)):
+            # An infinite z would be stored, make the row infinite at its
+            # next update and the table's checkpoints unrestorable.
+            bad = int(np.argwhere(~np.isfinite(z))[0, 0])
+            raise ValueError(
+                f"values too large for the Ftrl table optimizer: row {bad} holds "
+                f"{np.asarray(values)[bad].tolist()}, and the linear term that keeps it, "
+                f"-(value * {quadratic:.4g} + sign(value) * l1), is beyond float32; "
+                f"|values| must stay below about {3.4e38 / quadratic:.3g} at this learning "
+                f"rate. Nothing was changed.")
+        return [np.full(w.shape, n0, np.float32), z]
 
     def apply(self, rows, state, slots, grad, grad_sq, step):
         accum, linear = state

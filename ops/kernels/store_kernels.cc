@@ -214,6 +214,27 @@ class StoreCreateOp : public OpKernel {
                 errors::InvalidArgument("state_init needs ", num_state,
                                         " values, got ",
                                         options_.table.state_init.size()));
+    for (size_t k = 0; k < options_.table.state_init.size(); ++k) {
+      OP_REQUIRES(ctx, std::isfinite(options_.table.state_init[k]),
+                  errors::InvalidArgument("state_init[", k, "] must be finite, got ",
+                                          options_.table.state_init[k]));
+    }
+    // What would make initial rows NaN or infinite for sure (a layer's
+    // initializer is checked further in tf_sfctr/initializers.py, which
+    // names its arguments).
+    const float a = options_.table.init.a, b = options_.table.init.b;
+    const sfctr::InitKind init_kind = options_.table.init.kind;
+    const bool init_ok =
+        std::isfinite(a) && std::isfinite(b) &&
+        (init_kind == sfctr::InitKind::kUniform ? a <= b && std::isfinite(b - a)
+         : init_kind == sfctr::InitKind::kConstant ? true
+                                                   : b >= 0);
+    OP_REQUIRES(ctx, init_ok,
+                errors::InvalidArgument(
+                    "init_a and init_b of a '", kind, "' initializer must be finite (uniform: "
+                    "init_a <= init_b, init_b - init_a a finite float32; normal and "
+                    "truncated_normal: init_b, the standard deviation, >= 0), got init_a ", a,
+                    " and init_b ", b));
     OP_REQUIRES(ctx, capacity < (int64_t{1} << 31),
                 errors::InvalidArgument("cache_capacity must be below 2^31"));
     OP_REQUIRES(ctx, num_state >= 0 && int64_t{dim} * (1 + num_state) < (int64_t{1} << 31),

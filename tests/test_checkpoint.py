@@ -258,6 +258,12 @@ def test_future_format_version_is_refused(rng):
     with pytest.raises(CheckpointMismatchError, match="non-finite"):
         emb.store.load_table(np.array([1, DIM, 2, 0]), np.array([1]), bad_rows,
                              np.zeros(1, np.int64), np.zeros(3, np.int64))
+    # float64 rows past float32's range would be stored as inf.
+    with pytest.raises(CheckpointMismatchError, match="non-finite"):
+        emb.store.load_table(np.array([1, DIM, 2, 0]), np.array([1]),
+                             np.full((1, 3 * DIM), 1e39), np.zeros(1, np.int64),
+                             np.zeros(3, np.int64))
+    np.testing.assert_array_equal(emb.store.host_export()[0].numpy(), [])
 
 
 def test_corrupt_or_truncated_checkpoint(rng, tmp_path):

@@ -357,7 +357,11 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
             raise CheckpointMismatchError(
                 "saved table lists an id twice; it is corrupt. The current table "
                 "was left untouched.")
-        if not np.all(np.isfinite(rows)):
+        # Checked as the float32 the table holds: a float64 value past its
+        # range would load as inf.
+        with np.errstate(over="ignore"):
+            finite = np.all(np.isfinite(rows.astype(np.float32, copy=False)))
+        if not finite:
             raise CheckpointMismatchError(
                 "saved table holds non-finite values; it is corrupt. The current "
                 "table was left untouched.")

@@ -204,6 +204,9 @@ class _Plan:
             # settles the plan; false once a step uses it, after any other
             # prepare, and after a restore.
             self.usable = var(False, [], "plan_usable")
+            # Lookahead steps in a row that found a usable plan for other ids
+            # (see CachedEmbedding._note_unused_plan).
+            self.unused = var(0, [], "plan_unused")
             self.ids = var(tf.zeros([0], tf.int64), [None], "plan_ids")
             # tf.size(ids), kept apart: grappler may take the static shape of
             # an assignment as the shape of every read of `ids` in the graph.
@@ -605,6 +608,7 @@ class CachedEmbedding(keras.layers.Layer):
                 tf.constant(0, tf.int64), trainable=False, name="table_step")
         with tf.init_scope():
             self._plan = _Plan(self.output_dim, 1 + opt.num_state, _compute_device())
+            self._warned_unused_plans = False
             self._deferred = None
             if self._mode == "model_parallel":
                 width = self.output_dim * (2 if opt.needs_squared_occurrences else 1)
@@ -1054,9 +1058,16 @@ class CachedEmbedding(keras.layers.Layer):
         plan = self._plan
 
         def planned_slots():
-            with tf.control_dependencies([self._prepared_ahead.var.assign_add(1),
-                                          plan.usable.assign(False)]):
+            used = [self._prepared_ahead.var.assign_add(1), plan.usable.assign(False)]
+            if next_ids is not None:
+                used.append(plan.unused.assign(0))
+            with tf.control_dependencies(used):
                 return tf.identity(plan.slots.read_value())
+
+        def slots_now():
+            noted = [] if next_ids is None else [self._note_unused_plan(had_plan)]
+            with tf.control_dependencies(noted):
+                return self._prepare_now(unique_ids, hints, require_distinct=from_input)
 
         # A prepared plan is applied first, whichever batch it was for: the
         # directory already reflects it.
@@ -1066,12 +1077,12 @@ class CachedEmbedding(keras.layers.Layer):
             # its ids: in a step traced on fixed-size ids, grappler took that
             # size from the static shape of the plan's later assignment.
             planned = plan.count.read_value()
-            use_plan = tf.logical_and(plan.usable.read_value(), tf.logical_and(
+            had_plan = plan.usable.read_value()
+            use_plan = tf.logical_and(had_plan, tf.logical_and(
                 tf.equal(tf.size(unique_ids), planned),
                 _ops.ids_equal(unique_ids, plan.ids.read_value(), b_size=planned)))
             slots, *evictions = tf.cond(
-                use_plan, lambda: (planned_slots(), *self._no_evictions()),
-                lambda: self._prepare_now(unique_ids, hints, require_distinct=from_input))
+                use_plan, lambda: (planned_slots(), *self._no_evictions()), slots_now)
         self._write_back(*evictions)
         if next_ids is not None:
             # After this batch's write-back (the host then holds every evicted
@@ -1079,6 +1090,40 @@ class CachedEmbedding(keras.layers.Layer):
             with tf.control_dependencies([slots]):
                 self._prepare_next(next_ids, hints, require_distinct=from_input)
         return slots
+
+    #: Lookahead steps in a row whose plan was for other ids before the layer
+    #: warns that the pipeline's next ids do not name the batches it trains.
+    UNUSED_PLANS_WARNING = 8
+
+    def _note_unused_plan(self, had_plan: tf.Tensor) -> tf.Tensor:
+        """Counts a lookahead step that found a plan made for other ids
+        (``had_plan``: a usable plan was there); the ``UNUSED_PLANS_WARNING``-th
+        in a row warns, once per layer. A wrong next batch now and then
+        (the first of a pass, a hand-made feed) costs one prepare; every
+        step missing its plan means the next ids name batches this layer
+        never trains: ``with_unique_ids`` applied before a ``shard`` or a
+        shuffle of batches."""
+        plan = self._plan
+        unused = plan.unused.assign_add(tf.cast(had_plan, plan.unused.dtype), read_value=True)
+
+        def warn():
+            if not self._warned_unused_plans:
+                self._warned_unused_plans = True
+                warnings.warn(
+                    f"CachedEmbedding {self.name!r}: {self.UNUSED_PLANS_WARNING} training "
+                    "steps in a row could not use the cache their previous step prepared, "
+                    "as their ids were not the batch that step named as next "
+                    "(next_unique_ids). Each such step prepares the cache twice, and the "
+                    "named batches' ids count as used. If the feature comes from "
+                    "tf_sfctr.data.with_unique_ids(lookahead=True), apply it after every "
+                    "stage that splits, drops or reorders batches (ds.shard(hvd.size(), "
+                    "hvd.rank()), a shuffle or filter of batches).", stacklevel=1)
+            return np.bool_(True)
+
+        return tf.cond(
+            tf.logical_and(had_plan, tf.equal(unused, self.UNUSED_PLANS_WARNING)),
+            lambda: tf.numpy_function(warn, [], tf.bool, stateful=True),
+            lambda: tf.constant(False))
 
     def _apply_plan(self, miss_slots, miss_rows, evict_slots, evict_ids, evict_uses):
         """Device side of a cache plan: evicted rows (value + state) are

@@ -232,3 +232,37 @@ def test_later_batches_keep_an_infinite_cardinality(kw):
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     model.fit(ds.take(7), epochs=2, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 14
+
+
+@pytest.mark.parametrize("shard_after", [True, False],
+                         ids=["shard_after_with_unique_ids", "shard_before"])
+def test_next_ids_of_batches_never_trained_warn(shard_after):
+    """with_unique_ids(lookahead=True) applied before ds.shard pairs each
+    batch with another rank's as its next: no step can use the cache its
+    previous step prepared. Values stay right, but every step prepares
+    twice; after UNUSED_PLANS_WARNING such steps in a row the layer warns,
+    once, naming the fix. Applied after the shard, nothing warns and every
+    step but the first of each pass uses its plan."""
+    import warnings
+
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 1000, size=(40 * 16, 3))
+    y = rng.normal(size=(40 * 16, 1)).astype(np.float32)
+    ds = tf.data.Dataset.from_tensor_slices(({"sparse": ids}, y)).batch(16)
+    ds = (with_unique_ids(ds, lookahead=True).shard(2, 0) if shard_after
+          else with_unique_ids(ds.shard(2, 0), lookahead=True))
+    inputs = {"sparse": vsi_inputs("sparse", (3,), lookahead=True)}
+    emb = CachedEmbedding(2, cache_capacity=256, seed=0)
+    x = keras.layers.Flatten()(emb(inputs["sparse"]))
+    model = keras.Model(inputs, keras.layers.Dense(1)(x))
+    model.compile(optimizer="sgd", loss="mse")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(ds, epochs=2, verbose=0)
+    messages = [str(w.message) for w in caught if "could not use the cache" in str(w.message)]
+    if shard_after:
+        assert len(messages) == 1 and "apply it after" in messages[0], messages
+        assert emb.cache_stats()["prepared_ahead"] == 0
+    else:
+        assert messages == []
+        assert emb.cache_stats()["prepared_ahead"] == 2 * (20 - 1)

@@ -2,10 +2,12 @@
 that never imports tf_sfctr; predictions equal; unknown ids -> zeros;
 max_rows keeps the most used rows."""
 
+import gc
 import json
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import keras
 import numpy as np
@@ -342,10 +344,31 @@ def test_attention_and_lambda_layers_export(rng, tmp_path):
     model.compile(optimizer="adam", loss="mse")
     model.fit(x, rng.random((200, 1)), batch_size=20, verbose=0)
     frozen = tf_sfctr.export_for_serving(model, str(tmp_path / "served"))
-    assert frozen.get_layer("mask") is model.get_layer("mask")  # stateless: shared
+    # Stateless: the same function (with its globals), in a twin of its own.
+    assert frozen.get_layer("mask").function is model.get_layer("mask").function
     assert frozen.get_layer("mha") is not model.get_layer("mha")  # weights: copied
     served, _ = _serve_in_subprocess(tmp_path, tmp_path / "served", x)
     np.testing.assert_allclose(served, model.predict(x, verbose=0), rtol=1e-5, atol=1e-5)
+
+
+def test_an_export_does_not_stay_alive_with_the_trained_model(rng, tmp_path):
+    """A long training process exports every few hours: each frozen model,
+    with its copy of the tables, used to stay alive as a node of the trained
+    model's stateless layers (the Flatten here), one more per export."""
+    model, emb, vocab, x = _trained_model(rng)
+    flatten = next(layer for layer in model.layers
+                   if isinstance(layer, keras.layers.Flatten))
+    nodes = len(flatten._inbound_nodes)
+    frozen = []
+    for k in range(2):
+        served = tf_sfctr.export_for_serving(model, str(tmp_path / f"served_{k}"))
+        frozen.append(weakref.ref(served.get_layer("emb")))
+        del served
+    gc.collect()
+    assert [ref() for ref in frozen] == [None, None]
+    assert len(flatten._inbound_nodes) == nodes
+    served, _ = _serve_in_subprocess(tmp_path, tmp_path / "served_1", x)
+    np.testing.assert_allclose(served, model.predict(x, verbose=0), rtol=1e-6, atol=1e-6)
 
 
 def test_a_table_inside_a_subclassed_layer_is_refused():

@@ -217,6 +217,21 @@ def _refuse_hidden_tables(model: keras.Model) -> None:
                 "the CachedEmbedding in a functional model instead.")
 
 
+def _twin(layer: keras.layers.Layer) -> keras.layers.Layer:
+    """A stateless layer for the frozen model: the same attributes (a
+    Lambda's function and globals, a lookup's table), but graph nodes of its
+    own. Calling the trained model's layer itself in the frozen graph added a
+    node to it that held the frozen model, so every export kept its copy of
+    the tables alive for as long as the trained model lived."""
+    twin = object.__new__(type(layer))
+    twin.__dict__.update(layer.__dict__)
+    # Set past Keras's attribute tracking: only these lists are the twin's.
+    twin.__dict__["_inbound_nodes"] = []
+    twin.__dict__["_outbound_nodes"] = []
+    twin.__dict__["_tf_sfctr_twin_of"] = layer
+    return twin
+
+
 def _copy_state(source: keras.Model, target: keras.Model) -> None:
     """Copies every layer's weights, and the state Keras saves as assets
     (an adapted ``StringLookup``'s or ``IntegerLookup``'s vocabulary, which
@@ -225,7 +240,7 @@ def _copy_state(source: keras.Model, target: keras.Model) -> None:
         if isinstance(layer, (CachedEmbedding, keras.layers.InputLayer)):
             continue  # (clone_model makes new inputs, under other names)
         copy = target.get_layer(layer.name)
-        if copy is layer:  # a stateless layer, not copied (serving_model)
+        if copy.__dict__.get("_tf_sfctr_twin_of") is layer:  # stateless (_twin)
             continue
         if _is_graph_model(layer):
             _copy_state(layer, copy)
@@ -277,8 +292,9 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None,
                   pad_id: Union[int, None, str] = "auto") -> keras.Model:
     """A copy of ``model`` whose CachedEmbedding layers are frozen
     ServingEmbedding layers (same names, same outputs for known ids). Layers
-    with weights are copied; stateless ones (no weights) are shared with
-    ``model``.
+    with weights are copied; stateless ones (no weights) share their
+    attributes with ``model``'s (a twin object with graph nodes of its own,
+    so that ``model`` does not keep the frozen copy alive).
 
     A model trained on de-duplicated features (``tf_sfctr.data.vsi_inputs``:
     ``{"ids", "unique_ids", "inverse", ...}``) is served on plain ids: each
@@ -346,7 +362,7 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None,
             # model calls the layer itself. A copy through from_config loses
             # what a config cannot hold, e.g. a Lambda's globals (its function
             # then fails with NameError) or its inferred output shape.
-            return layer
+            return _twin(layer)
         return layer.__class__.from_config(layer.get_config())
 
     _refuse_hidden_tables(model)

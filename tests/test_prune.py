@@ -162,6 +162,22 @@ def test_the_callback_counts_steps_and_logs_each_epoch(steps_per_execution, ever
     assert len(per_epoch) == 3 and sum(per_epoch) == prune.pruned_rows["items"] > 0
 
 
+def test_every_steps_counts_on_over_fit_calls():
+    """A stream trained one fit call per chunk of data: with chunks shorter
+    than every_steps the count started over in each fit, and the table was
+    never pruned (600 steps of new ids, every_steps=100: 9600 host rows)."""
+    inp = keras.Input((2,), dtype="int64")
+    emb = CachedEmbedding(2, cache_capacity=8, seed=0, name="items")
+    model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
+    model.compile(optimizer="sgd", loss="mse")
+    prune = _CountingPrune(min_uses=2, every_steps=8)
+    for chunk in range(4):  # 6 steps each: prunes after steps 8, 16 and 24
+        x = np.arange(24, dtype=np.int64).reshape(6, 4)[:, :2] + 100 * chunk
+        model.fit(x, np.ones((6, 1)), batch_size=1, verbose=0, callbacks=[prune])
+    assert prune.calls == 3
+    assert prune.pruned_rows["items"] > 0
+
+
 def test_every_steps_counts_steps_with_gradient_accumulation():
     """With gradient_accumulation_steps=4 the optimizer's public `iterations`
     counts updates: every_steps=4 pruned once in 16 steps, not 4 times."""

@@ -269,10 +269,14 @@ class PruneHostTable(keras.callbacks.Callback):
     """Prunes the host table of every ``CachedEmbedding`` of the model while
     it trains: ids used in fewer than ``min_uses`` training steps are removed
     (``CachedEmbedding.prune``), at the end of each epoch, or every
-    ``every_steps`` training steps of a ``fit`` call when given (counted with
+    ``every_steps`` training steps when given (counted with
     the optimizer's iteration counter, so ``steps_per_execution > 1`` prunes as
     often; the check runs after each execution; with
-    ``gradient_accumulation_steps`` every step counts, not every update). Each epoch's logs get
+    ``gradient_accumulation_steps`` every step counts, not every update). The
+    steps add up over the ``fit`` calls the callback is passed to, as
+    ``keras.callbacks.ModelCheckpoint(save_freq=n)`` counts batches: a stream
+    trained one ``fit`` per chunk, each shorter than ``every_steps``, is still
+    pruned every ``every_steps`` steps. Each epoch's logs get
     ``<layer name>/pruned_rows``, the rows removed during that epoch, and
     ``self.pruned_rows`` holds each layer's total (keyed as ``table_log_names``
     names them).
@@ -326,11 +330,9 @@ class PruneHostTable(keras.callbacks.Callback):
             self.pruned_rows[name] = self.pruned_rows.get(name, 0) + removed
             self._epoch_rows[name] = self._epoch_rows.get(name, 0) + removed
 
-    def on_train_begin(self, logs: Optional[dict] = None) -> None:
-        self._steps = _Steps()
-        self._last_prune_step = 0
-
     def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        # The count goes on from the previous epoch or fit call (restarted
+        # here only where the optimizer's counter is read from).
         self._steps.restart(self.model)
         self._epoch_rows = {name: 0 for _, name in table_log_names(self.model)}
 

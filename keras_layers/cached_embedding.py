@@ -79,8 +79,18 @@ def _eviction_hints(name: str, inputs: dict) -> Optional[tuple]:
             f"{'next_hint_ids' if has_ids else 'next_hint_steps'}")
     if not has_ids:
         return None
+    for key in ("next_hint_ids", "next_hint_steps"):
+        if isinstance(inputs[key], (tf.SparseTensor, tf.RaggedTensor)):
+            raise TypeError(
+                f"CachedEmbedding {name!r}: {key!r} must be a dense vector (any shape is "
+                f"flattened), got a {type(inputs[key]).__name__}; "
+                "tf_sfctr.data.with_unique_ids(..., eviction_hints=k) gives them so.")
     _check_id_dtype(tf.as_dtype(inputs["next_hint_ids"].dtype), "next_hint_ids")
-    _check_id_dtype(tf.as_dtype(inputs["next_hint_steps"].dtype), "next_hint_steps")
+    steps_dtype = tf.as_dtype(inputs["next_hint_steps"].dtype)
+    if steps_dtype not in (tf.int32, tf.int64):
+        raise TypeError(
+            f"CachedEmbedding {name!r}: 'next_hint_steps' must be int32 or int64 (how many "
+            f"batches after this one each hinted id is used), got {steps_dtype.name}")
     hint_ids = tf.reshape(tf.cast(inputs["next_hint_ids"], tf.int64), [-1])
     hint_steps = tf.reshape(inputs["next_hint_steps"], [-1])
     if hint_steps.dtype != tf.int32:  # a step beyond 2**31 - 1 is as good as never

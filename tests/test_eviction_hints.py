@@ -304,3 +304,25 @@ def test_reported_losses_weigh_each_batch_by_its_size_with_hints():
     hinted = evaluate(2)
     assert abs(hinted[0] - hinted[1]) < 1e-5 * abs(hinted[1])  # evaluate == mean loss
     np.testing.assert_allclose(hinted, plain, rtol=1e-5)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("next_hint_steps", tf.constant([2.0, 3.0]), r"'next_hint_steps' must be int32 or int64 "
+                                                 r"\(how many batches.*got float32"),
+    ("next_hint_ids", tf.sparse.from_dense(tf.constant([7, 8], tf.int64)),
+     "'next_hint_ids' must be a dense vector.*got a SparseTensor"),
+    ("next_hint_steps", tf.ragged.constant([[2], [3]], tf.int32),
+     "'next_hint_steps' must be a dense vector.*got a RaggedTensor"),
+])
+def test_hints_of_the_wrong_kind_are_refused_by_name(key, value, message):
+    """Hints of a float dtype were refused with the ids' message (hash
+    strings to int64...), sparse or ragged ones with TF's own conversion
+    error; both name the hint key now, before anything changes."""
+    layer = _layer()
+    feature = deduplicate(tf.constant(_batches(1, 1)[0]))
+    feature["next_hint_ids"] = tf.constant([7, 8], tf.int64)
+    feature["next_hint_steps"] = tf.constant([2, 3], tf.int32)
+    feature[key] = value
+    with pytest.raises(TypeError, match=message):
+        layer(feature, training=True)
+    assert layer.cache_stats()["host_rows"] == 0

@@ -1,0 +1,95 @@
+"""Keras fit features around a CachedEmbedding: per-example weights reach the
+table's gradient as they reach the dense weights', and BackupAndRestore
+resumes an interrupted fit with the table (save_weights holds it)."""
+
+import keras
+import numpy as np
+import pytest
+
+import tf_sfctr
+from tf_sfctr.keras_layers import CachedEmbedding
+
+VOCAB, FIELDS, DIM, BATCH, N = 40, 3, 4, 8, 64
+
+
+def _data(rng):
+    ids = rng.integers(0, VOCAB, (N, FIELDS)).astype("int64")
+    labels = (rng.random((N, 1)) < 0.4).astype("float32")
+    return ids, labels
+
+
+def _model(emb, optimizer=None):
+    inp = keras.Input((FIELDS,), dtype="int64")
+    x = keras.layers.Flatten()(emb(inp))
+    out = keras.layers.Dense(1, activation="sigmoid",
+                             kernel_initializer=keras.initializers.GlorotUniform(3))(x)
+    model = keras.Model(inp, out)
+    model.compile(optimizer=optimizer or keras.optimizers.SGD(0.3),
+                  loss="binary_crossentropy")
+    return model
+
+
+@pytest.mark.parametrize("weights", ["sample_weight", "class_weight", "validation_split"])
+def test_fit_weights_reach_the_table_as_with_keras_embedding(rng, weights):
+    ids, labels = _data(rng)
+    kwargs = {"sample_weight": dict(sample_weight=rng.random(N).astype("float32") * 3),
+              "class_weight": dict(class_weight={0: 0.2, 1: 5.0}),
+              "validation_split": dict(validation_split=0.25)}[weights]
+    ours = CachedEmbedding(DIM, cache_capacity=BATCH * FIELDS, seed=3,
+                           optimizer=tf_sfctr.optimizers.SGD(0.3))
+    theirs = keras.layers.Embedding(VOCAB, DIM)
+    model, ref = _model(ours), _model(theirs)
+    theirs.set_weights([ours.lookup_rows(np.arange(VOCAB))])
+    start = theirs.get_weights()[0]
+    got = model.fit(ids, labels, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, **kwargs)
+    want = ref.fit(ids, labels, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, **kwargs)
+    assert ours.cache_stats()["evictions"] > 0
+    for key in want.history:
+        np.testing.assert_allclose(got.history[key], want.history[key], rtol=1e-5)
+    np.testing.assert_allclose(ours.lookup_rows(np.arange(VOCAB)), theirs.get_weights()[0],
+                               rtol=1e-5, atol=1e-7)
+    assert np.abs(theirs.get_weights()[0] - start).max() > 1e-2
+    np.testing.assert_allclose(model.layers[-1].get_weights()[0],
+                               ref.layers[-1].get_weights()[0], rtol=1e-5, atol=1e-7)
+
+
+class _Interrupt(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.epoch == 1 and batch == 4:
+            raise RuntimeError("interrupted")
+
+
+@pytest.mark.parametrize("same_model", [True, False])
+def test_backup_and_restore_resumes_the_table(rng, tmp_path, same_model):
+    """An interrupted fit rerun with BackupAndRestore ends where an
+    uninterrupted one does: the backup restores the table (rows, Adagrad
+    accumulators, the schedule's update count) with the dense weights, and
+    undoes the updates of the interrupted epoch."""
+    ids, labels = _data(rng)
+
+    def build():
+        schedule = keras.optimizers.schedules.ExponentialDecay(0.3, 3, 0.7)
+        emb = CachedEmbedding(DIM, cache_capacity=BATCH * FIELDS, seed=3,
+                              optimizer=tf_sfctr.optimizers.Adagrad(schedule))
+        return _model(emb, keras.optimizers.Adam(0.01)), emb
+
+    def fit(model, *callbacks):
+        model.fit(ids, labels, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+                  callbacks=list(callbacks))
+
+    ref, ref_emb = build()
+    fit(ref)
+    model, emb = build()
+    with pytest.raises(RuntimeError, match="interrupted"):
+        fit(model, keras.callbacks.BackupAndRestore(str(tmp_path)), _Interrupt())
+    if not same_model:  # as after a restart of the process
+        model, emb = build()
+    fit(model, keras.callbacks.BackupAndRestore(str(tmp_path)))
+    assert emb.cache_stats()["evictions"] > 0
+    np.testing.assert_array_equal(emb.lookup_rows(np.arange(VOCAB)),
+                                  ref_emb.lookup_rows(np.arange(VOCAB)))
+    for a, b in zip(model.get_weights(), ref.get_weights()):
+        np.testing.assert_array_equal(a, b)

@@ -1056,7 +1056,8 @@ class CachedEmbedding(keras.layers.Layer):
         return self._data_parallel_rows(unique_ids, training)
 
     def _cached_slots(self, unique_ids: tf.Tensor, next_ids: Optional[tf.Tensor] = None,
-                      hints: Optional[tuple] = None, from_input: bool = False):
+                      hints: Optional[tuple] = None, from_input: bool = False,
+                      refusable: bool = False):
         """Loads distinct ids into the cache (this rank's shard); returns
         their slots, valid once the cache holds their rows. With ``next_ids``,
         also prepares the cache for the next batch (see the class docstring).
@@ -1064,7 +1065,10 @@ class CachedEmbedding(keras.layers.Layer):
         the next one with ``next_ids``, else this one. ``from_input``: the
         ids come from the input (de-duplicated in the pipeline), not from
         this layer's own de-duplication, so the prepare checks that they are
-        distinct (a repeat fails this step, or gives the next one no plan)."""
+        distinct (a repeat fails this step, or gives the next one no plan).
+        ``refusable``: ids the cache prepare refuses (more than
+        cache_capacity, new ids max_rows has no room for) get slots -1 and
+        change nothing, instead of failing the step."""
         plan = self._plan
 
         def planned_slots():
@@ -1077,7 +1081,8 @@ class CachedEmbedding(keras.layers.Layer):
         def slots_now():
             noted = [] if next_ids is None else [self._note_unused_plan(had_plan)]
             with tf.control_dependencies(noted):
-                return self._prepare_now(unique_ids, hints, require_distinct=from_input)
+                return self._prepare_now(unique_ids, hints, require_distinct=from_input,
+                                         refusable=refusable)
 
         # A prepared plan is applied first, whichever batch it was for: the
         # directory already reflects it.
@@ -1170,11 +1175,13 @@ class CachedEmbedding(keras.layers.Layer):
                                          require_distinct=require_distinct)
 
     def _prepare_now(self, unique_ids: tf.Tensor, hints: Optional[tuple] = None,
-                     require_distinct: bool = False) -> tuple:
+                     require_distinct: bool = False, refusable: bool = False) -> tuple:
         """(slots, *evictions): slots valid once the cache holds the rows;
-        the evictions go to _write_back (outside the caller's tf.cond)."""
-        slots, miss_slots, miss_rows, evict_slots, evict_ids, evict_uses = \
-            self._prepare(unique_ids, hints, require_distinct=require_distinct)
+        the evictions go to _write_back (outside the caller's tf.cond).
+        ``refusable``: see _cached_slots."""
+        slots, miss_slots, miss_rows, evict_slots, evict_ids, evict_uses = self._prepare(
+            unique_ids, hints, skip_if_refused=refusable,
+            require_distinct=require_distinct)[:6]
         # The directory changed: a plan's slots no longer describe it.
         with tf.control_dependencies([slots]):
             self._plan.usable.assign(False)
@@ -1341,6 +1348,11 @@ class CachedEmbedding(keras.layers.Layer):
         if self._deferred is not None:
             self._deferred.pending.assign(False)
 
+    # Why an owner refused a model-parallel training step (see
+    # exchange.return_rows): its codes, told to every rank.
+    _REFUSED_CAPACITY = 1
+    _REFUSED_MAX_ROWS = 2
+
     def _model_parallel_rows(self, route, training: bool, extras=None):
         """Rows of this rank's distinct ids (sent along ``route``) in route
         order and, when training, the update function (taking gradients in
@@ -1364,33 +1376,60 @@ class CachedEmbedding(keras.layers.Layer):
                 next_own, _, _ = _ops.unique(extras.next_ids)
             if extras is not None and extras.hint_ids is not None:
                 hints = (extras.hint_ids, extras.hint_steps)
-            # An owner's step holds the distinct ids every rank sent it; say
-            # so if they do not fit (the store's message counts only them).
-            fits = tf.debugging.assert_less_equal(
-                tf.size(own_ids), tf.constant(self.cache_capacity, tf.int32), message=(
-                    f"CachedEmbedding {self.name!r} (model parallel): the ids this rank "
-                    f"owns in this step, from all {self._world_size} ranks' batches, are "
-                    f"more than its cache_capacity={self.cache_capacity}; raise "
-                    f"cache_capacity (each rank caches its shard) or use smaller batches. "
-                    f"Nothing was changed on this rank"))
-            # The previous step's update: after the check (a refused step
-            # leaves it pending), before this step moves any slot.
-            with tf.control_dependencies([fits]):
-                applied = self._apply_deferred(extras.carried)
-            with tf.control_dependencies([fits, applied]):
+            # The previous step's update, on every owner (the ranks' pending
+            # flags stay alike, also in a step refused below), before this
+            # step moves any slot.
+            applied = self._apply_deferred(extras.carried)
+            with tf.control_dependencies([applied]):
                 own_ids = tf.identity(own_ids)
-                slots = self._cached_slots(own_ids, next_own, hints)
+                # An owner's step holds the distinct ids every rank sent it.
+                # One that cannot (more than its cache_capacity, or new ids
+                # its max_rows has no room for) changes nothing (slots -1)
+                # and tells every rank with its rows: all of them raise
+                # below, none waits for it in a later collective.
+                slots = self._cached_slots(own_ids, next_own, hints, refusable=True)
+            refusal = tf.where(
+                tf.reduce_any(slots < 0),
+                tf.where(tf.size(own_ids) > self.cache_capacity, self._REFUSED_CAPACITY,
+                         self._REFUSED_MAX_ROWS), 0)
             # Padded to a steady length for the all-to-all (see exchange).
+            index = tf.maximum(_ops.gather_index(slots, own_inverse), 0)
             rows_for_recv = _ops.gather_rows(
-                self._cache_rows, exchange.pad_steady(_ops.gather_index(slots, own_inverse)))
+                self._cache_rows,
+                exchange.pad_steady(index, extra=refusal * self._world_size))
         else:
             # After the ids exchange, which waited for any deferred update.
             with tf.control_dependencies([route.recv_ids]):
                 rows_for_recv = _ops.gather_tensor_rows(self._inference_rows(own_ids),
                                                         exchange.pad_steady(own_inverse))
-        rows = exchange.return_rows(rows_for_recv, route, name)
         if not training:
-            return rows, None
+            return exchange.return_rows(rows_for_recv, route, name), None
+        rows, refusals = exchange.return_rows(rows_for_recv, route, name, refusal=refusal)
+        # (No quotes in the text: Assert prints its strings escaped.)
+        if self.max_rows is None:
+            full = "its host table could not add their new rows (out of host memory)"
+        else:
+            full = (f"no room in its host table for their new rows under "
+                    f"max_rows={self.max_rows} (raise max_rows, or prune with "
+                    f"tf_sfctr.callbacks.PruneHostTable)")
+        text = (
+            f"CachedEmbedding {self.name} (model parallel): an owner of ids of this step "
+            f"(sent by all {self._world_size} ranks) could not hold them, so no rank trained "
+            f"the step and no row changed. Per owner rank, in rank order, 0 = answered, "
+            f"{self._REFUSED_CAPACITY} = more distinct ids than its "
+            f"cache_capacity={self.cache_capacity} (raise cache_capacity: each rank caches "
+            f"its shard; or use smaller batches), {self._REFUSED_MAX_ROWS} = {full}:")
+        owned = "Distinct ids this rank owns in the step:"
+        if tf.executing_eagerly():
+            if np.any(refusals.numpy() != 0):
+                raise tf.errors.InvalidArgumentError(
+                    None, None, f"{text} {refusals.numpy()}. {owned} {int(tf.size(own_ids))}")
+            answered = tf.constant(True)
+        else:
+            answered = tf.debugging.Assert(tf.reduce_all(tf.equal(refusals, 0)), [
+                text, refusals, owned, tf.size(own_ids)], summarize=self._world_size)
+        with tf.control_dependencies([answered]):
+            rows = tf.identity(rows)
         own_count = tf.size(own_ids)
 
         def apply_update(g, g_sq):

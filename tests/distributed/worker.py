@@ -3,6 +3,7 @@ scenario and rank into the directory given as argv[1]. Assertions that need
 no reference are made here (a failing rank exits non-zero)."""
 
 import os
+import re
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -108,18 +109,33 @@ def run_deferred(out_dir, rank, size):
 
     before = emb.lookup_rows(mine)
     step(ids)
-    # A step that its owners refuse (more distinct ids than cache_capacity, on
-    # both ranks) changes nothing: the previous update stays pending.
-    big = tf.constant(v[100 + rank * 40: 140 + rank * 40].reshape(20, 2))
-    try:
+    # A step that its owners refuse (more distinct ids than cache_capacity)
+    # changes no row, and every rank raises: also when one owner alone is
+    # over (rank 1 waited forever for its rows), and in a traced step. The
+    # previous update is applied, on every owner alike.
+    owned_by_0 = v[owner_of(v, size) == 0]
+    one_over = tf.constant((owned_by_0[:17] if rank == 0 else owned_by_0[:1]).reshape(-1, 1))
+    both_over = tf.constant(v[100 + rank * 40: 140 + rank * 40].reshape(20, 2))
+
+    def big_step(x):
         with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(emb(big, training=True))
-        tape.gradient(loss, emb.trainable_weights)
-        raise AssertionError("an owner over its cache_capacity was not refused")
-    except tf.errors.InvalidArgumentError as err:
-        assert "more than its cache_capacity" in str(err), str(err)
-    assert bool(emb._deferred.pending.numpy())
-    # Inference is the first read after the step: it delivers the update.
+            loss = tf.reduce_sum(emb(x, training=True))
+        return tape.gradient(loss, emb.trainable_weights)
+
+    for big, traced, codes in ((one_over, True, "[1 0]"), (one_over, False, "[1 0]"),
+                               (both_over, False, "[1 1]")):
+        try:
+            (tf.function(big_step) if traced else big_step)(big)
+            raise AssertionError("an owner over its cache_capacity was not refused")
+        except tf.errors.InvalidArgumentError as err:
+            assert "more distinct ids than its cache_capacity=16" in str(err), str(err)
+            # Owner 0 refused (over its capacity), 1 answered; 1 = capacity.
+            # ("] [1 0]" traced, by tf.debugging.Assert; " [1 0]" eagerly.)
+            assert re.search(rf"\(out of host memory\):\]? {re.escape(codes)}", str(err)), \
+                str(err)
+        pending = hvd.allgather(tf.cast(emb._deferred.pending, tf.int32)[None]).numpy()
+        assert pending.tolist() == [0, 0], pending
+    # Inference reads the update.
     got = emb(ids, training=False).numpy().reshape(6, 2)
     want = before - w.numpy().reshape(6, 2) / size
     np.testing.assert_allclose(got, want, rtol=1e-6)
@@ -365,6 +381,23 @@ def run_robustness(out_dir, rank, size):
     owned_by_0 = v[owner_of(v, size) == 0][:4]
     _expect_error(lambda: small.assign_rows(owned_by_0, np.ones((4, 2), np.float32)),
                   "host table is full" if rank == 0 else "failed on another rank")
+    # So does a training step that needs more rows of one owner only (the
+    # other rank waited forever for that owner's rows): the full owner
+    # inserts nothing, and no row changes.
+    owned_by_1 = v[owner_of(v, size) == 1][:1]
+    small_before = small.lookup_rows(v[:30])
+    try:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(small(owned_by_0[:, None] if rank == 0 else owned_by_1[:, None],
+                                       training=True))
+        tape.gradient(loss, small.trainable_weights)
+        raise AssertionError("a full owner's training step was not refused")
+    except tf.errors.InvalidArgumentError as err:
+        assert "no room in its host table for their new rows under max_rows=3" in str(err), \
+            str(err)
+        assert re.search(r"PruneHostTable\):\]? \[2 0\]", str(err)), str(err)
+    assert rank == 1 or small.cache_stats()["host_rows"] == 0
+    np.testing.assert_array_equal(small.lookup_rows(v[:30]), small_before)
     # expected_rows counts the whole table: a model-parallel rank sizes its
     # shard's index for its share, a data-parallel replica for all of it.
     sized = {}

@@ -70,11 +70,13 @@ def steady_length(n) -> tf.Tensor:
     return (n + granule - 1) // granule * granule
 
 
-def pad_steady(x: tf.Tensor) -> tf.Tensor:
+def pad_steady(x: tf.Tensor, extra=0) -> tf.Tensor:
     """``x`` with zero rows appended up to :func:`steady_length` of its first
-    dimension; an all-to-all of it with the splits of ``x`` sends the same."""
+    dimension; an all-to-all of it with the splits of ``x`` sends the same.
+    ``extra`` (a scalar): at least that many zero rows more (see
+    :func:`return_rows`)."""
     n = tf.shape(x, out_type=tf.int64)[0]
-    paddings = tf.concat([[[0, steady_length(n) - n]],
+    paddings = tf.concat([[[0, steady_length(n + tf.cast(extra, tf.int64)) - n]],
                           tf.zeros([len(x.shape) - 1, 2], tf.int64)], axis=0)
     return tf.pad(x, paddings)
 
@@ -311,15 +313,30 @@ def _deliver(routed, position, splits, name) -> Route:
     return Route(position, splits, recv_ids, recv_splits)
 
 
-def return_rows(rows_for_recv: tf.Tensor, route: Route, name: str) -> tf.Tensor:
+def return_rows(rows_for_recv: tf.Tensor, route: Route, name: str,
+                refusal: Optional[tf.Tensor] = None):
     """Owner → requester: rows in route order (local unique id ``i`` is row
     ``route.position[i]``; callers fold that into their own gather).
     ``rows_for_recv`` holds a row for each of ``route.recv_ids`` and may go on
-    with padding (gathered with a :func:`pad_steady` index), which stays here."""
+    with padding (gathered with a :func:`pad_steady` index), which stays here.
+
+    ``refusal`` (an int32 scalar, given on every rank or on none): 0 when
+    this owner answers, else a code >= 1 for why it cannot (its rows are
+    then meaningless). The owner sends every rank that many rows more than
+    asked for (``rows_for_recv`` must hold them: ``pad_steady(index,
+    extra=refusal * world size)``), so every rank learns every owner's code
+    in this all-to-all, also from an owner it asked for nothing, and no
+    rank is left waiting in a later collective. Returns ``(rows, codes)``
+    then, ``codes[r]`` owner r's refusal."""
     hvd = require()
-    back, _ = hvd.alltoall(rows_for_recv, splits=route.recv_splits,
-                           name=f"{name}_rows", ignore_name_scope=True)
-    return back
+    splits = route.recv_splits
+    if refusal is not None:
+        splits += tf.cast(refusal, splits.dtype)
+    back, got = hvd.alltoall(rows_for_recv, splits=splits,
+                             name=f"{name}_rows", ignore_name_scope=True)
+    if refusal is None:
+        return back
+    return back, tf.cast(got - route.splits, tf.int32)
 
 
 def send_to_owners(per_unique: tf.Tensor, route: Route, name: str,

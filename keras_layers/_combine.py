@@ -11,20 +11,42 @@ import tensorflow as tf
 
 
 def combine_segments(rows: tf.Tensor, row_ids: tf.Tensor, nrows: tf.Tensor,
-                     combiner: Optional[str]) -> tf.Tensor:
-    """Reduces ``rows`` [N, D] into [nrows, D] by ``row_ids``."""
-    total = tf.math.unsorted_segment_sum(rows, row_ids, nrows)
+                     combiner: Optional[str], weights: Optional[tf.Tensor] = None) -> tf.Tensor:
+    """Reduces ``rows`` [N, D] into [nrows, D] by ``row_ids``. ``weights`` [N]
+    (per id, as ``tf.nn.embedding_lookup_sparse``'s ``sp_weights``): "sum"
+    is the weighted sum, "mean" divides it by the row's total weight,
+    "sqrtn" by the square root of its sum of squared weights (a row whose
+    divisor is 0 gives zeros)."""
+    if weights is None:
+        total = tf.math.unsorted_segment_sum(rows, row_ids, nrows)
+        if combiner in (None, "sum"):
+            return total
+        counts = tf.math.unsorted_segment_sum(tf.ones_like(row_ids, rows.dtype), row_ids, nrows)
+        counts = tf.maximum(counts, 1.0)[:, None]
+        return total / (counts if combiner == "mean" else tf.sqrt(counts))
+    total = tf.math.unsorted_segment_sum(rows * weights[:, None], row_ids, nrows)
     if combiner in (None, "sum"):
         return total
-    counts = tf.math.unsorted_segment_sum(tf.ones_like(row_ids, rows.dtype), row_ids, nrows)
-    counts = tf.maximum(counts, 1.0)[:, None]
-    return total / (counts if combiner == "mean" else tf.sqrt(counts))
+    norm = tf.math.unsorted_segment_sum(
+        weights if combiner == "mean" else tf.square(weights), row_ids, nrows)
+    return tf.math.divide_no_nan(total, (norm if combiner == "mean" else tf.sqrt(norm))[:, None])
 
 
-def combine_last_axis(rows: tf.Tensor, combiner: str,
-                      keep: Optional[tf.Tensor] = None) -> tf.Tensor:
+def combine_last_axis(rows: tf.Tensor, combiner: str, keep: Optional[tf.Tensor] = None,
+                      weights: Optional[tf.Tensor] = None) -> tf.Tensor:
     """Reduces ``rows`` [..., L, D] over L; ``keep`` [..., L] (0/1) masks out
-    padding positions."""
+    padding positions. ``weights`` [..., L]: per id, as in
+    :func:`combine_segments`."""
+    if weights is not None:
+        if keep is not None:
+            weights = weights * keep
+        total = tf.reduce_sum(rows * weights[..., None], axis=-2)
+        if combiner == "mean":
+            return tf.math.divide_no_nan(total, tf.reduce_sum(weights, axis=-1, keepdims=True))
+        if combiner == "sqrtn":
+            return tf.math.divide_no_nan(
+                total, tf.sqrt(tf.reduce_sum(tf.square(weights), axis=-1, keepdims=True)))
+        return total
     if keep is None:
         total = tf.reduce_sum(rows, axis=-2)
         n = tf.cast(tf.shape(rows)[-2], rows.dtype)

@@ -440,6 +440,12 @@ class CachedEmbedding(keras.layers.Layer):
     tables; a model-parallel step sends each hint to the owner of its id in
     the ids all-to-all. Data-parallel tables ignore the keys.)
 
+    Per-id weights: ``layer(ids, weights=w)``, floats of the ids' structure
+    (dense of their shape, ragged of their row lengths, sparse of their
+    indices), combined as ``sp_weights`` of ``tf.nn.embedding_lookup_sparse``
+    ("mean" divides by the total weight, "sqrtn" by the root of the sum of
+    squared weights; a zero divisor gives zeros; no combiner: rows scaled).
+
     Several features may share the table: call the layer once on a list of
     them, ``a, b = layer([ids_a, ids_b])`` (dense, ragged or sparse ids;
     one output each, shaped as for a single call). Their ids are looked up
@@ -804,7 +810,7 @@ class CachedEmbedding(keras.layers.Layer):
                 "'mixed_bfloat16' (no loss scaling) or float32; a model made under float32 "
                 "trains once the global policy is set back to it.")
 
-    def call(self, inputs: Any, training: Optional[bool] = None) -> tf.Tensor:
+    def call(self, inputs: Any, training: Optional[bool] = None, weights: Any = None) -> tf.Tensor:
         flag = training
         if isinstance(flag, tf.Tensor) and hasattr(flag, "numpy") and flag.shape.rank == 0:
             flag = flag.numpy()  # eager (Keras turns NumPy flags into tensors)
@@ -837,6 +843,7 @@ class CachedEmbedding(keras.layers.Layer):
             # (tf_sfctr.data.with_unique_ids): skip de-duplication here.
             _check_vsi_keys(self.name, inputs)
             ids, layout = self._flatten(inputs["ids"])
+            self._attach_weights(weights, inputs["ids"], layout)
             unique_ids, inverse = self._checked_vsi(ids, inputs["unique_ids"],
                                                     inputs["inverse"])
             next_ids = inputs.get("next_unique_ids")
@@ -849,6 +856,7 @@ class CachedEmbedding(keras.layers.Layer):
                     unique_ids = tf.identity(unique_ids)
         else:
             ids, layout = self._flatten(inputs)
+            self._attach_weights(weights, inputs, layout)
             unique_ids = inverse = next_ids = hints = None
             if self._mode != "model_parallel":
                 unique_ids, inverse, _ = _ops.unique(ids)
@@ -1025,6 +1033,77 @@ class CachedEmbedding(keras.layers.Layer):
         return tf.reshape(tf.cast(x, tf.int64), [-1]), {
             "kind": "dense", "shape": tf.shape(x), "static": x.shape}
 
+    def _attach_weights(self, weights: Any, ids: Any, layout: dict) -> None:
+        """Checks per-id ``weights`` against ``ids`` (the same structure:
+        dense of the same shape, ragged of the same row lengths, sparse of
+        the same indices; a list for a list call, None entries allowed) and
+        puts them into ``layout`` as float32: the values of ragged or sparse
+        weights (aligned with the flat ids), dense ones in their shape."""
+        if weights is None:
+            return
+        what = f"CachedEmbedding {self.name!r}: weights"
+        if layout["kind"] == "parts":
+            if not isinstance(weights, (list, tuple)) or len(weights) != len(layout["layouts"]):
+                raise ValueError(
+                    f"{what} of a list call (features sharing the table) must be a list "
+                    f"with one entry per feature ({len(layout['layouts'])}; None for a "
+                    f"feature without weights), got {type(weights).__name__}"
+                    + (f" of {len(weights)}" if isinstance(weights, (list, tuple)) else ""))
+            for w, x, part in zip(weights, ids, layout["layouts"]):
+                self._attach_weights(w, x, part)
+            return
+        kinds = {tf.RaggedTensor: "a tf.RaggedTensor", tf.SparseTensor: "a tf.SparseTensor"}
+        ids_kind = next((k for k in kinds if isinstance(ids, k)), None)
+        w_kind = next((k for k in kinds if isinstance(weights, k)), None)
+        if ids_kind is not w_kind:
+            same_what = {tf.RaggedTensor: "row lengths", tf.SparseTensor: "indices"}
+            raise TypeError(
+                f"{what} must have the structure of the ids: "
+                f"{kinds.get(ids_kind, 'a dense tensor or array')} with the same "
+                f"{same_what.get(ids_kind, 'shape')} as the ids, got "
+                f"{kinds.get(w_kind, 'a dense ' + type(weights).__name__)}")
+        values = weights.values if w_kind is not None else weights
+        if isinstance(values, (str, bytes)):
+            raise TypeError(f"{what} must be floats, got a string")
+        values = tf.convert_to_tensor(values)
+        if not values.dtype.is_floating:
+            raise TypeError(f"{what} must be floats (float16/32/64 or bfloat16), got "
+                            f"{values.dtype.name}")
+        values = tf.cast(values, tf.float32)
+        if ids_kind is tf.RaggedTensor:
+            same = _ops.ids_equal(weights.row_splits, ids.row_splits)
+            told = "row lengths"
+        elif ids_kind is tf.SparseTensor:
+            same = tf.logical_and(_ops.ids_equal(weights.indices, ids.indices),
+                                  _ops.ids_equal(weights.dense_shape, ids.dense_shape))
+            told = "indices and dense_shape"
+        else:
+            ids_shape = tf.convert_to_tensor(ids).shape
+            if values.shape.rank is not None and ids_shape.rank is not None and (
+                    not values.shape.is_compatible_with(ids_shape)):
+                raise ValueError(f"{what} must have the shape of the ids, {ids_shape}, got "
+                                 f"{values.shape}")
+            same = _ops.ids_equal(tf.shape(values, out_type=tf.int64),
+                                  tf.shape(ids, out_type=tf.int64))
+            told = "shape"
+        message = f"CachedEmbedding {self.name!r}: weights must have the {told} of the ids"
+        if tf.executing_eagerly():
+            if not bool(same):
+                raise tf.errors.InvalidArgumentError(None, None, message)
+        else:
+            # Everything that uses the weights waits for the check. Dense
+            # weights keep their shape (_combine does not reshape them):
+            # grappler dropped this control dependency when it merged a
+            # reshape here with one after it, and a traced step failed on
+            # the mismatch elsewhere, with TF's message. A bare Assert:
+            # assert_equal's guard is a cond, for which grappler's loop
+            # optimizer logs a warning at every trace; no quotes in its
+            # text, which it prints escaped.
+            checked = tf.debugging.Assert(same, [message.replace(repr(self.name), self.name)])
+            with tf.control_dependencies([checked]):
+                values = tf.identity(values)
+        layout["weights"] = values
+
     def _require_combiner(self, what: str) -> None:
         if self.combiner is None:
             raise ValueError(
@@ -1036,11 +1115,17 @@ class CachedEmbedding(keras.layers.Layer):
         if layout["kind"] == "parts":
             pieces = tf.split(rows, tf.stack(layout["sizes"]), num=len(layout["sizes"]))
             return [self._combine(p, part) for p, part in zip(pieces, layout["layouts"])]
+        weights = layout.get("weights")
         if layout["kind"] == "dense":
             out = tf.reshape(rows, tf.concat([layout["shape"], [dim]], 0))
             out.set_shape(layout["static"].concatenate([dim]))
-            return out if self.combiner is None else combine_last_axis(out, self.combiner)
-        return combine_segments(rows, layout["row_ids"], layout["nrows"], self.combiner)
+            if weights is not None and self.combiner is None:
+                return out * weights[..., None]
+            if self.combiner is None:
+                return out
+            return combine_last_axis(out, self.combiner, weights=weights)
+        return combine_segments(rows, layout["row_ids"], layout["nrows"], self.combiner,
+                                weights=weights)
 
     # -------------------------------------------------------- training path
     def _unique_rows(self, unique_ids: tf.Tensor, training: bool):
@@ -1854,7 +1939,8 @@ class CachedEmbedding(keras.layers.Layer):
     def compute_output_shape(self, input_shape: Any) -> tuple:
         return output_shape(input_shape, self.combiner, self.output_dim)
 
-    def compute_output_spec(self, inputs: Any, training: Optional[bool] = None) -> Any:
+    def compute_output_spec(self, inputs: Any, training: Optional[bool] = None,
+                            weights: Any = None) -> Any:
         # A functional model is wired here, before any data: refuse ids of
         # another dtype now rather than at the first fit.
         ids = inputs["ids"] if isinstance(inputs, dict) and "ids" in inputs else inputs
@@ -1888,7 +1974,13 @@ class CachedEmbedding(keras.layers.Layer):
                         "keras.Sequential model without keras.Input, start it with "
                         "keras.Input(shape, dtype='int64') (Keras builds such a model "
                         "with float32 inputs, which would round large ids).") from None
-        return super().compute_output_spec(inputs, training=training)
+        for w in keras.tree.flatten(weights):
+            if isinstance(w, keras.KerasTensor) and not tf.as_dtype(w.dtype).is_floating:
+                raise TypeError(f"CachedEmbedding {self.name!r}: weights must be floats "
+                                f"(float16/32/64 or bfloat16), got a symbolic {w.dtype} input")
+        if weights is None:
+            return super().compute_output_spec(inputs, training=training)
+        return super().compute_output_spec(inputs, training=training, weights=weights)
 
     def get_config(self) -> dict[str, Any]:
         if _in_legacy_h5_format():

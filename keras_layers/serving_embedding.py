@@ -107,7 +107,7 @@ class ServingEmbedding(keras.layers.Layer):
         index = tf.where(found, pos, tf.cast(self.num_keys, tf.int64))
         return tf.gather(tf.convert_to_tensor(self.rows), index)
 
-    def call(self, inputs: Any) -> Any:
+    def call(self, inputs: Any, weights: Any = None) -> Any:
         if isinstance(inputs, dict):  # a model trained with pipeline VSI
             inputs = inputs["ids"]
         if isinstance(inputs, (list, tuple)):  # features sharing the table
@@ -115,30 +115,41 @@ class ServingEmbedding(keras.layers.Layer):
             if len(pads) != len(inputs):
                 raise ValueError(f"ServingEmbedding {self.name!r} has {len(pads)} pad ids "
                                  f"for {len(inputs)} inputs")
-            return [self._call_one(x, p) for x, p in zip(inputs, pads)]
+            if weights is None:
+                weights = [None] * len(inputs)
+            if not isinstance(weights, (list, tuple)) or len(weights) != len(inputs):
+                raise ValueError(f"ServingEmbedding {self.name!r}: weights of a list call "
+                                 f"need one entry per input ({len(inputs)}; None for none)")
+            return [self._call_one(x, p, w) for x, p, w in zip(inputs, pads, weights)]
         if isinstance(self.pad_id, list):
             raise ValueError(f"ServingEmbedding {self.name!r} has one pad id per input of a "
                              f"list call ({self.pad_id}), but was called on one input")
-        return self._call_one(inputs, self.pad_id)
+        return self._call_one(inputs, self.pad_id, weights)
 
-    def _call_one(self, inputs: Any, pad_id: Optional[int]) -> tf.Tensor:
+    def _call_one(self, inputs: Any, pad_id: Optional[int], weights: Any = None) -> tf.Tensor:
+        # Per-id weights come in the structure of the ids (CachedEmbedding
+        # checked it while training); served dense rows pad them with 0.
         if isinstance(inputs, (tf.RaggedTensor, tf.SparseTensor)):
             if isinstance(inputs, tf.SparseTensor):
                 row_ids, nrows, values = inputs.indices[:, 0], inputs.dense_shape[0], inputs.values
             else:
                 row_ids, nrows, values = inputs.value_rowids(), inputs.nrows(), inputs.values
             rows = self._lookup(tf.cast(values, tf.int64))
-            return combine_segments(rows, row_ids, nrows, self.combiner)
+            w = None if weights is None else tf.cast(weights.values, rows.dtype)
+            return combine_segments(rows, row_ids, nrows, self.combiner, weights=w)
         x = tf.cast(inputs, tf.int64)
         out = tf.reshape(self._lookup(tf.reshape(x, [-1])),
                          tf.concat([tf.shape(x), [self.output_dim]], 0))
         out.set_shape(x.shape.concatenate([self.output_dim]))
+        w = None if weights is None else tf.cast(weights, out.dtype)
         if self.combiner is None:
+            if w is not None:
+                out = out * w[..., None]
             return tf.cast(out, self.compute_dtype)
         keep = None
         if pad_id is not None:
             keep = tf.cast(tf.not_equal(x, pad_id), out.dtype)
-        total = combine_last_axis(out, self.combiner, keep)
+        total = combine_last_axis(out, self.combiner, keep, weights=w)
         return tf.cast(total, self.compute_dtype)
 
     def compute_output_shape(self, input_shape: Any) -> tuple:

@@ -496,3 +496,12 @@ def test_plain_restore_of_one_shard_into_one_process_is_refused(results):
                              r"tf_sfctr\.distributed\.restore"):
         tf.train.Checkpoint(model=model).restore(str(prefix)).expect_partial()
     np.testing.assert_array_equal(emb.lookup_rows(sc.vocab()), rows)
+
+
+def test_weighted_ids_train_like_one_process(results):
+    """Per-id weights (ragged, "sqrtn") on 2 model-parallel ranks: the rows
+    of the 1-process run on the global batches."""
+    want = sc.weighted_rows("auto")
+    for rank in range(sc.WORLD):
+        np.testing.assert_allclose(results("weighted", rank)["rows"], want, rtol=1e-6,
+                                   atol=1e-7)

@@ -165,6 +165,42 @@ def fit_model(emb, dense, opt, batches, callbacks=()):
     return model
 
 
+def weighted_batches():
+    """4 global batches of ragged ids (some rows empty), per-id weights and
+    loss weights, for a "sqrtn" table trained with loss sum(out * lw)."""
+    rng = np.random.default_rng(13)
+    v = vocab()[:40]
+    out = []
+    for _ in range(4):
+        n = WORLD * LOCAL_BATCH
+        lengths = rng.integers(0, 5, size=n)
+        ids = tf.RaggedTensor.from_row_lengths(v[rng.integers(0, 40, size=lengths.sum())],
+                                               lengths)
+        w = tf.RaggedTensor.from_row_lengths(
+            rng.uniform(0.25, 2.0, size=lengths.sum()).astype("float32"), lengths)
+        out.append((ids, w, rng.normal(size=(n, DIM)).astype("float32")))
+    return out
+
+
+def weighted_rows(distribution, rank=0, world=1):
+    """Trains a weighted table on this rank's rows of weighted_batches();
+    returns the vocabulary's rows. Ranks' gradients are averaged, so one
+    process takes loss / WORLD on the global batch."""
+    emb = CachedEmbedding(DIM, cache_capacity=64, seed=3, combiner="sqrtn", name="weighted",
+                          optimizer=tf_sfctr.optimizers.SGD(0.5), distribution=distribution)
+
+    @tf.function(reduce_retracing=True)
+    def step(ids, w, lw):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(emb(ids, training=True, weights=w) * lw) * (world / WORLD)
+        tape.gradient(loss, emb.trainable_weights)
+
+    lo, hi = (rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH) if world > 1 else (0, None)
+    for ids, w, lw in weighted_batches():
+        step(ids[lo:hi], w[lo:hi], lw[lo:hi])
+    return emb.lookup_rows(vocab()[:40])
+
+
 def extras_inputs(rank):
     """What each rank sends in the extras test: this step's distinct ids,
     the next step's, and hints (one id twice, with steps 4 and 2). Rank 1's

@@ -740,7 +740,7 @@ def main():
     out_dir = sys.argv[1]
     only = sys.argv[2:] or list(sc.SCENARIOS) + ["routing", "extras", "broadcast", "checkpoint",
                                             "robustness", "resume", "deferred",
-                                            "restore_checks"]
+                                            "restore_checks", "weighted"]
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     assert size == sc.WORLD, size
@@ -777,6 +777,9 @@ def main():
             run_checkpoint_and_export(out_dir, rank, size)
         elif name == "restore_checks":
             run_restore_checks(out_dir, rank, size)
+        elif name == "weighted":
+            np.savez(os.path.join(out_dir, f"weighted_rank{rank}.npz"),
+                     rows=sc.weighted_rows("model_parallel", rank, size))
         else:
             run_equivalence(out_dir, name, rank)
         print(f"rank {rank}: {name} done", flush=True)

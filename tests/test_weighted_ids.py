@@ -1,0 +1,263 @@
+"""Per-id weights (``layer(ids, weights=w)``), as ``sp_weights`` of
+``tf.nn.embedding_lookup_sparse``: forward values and one SGD step against
+it, dense ids against NumPy, ``model.fit`` against ``keras.layers.Embedding``
+with the same weighted combine, the list call, the served export, and the
+errors for weights that do not match the ids."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sfctr
+from tf_sfctr.keras_layers import CachedEmbedding
+
+from conftest import random_vocab
+
+DIM = 5
+LR = 0.5
+ROWS = [[0, 3, 3, 7], [], [5], [1, 2, 0, 11, 11, 11], [4, 9], []]  # empty rows too
+
+
+def _layer(combiner=None, capacity=64, **kwargs):
+    return CachedEmbedding(DIM, cache_capacity=capacity, combiner=combiner, seed=9,
+                           optimizer=tf_sfctr.optimizers.SGD(learning_rate=LR), **kwargs)
+
+
+def _sgd_step(layer, ids, id_weights, loss_weights):
+    """One training step of loss = sum(out * loss_weights); returns the output."""
+    with tf.GradientTape() as tape:
+        out = layer(ids, training=True, weights=id_weights)
+        loss = tf.reduce_sum(out * loss_weights)
+    tape.gradient(loss, layer.trainable_weights)
+    return out
+
+
+def _id_weights(rng):
+    """Per-id weights for ROWS, positive (a mean's divisor is never 0)."""
+    return tf.ragged.constant([list(rng.uniform(0.25, 2.0, size=len(r))) for r in ROWS],
+                              dtype=tf.float32, ragged_rank=1)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("kind", ["ragged", "sparse"])
+def test_weighted_multi_hot_matches_embedding_lookup_sparse(rng, combiner, kind):
+    vocab = random_vocab(rng, 12)
+    index = tf.ragged.constant(ROWS, dtype=tf.int64)
+    ragged_ids = tf.ragged.map_flat_values(lambda i: tf.gather(vocab, i), index)
+    w = _id_weights(rng)
+    ids, id_weights = ((ragged_ids, w) if kind == "ragged" else
+                       (ragged_ids.to_sparse(), w.to_sparse()))
+    layer = _layer(combiner)
+    params = layer.lookup_rows(vocab)
+    loss_weights = rng.normal(size=(len(ROWS), DIM)).astype("float32")
+
+    var = tf.Variable(params)
+    with tf.GradientTape() as tape:
+        want = tf.nn.embedding_lookup_sparse(var, index.to_sparse(), w.to_sparse(),
+                                             combiner=combiner)
+        # It drops trailing empty rows; empty rows give zeros here.
+        want = tf.concat([want, tf.zeros([len(ROWS) - want.shape[0], DIM])], 0)
+        want = tf.where(tf.math.is_nan(want), 0.0, want)
+        loss = tf.reduce_sum(want * loss_weights)
+    want_params = params - LR * tf.convert_to_tensor(tape.gradient(loss, var)).numpy()
+
+    np.testing.assert_allclose(layer(ids, weights=id_weights).numpy(), want.numpy(),
+                               rtol=1e-6, atol=1e-7)
+    out = _sgd_step(layer, ids, id_weights, loss_weights)
+    np.testing.assert_allclose(out.numpy(), want.numpy(), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(layer.lookup_rows(vocab), want_params, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("combiner", [None, "sum", "mean", "sqrtn"])
+def test_weighted_dense_ids(rng, combiner):
+    """Dense [B, L] ids with [B, L] weights: the weighted combine over L (no
+    combiner: each row scaled by its weight); a zero total weight gives zeros."""
+    vocab = random_vocab(rng, 6)
+    idx = rng.integers(0, 6, size=(3, 4))
+    w = rng.uniform(0.1, 2.0, size=(3, 4)).astype("float32")
+    w[2] = 0.0  # a row of zero weights
+    layer = _layer(combiner)
+    params = layer.lookup_rows(vocab)
+    rows = params[idx] * w[..., None]
+    if combiner is None:
+        want = rows
+    else:
+        norm = {"sum": np.ones((3, 1), "float32"), "mean": w.sum(1, keepdims=True),
+                "sqrtn": np.sqrt((w * w).sum(1, keepdims=True))}[combiner]
+        want = np.divide(rows.sum(1), norm, out=np.zeros((3, DIM), "float32"),
+                         where=norm > 0)
+    np.testing.assert_allclose(layer(vocab[idx], weights=w).numpy(), want, rtol=1e-6,
+                               atol=1e-7)
+    loss_weights = rng.normal(size=want.shape).astype("float32")
+    # SGD: each occurrence's row moves by lr * (its weight / the row's norm)
+    # * the loss weight.
+    want_params = params.copy()
+    for b in range(3):
+        for k in range(4):
+            if combiner is None:
+                step = w[b, k] * loss_weights[b, k]
+            else:
+                n = norm[b, 0]
+                step = 0.0 if n == 0 else w[b, k] / n * loss_weights[b]
+            want_params[idx[b, k]] -= LR * step
+    out = _sgd_step(layer, tf.constant(vocab[idx]), w, loss_weights)
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(layer.lookup_rows(vocab), want_params, rtol=1e-5, atol=1e-6)
+
+
+def _fit_models(rng, vocab, idx, w, y):
+    """The same two-input model with CachedEmbedding(ids, weights=w) and with
+    keras.layers.Embedding + the weighted mean; trained alike."""
+    length = idx.shape[1]
+    ids_in = keras.Input((length,), dtype="int64", name="ids")
+    w_in = keras.Input((length,), dtype="float32", name="w")
+    emb = CachedEmbedding(DIM, cache_capacity=32, combiner="mean", seed=3, name="emb",
+                          optimizer=tf_sfctr.optimizers.Adagrad(0.1))
+    head = keras.layers.Dense(1, name="head")
+    ours = keras.Model([ids_in, w_in], head(emb(ids_in, weights=w_in)))
+
+    pos_in = keras.Input((length,), dtype="int64", name="ids")
+    w2_in = keras.Input((length,), dtype="float32", name="w")
+    ref_emb = keras.layers.Embedding(len(vocab), DIM, name="emb")
+    rows = ref_emb(pos_in) * keras.ops.expand_dims(w2_in, -1)
+    mean = keras.ops.sum(rows, axis=1) / keras.ops.sum(w2_in, axis=1, keepdims=True)
+    ref_head = keras.layers.Dense(1, name="head")
+    ref = keras.Model([pos_in, w2_in], ref_head(mean))
+    ref_emb.set_weights([emb.lookup_rows(vocab)])
+    ref_head.set_weights(head.get_weights())
+
+    ours.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    ref.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    # The reference table trains with Keras's Adagrad, the dense layer with SGD.
+    ref_opt = keras.optimizers.Adagrad(0.1)
+    ref_opt.build([ref_emb.embeddings])
+    for _ in range(2):
+        for b in range(0, len(idx), 8):
+            x_ids, x_w, yb = vocab[idx[b:b + 8]], w[b:b + 8], y[b:b + 8]
+            ours.train_on_batch([x_ids, x_w], yb)
+            with tf.GradientTape() as tape:
+                loss = keras.ops.mean(keras.ops.square(ref([idx[b:b + 8], x_w]) - yb))
+            g_emb, g_k, g_b = tape.gradient(
+                loss, [ref_emb.embeddings, ref_head.kernel, ref_head.bias])
+            ref_opt.apply([g_emb], [ref_emb.embeddings])
+            ref_head.kernel.assign_sub(0.05 * g_k)
+            ref_head.bias.assign_sub(0.05 * g_b)
+    return ours, ref, emb, ref_emb
+
+
+def test_weighted_fit_matches_keras_embedding(rng):
+    vocab = random_vocab(rng, 20)
+    idx = rng.integers(0, 20, size=(32, 3))
+    w = rng.uniform(0.2, 2.0, size=(32, 3)).astype("float32")
+    y = rng.normal(size=(32, 1)).astype("float32")
+    ours, ref, emb, ref_emb = _fit_models(rng, vocab, idx, w, y)
+    np.testing.assert_allclose(emb.lookup_rows(vocab), ref_emb.embeddings.numpy(), rtol=2e-5,
+                               atol=2e-6)
+    np.testing.assert_allclose(ours.get_layer("head").kernel.numpy(),
+                               ref.get_layer("head").kernel.numpy(), rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(ours.predict([vocab[idx], w], verbose=0),
+                               ref.predict([idx, w], verbose=0), rtol=2e-5, atol=2e-6)
+
+
+def test_weighted_model_exports(rng, tmp_path):
+    """The served SavedModel takes the weights as an input, as the model does."""
+    vocab = random_vocab(rng, 20)
+    idx = rng.integers(0, 20, size=(32, 3))
+    w = rng.uniform(0.2, 2.0, size=(32, 3)).astype("float32")
+    y = rng.normal(size=(32, 1)).astype("float32")
+    ours, _, _, _ = _fit_models(rng, vocab, idx, w, y)
+    tf_sfctr.export_for_serving(ours, str(tmp_path / "served"))
+    served = tf.saved_model.load(str(tmp_path / "served"))
+    got = served.serve([tf.constant(vocab[idx]), tf.constant(w)]).numpy()
+    np.testing.assert_allclose(got, ours.predict([vocab[idx], w], verbose=0), rtol=1e-6,
+                               atol=1e-6)
+
+
+def test_weighted_list_call(rng):
+    """Features sharing the table take one weights entry each (None: unweighted)."""
+    vocab = random_vocab(rng, 8)
+    a = tf.ragged.constant([[0, 1], [2]], tf.int64)
+    b = np.array([[3, 4], [5, 6]])
+    a_ids = tf.ragged.map_flat_values(lambda i: tf.gather(vocab, i), a)
+    wa = tf.ragged.constant([[0.5, 2.0], [3.0]])
+    layer = _layer("sum")
+    params = layer.lookup_rows(vocab)
+    out_a, out_b = layer([a_ids, vocab[b]], weights=[wa, None])
+    np.testing.assert_allclose(out_a.numpy(), [0.5 * params[0] + 2 * params[1],
+                                               3 * params[2]], rtol=1e-6)
+    np.testing.assert_allclose(out_b.numpy(), params[b].sum(1), rtol=1e-6)
+    with pytest.raises(ValueError, match="one entry per feature \\(2"):
+        layer([a_ids, vocab[b]], weights=[wa])
+
+
+def test_weights_that_do_not_match_the_ids_are_refused(rng):
+    vocab = random_vocab(rng, 12)
+    ids = tf.ragged.map_flat_values(lambda i: tf.gather(vocab, i),
+                                    tf.ragged.constant(ROWS, dtype=tf.int64))
+    w = _id_weights(rng)
+    layer = _layer("mean")
+    before = layer.lookup_rows(vocab)
+    cases = [
+        (w.to_tensor(), TypeError, "a tf.RaggedTensor with the same row lengths"),
+        (w.to_sparse(), TypeError, "a tf.RaggedTensor with the same row lengths"),
+        (tf.ragged.map_flat_values(lambda v: tf.cast(v * 4, tf.int32), w), TypeError,
+         "must be floats"),
+        (tf.ragged.constant([[1.0] * 4, [1.0], [1.0], [1.0] * 6, [1.0, 1.0], []]),
+         tf.errors.InvalidArgumentError, "must have the row lengths of the ids"),
+    ]
+    for bad, error, message in cases:
+        for training in (False, True):
+            with pytest.raises(error, match=message):
+                _sgd_step(layer, ids, bad, 1.0) if training else layer(ids, weights=bad)
+    sparse_ids = ids.to_sparse()
+    shifted = tf.SparseTensor(sparse_ids.indices[::-1], w.values, sparse_ids.dense_shape)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="must have the indices and dense_shape of the ids"):
+        layer(sparse_ids, weights=shifted)
+    dense = _layer("sum")
+    with pytest.raises(ValueError, match="must have the shape of the ids"):
+        dense(vocab[:6].reshape(2, 3), weights=np.ones((3, 2), "float32"))
+    with pytest.raises(TypeError, match="a dense tensor or array with the same shape"):
+        dense(vocab[:6].reshape(2, 3), weights=w)
+    np.testing.assert_array_equal(layer.lookup_rows(vocab), before)
+
+
+def test_weights_traced_with_unknown_shapes(rng):
+    """A tf.function over shapes unknown when traced still checks them."""
+    vocab = random_vocab(rng, 6)
+    layer = _layer("sum")
+
+    @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int64),
+                                  tf.TensorSpec([None, None], tf.float32)])
+    def f(ids, w):
+        return layer(ids, weights=w)
+
+    params = layer.lookup_rows(vocab)
+    w = np.array([[1.0, 2.0, 0.5]], "float32")
+    np.testing.assert_allclose(f(vocab[None, :3], w).numpy()[0],
+                               params[0] + 2 * params[1] + 0.5 * params[2], rtol=1e-6)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="must have the shape of the ids"):
+        f(vocab[None, :3], np.ones((1, 2), "float32"))
+
+
+def test_traced_training_step_with_mismatched_weights_changes_nothing(rng):
+    """Ragged weights with the ids' total count but other row lengths (no
+    op but the check meets a mismatch): the traced step fails, naming it,
+    and no row changes."""
+    vocab = random_vocab(rng, 12)
+    ids = tf.ragged.map_flat_values(lambda i: tf.gather(vocab, i),
+                                    tf.ragged.constant(ROWS, dtype=tf.int64))
+    w = _id_weights(rng)
+    regrouped = tf.RaggedTensor.from_row_lengths(w.values, [1, 3, 1, 6, 2, 0])
+    layer = _layer("sqrtn")
+
+    @tf.function
+    def step(ids, id_weights):
+        _sgd_step(layer, ids, id_weights, 1.0)
+
+    step(ids, w)  # a valid step first: the same trace runs the bad one
+    before = layer.lookup_rows(vocab)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="must have the row lengths"):
+        step(ids, regrouped)
+    np.testing.assert_array_equal(layer.lookup_rows(vocab), before)
+    assert layer.cache_stats()["host_rows"] + layer.cache_stats()["cached_rows"] > 0

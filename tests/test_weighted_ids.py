@@ -261,3 +261,19 @@ def test_traced_training_step_with_mismatched_weights_changes_nothing(rng):
         step(ids, regrouped)
     np.testing.assert_array_equal(layer.lookup_rows(vocab), before)
     assert layer.cache_stats()["host_rows"] + layer.cache_stats()["cached_rows"] > 0
+
+
+def test_weights_with_pipeline_deduplicated_ids(rng):
+    """A VSI feature (tf_sfctr.data.deduplicate) takes the weights of its "ids"."""
+    from tf_sfctr.data import deduplicate
+
+    vocab = random_vocab(rng, 12)
+    ids = tf.ragged.map_flat_values(lambda i: tf.gather(vocab, i),
+                                    tf.ragged.constant(ROWS, dtype=tf.int64))
+    w = _id_weights(rng)
+    loss_weights = rng.normal(size=(len(ROWS), DIM)).astype("float32")
+    plain, vsi = _layer("mean"), _layer("mean")
+    want = _sgd_step(plain, ids, w, loss_weights).numpy()
+    got = _sgd_step(vsi, deduplicate(ids), w, loss_weights).numpy()
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(vsi.lookup_rows(vocab), plain.lookup_rows(vocab))

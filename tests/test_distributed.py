@@ -507,37 +507,43 @@ def test_weighted_ids_train_like_one_process(results):
                                    atol=1e-7)
 
 
-RANK0_EXPORT = """
+RANK0_ONLY = """
 import os, sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import numpy as np, keras
+import numpy as np, keras, tensorflow as tf
 import horovod.tensorflow as hvd
 hvd.init()
 import tf_sfctr
 from tf_sfctr.keras_layers import CachedEmbedding
+out, distribution, action = sys.argv[1:]
 inp = keras.Input((2,), dtype="int64")
-emb = CachedEmbedding(4, cache_capacity=32, seed=1, distribution=sys.argv[2], name="e")
+emb = CachedEmbedding(4, cache_capacity=32, seed=1, distribution=distribution, name="e")
 model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
 emb(np.array([[1, 2]]))
-if hvd.rank() == 0:  # the mistake: the export is collective
+if hvd.rank() == 0:  # the mistake: these are collective
     try:
-        tf_sfctr.export_for_serving(model, sys.argv[1])
+        if action == "export":
+            tf_sfctr.export_for_serving(model, out)
+        else:
+            tf_sfctr.distributed.save(tf.train.Checkpoint(model=model), out)
     except RuntimeError as err:
         print("RAISED:", err, flush=True)
 """
 
 
-@pytest.mark.parametrize("distribution", ["model_parallel", "data_parallel"])
-def test_export_on_rank_0_alone_says_it_is_collective(tmp_path, distribution):
-    """`if hvd.rank() == 0: export_for_serving(...)`: rank 0 gets an error
-    saying to call it on every rank, not Horovod's shutdown message alone."""
-    script = tmp_path / "rank0_export.py"
-    script.write_text(RANK0_EXPORT)
+@pytest.mark.parametrize("distribution, action", [
+    ("model_parallel", "export"), ("data_parallel", "export"), ("model_parallel", "save")])
+def test_collective_call_on_rank_0_alone_says_it_is_collective(tmp_path, distribution, action):
+    """`if hvd.rank() == 0: export_for_serving(...)` (or distributed.save):
+    rank 0 gets an error saying to call it on every rank, not Horovod's
+    shutdown message alone."""
+    script = tmp_path / "rank0_only.py"
+    script.write_text(RANK0_ONLY)
     proc = subprocess.run(
         [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(script),
-         str(tmp_path / "served"), distribution], capture_output=True, text=True, timeout=300,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+         str(tmp_path / "out"), distribution, action], capture_output=True, text=True,
+        timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "RAISED: export_for_serving under Horovod is collective" in proc.stdout, (
-        proc.stdout[-4000:])
-    assert "call it on all 2 ranks, not on rank 0 alone" in proc.stdout
+    what = "export_for_serving" if action == "export" else "tf_sfctr.distributed.save"
+    assert f"RAISED: {what} under Horovod is collective: call it on all 2 ranks" in (
+        proc.stdout), proc.stdout[-4000:]

@@ -441,7 +441,9 @@ def export_for_serving(model: keras.Model, export_dir: str,
     try:
         frozen = serving_model(model, max_rows, pad_id)
     except tf.errors.OpError as err:
-        _explain_shutdown(err, size, rank)
+        # (Model-parallel tables are gathered from every rank, and every
+        # rank waits for rank 0 to finish writing.)
+        _horovod.explain_shutdown(err, "export_for_serving")
         raise
     if rank == 0:
         parent = os.path.dirname(export_dir.rstrip("/"))
@@ -459,20 +461,6 @@ def export_for_serving(model: keras.Model, export_dir: str,
         try:
             hvd.allreduce(tf.constant(0), op=hvd.Sum, name="sfctr_export_done")
         except tf.errors.OpError as err:
-            _explain_shutdown(err, size, rank)
+            _horovod.explain_shutdown(err, "export_for_serving")
             raise
     return frozen
-
-
-def _explain_shutdown(err: tf.errors.OpError, size: int, rank: int) -> None:
-    """Raises a RuntimeError saying that the export is collective when one of
-    its collectives met a Horovod shutdown (the usual cause:
-    ``if hvd.rank() == 0: export_for_serving(...)`` and the other ranks
-    finished); returns otherwise."""
-    if size > 1 and "Horovod has been shut down" in str(err):
-        raise RuntimeError(
-            f"export_for_serving under Horovod is collective (model-parallel tables are "
-            f"gathered from every rank, and every rank waits for rank 0 to finish writing): "
-            f"call it on all {size} ranks, not on rank 0 alone (rank 0 alone writes the "
-            f"SavedModel). Rank {rank} called it and another rank had stopped (Horovod's "
-            f"error: {err.message.strip()})") from err

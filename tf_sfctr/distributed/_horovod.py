@@ -31,3 +31,16 @@ def world() -> tuple[int, int]:
     if hvd is None or not hvd.is_initialized():
         return 1, 0
     return hvd.size(), hvd.rank()
+
+
+def explain_shutdown(err: BaseException, what: str) -> None:
+    """Raises a RuntimeError saying that ``what`` is collective when ``err``
+    is Horovod's shutdown error (the usual cause: ``if hvd.rank() == 0:``
+    around it, and the other ranks finished); returns otherwise."""
+    size, rank = world()
+    if size > 1 and "Horovod has been shut down" in str(err):
+        detail = getattr(err, "message", str(err)).strip()
+        raise RuntimeError(
+            f"{what} under Horovod is collective: call it on all {size} ranks, not on one "
+            f"(rank 0 alone writes what is written once). Rank {rank} called it and another "
+            f"rank had stopped (Horovod's error: {detail})") from err

@@ -50,7 +50,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
-from tf_sfctr.distributed._horovod import require, world
+from tf_sfctr.distributed._horovod import explain_shutdown, require, world
 from tf_sfctr.store import CheckpointMismatchError, EmbeddingStore, _saved_integers
 
 MANIFEST = "manifest.json"
@@ -119,6 +119,14 @@ def save(checkpoint: tf.train.Checkpoint, directory: str) -> str:
     """Writes this rank's shard (collective: call on every rank). If writing
     fails on any rank, every rank raises and the directory has no
     ``manifest.json`` (``restore`` refuses it)."""
+    try:
+        return _save(checkpoint, directory)
+    except tf.errors.OpError as err:
+        explain_shutdown(err, "tf_sfctr.distributed.save")
+        raise
+
+
+def _save(checkpoint: tf.train.Checkpoint, directory: str) -> str:
     size, rank = world()
     save_id = _draw_save_id() if rank == 0 else 0
     if size > 1:
@@ -515,6 +523,14 @@ def restore(checkpoint: tf.train.Checkpoint, directory: str) -> None:
     (collective: call on every rank). Checks everything first: if anything
     is wrong on any rank, every rank raises the same
     ``CheckpointMismatchError`` and nothing was restored on any."""
+    try:
+        _restore(checkpoint, directory)
+    except tf.errors.OpError as err:
+        explain_shutdown(err, "tf_sfctr.distributed.restore")
+        raise
+
+
+def _restore(checkpoint: tf.train.Checkpoint, directory: str) -> None:
     size, rank = world()
     stores = _stores(checkpoint)
     error, message, shares, saved_size = None, None, {}, 0

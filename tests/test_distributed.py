@@ -507,6 +507,21 @@ def test_weighted_ids_train_like_one_process(results):
                                    atol=1e-7)
 
 
+def test_logged_metrics_are_the_global_ones(results):
+    """AverageMetrics sums the ranks' metric states: 2 ranks log the loss,
+    AUC and accuracy of one process on all the examples (training and
+    validation in fit, and evaluate), with validation rows split 7 / 5."""
+    want = sc.metrics_history()
+    assert {"auc", "acc", "loss", "val_auc", "val_acc", "val_loss",
+            "evaluate_auc"} <= set(want)
+    for rank in range(sc.WORLD):
+        got = results("metrics", rank)
+        assert set(got) == set(want), (set(got), set(want))
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6,
+                                       err_msg=key)
+
+
 RANK0_ONLY = """
 import os, sys
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

@@ -201,6 +201,47 @@ def weighted_rows(distribution, rank=0, world=1):
     return emb.lookup_rows(vocab()[:40])
 
 
+def metrics_history(rank=0, world=1):
+    """fit (2 epochs, validation) and evaluate of a model-parallel table
+    with loss, AUC and accuracy; the validation batches split unevenly over
+    the ranks (7 and 5 rows). Returns the history and evaluate's results."""
+    from tf_sfctr.distributed import DistributedOptimizer, callbacks
+
+    batches = global_batches("dense")
+    rng = np.random.default_rng(17)
+    labels = [(rng.random((len(y), 1)) < 0.4).astype("float32") for _, y in batches]
+    train, val = list(zip([b[0] for b in batches], labels))[:24], list(
+        zip([b[0] for b in batches], labels))[24:]
+    if world > 1:
+        train = [(x[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH],
+                  y[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]) for x, y in train]
+        val = [(x[:7], y[:7]) if rank == 0 else (x[7:], y[7:]) for x, y in val]
+
+    def dataset(parts):
+        return tf.data.Dataset.from_generator(
+            lambda: iter(parts), output_signature=(
+                tf.TensorSpec([None, FIELDS], tf.int64), tf.TensorSpec([None, 1], tf.float32)))
+
+    inp = keras.Input(shape=(FIELDS,), dtype="int64")
+    emb = CachedEmbedding(DIM, cache_capacity=cache_capacity("dense"), seed=3, name="metrics",
+                          optimizer=tf_sfctr.optimizers.SGD(0.5), distribution="auto")
+    dense = keras.layers.Dense(1, activation="sigmoid",
+                               kernel_initializer=keras.initializers.GlorotUniform(5))
+    model = keras.Model(inp, dense(keras.layers.Flatten()(emb(inp))))
+    opt = keras.optimizers.SGD(0.2)
+    model.compile(optimizer=DistributedOptimizer(opt) if world > 1 else opt,
+                  loss="binary_crossentropy",
+                  metrics=[keras.metrics.AUC(name="auc"), keras.metrics.BinaryAccuracy(name="acc")])
+    extra = callbacks() if world > 1 else []
+    history = model.fit(dataset(train).repeat(), steps_per_epoch=12, epochs=2,
+                        validation_data=dataset(val).repeat(), validation_steps=len(val),
+                        verbose=0, callbacks=extra).history
+    evaluated = model.evaluate(dataset(val), steps=len(val), verbose=0, return_dict=True,
+                               callbacks=extra)
+    return {**{k: np.array(v) for k, v in history.items()},
+            **{f"evaluate_{k}": np.array(v) for k, v in evaluated.items()}}
+
+
 def extras_inputs(rank):
     """What each rank sends in the extras test: this step's distinct ids,
     the next step's, and hints (one id twice, with steps 4 and 2). Rank 1's

@@ -740,7 +740,7 @@ def main():
     out_dir = sys.argv[1]
     only = sys.argv[2:] or list(sc.SCENARIOS) + ["routing", "extras", "broadcast", "checkpoint",
                                             "robustness", "resume", "deferred",
-                                            "restore_checks", "weighted"]
+                                            "restore_checks", "weighted", "metrics"]
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     assert size == sc.WORLD, size
@@ -777,6 +777,9 @@ def main():
             run_checkpoint_and_export(out_dir, rank, size)
         elif name == "restore_checks":
             run_restore_checks(out_dir, rank, size)
+        elif name == "metrics":
+            np.savez(os.path.join(out_dir, f"metrics_rank{rank}.npz"),
+                     **sc.metrics_history(rank, size))
         elif name == "weighted":
             np.savez(os.path.join(out_dir, f"weighted_rank{rank}.npz"),
                      rows=sc.weighted_rows("model_parallel", rank, size))

@@ -75,11 +75,46 @@ def _warn_unless_averaging(model):
             "tf_sfctr.distributed.DistributedOptimizer(optimizer).")
 
 
+#: Keras metrics whose state variables are sums over examples (counts,
+#: totals, confusion-matrix cells), so that the sum of every rank's state is
+#: the state of one process that saw all the examples. Keras's own classes
+#: only: a subclass may keep other state.
+_ADDITIVE_METRICS = (
+    keras.metrics.Mean, keras.metrics.Sum, keras.metrics.AUC, keras.metrics.Precision,
+    keras.metrics.Recall, keras.metrics.TruePositives, keras.metrics.TrueNegatives,
+    keras.metrics.FalsePositives, keras.metrics.FalseNegatives,
+    keras.metrics.PrecisionAtRecall, keras.metrics.RecallAtPrecision,
+    keras.metrics.SensitivityAtSpecificity, keras.metrics.SpecificityAtSensitivity)
+
+
+def _leaf_metrics(metrics) -> list:
+    leaves = []
+    for m in metrics:
+        inner = getattr(m, "metrics", None)  # Keras's containers of compiled metrics
+        if isinstance(inner, (list, tuple)):
+            leaves.extend(_leaf_metrics(inner))
+        else:
+            leaves.append(m)
+    return leaves
+
+
+def _additive(metric) -> bool:
+    return (isinstance(metric, _ADDITIVE_METRICS)
+            and type(metric).__module__.split(".")[0] == "keras")
+
+
 class AverageMetrics(keras.callbacks.Callback):
-    """Replaces each logged metric by its mean over ranks at the end of an
-    epoch (and of evaluation), so every rank reports the same value: the
-    global one for means over examples (loss, accuracy) when every rank had
-    as many examples; the mean of the ranks' values otherwise (e.g. AUC).
+    """Makes every rank log the same metrics at the end of an epoch (and of
+    evaluation): the values of one process that saw every rank's examples.
+
+    When all the model's metrics are Keras metrics whose state is a sum over
+    examples (the loss, ``Mean``-based metrics such as accuracy, ``AUC``,
+    ``Precision``, ``Recall`` and the other confusion-matrix metrics), the
+    ranks sum their metric states (one all-reduce) and each computes the
+    results from the sums: the global loss, accuracy and AUC, also when ranks
+    had different numbers of examples. Otherwise (a custom metric) each
+    logged value becomes its mean over ranks, which is the global value for
+    means over examples only when every rank had as many.
 
     Put it before the callbacks that read metrics (``EarlyStopping``,
     ``ReduceLROnPlateau``, ``ModelCheckpoint(save_best_only=True)``), so they
@@ -104,6 +139,49 @@ class AverageMetrics(keras.callbacks.Callback):
         super().__init__()
         self._in_fit = False
         self._trained = False
+        # The epoch's global training results, taken before validation.
+        self._train_results, self._train_results_taken = None, False
+
+    def _global_results(self):
+        """The model's metric results from every rank's summed states (the
+        states are left as they were), or None when a metric's state is not
+        a sum over examples. Collective when not None: every rank compiled
+        the same metrics, so every rank takes the same branch."""
+        model = self.model
+        leaves = _leaf_metrics(getattr(model, "metrics", []))
+        if not leaves or not all(_additive(m) for m in leaves):
+            return None
+        variables = [v for m in leaves for v in m.variables]
+        local = [np.asarray(keras.ops.convert_to_numpy(v)) for v in variables]
+        flat = np.concatenate([x.astype(np.float64).ravel() for x in local] + [np.zeros(0)])
+        hvd = require()
+        summed = hvd.allreduce(tf.constant(flat), op=hvd.Sum,
+                               name="sfctr_metric_states").numpy()
+        try:
+            start = 0
+            for v, x in zip(variables, local):
+                part = summed[start:start + x.size].reshape(x.shape)
+                start += x.size
+                v.assign(part.astype(x.dtype))
+            return model.get_metrics_result()
+        finally:
+            for v, x in zip(variables, local):
+                v.assign(x)
+
+    def _globalize(self, logs, results, prefix=""):
+        """Sets the logged values that ``results`` (or None) has, under
+        ``prefix``; averages the other scalar ones over ranks."""
+        if not logs:
+            return
+        rest = {}
+        for key, value in logs.items():
+            name = key[len(prefix):] if key.startswith(prefix) else None
+            if results is not None and name in results:
+                logs[key] = float(results[name])
+            elif np.ndim(value) == 0:
+                rest[key] = value
+        self._average(rest)
+        logs.update(rest)
 
     def _check_steps(self, call):
         hvd = require()
@@ -130,12 +208,17 @@ class AverageMetrics(keras.callbacks.Callback):
     def on_test_begin(self, logs=None):
         if not self._in_fit:  # fit's validation shares fit's params
             self._check_steps("evaluate")
+        else:
+            # The epoch's training states, before validation resets them.
+            self._train_results = self._global_results()
+            self._train_results_taken = True
 
     def on_predict_begin(self, logs=None):
         self._check_steps("predict")
 
     def on_epoch_begin(self, epoch, logs=None):
         self._trained = False
+        self._train_results, self._train_results_taken = None, False
 
     def on_train_batch_end(self, batch, logs=None):
         self._trained = True
@@ -158,7 +241,14 @@ class AverageMetrics(keras.callbacks.Callback):
                 f"{epoch + 1}: its data ended. Every rank must run as many steps (each step is "
                 "collective); give every rank as many batches: steps_per_epoch with "
                 "dataset.repeat(), or dataset.take(n) on every rank.")
-        self._average(logs)
+        results = (self._train_results if self._train_results_taken
+                   else self._global_results())
+        # Validation results (val_...) were made global when they were
+        # logged (on_test_end); the training ones here.
+        train = {k: v for k, v in (logs or {}).items() if not k.startswith("val_")}
+        self._globalize(train, results)
+        if logs is not None:
+            logs.update(train)
         self._agree()
 
     def _agree(self):
@@ -182,7 +272,7 @@ class AverageMetrics(keras.callbacks.Callback):
                 "tf_sfctr.distributed.callbacks() first in the callbacks list.")
 
     def on_test_end(self, logs=None):
-        self._average(logs)
+        self._globalize(logs, self._global_results())
 
 
 def callbacks(root_rank: int = 0) -> list[keras.callbacks.Callback]:

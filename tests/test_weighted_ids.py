@@ -277,3 +277,22 @@ def test_weights_with_pipeline_deduplicated_ids(rng):
     got = _sgd_step(vsi, deduplicate(ids), w, loss_weights).numpy()
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(vsi.lookup_rows(vocab), plain.lookup_rows(vocab))
+
+
+def test_sparse_weighted_model_serves_dense_padded_rows(rng, tmp_path):
+    """Sparse ids and weights inputs: the served model takes both as dense
+    rows padded with 0 (what tf.sparse.to_dense gives) and predicts alike."""
+    ids_in = keras.Input((None,), dtype="int64", sparse=True, name="ids")
+    w_in = keras.Input((None,), dtype="float32", sparse=True, name="w")
+    emb = CachedEmbedding(4, cache_capacity=64, combiner="sqrtn", seed=3, name="emb")
+    model = keras.Model([ids_in, w_in], keras.layers.Dense(1)(emb(ids_in, weights=w_in)))
+    model.compile("sgd", "mse")
+    rows = [list(rng.integers(1, 40, size=rng.integers(1, 5))) for _ in range(32)]
+    ids = tf.ragged.constant(rows, tf.int64)
+    w = tf.ragged.map_flat_values(lambda v: tf.cast(v, tf.float32) / 10.0 + 0.5, ids)
+    ds = tf.data.Dataset.from_tensors(((ids.to_sparse(), w.to_sparse()), tf.ones((32, 1))))
+    model.fit(ds, epochs=2, verbose=0)
+    tf_sfctr.export_for_serving(model, str(tmp_path / "served"))
+    served = tf.saved_model.load(str(tmp_path / "served"))
+    got = served.serve([ids.to_tensor(), w.to_tensor()]).numpy()
+    np.testing.assert_allclose(got, model.predict(ds, verbose=0), rtol=1e-6, atol=1e-6)

@@ -27,7 +27,7 @@ import random
 import threading
 import warnings
 import weakref
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import keras
 import numpy as np
@@ -550,6 +550,10 @@ class CachedEmbedding(keras.layers.Layer):
         # must be applied by one thread only (re-entrant: _assign_local
         # settles under it).
         self._assign_lock = threading.RLock()
+        # lookup_rows' and flush's TF work as traced functions, made at their
+        # first call: eager ops each keep a few hundred bytes in TF 2.16
+        # (tensorflow/tensorflow#68196), which a loop of reads accumulated.
+        self._read_functions: dict = {}
         # Per feature (one, or one per feature of a list call): whether
         # ragged or sparse ids reached a call, whatever its Input said.
         # export_for_serving's pad_id="auto" reads it.
@@ -1645,7 +1649,7 @@ class CachedEmbedding(keras.layers.Layer):
             cached_rows, missing, host[:, : self.output_dim])
 
     # ------------------------------------------------------------ user API
-    def _ids_vector(self, ids: Any) -> tf.Tensor:
+    def _ids_vector(self, ids: Any) -> Union[tf.Tensor, np.ndarray]:
         if isinstance(ids, (tf.RaggedTensor, tf.SparseTensor)):
             raise TypeError("ids must be a dense 1-D array of int ids")
         arr = ids if isinstance(ids, tf.Tensor) else np.asarray(ids)
@@ -1663,11 +1667,16 @@ class CachedEmbedding(keras.layers.Layer):
         if not isinstance(arr, tf.Tensor) and arr.dtype.kind not in "iu":
             raise TypeError(
                 f"ids must be integers (int32 or int64), got dtype {arr.dtype}")
-        t = tf.convert_to_tensor(arr)
-        _check_id_dtype(t.dtype)
-        if t.shape.rank != 1:
-            raise ValueError(f"ids must be a 1-D array, got shape {t.shape}")
-        return tf.cast(t, tf.int64)
+        if not isinstance(arr, tf.Tensor):
+            # Checked and converted in NumPy: each eager TF op here would
+            # keep a few hundred bytes (see _read_functions).
+            if arr.ndim != 1:
+                raise ValueError(f"ids must be a 1-D array, got shape {tuple(arr.shape)}")
+            return arr.astype(np.int64, copy=False)
+        _check_id_dtype(arr.dtype)
+        if arr.shape.rank != 1:
+            raise ValueError(f"ids must be a 1-D array, got shape {arr.shape}")
+        return tf.cast(arr, tf.int64)
 
     def lookup_rows(self, ids: Sequence[int] | np.ndarray | tf.Tensor) -> np.ndarray:
         """Current values of rows ``ids`` as a ``[len(ids), output_dim]`` array.
@@ -1689,9 +1698,29 @@ class CachedEmbedding(keras.layers.Layer):
             error = self._agree(error, "lookup_rows")
         if error is not None:
             raise error
+        return self._read_function("lookup_rows", self._lookup_graph,
+                                   tf.TensorSpec([None], tf.int64))(ids).numpy()
+
+    def _lookup_graph(self, ids: tf.Tensor) -> tf.Tensor:
+        self._call_suffixes = {}  # this graph's collectives (see _collective_name)
         unique_ids, inverse = tf.unique(ids, out_idx=tf.int32)
         rows, _ = self._unique_rows(unique_ids, training=False)
-        return tf.gather(rows, inverse).numpy()
+        return tf.gather(rows, inverse)
+
+    def _read_function(self, name: str, fn, *signature):
+        """``fn`` as a tf.function made once per layer (TF's eager ops each
+        keep a little memory), called under the layer's lock: a pending
+        cache plan it applies must be applied by one thread only."""
+        function = self._read_functions.get(name)
+        if function is None:
+            function = tf.function(fn, input_signature=list(signature), autograph=False)
+            self._read_functions[name] = function
+
+        def call(*args):
+            with self._assign_lock:
+                return function(*args)
+
+        return call
 
     def assign_rows(self, ids: Sequence[int] | np.ndarray | tf.Tensor,
                     values: np.ndarray | tf.Tensor) -> None:
@@ -1749,7 +1778,7 @@ class CachedEmbedding(keras.layers.Layer):
         return error
 
     def _check_assign(self, ids, values):
-        ids = self._ids_vector(ids)
+        ids = tf.convert_to_tensor(self._ids_vector(ids))
         values = np.asarray(values)
         if values.dtype.kind not in "fiu" and values.dtype.name != "bfloat16":
             raise TypeError(f"values must be real numbers (float or integer), got dtype "
@@ -1818,11 +1847,18 @@ class CachedEmbedding(keras.layers.Layer):
         model-parallel mode (every rank calls it): the last training step's
         update is delivered to the owners first."""
         self._require_built()
-        self._deliver_deferred()
-        self._settle()
-        ids, slots = self._store.cache_entries()
-        self._store.host_write(ids, [_ops.gather_rows(v, slots) for v in self._device_variables])
-        return int(tf.size(ids))
+        return int(self._read_function("flush", self._flush_graph)())
+
+    def _flush_graph(self) -> tf.Tensor:
+        self._call_suffixes = {}  # this graph's collectives (see _collective_name)
+        with tf.control_dependencies([self._deliver_deferred()]):
+            settled = self._settle()
+        with tf.control_dependencies([settled]):
+            ids, slots = self._store.cache_entries()
+        written = self._store.host_write(
+            ids, [_ops.gather_rows(v, slots) for v in self._device_variables])
+        with tf.control_dependencies([written]):
+            return tf.size(ids)
 
     def prune(self, min_uses: int) -> int:
         """Removes from the host table every id used in fewer than

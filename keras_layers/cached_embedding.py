@@ -554,6 +554,9 @@ class CachedEmbedding(keras.layers.Layer):
         # first call: eager ops each keep a few hundred bytes in TF 2.16
         # (tensorflow/tensorflow#68196), which a loop of reads accumulated.
         self._read_functions: dict = {}
+        # Held by build (re-entrant: a checkpoint restored into the layer
+        # when its table is tracked may use the layer).
+        self._build_lock = threading.RLock()
         # Per feature (one, or one per feature of a list call): whether
         # ragged or sparse ids reached a call, whatever its Input said.
         # export_for_serving's pad_id="auto" reads it.
@@ -572,6 +575,14 @@ class CachedEmbedding(keras.layers.Layer):
 
     # ------------------------------------------------------------------ build
     def build(self, input_shape: Any = None) -> None:
+        # One build per layer, also when threads first use it at once: a
+        # second build beside the first made a table of its own (and failed
+        # on Keras's state lock once the first was done), and rows written
+        # to the table it replaced were lost.
+        with self._build_lock:
+            self._build_table()
+
+    def _build_table(self) -> None:
         if self._store is not None:
             return
         if self._failed_restore is not None:

@@ -132,3 +132,34 @@ def test_threads_reading_after_a_lookahead_step_apply_its_plan_once():
         np.testing.assert_array_equal(uses, want[2], err_msg=f"trial {trial}: use counts")
         keep = ids != b[0]  # the assigned row differs from the reference by design
         np.testing.assert_array_equal(rows[keep], want[1][keep], err_msg=f"trial {trial}: rows")
+
+
+def test_threads_first_using_an_unbuilt_layer_build_one_table():
+    # Each thread's first call builds the layer. Two builds side by side made
+    # two tables: the later ones failed on Keras's state lock ("cannot add
+    # new elements of state") and rows assigned into a replaced table were
+    # lost (every one of 10 trials before the fix).
+    for trial in range(8):
+        layer = CachedEmbedding(DIM, cache_capacity=64, seed=0)
+        start = threading.Barrier(4)
+        errors = []
+
+        def assign(k):
+            try:
+                start.wait()
+                layer.assign_rows(np.arange(10 * k, 10 * k + 10),
+                                  np.full((10, DIM), k + 1.0, np.float32))
+            except Exception as err:  # noqa: BLE001 - reported below
+                errors.append(err)
+
+        threads = [threading.Thread(target=assign, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, f"trial {trial}: {errors}"
+        assert len(layer.weights) == 1
+        rows = layer.lookup_rows(np.arange(40))
+        np.testing.assert_array_equal(rows, np.repeat(np.arange(1.0, 5.0), 10)[:, None]
+                                      * np.ones((1, DIM)), err_msg=f"trial {trial}")
+        assert layer.cache_stats()["host_rows"] == 40

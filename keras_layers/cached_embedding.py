@@ -1856,7 +1856,9 @@ class CachedEmbedding(keras.layers.Layer):
         the host table alone holds the current values. Returns the number of
         rows written. The cache keeps its contents. Collective in
         model-parallel mode (every rank calls it): the last training step's
-        update is delivered to the owners first."""
+        update is delivered to the owners first. Not while another thread
+        trains the layer (nor a checkpoint or export, which flush first): it
+        could write other ids' rows into the host table."""
         self._require_built()
         return int(self._read_function("flush", self._flush_graph)())
 

@@ -422,7 +422,9 @@ def export_for_serving(model: keras.Model, export_dir: str,
     SavedModel takes: multi-hot features as dense padded rows). Under Horovod, call it
     on every rank: the sharded tables are gathered and rank 0 writes one
     complete SavedModel (every rank holds the whole frozen tables meanwhile, so
-    each takes the export's memory).
+    each takes the export's memory). Not while another thread trains the
+    model: the tables' cache is flushed first, which could then write other
+    ids' rows into the host table (README, "Known limits").
 
     Example::
 

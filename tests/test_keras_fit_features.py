@@ -93,3 +93,41 @@ def test_backup_and_restore_resumes_the_table(rng, tmp_path, same_model):
                                   ref_emb.lookup_rows(np.arange(VOCAB)))
     for a, b in zip(model.get_weights(), ref.get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+class _TableFollowsKerasRate(keras.callbacks.Callback):
+    """Gives the table the Keras optimizer's rate at each epoch's start (after
+    a LearningRateScheduler before it, or ReduceLROnPlateau's last change)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.layer.table_optimizer.learning_rate = float(self.model.optimizer.learning_rate)
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_a_table_rate_set_from_a_callback_reaches_the_traced_step(rng, run_eagerly):
+    """A number set as the table optimizer's learning_rate during fit takes
+    effect at the next step, as the Keras optimizer's does: the traced step
+    kept the rate it was traced with (only run_eagerly followed)."""
+    ids, labels = _data(rng)
+    ours = CachedEmbedding(DIM, cache_capacity=BATCH * FIELDS, seed=3,
+                           optimizer=tf_sfctr.optimizers.SGD(0.3))
+    theirs = keras.layers.Embedding(VOCAB, DIM)
+    model, ref = _model(ours), _model(theirs)
+    model.compile(optimizer=keras.optimizers.SGD(0.3), loss="binary_crossentropy",
+                  run_eagerly=run_eagerly)
+    theirs.set_weights([ours.lookup_rows(np.arange(VOCAB))])
+
+    def schedule():
+        return keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.3 * 4.0**-epoch)
+
+    model.fit(ids, labels, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+              callbacks=[schedule(), _TableFollowsKerasRate(ours)])
+    ref.fit(ids, labels, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+            callbacks=[schedule()])
+    assert ours.table_optimizer.learning_rate == pytest.approx(0.3 / 16)
+    np.testing.assert_allclose(ours.lookup_rows(np.arange(VOCAB)), theirs.get_weights()[0],
+                               rtol=1e-5, atol=1e-7)

@@ -285,3 +285,21 @@ def test_the_default_table_optimizer_is_adagrad_at_learning_rate_0_01():
     opt = CachedEmbedding(2, cache_capacity=4, seed=0).table_optimizer
     assert type(opt) is tf_sfctr.optimizers.Adagrad
     assert opt.get_config() == tf_sfctr.optimizers.Adagrad(learning_rate=0.01).get_config()
+
+
+def test_a_learning_rate_set_again_is_checked_and_kept_in_the_config():
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.5, decay_steps=1, decay_rate=0.5)
+    opt = tf_sfctr.optimizers.Ftrl(0.1, beta=1.0)
+    opt.learning_rate = np.float32(0.25)
+    assert opt.learning_rate == 0.25 and opt.get_config()["learning_rate"] == 0.25
+    assert float(opt._lr(tf.constant(0, tf.int64))) == 0.25
+    for bad in [0.0, -1.0, float("nan"), tf.Variable(0.1), "0.1"]:
+        with pytest.raises(ValueError, match="learning_rate must be a "):
+            opt.learning_rate = bad
+    with pytest.raises(ValueError, match="given as a number cannot become a schedule"):
+        opt.learning_rate = schedule
+    assert opt.learning_rate == 0.25
+    scheduled = tf_sfctr.optimizers.SGD(schedule)
+    with pytest.raises(ValueError, match="schedule cannot be replaced"):
+        scheduled.learning_rate = 0.1
+    assert scheduled.learning_rate is schedule

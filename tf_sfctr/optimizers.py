@@ -74,7 +74,8 @@ def _check_positive(name: str, value: float, allow_zero: bool = False) -> float:
         # it would not reach the table.)
         raise ValueError(f"{name} must be a number, got {value!r} (a Python or NumPy number"
                          + ("; for a changing learning rate, pass a keras.optimizers."
-                            "schedules.LearningRateSchedule)" if name == "learning_rate"
+                            "schedules.LearningRateSchedule or set learning_rate again)"
+                            if name == "learning_rate"
                             else ")"))
     value = float(value)
     if not (value >= 0 if allow_zero else value > 0) or not math.isfinite(value):
@@ -92,10 +93,41 @@ class TableOptimizer:
     needs_squared_occurrences: bool = False
 
     def __init__(self, learning_rate: LearningRate):
-        if isinstance(learning_rate, keras.optimizers.schedules.LearningRateSchedule):
-            self.learning_rate = learning_rate
-        else:
-            self.learning_rate = _check_positive("learning_rate", learning_rate)
+        self.learning_rate = learning_rate
+
+    @property
+    def learning_rate(self) -> LearningRate:
+        """A number or a ``LearningRateSchedule``. A number can be set again at
+        any time (``opt.learning_rate = 0.01``, from a callback say, as
+        ``ReduceLROnPlateau`` sets the Keras optimizer's): the next table
+        update uses it, also in a step that ``fit`` has traced."""
+        return self._learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value: LearningRate) -> None:
+        is_schedule = isinstance(value, keras.optimizers.schedules.LearningRateSchedule)
+        if not hasattr(self, "_learning_rate"):  # from __init__
+            if is_schedule:
+                self._rate_variable = None
+            else:
+                value = _check_positive("learning_rate", value)
+                # Read when a step runs, not when it is traced (as a Keras
+                # optimizer's learning rate).
+                with tf.init_scope():
+                    self._rate_variable = tf.Variable(
+                        value, dtype=tf.float32, trainable=False, name="table_learning_rate")
+            self._learning_rate = value
+            return
+        if self._rate_variable is None or is_schedule:
+            raise ValueError(
+                f"{type(self).__name__}: a learning rate "
+                + ("schedule cannot be replaced" if self._rate_variable is None
+                   else "given as a number cannot become a schedule")
+                + " once the optimizer is made (a step already traced would keep the old "
+                "one): make a new table optimizer for the new kind of rate")
+        value = _check_positive("learning_rate", value)
+        self._rate_variable.assign(value)
+        self._learning_rate = value
 
     def state_initial_values(self) -> list[float]:
         """Initial value of each state row (a constant per state row)."""
@@ -115,6 +147,9 @@ class TableOptimizer:
         return None
 
     def _lr(self, step: tf.Tensor) -> tf.Tensor:
+        rate = getattr(self, "_rate_variable", None)  # None: a subclass set no rate
+        if rate is not None:
+            return rate.read_value()
         if callable(self.learning_rate):
             return tf.cast(self.learning_rate(step), tf.float32)
         return tf.constant(self.learning_rate, tf.float32)

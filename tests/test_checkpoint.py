@@ -177,14 +177,20 @@ def test_checkpoint_with_other_output_dim_is_refused(rng, tmp_path):
     assert after[1] == before[1]
 
 
-def test_checkpoint_with_other_optimizer_is_refused(rng, tmp_path):
+@pytest.mark.parametrize("saved, match", [
+    ("adam", r"2 optimizer state rows per id \(Adam\) but this layer's optimizer \(SGD\) "
+             "keeps 0"),
+    # Both SGD: the kinds name the difference ("use the same type" alone did not).
+    ("momentum", r"1 optimizer state rows per id \(SGD with momentum\) but this layer's "
+                 r"optimizer \(SGD\) keeps 0")])
+def test_checkpoint_with_other_optimizer_is_refused(rng, tmp_path, saved, match):
     vocab, x, y = _data(rng, 5)
-    model, _ = _model("adam")
+    model, _ = _model(saved)
     _fit(model, x, y)
     path = _ckpt(model).save(str(tmp_path / "ckpt"))
     other, other_emb = _model("sgd")
     before = _snapshot(other_emb, vocab)
-    with pytest.raises(CheckpointMismatchError, match="2 optimizer state rows"):
+    with pytest.raises(CheckpointMismatchError, match=match):
         tf.train.Checkpoint(model=other).restore(path)
     np.testing.assert_array_equal(_snapshot(other_emb, vocab)[0], before[0])
 

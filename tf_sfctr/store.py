@@ -327,15 +327,18 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
             raise CheckpointMismatchError(
                 f"saved table has output_dim={dim} but this layer has "
                 f"output_dim={c.dim}. The current table was left untouched.")
-        if num_state != c.num_state:
-            raise CheckpointMismatchError(
-                f"saved table keeps {num_state} optimizer state rows per id but this "
-                f"layer's optimizer keeps {c.num_state}; use the same table "
-                f"optimizer type. The current table was left untouched.")
         saved_kind = int(header[4]) if header.size > 4 else 0
         mine = state_kind_code(c.state_kind)
+        names = {state_kind_code(k): k for k in _KNOWN_STATE_KINDS}
+        if num_state != c.num_state:
+            # Named: "SGD" and "SGD with momentum" are one type, not one state.
+            saved_name = f" ({names[saved_kind]})" if saved_kind in names else ""
+            my_name = f" ({c.state_kind})" if c.state_kind else ""
+            raise CheckpointMismatchError(
+                f"saved table keeps {num_state} optimizer state rows per id{saved_name} but "
+                f"this layer's optimizer{my_name} keeps {c.num_state}; use the same table "
+                f"optimizer type. The current table was left untouched.")
         if saved_kind and mine and saved_kind != mine:
-            names = {state_kind_code(k): k for k in _KNOWN_STATE_KINDS}
             raise CheckpointMismatchError(
                 f"saved table keeps the optimizer state of "
                 f"{names.get(saved_kind, 'another optimizer')} but this layer's table "

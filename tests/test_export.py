@@ -135,6 +135,38 @@ def test_a_trained_row_for_id_0_that_served_rows_skip_warns():
                                want, rtol=1e-6)
 
 
+def test_a_table_that_holds_no_rows_warns_that_every_id_serves_zeros():
+    """A frozen table (trainable=False) looks up initial rows in training and
+    predict but stores none, so its served model gave every id zeros: a
+    model trained on those rows served other predictions, silently. Export
+    warns, and serves them once the rows are assigned."""
+    import warnings
+
+    inp = keras.Input((2,), dtype="int64")
+    trained = CachedEmbedding(2, cache_capacity=8, seed=1, name="trained")
+    frozen = CachedEmbedding(2, cache_capacity=8, seed=2, name="frozen")
+    frozen.trainable = False
+    x = keras.layers.Concatenate()([keras.layers.Flatten()(trained(inp)),
+                                    keras.layers.Flatten()(frozen(inp))])
+    model = keras.Model(inp, keras.layers.Dense(1)(x))
+    model.compile(optimizer="sgd", loss="mse")
+    ids = np.arange(8).reshape(4, 2)
+    model.fit(ids, np.ones((4, 1)), batch_size=2, verbose=0)
+    assert frozen.cache_stats()["host_rows"] == 0
+    with pytest.warns(UserWarning, match="'frozen' holds no rows.*trainable=False.*assign_rows"):
+        served = serving_model(model)
+    assert np.abs(served.predict(ids, verbose=0) - model.predict(ids, verbose=0)).max() > 1e-3
+    frozen.assign_rows(ids.ravel(), frozen.lookup_rows(ids.ravel()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the trained table, and now this one, hold rows
+        served = serving_model(model)
+        # A zeros initializer serves what predict gives, rows or not.
+        zeros = CachedEmbedding(2, cache_capacity=8, embeddings_initializer="zeros")
+        serving_model(_identity_model(zeros))
+    np.testing.assert_allclose(served.predict(ids, verbose=0), model.predict(ids, verbose=0),
+                               rtol=1e-6)
+
+
 def _identity_model(emb):
     inp = keras.Input(shape=(2,), dtype="int64")
     return keras.Model(inp, emb(inp))

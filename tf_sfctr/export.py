@@ -43,10 +43,24 @@ def _frozen_rows(layer: CachedEmbedding, max_rows: Optional[int]):
         rows = hvd.allgather(rows, name=f"{name}_rows", ignore_name_scope=True)
         counts = hvd.allgather(counts, name=f"{name}_counts", ignore_name_scope=True)
     ids, rows, counts = ids.numpy(), rows.numpy(), counts.numpy()
+    if len(ids) == 0 and not _zero_initial_rows(layer):
+        warnings.warn(
+            f"export_for_serving: table {layer.name!r} holds no rows (it never trained"
+            f"{', being frozen: trainable=False' if not layer.trainable else ''}, and no "
+            "rows were assigned), so the served model gives every id zeros, where the "
+            "trained model and predict give each id its initial row (the layer's "
+            "initializer is not zeros). To serve what the model was trained on, store the "
+            "rows first: layer.assign_rows(ids, layer.lookup_rows(ids)) for the ids to "
+            "serve.", stacklevel=2)
     if max_rows is not None and len(ids) > max_rows:
         keep = _most_used(ids, counts, max_rows, layer.name)
         ids, rows = ids[keep], rows[keep]
     return ids, rows
+
+
+def _zero_initial_rows(layer: CachedEmbedding) -> bool:
+    spec = layer._init_spec
+    return spec.kind == "constant" and spec.a == 0
 
 
 #: Host rows count the training steps that used them up to this value (16 bits).

@@ -562,3 +562,53 @@ def test_collective_call_on_rank_0_alone_says_it_is_collective(tmp_path, distrib
     what = "export_for_serving" if action == "export" else "tf_sfctr.distributed.save"
     assert f"RAISED: {what} under Horovod is collective: call it on all 2 ranks" in (
         proc.stdout), proc.stdout[-4000:]
+
+
+WIRING = """
+import os, sys
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import numpy as np, keras, tensorflow as tf
+import horovod.tensorflow as hvd
+hvd.init()
+import tf_sfctr
+from tf_sfctr.keras_layers import CachedEmbedding
+named = sys.argv[1] == "named"
+features = ["user", "item", "genre"]
+if hvd.rank() == 1:
+    features = features[::-1]  # as a loop over a set may give them
+inputs = {f: keras.Input((1,), dtype="int64", name=f) for f in features}
+tables = {f: CachedEmbedding(4, cache_capacity=64, seed=1, name=f"emb_{f}" if named else None)
+          for f in features}
+x = keras.layers.Concatenate()([keras.layers.Flatten()(tables[f](inputs[f]))
+                                for f in sorted(features)])
+model = keras.Model(inputs, keras.layers.Dense(1)(x))
+model.compile(optimizer=tf_sfctr.distributed.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+              loss="mse")
+data = {f: np.arange(8)[:, None] + 10 * k for k, f in enumerate(sorted(features))}
+try:
+    model.fit(data, np.ones((8, 1)), batch_size=4, verbose=0,
+              callbacks=tf_sfctr.distributed.callbacks())
+    print("TRAINED", flush=True)
+except ValueError as err:
+    print("RAISED:", err, flush=True)
+"""
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_tables_created_in_other_orders_on_the_ranks(tmp_path, named):
+    """Auto-named tables created in another order on rank 1 would pair other
+    features' tables across ranks: fit refuses on every rank, naming the
+    wiring; with their own names they train."""
+    script = tmp_path / "wiring.py"
+    script.write_text(WIRING)
+    proc = subprocess.run(
+        [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(script),
+         "named" if named else "auto"], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    if named:
+        assert proc.stdout.count("TRAINED") == 2, proc.stdout[-4000:]
+    else:
+        assert proc.stdout.count("RAISED: The Horovod ranks' models wire their "
+                                 "CachedEmbedding layers differently") == 2, proc.stdout[-4000:]
+        assert "give each CachedEmbedding its own name=" in proc.stdout

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import warnings
 import weakref
 
@@ -10,6 +12,95 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sfctr.distributed._horovod import require
+
+
+def _histories(node_args) -> list:
+    """Names of the layers whose outputs a serialized call's arguments use."""
+    found = []
+    if isinstance(node_args, dict):
+        history = (node_args.get("config") or {}).get("keras_history") \
+            if node_args.get("class_name") == "__keras_tensor__" else None
+        if history:
+            found.append(history[0])
+        else:
+            for value in node_args.values():
+                found.extend(_histories(value))
+    elif isinstance(node_args, (list, tuple)):
+        for value in node_args:
+            found.extend(_histories(value))
+    return found
+
+
+def _table_wiring(config: dict, prefix: str = "") -> list:
+    """For each CachedEmbedding of a serialized functional model (nested
+    ones too): its name and the model inputs that feed it."""
+    layers = config.get("layers") or []
+    by_name = {entry.get("name", (entry.get("config") or {}).get("name")): entry
+               for entry in layers if isinstance(entry, dict)}
+
+    def inputs_of(name, seen):
+        entry = by_name.get(name)
+        if entry is None or name in seen:
+            return set()
+        seen.add(name)
+        if entry.get("class_name") == "InputLayer":
+            return {name}
+        found = set()
+        for producer in _histories(entry.get("inbound_nodes") or []):
+            found |= inputs_of(producer, seen)
+        return found
+
+    wiring = []
+    for name, entry in by_name.items():
+        if entry.get("class_name") == "CachedEmbedding":
+            wiring.append((prefix + name, sorted(inputs_of(name, set()))))
+        elif isinstance(entry.get("config"), dict) and "layers" in entry["config"]:
+            wiring.extend(_table_wiring(entry["config"], f"{prefix}{name}/"))
+    return sorted(wiring)
+
+
+def _check_same_tables(model) -> None:
+    """Collective: refuses, on every rank, models whose CachedEmbedding
+    layers are wired to other inputs on other ranks. Ranks pair a layer's
+    collectives by its name, and Keras names layers in creation order: a
+    model built by looping over a set of features (whose order differs
+    between processes) would train each rank's features into other
+    features' tables, or hang. (A subclassed model has no serialized
+    wiring to compare: nothing is checked then, but every rank still takes
+    part in the reduction.)"""
+    try:
+        wiring = _table_wiring(model.get_config())
+    except Exception:  # noqa: BLE001 - a subclassed model: no wiring to compare
+        wiring = []
+    # Compared by the model inputs' positions (dict inputs come sorted by
+    # key), not by their names: inputs created in another order (so named
+    # otherwise) but passed in the same order feed the same data.
+    position = {getattr(t, "name", None): k
+                for k, t in enumerate(getattr(model, "inputs", None) or [])}
+    key = [(name, sorted(str(position.get(i, i)) for i in fed)) for name, fed in wiring]
+    shown = [f"{name} <- " + ", ".join(
+        f"input {position[i]} ({i})" if i in position else i for i in fed) for name, fed in wiring]
+    # 48 bits of a digest: exact in float64, so one max-reduction of (h, -h)
+    # tells whether every rank has the same wiring.
+    digest = float(int.from_bytes(hashlib.sha256(json.dumps(key).encode()).digest()[:6],
+                                  "little"))
+    hvd = require()
+    most = hvd.allreduce(tf.constant([digest, -digest], tf.float64), op=hvd.Max,
+                         name="sfctr_tables_wiring").numpy()
+    if most[0] == -most[1]:
+        return
+    every = hvd.allgather_object((key, shown), name="sfctr_tables_wiring_detail")
+    rank = hvd.rank()
+    other = next(r for r, (k, _) in enumerate(every) if k != key)
+    differ = [line for line, pair in zip(shown, key) if pair not in every[other][0]]
+    raise ValueError(
+        f"The Horovod ranks' models wire their CachedEmbedding layers differently: on this "
+        f"rank ({rank}) {differ[:6]}, on rank {other} "
+        f"{[line for line, pair in zip(every[other][1], every[other][0]) if pair not in key][:6]}"
+        f". Ranks pair a layer's collectives by its name, and Keras names layers in the order "
+        f"they are created: give each CachedEmbedding its own name= (e.g. "
+        f"name=f'emb_{{feature}}'), or create them in the same order on every rank (not by "
+        f"iterating over a set).")
 
 
 class BroadcastInitialState(keras.callbacks.Callback):
@@ -53,6 +144,7 @@ class BroadcastInitialState(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         _warn_unless_averaging(self.model)
+        _check_same_tables(self.model)  # before the broadcast, which would hang
         if self._done or not (self.model.built and self.model.trainable_variables):
             return  # not built yet: after the first step
         self._broadcast()
@@ -207,6 +299,7 @@ class AverageMetrics(keras.callbacks.Callback):
 
     def on_test_begin(self, logs=None):
         if not self._in_fit:  # fit's validation shares fit's params
+            _check_same_tables(self.model)
             self._check_steps("evaluate")
         else:
             # The epoch's training states, before validation resets them.
@@ -214,6 +307,7 @@ class AverageMetrics(keras.callbacks.Callback):
             self._train_results_taken = True
 
     def on_predict_begin(self, logs=None):
+        _check_same_tables(self.model)
         self._check_steps("predict")
 
     def on_epoch_begin(self, epoch, logs=None):

@@ -303,3 +303,22 @@ def test_a_learning_rate_set_again_is_checked_and_kept_in_the_config():
     with pytest.raises(ValueError, match="schedule cannot be replaced"):
         scheduled.learning_rate = 0.1
     assert scheduled.learning_rate is schedule
+
+
+def test_structural_settings_cannot_be_set_again():
+    """Settings that decide the state layout or are traced into a step are
+    refused when set again (momentum 0 -> 0.9 failed at the next step;
+    accumulate set by hand was ignored but saved in the config); the
+    learning rate can be."""
+    opt = tf_sfctr.optimizers
+    for optimizer, name, value in [(opt.SGD(0.1), "momentum", 0.9),
+                                   (opt.SGD(0.1, momentum=0.5), "nesterov", True),
+                                   (opt.Adagrad(0.1), "accumulate", "summed"),
+                                   (opt.Adam(0.1), "beta_1", 0.5),
+                                   (opt.Ftrl(0.1), "l1_regularization_strength", 0.1)]:
+        before = getattr(optimizer, name)
+        with pytest.raises(AttributeError, match=f"{name} is fixed once the optimizer is made"):
+            setattr(optimizer, name, value)
+        assert getattr(optimizer, name) == before
+        optimizer.learning_rate = 0.05
+        assert optimizer.learning_rate == 0.05

@@ -92,8 +92,25 @@ class TableOptimizer:
     #: Whether ``apply`` needs the per-occurrence sum of squared gradients.
     needs_squared_occurrences: bool = False
 
+    #: Settings fixed once the optimizer is made: they decide its state
+    #: layout or are built into a traced step, so setting one again would
+    #: fail at the next step or be ignored by a step already traced.
+    _FIXED = frozenset({
+        "momentum", "nesterov", "accumulate", "initial_accumulator_value", "epsilon",
+        "beta_1", "beta_2", "learning_rate_power", "l1_regularization_strength",
+        "l2_regularization_strength", "l2_shrinkage_regularization_strength", "beta"})
+
     def __init__(self, learning_rate: LearningRate):
         self.learning_rate = learning_rate
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in self._FIXED and name in self.__dict__:
+            raise AttributeError(
+                f"{type(self).__name__}.{name} is fixed once the optimizer is made (it decides "
+                f"the table's optimizer state, or a traced step keeps it): make a new "
+                f"{type(self).__name__} with {name}={value!r} for a new layer (only "
+                f"learning_rate can be set again)")
+        super().__setattr__(name, value)
 
     @property
     def learning_rate(self) -> LearningRate:

@@ -1077,6 +1077,11 @@ class CachedEmbedding(keras.layers.Layer):
                 f"{kinds.get(ids_kind, 'a dense tensor or array')} with the same "
                 f"{same_what.get(ids_kind, 'shape')} as the ids, got "
                 f"{kinds.get(w_kind, 'a dense ' + type(weights).__name__)}")
+        if ids_kind is tf.RaggedTensor and (weights.ragged_rank != 1
+                                            or weights.shape.rank != 2):
+            raise ValueError(f"{what} must have the row lengths of the ids: 2-D ragged "
+                             f"[batch, (weights)], got ragged_rank={weights.ragged_rank}, "
+                             f"rank={weights.shape.rank}")
         values = weights.values if w_kind is not None else weights
         if isinstance(values, (str, bytes)):
             raise TypeError(f"{what} must be floats, got a string")
@@ -1086,7 +1091,9 @@ class CachedEmbedding(keras.layers.Layer):
                             f"{values.dtype.name}")
         values = tf.cast(values, tf.float32)
         if ids_kind is tf.RaggedTensor:
-            same = _ops.ids_equal(weights.row_splits, ids.row_splits)
+            # (int32 or int64 row splits, on either side.)
+            same = _ops.ids_equal(tf.cast(weights.row_splits, tf.int64),
+                                  tf.cast(ids.row_splits, tf.int64))
             told = "row lengths"
         elif ids_kind is tf.SparseTensor:
             same = tf.logical_and(_ops.ids_equal(weights.indices, ids.indices),

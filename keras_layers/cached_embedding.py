@@ -1688,6 +1688,9 @@ class CachedEmbedding(keras.layers.Layer):
         if not isinstance(arr, tf.Tensor):
             # Checked and converted in NumPy: each eager TF op here would
             # keep a few hundred bytes (see _read_functions).
+            # (Other integer dtypes as TF tensors would be: a uint64 id
+            # above the int64 range must not become a negative one.)
+            _check_id_dtype(tf.as_dtype(arr.dtype))
             if arr.ndim != 1:
                 raise ValueError(f"ids must be a 1-D array, got shape {tuple(arr.shape)}")
             return arr.astype(np.int64, copy=False)

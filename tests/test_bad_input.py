@@ -151,6 +151,20 @@ def test_python_ints_beyond_int64_are_named(trained, ids, shown):
     np.testing.assert_array_equal(trained.lookup_rows([2**63 - 1, -2**63]).shape, (2, 4))
 
 
+def test_numpy_ids_of_other_int_dtypes_are_refused(trained):
+    """NumPy ids other than int32/int64 are refused as TF tensors of them
+    are: a uint64 id above the int64 range is not read or written as the
+    negative id of its bits."""
+    snap = _snapshot(trained)
+    big = np.array([2**63 + 5], np.uint64)
+    for ids in (big, np.array([3, 1], np.uint8), tf.constant(big)):
+        with pytest.raises(TypeError, match="int32 or int64"):
+            trained.lookup_rows(ids)
+        with pytest.raises(TypeError, match="int32 or int64"):
+            trained.assign_rows(ids, np.ones((len(ids), 4)))
+    _assert_unchanged(trained, snap)
+
+
 def test_nan_gradient_is_refused(trained):
     before = trained.lookup_rows(IDS)
     with pytest.raises(tf.errors.InvalidArgumentError, match="not finite"):

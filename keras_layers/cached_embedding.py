@@ -825,6 +825,17 @@ class CachedEmbedding(keras.layers.Layer):
                 "'mixed_bfloat16' (no loss scaling) or float32; a model made under float32 "
                 "trains once the global policy is set back to it.")
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        weights = kwargs.get("weights")
+        if not self.built and isinstance(weights, (list, tuple)) and any(
+                w is None for w in weights):
+            # Keras builds a layer from the shape of every tensor argument,
+            # and a list call's None weights entry has none: it failed with
+            # "'NoneType' object has no attribute 'shape'". The table needs
+            # no shape.
+            self.build(None)
+        return super().__call__(*args, **kwargs)
+
     def call(self, inputs: Any, training: Optional[bool] = None, weights: Any = None) -> tf.Tensor:
         flag = training
         if isinstance(flag, tf.Tensor) and hasattr(flag, "numpy") and flag.shape.rank == 0:
@@ -2037,9 +2048,10 @@ class CachedEmbedding(keras.layers.Layer):
             if isinstance(w, keras.KerasTensor) and not tf.as_dtype(w.dtype).is_floating:
                 raise TypeError(f"CachedEmbedding {self.name!r}: weights must be floats "
                                 f"(float16/32/64 or bfloat16), got a symbolic {w.dtype} input")
-        if weights is None:
-            return super().compute_output_spec(inputs, training=training)
-        return super().compute_output_spec(inputs, training=training, weights=weights)
+        # The output's shape is the ids' (Keras takes the shape of every
+        # tensor argument given, which a list call's None weights entry has
+        # not).
+        return super().compute_output_spec(inputs, training=training)
 
     def get_config(self) -> dict[str, Any]:
         if _in_legacy_h5_format():

@@ -107,6 +107,15 @@ class ServingEmbedding(keras.layers.Layer):
         index = tf.where(found, pos, tf.cast(self.num_keys, tf.int64))
         return tf.gather(tf.convert_to_tensor(self.rows), index)
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        weights = kwargs.get("weights")
+        if not self.built and isinstance(weights, (list, tuple)) and any(
+                w is None for w in weights):
+            # (See CachedEmbedding.__call__: Keras would build from the shape
+            # of a None weights entry.)
+            self.build(None)
+        return super().__call__(*args, **kwargs)
+
     def call(self, inputs: Any, weights: Any = None) -> Any:
         if isinstance(inputs, dict):  # a model trained with pipeline VSI
             inputs = inputs["ids"]
@@ -154,6 +163,11 @@ class ServingEmbedding(keras.layers.Layer):
 
     def compute_output_shape(self, input_shape: Any) -> tuple:
         return output_shape(input_shape, self.combiner, self.output_dim)
+
+    def compute_output_spec(self, inputs: Any, weights: Any = None) -> Any:
+        # The output's shape is the ids' (Keras takes the shape of every
+        # tensor argument given, which a None weights entry has not).
+        return super().compute_output_spec(inputs)
 
     def compute_mask(self, inputs: Any, mask: Any = None) -> Any:
         return zero_mask(inputs) if self.mask_zero else None

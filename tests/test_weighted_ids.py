@@ -314,3 +314,38 @@ def test_ragged_weights_with_int32_row_splits(rng):
     deeper = tf.ragged.constant([[[0.5], [2.0]], [[3.0]]])
     with pytest.raises(ValueError, match="2-D ragged"):
         layer(ids, weights=deeper)
+
+
+def test_list_call_with_an_unweighted_feature_first_call_and_model(rng, tmp_path):
+    """weights=[None, w] on a layer not built yet (eagerly, and wiring a
+    functional model) builds it; the model saves, reloads and exports."""
+    vocab = random_vocab(rng, 30)
+    a, b = vocab[rng.integers(0, 30, (16, 1))], vocab[rng.integers(0, 30, (16, 4))]
+    wb = rng.uniform(0.1, 2.0, (16, 4)).astype("float32")
+    fresh = _layer("mean")
+    out_a, out_b = fresh([a, b], weights=[None, wb])
+    params = fresh.lookup_rows(vocab)
+    rows = {i: params[k] for k, i in enumerate(vocab)}
+    want_b = (np.array([[rows[i] for i in r] for r in b]) * wb[..., None]).sum(1) / wb.sum(
+        1, keepdims=True)
+    np.testing.assert_allclose(out_b.numpy(), want_b, rtol=1e-5)
+    np.testing.assert_allclose(out_a.numpy(), [rows[i] for i in a[:, 0]], rtol=1e-6)
+    out_b, out_a = _layer("mean")([b, a], weights=[wb, None])  # NumPy weights before None
+    np.testing.assert_allclose(out_b.numpy(), want_b, rtol=1e-5)
+
+    a_in, b_in = keras.Input((1,), dtype="int64"), keras.Input((4,), dtype="int64")
+    w_in = keras.Input((4,), dtype="float32")
+    emb = CachedEmbedding(3, cache_capacity=64, combiner="mean", seed=2, name="emb")
+    oa, ob = emb([a_in, b_in], weights=[None, w_in])
+    model = keras.Model([a_in, b_in, w_in], keras.layers.Dense(1)(
+        keras.layers.Concatenate()([oa, ob])))
+    model.compile("sgd", "mse")
+    model.fit([a, b, wb], np.ones((16, 1)), verbose=0)
+    want = model.predict([a, b, wb], verbose=0)
+    model.save(str(tmp_path / "m.keras"))
+    loaded = keras.models.load_model(str(tmp_path / "m.keras"))
+    np.testing.assert_allclose(loaded.predict([a, b, wb], verbose=0), want, rtol=1e-6)
+    tf_sfctr.export_for_serving(model, str(tmp_path / "served"))
+    served = tf.saved_model.load(str(tmp_path / "served"))
+    np.testing.assert_allclose(served.serve([tf.constant(a), tf.constant(b), tf.constant(wb)]),
+                               want, rtol=1e-6, atol=1e-6)

@@ -149,6 +149,14 @@ def _keras_shape_inference() -> bool:
     return in_symbolic_scope()
 
 
+def _is_ids_and_values(a: Any, b: Any) -> bool:
+    """Whether ``a`` holds integers and ``b`` floats (ids and their weights)."""
+    try:
+        return tf.as_dtype(a.dtype).is_integer and tf.as_dtype(b.dtype).is_floating
+    except TypeError:  # a dtype TF does not know (NumPy objects, strings)
+        return False
+
+
 def _is_feature_list(inputs: Any) -> bool:
     """A list call (features sharing the table): a list or tuple holding a
     tensor or array of rank >= 1, or a dict. (A list of scalars is ids.)"""
@@ -1009,6 +1017,14 @@ class CachedEmbedding(keras.layers.Layer):
                     "tf.SparseTensor; one output each; a list call does not take the "
                     "input pipeline's de-duplicated dicts); got a list of "
                     f"{[type(x).__name__ for x in inputs]}")
+            if len(inputs) == 2 and _is_ids_and_values(*inputs):
+                # (ids, weights) as one input, as a Sequential model passes them.
+                raise TypeError(
+                    f"CachedEmbedding {self.name!r} got a list of integer ids and "
+                    f"{tf.as_dtype(inputs[1].dtype).name} values: a list call takes features "
+                    f"of ids that share the table; per-id weights go in weights= "
+                    f"(layer(ids, weights=w), a functional model's second input), which a "
+                    f"Sequential model cannot pass")
             flat = [self._flatten(x) for x in inputs]
             return tf.concat([ids for ids, _ in flat], 0), {
                 "kind": "parts", "layouts": [layout for _, layout in flat],

@@ -349,3 +349,12 @@ def test_list_call_with_an_unweighted_feature_first_call_and_model(rng, tmp_path
     served = tf.saved_model.load(str(tmp_path / "served"))
     np.testing.assert_allclose(served.serve([tf.constant(a), tf.constant(b), tf.constant(wb)]),
                                want, rtol=1e-6, atol=1e-6)
+
+
+def test_ids_and_weights_given_as_one_list_say_where_weights_go(rng):
+    """(ids, weights) as one input (as a Sequential model would pass them) is
+    not a list call of two features: the error says to use weights=."""
+    vocab = random_vocab(rng, 6)
+    layer = _layer("sum")
+    with pytest.raises(TypeError, match="per-id weights go in weights="):
+        layer([vocab[:6].reshape(2, 3), np.ones((2, 3), "float32")])

@@ -2064,6 +2064,18 @@ class CachedEmbedding(keras.layers.Layer):
             if isinstance(w, keras.KerasTensor) and not tf.as_dtype(w.dtype).is_floating:
                 raise TypeError(f"CachedEmbedding {self.name!r}: weights must be floats "
                                 f"(float16/32/64 or bfloat16), got a symbolic {w.dtype} input")
+        # Symbolic weights whose known shape cannot be the ids': refused while
+        # the model is wired, not at its first step.
+        pairs = (zip(inputs, weights) if isinstance(inputs, (list, tuple))
+                 and isinstance(weights, (list, tuple)) else [(inputs, weights)])
+        for x, w in pairs:
+            if isinstance(x, keras.KerasTensor) and isinstance(w, keras.KerasTensor) and (
+                    len(x.shape) != len(w.shape) or any(
+                        a is not None and b is not None and a != b
+                        for a, b in zip(x.shape, w.shape))):
+                raise ValueError(f"CachedEmbedding {self.name!r}: weights must have the shape "
+                                 f"of the ids, {x.shape}, got a symbolic input of shape "
+                                 f"{w.shape}")
         # The output's shape is the ids' (Keras takes the shape of every
         # tensor argument given, which a list call's None weights entry has
         # not).

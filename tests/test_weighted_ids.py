@@ -358,3 +358,12 @@ def test_ids_and_weights_given_as_one_list_say_where_weights_go(rng):
     layer = _layer("sum")
     with pytest.raises(TypeError, match="per-id weights go in weights="):
         layer([vocab[:6].reshape(2, 3), np.ones((2, 3), "float32")])
+
+
+def test_symbolic_weights_of_another_shape_are_refused_when_wired():
+    ids_in = keras.Input((3,), dtype="int64")
+    emb = _layer("sum")
+    with pytest.raises(ValueError, match="weights must have the shape of the ids"):
+        emb(ids_in, weights=keras.Input((2,), dtype="float32"))
+    out = emb(ids_in, weights=keras.Input((3,), dtype="float32"))  # the right shape wires
+    assert tuple(out.shape) == (None, DIM)

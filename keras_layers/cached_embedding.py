@@ -325,6 +325,25 @@ def _check_cache_memory(name: str, capacity: int, dim: int, num_state: int) -> N
             "distinct ids (and what you want kept hot); lower cache_capacity")
 
 
+def _check_host_rows_dir(value: Any) -> Optional[str]:
+    """``host_rows_dir`` as an absolute local path (None stays None)."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or isinstance(value, bytes):
+        raise ValueError(f"host_rows_dir must be a directory path (str or os.PathLike) or "
+                         f"None, got {value!r}")
+    path = os.fspath(value)
+    if not path:
+        raise ValueError("host_rows_dir must name a directory (or be None to keep the host "
+                         "rows in memory), got ''")
+    if "://" in path:
+        raise ValueError(
+            f"host_rows_dir must be a directory on a local disk (the rows file is mapped into "
+            f"memory), got {path!r}; TF's other file systems (gs://, hdfs://, ...) cannot "
+            "hold it")
+    return os.path.abspath(os.path.expanduser(path))
+
+
 def _check_index_memory(name: str, expected_rows: Optional[int], share: int,
                         row_bytes: int = 0) -> None:
     """Refuses an ``expected_rows`` whose presized indexes (and, with
@@ -413,6 +432,16 @@ class CachedEmbedding(keras.layers.Layer):
             which on the VMs measured cost 2-13 us per 4 KiB page in the
             middle of a step. The memory is held even if fewer ids arrive.
             Default ``False``.
+        host_rows_dir: a directory on a local disk (an SSD) for the host
+            table's rows, or ``None`` (default) to keep them in memory. The
+            rows then live in an unnamed file there (gone when the process
+            ends), mapped into memory: the kernel keeps recently used rows in
+            its page cache and writes the others to the disk when memory is
+            needed, so the table can hold more rows than the machine has
+            memory. The indexes and use counts (about 20-30 bytes per row)
+            stay in memory. Disk space is reserved as the table grows; a full
+            disk fails the step like a full memory (nothing lost). Each
+            process (each Horovod rank) has its own file.
         seed: seed of the per-id initializer; drawn at random (and kept in the
             config) when ``None``. Under Horovod with more than one rank, a
             drawn seed is rank 0's, sent to every rank when the layer is built
@@ -495,6 +524,7 @@ class CachedEmbedding(keras.layers.Layer):
         distribution: str = "auto",
         expected_rows: Optional[int] = None,
         reserve_rows: bool = False,
+        host_rows_dir: Optional[Union[str, os.PathLike]] = None,
         mask_zero: bool = False,
         name: Optional[str] = None,
         **kwargs: Any,
@@ -529,6 +559,7 @@ class CachedEmbedding(keras.layers.Layer):
                 "pass expected_rows=<distinct ids the table will hold> or leave "
                 "reserve_rows False")
         self.reserve_rows = bool(reserve_rows)
+        self.host_rows_dir = _check_host_rows_dir(host_rows_dir)
         # A drawn seed is replaced by rank 0's when the layer is built under
         # Horovod (`build`); an explicit one is the user's to keep equal.
         self._seed_drawn = seed is None
@@ -569,6 +600,18 @@ class CachedEmbedding(keras.layers.Layer):
         # ragged or sparse ids reached a call, whatever its Input said.
         # export_for_serving's pad_id="auto" reads it.
         self._fed_sparse: Optional[list] = None
+
+    def _usable_host_rows_dir(self) -> str:
+        """host_rows_dir, checked when the table is created: "" for none."""
+        path = self.host_rows_dir
+        if path is None:
+            return ""
+        if not os.path.isdir(path):
+            raise ValueError(
+                f"CachedEmbedding {self.name!r}: host_rows_dir {path!r} is not an existing "
+                "directory; create it (on a local disk with room for the table's rows) or "
+                "pass host_rows_dir=None to keep the rows in memory")
+        return path
 
     def _reserved_row_bytes(self) -> int:
         """Host bytes per row that reserve_rows allocates: the value, the
@@ -631,8 +674,10 @@ class CachedEmbedding(keras.layers.Layer):
         if self.max_rows:
             expected = min(expected, self.max_rows)
         # Before any weight is made: a refused build leaves nothing behind.
+        # Reserved rows in a host_rows_dir file take disk space, not memory.
         _check_index_memory(self.name, self.expected_rows, expected,
-                            self._reserved_row_bytes() if self.reserve_rows else 0)
+                            self._reserved_row_bytes()
+                            if self.reserve_rows and self.host_rows_dir is None else 0)
         opt = self.table_optimizer
         _check_cache_memory(self.name, self.cache_capacity, self.output_dim, opt.num_state)
         shape = [self.cache_capacity, self.output_dim]
@@ -671,6 +716,7 @@ class CachedEmbedding(keras.layers.Layer):
             expected_rows=expected,
             reserve_rows=self.reserve_rows,
             name=self.name,
+            host_rows_dir=self._usable_host_rows_dir(),
         ))
         # Which part of the table this rank holds, known to a restore that
         # runs when the table is tracked (below).
@@ -1954,14 +2000,17 @@ class CachedEmbedding(keras.layers.Layer):
         ``write_backs_by_handle`` (write-backs of evicted rows that went
         straight to their host rows, without an id lookup; normally every
         step that evicted) and ``host_bytes`` (memory held by the host
-        table's indexes and row blocks: allocated, not payload). Under
+        table's indexes and row blocks: allocated, not payload) and
+        ``host_file_bytes`` (with ``host_rows_dir``: the part of
+        ``host_bytes`` that is row blocks in the file, which the kernel may
+        write out and drop from memory; 0 without). Under
         Horovod the
         numbers are this rank's shard. Hits, misses and evictions are counted
         when a batch's cache is prepared.
         """
         self._require_built()
-        hits, misses, evictions, host_rows, capacity, cached, by_handle, host_bytes = (
-            int(v) for v in self._store.stats().numpy())
+        (hits, misses, evictions, host_rows, capacity, cached, by_handle, host_bytes,
+         host_file_bytes) = (int(v) for v in self._store.stats().numpy())
         lookups = hits + misses
         return {
             "hits": hits,
@@ -1975,6 +2024,7 @@ class CachedEmbedding(keras.layers.Layer):
             "prepared_ahead": int(self._prepared_ahead.var.numpy()),
             "write_backs_by_handle": by_handle,
             "host_bytes": host_bytes,
+            "host_file_bytes": host_file_bytes,
         }
 
     # ------------------------------------------------ Keras saving format
@@ -2100,6 +2150,7 @@ class CachedEmbedding(keras.layers.Layer):
             "max_rows": self.max_rows,
             "expected_rows": self.expected_rows,
             "reserve_rows": self.reserve_rows,
+            "host_rows_dir": self.host_rows_dir,
             # A restored checkpoint brings its own seed.
             "seed": self._store.seed if self._store is not None else self.seed,
             "distribution": self.distribution,

@@ -39,6 +39,7 @@ REGISTER_OP("SfctrStoreCreate")
     .Attr("expected_rows: int >= 0 = 0")
     .Attr("reserve_rows: bool = false")
     .Attr("table_name: string = ''")
+    .Attr("host_rows_dir: string = ''")
     .SetIsStateful()
     .SetShapeFn(shape_inference::ScalarShape)
     .Doc(R"doc(
@@ -47,6 +48,8 @@ returns a reference-counted handle; the store is freed with its last handle.
 expected_rows (0: no estimate) sizes the host table's indexes up front;
 reserve_rows also allocates and touches the row memory of that many rows.
 table_name (e.g. the owning layer's name) names the table in errors.
+host_rows_dir (a local directory; empty: none) keeps the host table's large
+row blocks in an unnamed file there, mapped into memory.
 )doc");
 
 REGISTER_OP("SfctrCachePrepare")
@@ -256,12 +259,22 @@ REGISTER_OP("SfctrStoreStats")
     .Output("stats: int64")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      c->set_output(0, c->Vector(8));
+      c->set_output(0, c->Vector(9));
       return OkStatus();
     })
     .Doc(R"doc(
 [hits, misses, evictions, host_rows, cache_capacity, cached_rows,
-write_backs_by_handle, host_bytes].
+write_backs_by_handle, host_bytes, host_file_bytes].
+)doc");
+
+REGISTER_OP("SfctrHostDropFileRows")
+    .Input("store: resource")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+Writes the host rows kept in the host_rows_dir file out to the disk and drops
+them from memory, so that the next reads come from the disk (a no-op without
+host_rows_dir). For tests and benchmarks; not synchronised with a training step.
 )doc");
 
 REGISTER_OP("SfctrStoreSetCounters")

@@ -38,6 +38,9 @@ class StoreConfig:
     reserve_rows: bool = False
     #: Names the table in its errors (the owning layer's name); may be empty.
     name: str = ""
+    #: A local directory whose unnamed file holds the host table's large row
+    #: blocks, mapped into memory ("": rows in memory).
+    host_rows_dir: str = ""
 
     @property
     def num_state(self) -> int:
@@ -147,6 +150,7 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
             expected_rows=c.expected_rows,
             reserve_rows=c.reserve_rows,
             table_name=c.name,
+            host_rows_dir=c.host_rows_dir,
         )
 
     # Training-step cache management -------------------------------------
@@ -231,9 +235,16 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
     # Counters ----------------------------------------------------------------
     def stats(self) -> tf.Tensor:
         """[hits, misses, evictions, host_rows, cache_capacity, cached_rows,
-        write_backs_by_handle, host_bytes] (host_bytes: memory the host
-        table's indexes and row blocks hold, allocated, not payload)."""
+        write_backs_by_handle, host_bytes, host_file_bytes] (host_bytes:
+        memory the host table's indexes and row blocks hold, allocated, not
+        payload; host_file_bytes: of those, row blocks mapped from the
+        host_rows_dir file)."""
         return _ops.load().sfctr_store_stats(self.resource_handle)
+
+    def host_drop_file_rows(self):
+        """Writes the rows kept in the host_rows_dir file to the disk and
+        drops them from memory (a no-op without one)."""
+        return _ops.load().sfctr_host_drop_file_rows(self.resource_handle)
 
     def set_counters(self, counters: tf.Tensor):
         return _ops.load().sfctr_store_set_counters(self.resource_handle, counters)

@@ -287,7 +287,8 @@ StoreStats EmbeddingStore::Stats() const {
   return StoreStats{c.hits,        c.misses,           c.evictions,
                     table_.size(), directory_.capacity(), directory_.size(),
                     write_backs_by_handle_,
-                    static_cast<int64_t>(table_.AllocatedBytes())};
+                    static_cast<int64_t>(table_.AllocatedBytes()),
+                    static_cast<int64_t>(table_.FileBytes())};
 }
 
 void EmbeddingStore::SetCounters(int64_t hits, int64_t misses,

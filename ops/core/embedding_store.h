@@ -35,6 +35,7 @@ struct StoreStats {
   int64_t hits, misses, evictions, host_rows, cache_capacity, cached_rows;
   int64_t write_backs_by_handle;  // write-backs that skipped the id lookup
   int64_t host_bytes;             // host table's allocated bytes
+  int64_t host_file_bytes;        // of those, rows mapped from host_rows_dir's file
 };
 
 class EmbeddingStore {

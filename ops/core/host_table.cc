@@ -64,6 +64,7 @@ OnExit(F) -> OnExit<F>;
 
 HostTable::HostTable(const HostTableOptions& options)
     : options_(options),
+      row_file_(options.rows_dir.empty() ? nullptr : RowFile::Open(options.rows_dir)),
       initializer_(options.init),
       width_(options.dim * (1 + options.num_state)) {
   int shards = 1;
@@ -116,7 +117,7 @@ void HostTable::AddBlockLocked(Shard& s) const {
   s.count_blocks.reserve(block + 1);
   const size_t count_bytes = sizeof(uint16_t) * rows;
   std::unique_ptr<uint16_t[], BlockDeleter> counts(
-      static_cast<uint16_t*>(AllocateHeap(count_bytes)), BlockDeleter{count_bytes, false});
+      static_cast<uint16_t*>(AllocateHeap(count_bytes)), BlockDeleter{count_bytes, false, nullptr, 0});
   // A shard this large (over 2^17 rows) reads and writes its rows at random
   // over GBs: huge pages save a page-table walk per access. Rows fill a
   // block in order, so at most one huge page per shard is resident but not
@@ -124,9 +125,17 @@ void HostTable::AddBlockLocked(Shard& s) const {
   // large share of a small table).
   const bool large = rows == kLargeBlockRows;
   const size_t bytes = sizeof(float) * rows * width_;
-  std::unique_ptr<float[], BlockDeleter> values(
-      static_cast<float*>(large ? AllocateLarge(bytes) : AllocateHeap(bytes)),
-      BlockDeleter{bytes, large});
+  std::unique_ptr<float[], BlockDeleter> values;
+  if (row_file_ && bytes >= kOwnMapping) {
+    // Smaller blocks (a shard's first few hundred rows) stay in memory.
+    BlockDeleter in_file{bytes, false, row_file_, 0};
+    values = std::unique_ptr<float[], BlockDeleter>(
+        static_cast<float*>(row_file_->Map(bytes, &in_file.offset)), in_file);
+  } else {
+    values = std::unique_ptr<float[], BlockDeleter>(
+        static_cast<float*>(large ? AllocateLarge(bytes) : AllocateHeap(bytes)),
+        BlockDeleter{bytes, large, nullptr, 0});
+  }
   s.blocks.push_back(std::move(values));
   s.count_blocks.push_back(std::move(counts));
 }
@@ -149,6 +158,9 @@ void HostTable::ReserveRowsLocked(Shard& s, uint64_t rows) const {
   while (s.blocks.size() <= last_block) AddBlockLocked(s);
   constexpr size_t kPage = 4096;
   for (uint64_t b = 0; b <= last_block; ++b) {
+    // A block in the row file has its disk space already (RowFile::Map):
+    // touching it would only make the kernel write zeros to the disk.
+    if (s.blocks[b].get_deleter().file) continue;
     const uint64_t used = b < last_block ? BlockRows(b) : last_offset + 1;
     volatile char* p = reinterpret_cast<char*>(s.blocks[b].get());
     const size_t bytes = sizeof(float) * used * width_;
@@ -393,10 +405,15 @@ CoreStatus HostTable::Write(const int64_t* ids, int64_t n, const float* rows,
 
 CoreStatus HostTable::OutOfMemory(const std::string& outcome) const {
   const double mb = static_cast<double>(AllocatedBytes()) / (1 << 20);
+  const std::string file =
+      row_file_ ? " (its row blocks live in a file in host_rows_dir '" + options_.rows_dir +
+                      "': that disk may be full instead)"
+                : "";
   return CoreStatus::ResourceExhausted(
       "out of host memory: " + Describe() + " (" + std::to_string(size()) + " rows of " +
       std::to_string(width_) + " floats, " + std::to_string(static_cast<int64_t>(mb + 0.5)) +
-      " MB of indexes and row blocks) could not get memory for more rows. " + outcome +
+      " MB of indexes and row blocks) could not get memory for more rows" + file + ". " +
+      outcome +
       " Every row stored before is intact. Give the process more memory, or bound the "
       "table with max_rows (new ids past it then fail before memory runs out) and remove "
       "rarely used ids with prune.");

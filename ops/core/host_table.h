@@ -23,6 +23,7 @@
 
 #include "huge_pages.h"
 #include "initializer.h"
+#include "row_file.h"
 #include "status.h"
 
 namespace sfctr {
@@ -47,6 +48,11 @@ struct HostTableOptions {
   bool reserve_rows = false;
   int num_shards = 64;             // lock stripes; rounded up to a power of 2
   std::string name;                // names the table in errors (may be empty)
+  // A directory on a local disk: when set, the row blocks of 64 KiB and more
+  // live in an unnamed file there, mapped into memory (row_file.h), so the
+  // kernel can page rows out to the disk. The constructor throws
+  // RowFileError when the directory cannot hold the file.
+  std::string rows_dir;
 };
 
 class HostTable {
@@ -157,6 +163,15 @@ class HostTable {
 
   // Bytes held by indexes and arenas (allocated capacity, not payload).
   size_t AllocatedBytes() const;
+  // Of those, the row blocks mapped from the row file (0 without rows_dir):
+  // page cache the kernel can write out and drop, not anonymous memory.
+  size_t FileBytes() const { return row_file_ ? row_file_->mapped_bytes() : 0; }
+  const std::string& rows_dir() const { return options_.rows_dir; }
+  // With rows_dir: writes the rows on file out and drops them from memory
+  // (RowFile::DropFromMemory). Not synchronised with writers.
+  void DropFileRowsFromMemory() {
+    if (row_file_) row_file_->DropFromMemory();
+  }
 
   // Index capacity (entries) of each shard.
   std::vector<size_t> IndexEntries() const;
@@ -179,9 +194,13 @@ class HostTable {
   // AddBlockLocked; the others, and the use counts, come from the heap.
   struct BlockDeleter {
     size_t bytes = 0;
-    bool large = false;  // from AllocateLarge, else AllocateHeap
+    bool large = false;  // from AllocateLarge, else AllocateHeap (or the file)
+    std::shared_ptr<RowFile> file;  // mapped from this file at `offset`
+    uint64_t offset = 0;
     void operator()(void* p) const {
-      if (large) {
+      if (file) {
+        file->Unmap(p, bytes, offset);
+      } else if (large) {
         FreeLarge(p, bytes);
       } else {
         FreeHeap(p, bytes);
@@ -237,6 +256,7 @@ class HostTable {
   }
 
   HostTableOptions options_;
+  std::shared_ptr<RowFile> row_file_;  // with rows_dir; the blocks share it
   RowInitializer initializer_;
   int width_;
   std::unique_ptr<Shard[]> shards_;

@@ -205,6 +205,7 @@ class StoreCreateOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("expected_rows", &expected_rows));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("reserve_rows", &options_.table.reserve_rows));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("table_name", &options_.table.name));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("host_rows_dir", &options_.table.rows_dir));
     OP_REQUIRES(ctx, sfctr::ParseInitKind(kind, &options_.table.init.kind),
                 errors::InvalidArgument(
                     "init_kind must be constant, uniform, normal or "
@@ -253,6 +254,17 @@ class StoreCreateOp : public OpKernel {
     StoreResource* resource = nullptr;
     try {
       resource = new StoreResource(options_);
+    } catch (const sfctr::RowFileError& e) {
+      ctx->CtxFailure(errors::InvalidArgument(
+          sfctr::HostTable::Describe(options_.table.name), ": ", e.what()));
+      return;
+    } catch (const sfctr::DiskFull&) {
+      ctx->CtxFailure(errors::ResourceExhausted(
+          "no disk space in host_rows_dir '", options_.table.rows_dir, "' for the rows of ",
+          sfctr::HostTable::Describe(options_.table.name),
+          " that reserve_rows=True allocates up front; free space there, lower "
+          "expected_rows, or set reserve_rows=False"));
+      return;
     } catch (const std::exception&) {  // bad_alloc, or length_error past max_size
       ctx->CtxFailure(errors::ResourceExhausted(
           "not enough memory for the cache directory of cache_capacity=",
@@ -625,7 +637,17 @@ class StoreStatsOp : public StoreOpKernel {
                  std::vector<int64_t>{s.hits, s.misses, s.evictions,
                                       s.host_rows, s.cache_capacity,
                                       s.cached_rows, s.write_backs_by_handle,
-                                      s.host_bytes});
+                                      s.host_bytes, s.host_file_bytes});
+  }
+};
+
+class HostDropFileRowsOp : public StoreOpKernel {
+ public:
+  using StoreOpKernel::StoreOpKernel;
+
+ protected:
+  void ComputeOnStore(OpKernelContext*, sfctr::EmbeddingStore& store) override {
+    store.table().DropFileRowsFromMemory();
   }
 };
 
@@ -1163,6 +1185,7 @@ SFCTR_CPU_KERNEL("SfctrHostPrune", HostPruneOp);
 SFCTR_CPU_KERNEL("SfctrHostSetSeed", HostSetSeedOp);
 SFCTR_CPU_KERNEL("SfctrStoreStats", StoreStatsOp);
 SFCTR_CPU_KERNEL("SfctrStoreSetCounters", StoreSetCountersOp);
+SFCTR_CPU_KERNEL("SfctrHostDropFileRows", HostDropFileRowsOp);
 SFCTR_CPU_KERNEL("SfctrUnique", UniqueOp);
 SFCTR_CPU_KERNEL("SfctrSegmentSums", SegmentSumsOp);
 SFCTR_CPU_KERNEL("SfctrGatherIndex", GatherIndexOp);

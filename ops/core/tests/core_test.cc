@@ -15,7 +15,10 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include <dirent.h>
+#include <sys/stat.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include "../adagrad.h"
 #include "../cache_directory.h"
@@ -27,6 +30,7 @@
 #include "../host_table.h"
 #include "../initializer.h"
 #include "../mix.h"
+#include "../row_file.h"
 #include "../parallel.h"
 #include "../segment_sum.h"
 #include "check.h"
@@ -414,6 +418,116 @@ TEST_CASE(HostTableReloadsItsOwnExport) {
     CHECK(std::equal(out_rows.begin() + i * 4, out_rows.begin() + (i + 1) * 4,
                      again_rows.begin() + j * 4));
   }
+}
+
+// A fresh directory under /tmp (removed by the test when it is empty).
+std::string MakeTempDir() {
+  char name[] = "/tmp/sfctr_core_test.XXXXXX";
+  const char* dir = mkdtemp(name);
+  return dir == nullptr ? std::string() : std::string(dir);
+}
+
+int EntriesIn(const std::string& dir) {
+  int n = 0;
+  if (DIR* d = opendir(dir.c_str())) {
+    while (dirent* e = readdir(d)) {
+      if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) ++n;
+    }
+    closedir(d);
+  }
+  return n;
+}
+
+TEST_CASE(HostTableRowsInAFileMatchRowsInMemory) {
+  const std::string dir = MakeTempDir();
+  CHECK(!dir.empty());
+  HostTableOptions in_file = Options(8, 1);
+  in_file.rows_dir = dir;
+  HostTable a(Options(8, 1)), b(in_file);
+  CHECK_EQ(a.FileBytes(), size_t{0});
+  std::mt19937_64 rng(11);
+  std::vector<int64_t> ids(60000);
+  for (auto& id : ids) id = static_cast<int64_t>(rng());
+  std::vector<float> rows(ids.size() * 16);
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(i % 1013) - 7.5f;
+  std::vector<uint32_t> uses(ids.size(), 3);
+  CHECK(a.Write(ids.data(), ids.size(), rows.data(), uses.data()).ok());
+  CHECK(b.Write(ids.data(), ids.size(), rows.data(), uses.data()).ok());
+  // Large blocks are in the file; it has no name in the directory.
+  CHECK(b.FileBytes() > 0);
+  CHECK(b.FileBytes() < b.AllocatedBytes());
+  CHECK_EQ(EntriesIn(dir), 0);
+  // New ids get the same initial rows, and every row reads back the same,
+  // also once the kernel had to read it from the disk again.
+  std::vector<int64_t> fresh(5000);
+  for (auto& id : fresh) id = static_cast<int64_t>(rng());
+  std::vector<float> fa(fresh.size() * 16), fb(fresh.size() * 16);
+  CHECK(a.Reserve(fresh.size()).ok());
+  CHECK(b.Reserve(fresh.size()).ok());
+  a.FindOrInsertReserved(fresh.data(), fresh.size(), fa.data(), fresh.size());
+  b.FindOrInsertReserved(fresh.data(), fresh.size(), fb.data(), fresh.size());
+  CHECK(fa == fb);
+  for (int round = 0; round < 2; ++round) {
+    std::vector<float> ra(ids.size() * 16), rb(ids.size() * 16);
+    a.Find(ids.data(), ids.size(), ra.data());
+    b.Find(ids.data(), ids.size(), rb.data());
+    CHECK(ra == rb);
+    CHECK(rb == rows);
+    b.DropFileRowsFromMemory();
+  }
+  std::vector<int64_t> ea, eb;
+  std::vector<float> va, vb;
+  std::vector<uint32_t> ca, cb;
+  a.Export(&ea, &va, &ca);
+  b.Export(&eb, &vb, &cb);
+  CHECK(ea == eb);
+  CHECK(va == vb);
+  CHECK(ca == cb);
+  CHECK_EQ(a.Prune(4, {}), b.Prune(4, {}));  // every row used 3 times
+  CHECK_EQ(b.size(), 0);
+  // A cleared table gives its file space back; the next rows map anew.
+  CHECK(b.Write(ids.data(), ids.size(), rows.data()).ok());
+  b.Clear();
+  CHECK_EQ(b.FileBytes(), size_t{0});
+  CHECK(b.Write(ids.data(), 1000, rows.data()).ok());
+  std::vector<float> one(16);
+  b.Find(&ids[999], 1, one.data());
+  CHECK(std::equal(one.begin(), one.end(), rows.begin() + 999 * 16));
+  CHECK_EQ(EntriesIn(dir), 0);
+  CHECK_EQ(rmdir(dir.c_str()), 0);
+}
+
+TEST_CASE(HostTableRowsDirMustBeAWritableDirectory) {
+  const std::string dir = MakeTempDir();
+  CHECK(!dir.empty());
+  const std::string file = dir + "/plain_file";
+  std::ofstream(file) << "x";
+  for (const std::string& bad : {dir + "/missing", file}) {
+    HostTableOptions o = Options(4, 0);
+    o.rows_dir = bad;
+    std::string message;
+    try {
+      HostTable t(o);
+    } catch (const RowFileError& e) {
+      message = e.what();
+    }
+    CHECK(message.find("host_rows_dir '" + bad + "'") != std::string::npos);
+  }
+  if (geteuid() != 0) {  // root writes anywhere
+    CHECK_EQ(chmod(dir.c_str(), 0500), 0);
+    HostTableOptions o = Options(4, 0);
+    o.rows_dir = dir;
+    bool refused = false;
+    try {
+      HostTable t(o);
+    } catch (const RowFileError&) {
+      refused = true;
+    }
+    CHECK(refused);
+    chmod(dir.c_str(), 0700);
+  }
+  std::remove(file.c_str());
+  CHECK_EQ(rmdir(dir.c_str()), 0);
 }
 
 TEST_CASE(HostTableMaxRowsIsAtomic) {

@@ -1,0 +1,119 @@
+#include "row_file.h"
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace sfctr {
+namespace {
+
+constexpr uint64_t kPage = 4096;
+
+uint64_t WholePagesOf(uint64_t bytes) { return (bytes + kPage - 1) & ~(kPage - 1); }
+
+std::string Reason(int err) { return std::strerror(err); }
+
+}  // namespace
+
+std::shared_ptr<RowFile> RowFile::Open(const std::string& dir) {
+  if (dir.empty()) throw RowFileError("host_rows_dir is empty: name a directory");
+  struct stat st;
+  if (stat(dir.c_str(), &st) != 0) {
+    throw RowFileError("host_rows_dir '" + dir + "' cannot be used: " + Reason(errno));
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    throw RowFileError("host_rows_dir '" + dir + "' is not a directory");
+  }
+  int fd = -1;
+#if defined(O_TMPFILE)
+  // An unnamed file: it goes when its last descriptor and mapping do.
+  fd = open(dir.c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+#endif
+  if (fd < 0) {
+    // File systems without O_TMPFILE: a named file, unlinked at once.
+    std::string path = dir + (dir.back() == '/' ? "" : "/") + "tf_sfctr_rows.XXXXXX";
+    std::vector<char> name(path.begin(), path.end());
+    name.push_back('\0');
+    fd = mkostemp(name.data(), O_CLOEXEC);
+    if (fd < 0) {
+      throw RowFileError("host_rows_dir '" + dir + "' cannot hold the table's row file: " +
+                         Reason(errno));
+    }
+    unlink(name.data());
+  }
+  return std::shared_ptr<RowFile>(new RowFile(fd, dir));
+}
+
+RowFile::~RowFile() { close(fd_); }
+
+void* RowFile::Map(size_t bytes, uint64_t* offset) {
+  const uint64_t len = WholePagesOf(bytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t at = end_;
+  // Reserve the disk blocks now: a sparse range would fail later, on a
+  // write to the mapping (SIGBUS), with no way to report it.
+  const int err = posix_fallocate(fd_, static_cast<off_t>(at), static_cast<off_t>(len));
+  if (err == ENOSPC || err == EDQUOT || err == EFBIG) throw DiskFull();
+  if (err != 0) throw std::bad_alloc();
+  void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, static_cast<off_t>(at));
+  if (p == MAP_FAILED) throw std::bad_alloc();
+#if defined(MADV_RANDOM)
+  // Rows are read at random: no read-ahead of the pages around a miss.
+  madvise(p, len, MADV_RANDOM);
+#endif
+  try {
+    mappings_.emplace(at, std::make_pair(p, len));
+  } catch (...) {
+    munmap(p, len);
+    throw;
+  }
+  end_ = at + len;
+  mapped_ += len;
+  *offset = at;
+  return p;
+}
+
+void RowFile::Unmap(void* p, size_t bytes, uint64_t offset) {
+  const uint64_t len = WholePagesOf(bytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  munmap(p, len);
+  mapped_ -= len;
+  mappings_.erase(offset);
+  if (mappings_.empty()) {
+    // Nothing mapped (the table was cleared or is going): start over.
+    if (ftruncate(fd_, 0) == 0) end_ = 0;
+    return;
+  }
+#if defined(FALLOC_FL_PUNCH_HOLE) && defined(FALLOC_FL_KEEP_SIZE)
+  // Give the range's disk space back (a hint: not every file system can).
+  fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(offset),
+            static_cast<off_t>(len));
+#else
+  (void)offset;
+#endif
+}
+
+void RowFile::DropFromMemory() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [offset, where] : mappings_) {
+    msync(where.first, where.second, MS_SYNC);
+    // Unmaps the pages from this process (the file keeps their contents)...
+    madvise(where.first, where.second, MADV_DONTNEED);
+    // ...so that the page cache can drop them: they are clean now.
+    posix_fadvise(fd_, static_cast<off_t>(offset), static_cast<off_t>(where.second),
+                  POSIX_FADV_DONTNEED);
+  }
+}
+
+uint64_t RowFile::mapped_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return mapped_;
+}
+
+}  // namespace sfctr

@@ -1,0 +1,151 @@
+"""Host rows in a file on disk (``CachedEmbedding(host_rows_dir=...)``).
+
+The file is a place for the rows, not a change of what they hold: every
+result must equal the same layer with its rows in memory, bit for bit, also
+after the rows were written out and dropped from memory (so that the next
+reads come from the disk).
+"""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sfctr
+from tf_sfctr.keras_layers import CachedEmbedding
+
+from conftest import random_vocab
+
+# 64 floats + Adagrad's 64 per row: a shard's row blocks reach the file's
+# 64 KiB minimum after its first 112 rows, so most of these rows are on file.
+DIM, CAPACITY, FIELDS, BATCH, STEPS, VOCAB = 64, 2048, 3, 256, 24, 20_000
+
+
+def _model(rows_dir, name="emb"):
+    keras.utils.set_random_seed(7)
+    inp = keras.Input((FIELDS,), dtype="int64")
+    emb = CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=11, name=name,
+                          optimizer=tf_sfctr.optimizers.Adagrad(0.2),
+                          host_rows_dir=rows_dir)
+    out = keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp)))
+    model = keras.Model(inp, out)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model, emb
+
+
+def _data(rng):
+    vocab = random_vocab(rng, VOCAB)
+    x = vocab[rng.integers(0, VOCAB, size=(STEPS * BATCH, FIELDS))]
+    y = rng.normal(size=(STEPS * BATCH, 1)).astype("float32")
+    return vocab, x, y
+
+
+class _DropRows(keras.callbacks.Callback):
+    """Writes the file's rows out and drops them from memory every few steps
+    (between steps, as a callback may), so that later steps read them back
+    from the disk."""
+
+    def __init__(self, layer, every=5):
+        super().__init__()
+        self.layer, self.every, self.drops = layer, every, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch % self.every == 0:
+            self.layer.store.host_drop_file_rows()
+            self.drops += 1
+
+
+def _fit(model, x, y, callbacks=()):
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                        callbacks=list(callbacks))
+    return history.history["loss"]
+
+
+def test_training_with_rows_on_disk_equals_rows_in_memory(rng, tmp_path):
+    vocab, x, y = _data(rng)
+    ref_model, ref = _model(None)
+    ref_loss = _fit(ref_model, x, y)
+    model, emb = _model(str(tmp_path))
+    drops = _DropRows(emb)
+    loss = _fit(model, x, y, [drops])
+    assert drops.drops >= 8
+    assert loss == ref_loss
+    for a, b in zip(model.get_weights(), ref_model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    emb.store.host_drop_file_rows()
+    np.testing.assert_array_equal(emb.lookup_rows(vocab), ref.lookup_rows(vocab))
+    stats, ref_stats = emb.cache_stats(), ref.cache_stats()
+    for key in ("hits", "misses", "evictions", "host_rows", "host_bytes"):
+        assert stats[key] == ref_stats[key], key
+    # Most of the row memory is the file's; none without a directory.
+    assert ref_stats["host_file_bytes"] == 0
+    assert stats["host_file_bytes"] > stats["host_bytes"] / 2, stats
+    # The file has no name: nothing is left in the directory.
+    assert os.listdir(tmp_path) == []
+
+
+def test_checkpoint_and_keras_file_round_trip(rng, tmp_path):
+    vocab, x, y = _data(rng)
+    rows_dir = tmp_path / "rows"
+    rows_dir.mkdir()
+    model, emb = _model(str(rows_dir))
+    _fit(model, x, y)
+    emb.store.host_drop_file_rows()
+    want = emb.lookup_rows(vocab)
+    path = tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
+    # Into a table on file and into one in memory.
+    for target_dir in (str(rows_dir), None):
+        other, other_emb = _model(target_dir)
+        tf.train.Checkpoint(model=other).read(path).expect_partial()
+        np.testing.assert_array_equal(other_emb.lookup_rows(vocab), want)
+        assert (other_emb.cache_stats()["host_file_bytes"] > 0) == (target_dir is not None)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    layer = loaded.get_layer("emb")
+    assert layer.host_rows_dir == str(rows_dir)
+    np.testing.assert_array_equal(layer.lookup_rows(vocab), want)
+    assert layer.cache_stats()["host_file_bytes"] > 0
+    assert CachedEmbedding.from_config(emb.get_config()).host_rows_dir == str(rows_dir)
+
+
+def test_reserved_rows_go_to_the_file(tmp_path):
+    layer = CachedEmbedding(DIM, cache_capacity=64, expected_rows=50_000, reserve_rows=True,
+                            host_rows_dir=tmp_path)
+    layer.build(None)
+    stats = layer.cache_stats()
+    assert stats["host_rows"] == 0
+    # 50k reserved rows of 512 bytes, nearly all of them in the file.
+    assert stats["host_file_bytes"] > 0.9 * 50_000 * 2 * DIM * 4, stats
+    ids = np.arange(-5000, 5000, dtype=np.int64)
+    rows = np.random.default_rng(3).normal(size=(ids.size, DIM)).astype("float32")
+    layer.assign_rows(ids, rows)
+    layer.store.host_drop_file_rows()
+    np.testing.assert_array_equal(layer.lookup_rows(ids), rows)
+
+
+@pytest.mark.parametrize("bad, says", [
+    (123, "must be a directory path"),
+    ("", "must name a directory"),
+    ("gs://bucket/rows", "local disk"),
+])
+def test_host_rows_dir_must_be_a_local_path(bad, says):
+    with pytest.raises(ValueError, match=says):
+        CachedEmbedding(4, cache_capacity=8, host_rows_dir=bad)
+
+
+def test_host_rows_dir_must_exist_and_hold_a_file(tmp_path):
+    missing = tmp_path / "missing"
+    layer = CachedEmbedding(4, cache_capacity=8, host_rows_dir=missing)
+    with pytest.raises(ValueError, match="host_rows_dir .*missing.* is not an existing directory"):
+        layer.build(None)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match="is not an existing directory"):
+        CachedEmbedding(4, cache_capacity=8, host_rows_dir=a_file).build(None)
+    # A directory where no file can be created (/proc, also for root): the
+    # store says why, naming the setting and the directory.
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="host_rows_dir '/proc' cannot hold the table's row file"):
+        CachedEmbedding(4, cache_capacity=8, host_rows_dir="/proc").build(None)

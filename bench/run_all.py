@@ -45,6 +45,7 @@ BENCHMARKS = [
     ("host_memory", "Host-table bytes per row", ["--rows", "2000000"],
      ["--rows", "100000", "--dims", "16", "--optimizers", "adagrad"], {}),
     ("scale", "Host table at 100M ids", [], ["--tiny"], {}),
+    ("host_rows_dir", "Host rows on disk (host_rows_dir)", [], ["--tiny"], {}),
     ("checkpoint_io", "Checkpoint size and save/restore time", ["--rows", "1000000"],
      ["--rows", "20000"], {}),
     ("vsi", "Rows moved with and without de-duplication", [], ["--tiny"], {}),

@@ -1,6 +1,7 @@
 #include "host_table.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <new>
@@ -281,7 +282,65 @@ HostTable::Entry* HostTable::InsertLocked(Shard& s, int64_t id,
   return &s.entries[pos];
 }
 
+// A batch read from memory takes well under a microsecond per row (a few
+// cache misses); one from the disk, tens of microseconds or more.
+constexpr double kDiskSecondsPerRow = 2e-6;
+constexpr int64_t kTimedReadRows = 64;  // smaller reads say too little
+
+void HostTable::AdviseRowLocked(const Shard& s, uint32_t row) const {
+  uint64_t block, offset;
+  BlockOf(row, &block, &offset);
+  const BlockDeleter& d = s.blocks[block].get_deleter();
+  if (!d.file) return;  // a small block, in memory
+  const uint64_t bytes = sizeof(float) * static_cast<uint64_t>(width_);
+  row_file_->WillNeed(d.offset + offset * bytes, bytes);
+}
+
+bool HostTable::SampledRowsOnDisk(const int64_t* ids, int64_t n) const {
+  if (!row_file_) return false;
+  // A few rows spread over the batch: is the page of any of them not in
+  // memory? (mincore: one system call each, a few microseconds in all.)
+  constexpr int64_t kSamples = 8;
+  const int64_t step = std::max<int64_t>(1, n / kSamples);
+  for (int64_t i = 0; i < n; i += step) {
+    const uint64_t h = HashId(ids[i]);
+    Shard& s = shards_[ShardIndex(h)];
+    std::lock_guard<std::mutex> lock(s.mu);
+    const Entry* e = Locate(s, ids[i], h);
+    if (e == nullptr) continue;
+    uint64_t block, offset;
+    BlockOf(e->row, &block, &offset);
+    if (!s.blocks[block].get_deleter().file) continue;
+    if (!row_file_->Resident(RowPtr(s, e->row))) return true;
+  }
+  return false;
+}
+
+void HostTable::AdviseReads(const int64_t* ids, int64_t n) const {
+  if (!row_file_ || n <= 0) return;
+  if (!rows_on_disk_.load(std::memory_order_relaxed) && !SampledRowsOnDisk(ids, n)) return;
+  ForEachByShard(ids, n, [&](int64_t i, Shard& s, uint64_t h) {
+    if (const Entry* e = Locate(s, ids[i], h)) AdviseRowLocked(s, e->row);
+  });
+}
+
+void HostTable::NoteReadTime(int64_t n, double seconds) const {
+  if (row_file_ && n >= kTimedReadRows) {
+    rows_on_disk_.store(seconds > kDiskSecondsPerRow * static_cast<double>(n),
+                        std::memory_order_relaxed);
+  }
+}
+
+namespace {
+double SecondsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
 void HostTable::Find(const int64_t* ids, int64_t n, float* out) const {
+  AdviseReads(ids, n);
+  const auto t0 = std::chrono::steady_clock::now();
+  OnExit timed{[&] { NoteReadTime(n, SecondsSince(t0)); }};
   ForEachByShard(ids, n, [&](int64_t i, Shard& s, uint64_t h) {
     float* dst = out + i * width_;
     const Entry* e = Locate(s, ids[i], h);
@@ -323,7 +382,10 @@ CoreStatus HostTable::FindOrInsertReserved(const int64_t* ids, int64_t n, float*
                                            int64_t reserved, uint32_t* use_counts,
                                            uint64_t* handles) {
   int64_t inserted = 0, done = 0;
+  AdviseReads(ids, n);
+  const auto t0 = std::chrono::steady_clock::now();
   try {
+    OnExit timed{[&] { NoteReadTime(done, SecondsSince(t0)); }};
     // Rows count as they are inserted, and what the call did not use of its
     // reservation (another writer may have inserted some of these ids
     // first) goes back, also when it runs out of memory half-way.
@@ -383,6 +445,7 @@ CoreStatus HostTable::Write(const int64_t* ids, int64_t n, const float* rows,
         GrowLocked(s, static_cast<uint64_t>(s.used) + count);
       }
     };
+    AdviseReads(ids, n);  // a write to a page on disk reads it first
     ForEachByShard(ids, n, [&](int64_t i, Shard& s, uint64_t h) {
       Entry* e = Locate(s, ids[i], h);
       if (e == nullptr) {
@@ -436,6 +499,12 @@ void HostTable::WriteRows(const uint64_t* handles, int64_t n, const float* rows,
     if (start[k] == start[k + 1]) continue;
     Shard& s = shards_[k];
     std::lock_guard<std::mutex> lock(s.mu);
+    if (row_file_ && rows_on_disk_.load(std::memory_order_relaxed)) {
+      // A write to a page on disk reads it first: start those reads at once.
+      for (uint32_t j = start[k]; j < start[k + 1]; ++j) {
+        AdviseRowLocked(s, static_cast<uint32_t>(handles[order[j]] - 1));
+      }
+    }
     constexpr uint32_t kAhead = 8;
     for (uint32_t j = start[k]; j < start[k + 1]; ++j) {
       if (j + kAhead < start[k + 1]) {

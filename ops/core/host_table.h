@@ -167,6 +167,12 @@ class HostTable {
   // page cache the kernel can write out and drop, not anonymous memory.
   size_t FileBytes() const { return row_file_ ? row_file_->mapped_bytes() : 0; }
   const std::string& rows_dir() const { return options_.rows_dir; }
+  // With rows_dir: is the page of any of a few rows of `ids` (up to 8,
+  // spread over them) on the disk, not in memory? Reads of rows on disk are
+  // then started together (POSIX_FADV_WILLNEED) before they are copied, as
+  // they are whenever the previous batch read was slow. False without
+  // rows_dir.
+  bool SampledRowsOnDisk(const int64_t* ids, int64_t n) const;
   // With rows_dir: writes the rows on file out and drops them from memory
   // (RowFile::DropFromMemory). Not synchronised with writers.
   void DropFileRowsFromMemory() {
@@ -226,6 +232,15 @@ class HostTable {
   }
   uint16_t& CountOf(const Shard& s, uint32_t row) const;
   void AddSaturating(const Shard& s, uint32_t row, uint32_t count) const;
+  // With a row file, while rows_on_disk_: asks the kernel to start reading
+  // the pages of the rows of `ids` that the table holds (RowFile::WillNeed),
+  // so that the reads of a batch's rows overlap. Locks each shard.
+  void AdviseReads(const int64_t* ids, int64_t n) const;
+  // The same for one row, its shard locked by the caller.
+  void AdviseRowLocked(const Shard& s, uint32_t row) const;
+  // After a batch read of n rows that took `seconds`: were its rows read
+  // from the disk (far slower per row than from memory)? Sets rows_on_disk_.
+  void NoteReadTime(int64_t n, double seconds) const;
   // Returns the entry of `id` or nullptr. Caller holds the shard lock.
   Entry* Locate(Shard& s, int64_t id, uint64_t hash) const;
   // Inserts `id` (must be absent) with a fresh arena row; returns its entry.
@@ -257,6 +272,9 @@ class HostTable {
 
   HostTableOptions options_;
   std::shared_ptr<RowFile> row_file_;  // with rows_dir; the blocks share it
+  // The last batch read from the row file was slow per row: its pages were
+  // on the disk, and so, likely, are the next batch's (AdviseReads).
+  mutable std::atomic<bool> rows_on_disk_{false};
   RowInitializer initializer_;
   int width_;
   std::unique_ptr<Shard[]> shards_;

@@ -111,6 +111,18 @@ void RowFile::DropFromMemory() {
   }
 }
 
+bool RowFile::Resident(const void* p) {
+  void* page = reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(p) & ~(kPage - 1));
+  unsigned char in_memory = 0;
+  // On failure (not expected for a mapped address), say resident: no hint.
+  return mincore(page, kPage, &in_memory) != 0 || (in_memory & 1) != 0;
+}
+
+void RowFile::WillNeed(uint64_t offset, uint64_t bytes) const {
+  posix_fadvise(fd_, static_cast<off_t>(offset), static_cast<off_t>(bytes),
+                POSIX_FADV_WILLNEED);  // a hint: failure is harmless
+}
+
 uint64_t RowFile::mapped_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   return mapped_;

@@ -65,6 +65,15 @@ class RowFile {
   // on demand, for tests and benchmarks of rows that are not resident.
   void DropFromMemory();
 
+  // Asks the kernel to start reading [offset, offset + bytes) of the file
+  // into memory without waiting for it (POSIX_FADV_WILLNEED): many such
+  // calls put many reads in flight, where touching the pages one by one
+  // waits for each read in turn.
+  void WillNeed(uint64_t offset, uint64_t bytes) const;
+
+  // Is the page holding `p` (inside a mapping of this file) in memory?
+  static bool Resident(const void* p);
+
   const std::string& dir() const { return dir_; }
   // Bytes of the file that are mapped now (the rows' disk space).
   uint64_t mapped_bytes() const;

@@ -441,14 +441,17 @@ int EntriesIn(const std::string& dir) {
 TEST_CASE(HostTableRowsInAFileMatchRowsInMemory) {
   const std::string dir = MakeTempDir();
   CHECK(!dir.empty());
-  HostTableOptions in_file = Options(8, 1);
+  // dim 32 + 1 state: 256-byte rows, so a shard's blocks reach the file's
+  // 64 KiB minimum after its first 240 rows: most of these rows are on file.
+  constexpr int kWidth = 64;
+  HostTableOptions in_file = Options(32, 1);
   in_file.rows_dir = dir;
-  HostTable a(Options(8, 1)), b(in_file);
+  HostTable a(Options(32, 1)), b(in_file);
   CHECK_EQ(a.FileBytes(), size_t{0});
   std::mt19937_64 rng(11);
   std::vector<int64_t> ids(60000);
   for (auto& id : ids) id = static_cast<int64_t>(rng());
-  std::vector<float> rows(ids.size() * 16);
+  std::vector<float> rows(ids.size() * kWidth);
   for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(i % 1013) - 7.5f;
   std::vector<uint32_t> uses(ids.size(), 3);
   CHECK(a.Write(ids.data(), ids.size(), rows.data(), uses.data()).ok());
@@ -461,19 +464,24 @@ TEST_CASE(HostTableRowsInAFileMatchRowsInMemory) {
   // also once the kernel had to read it from the disk again.
   std::vector<int64_t> fresh(5000);
   for (auto& id : fresh) id = static_cast<int64_t>(rng());
-  std::vector<float> fa(fresh.size() * 16), fb(fresh.size() * 16);
+  std::vector<float> fa(fresh.size() * kWidth), fb(fresh.size() * kWidth);
   CHECK(a.Reserve(fresh.size()).ok());
   CHECK(b.Reserve(fresh.size()).ok());
   a.FindOrInsertReserved(fresh.data(), fresh.size(), fa.data(), fresh.size());
   b.FindOrInsertReserved(fresh.data(), fresh.size(), fb.data(), fresh.size());
   CHECK(fa == fb);
+  CHECK(!a.SampledRowsOnDisk(ids.data(), ids.size()));  // no file
   for (int round = 0; round < 2; ++round) {
-    std::vector<float> ra(ids.size() * 16), rb(ids.size() * 16);
+    std::vector<float> ra(ids.size() * kWidth), rb(ids.size() * kWidth);
     a.Find(ids.data(), ids.size(), ra.data());
     b.Find(ids.data(), ids.size(), rb.data());
     CHECK(ra == rb);
     CHECK(rb == rows);
+    // Read once, the rows are in memory; dropped, the sample finds them gone
+    // (and the next Find starts their reads together).
+    CHECK(!b.SampledRowsOnDisk(ids.data(), ids.size()));
     b.DropFileRowsFromMemory();
+    CHECK(b.SampledRowsOnDisk(ids.data(), ids.size()));
   }
   std::vector<int64_t> ea, eb;
   std::vector<float> va, vb;
@@ -490,9 +498,9 @@ TEST_CASE(HostTableRowsInAFileMatchRowsInMemory) {
   b.Clear();
   CHECK_EQ(b.FileBytes(), size_t{0});
   CHECK(b.Write(ids.data(), 1000, rows.data()).ok());
-  std::vector<float> one(16);
+  std::vector<float> one(kWidth);
   b.Find(&ids[999], 1, one.data());
-  CHECK(std::equal(one.begin(), one.end(), rows.begin() + 999 * 16));
+  CHECK(std::equal(one.begin(), one.end(), rows.begin() + 999 * kWidth));
   CHECK_EQ(EntriesIn(dir), 0);
   CHECK_EQ(rmdir(dir.c_str()), 0);
 }

@@ -7,6 +7,7 @@ reads come from the disk).
 """
 
 import os
+import subprocess
 
 import keras
 import numpy as np
@@ -149,3 +150,65 @@ def test_host_rows_dir_must_exist_and_hold_a_file(tmp_path):
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match="host_rows_dir '/proc' cannot hold the table's row file"):
         CachedEmbedding(4, cache_capacity=8, host_rows_dir="/proc").build(None)
+
+
+def _trainer(layer):
+    @tf.function
+    def step(ids):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(layer(ids, training=True) - 0.5))
+        tape.gradient(loss, layer.trainable_weights)
+        return loss
+
+    return step
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB tmpfs: a disk that fills up (needs root, as CI has)."""
+    where = tmp_path / "small_disk"
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(where)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root (CAP_SYS_ADMIN)")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def test_a_full_disk_fails_the_step_and_loses_nothing(rng, small_disk):
+    vocab = random_vocab(rng, 40_000)
+    batches = [vocab[i * 768:(i + 1) * 768].reshape(256, FIELDS) for i in range(40)]
+
+    def layer(rows_dir):
+        return CachedEmbedding(DIM, cache_capacity=1024, seed=5, host_rows_dir=rows_dir,
+                               optimizer=tf_sfctr.optimizers.Adagrad(0.2))
+
+    ours, ref = layer(str(small_disk)), layer(None)
+    step, ref_step = _trainer(ours), _trainer(ref)
+    failed_at = None
+    for i, b in enumerate(batches):
+        try:
+            step(b)
+        except tf.errors.ResourceExhaustedError as e:
+            failed_at = i
+            assert f"out of disk space: host table '{ours.name}'" in str(e), str(e)
+            assert f"host_rows_dir '{small_disk}'" in str(e), str(e)
+            assert "nothing was changed" in str(e) or "was left as it was" in str(e), str(e)
+            assert "Every row stored before is intact" in str(e), str(e)
+            break
+        ref_step(b)
+    assert failed_at is not None and failed_at > 5, failed_at
+    seen = np.concatenate([b.reshape(-1) for b in batches[:failed_at]])
+    # The refused step changed nothing: every row equals the reference's,
+    # which never saw that step.
+    np.testing.assert_array_equal(ours.lookup_rows(seen), ref.lookup_rows(seen))
+    # Room again: the same step and the rest train as in memory.
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    for b in batches[failed_at:]:
+        step(b)
+        ref_step(b)
+    everything = np.concatenate([b.reshape(-1) for b in batches])
+    np.testing.assert_array_equal(ours.lookup_rows(everything), ref.lookup_rows(everything))
+    assert ours.cache_stats()["host_rows"] == ref.cache_stats()["host_rows"]

@@ -468,9 +468,21 @@ CoreStatus HostTable::Write(const int64_t* ids, int64_t n, const float* rows,
 
 CoreStatus HostTable::OutOfMemory(const std::string& outcome) const {
   const double mb = static_cast<double>(AllocatedBytes()) / (1 << 20);
+  if (row_file_ && row_file_->full()) {
+    const double on_file = static_cast<double>(row_file_->mapped_bytes()) / (1 << 20);
+    return CoreStatus::ResourceExhausted(
+        "out of disk space: " + Describe() + " (" + std::to_string(size()) + " rows of " +
+        std::to_string(width_) + " floats) keeps its rows in a file in host_rows_dir '" +
+        options_.rows_dir + "', which holds " +
+        std::to_string(static_cast<int64_t>(on_file + 0.5)) +
+        " MB of rows, and that disk has no room for more. " + outcome +
+        " Every row stored before is intact. Free space on that disk (or give host_rows_dir "
+        "a larger one) and retry, or bound the table with max_rows and remove rarely used "
+        "ids with prune.");
+  }
   const std::string file =
       row_file_ ? " (its row blocks live in a file in host_rows_dir '" + options_.rows_dir +
-                      "': that disk may be full instead)"
+                      "')"
                 : "";
   return CoreStatus::ResourceExhausted(
       "out of host memory: " + Describe() + " (" + std::to_string(size()) + " rows of " +

@@ -59,7 +59,8 @@ void* RowFile::Map(size_t bytes, uint64_t* offset) {
   // Reserve the disk blocks now: a sparse range would fail later, on a
   // write to the mapping (SIGBUS), with no way to report it.
   const int err = posix_fallocate(fd_, static_cast<off_t>(at), static_cast<off_t>(len));
-  if (err == ENOSPC || err == EDQUOT || err == EFBIG) throw DiskFull();
+  full_.store(err == ENOSPC || err == EDQUOT || err == EFBIG, std::memory_order_relaxed);
+  if (full()) throw DiskFull();
   if (err != 0) throw std::bad_alloc();
   void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, static_cast<off_t>(at));
   if (p == MAP_FAILED) throw std::bad_alloc();

@@ -21,6 +21,7 @@
 #define TF_SFCTR_OPS_CORE_ROW_FILE_H_
 
 #include <cstddef>
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -77,6 +78,8 @@ class RowFile {
   const std::string& dir() const { return dir_; }
   // Bytes of the file that are mapped now (the rows' disk space).
   uint64_t mapped_bytes() const;
+  // Did the last Map fail for want of disk space?
+  bool full() const { return full_.load(std::memory_order_relaxed); }
 
  private:
   RowFile(int fd, std::string dir) : fd_(fd), dir_(std::move(dir)) {}
@@ -87,6 +90,7 @@ class RowFile {
   uint64_t end_ = 0;        // the next mapping starts here
   uint64_t mapped_ = 0;     // bytes mapped now
   std::map<uint64_t, std::pair<void*, uint64_t>> mappings_;  // offset -> (start, length)
+  std::atomic<bool> full_{false};
 };
 
 }  // namespace sfctr

@@ -1586,12 +1586,16 @@ class CachedEmbedding(keras.layers.Layer):
             return exchange.return_rows(rows_for_recv, route, name), None
         rows, refusals = exchange.return_rows(rows_for_recv, route, name, refusal=refusal)
         # (No quotes in the text: Assert prints its strings escaped.)
+        short = "out of host memory" + (
+            f" or of disk space in host_rows_dir {self.host_rows_dir}"
+            if self.host_rows_dir is not None else "")
         if self.max_rows is None:
-            full = "its host table could not add their new rows (out of host memory)"
+            full = (f"its host table could not add their new rows ({short}; that rank logged "
+                    f"which)")
         else:
-            full = (f"no room in its host table for their new rows under "
-                    f"max_rows={self.max_rows} (raise max_rows, or prune with "
-                    f"tf_sfctr.callbacks.PruneHostTable)")
+            full = (f"no room in its host table for their new rows: max_rows={self.max_rows} "
+                    f"reached (raise max_rows, or prune with "
+                    f"tf_sfctr.callbacks.PruneHostTable), or {short} (that rank logged which)")
         text = (
             f"CachedEmbedding {self.name} (model parallel): an owner of ids of this step "
             f"(sent by all {self._world_size} ranks) could not hold them, so no rank trained "

@@ -212,3 +212,19 @@ def test_a_full_disk_fails_the_step_and_loses_nothing(rng, small_disk):
     everything = np.concatenate([b.reshape(-1) for b in batches])
     np.testing.assert_array_equal(ours.lookup_rows(everything), ref.lookup_rows(everything))
     assert ours.cache_stats()["host_rows"] == ref.cache_stats()["host_rows"]
+
+
+def test_a_restore_the_disk_cannot_hold_is_refused_before_anything_changes(rng, small_disk):
+    big = CachedEmbedding(DIM, cache_capacity=64, seed=2)
+    ids = random_vocab(rng, 20_000)  # 20k rows of 512 bytes: 10 MiB, on a 2 MiB disk
+    big.assign_rows(ids, rng.normal(size=(ids.size, DIM)).astype("float32"))
+    path = tf.train.Checkpoint(table=big).write(str(small_disk.parent / "ckpt"))
+    small = CachedEmbedding(DIM, cache_capacity=64, seed=2, host_rows_dir=small_disk)
+    kept = ids[:100]
+    small.assign_rows(kept, np.ones((100, DIM), "float32"))
+    with pytest.raises(tf.errors.ResourceExhaustedError,
+                       match=r"Restoring 20,000 rows needs about 10 MiB in host_rows_dir .*"
+                             r"The current table was left untouched"):
+        tf.train.Checkpoint(table=small).read(path)
+    np.testing.assert_array_equal(small.lookup_rows(kept), np.ones((100, DIM)))
+    assert small.cache_stats()["host_rows"] == 100

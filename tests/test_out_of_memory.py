@@ -147,3 +147,38 @@ def test_training_step_out_of_memory_is_an_error_and_leaves_the_table_usable():
         assert layer.cache_stats()["host_rows"] > 0
         print("DONE")
         """, limit_mb=12)
+
+
+def test_a_restore_that_runs_out_of_memory_says_what_the_table_holds(tmp_path):
+    # A restore replaces the table: its old rows are gone before the new ones
+    # go in, so running out of memory half-way leaves a partial table, and the
+    # error says so (not the write's "every row stored before is intact").
+    import numpy as np
+    import tensorflow as tf
+    from tf_sfctr.keras_layers import CachedEmbedding
+
+    src = CachedEmbedding(16, cache_capacity=64, seed=0, name="src")
+    ids = np.arange(400_000, dtype=np.int64)
+    src.assign_rows(ids, np.ones((ids.size, 16), np.float32))
+    path = tf.train.Checkpoint(table=src).write(str(tmp_path / "ckpt"))
+    out = _run(f"""
+        import numpy as np
+        import tensorflow as tf
+        from tf_sfctr.keras_layers import CachedEmbedding
+
+        dst = CachedEmbedding(16, cache_capacity=64, seed=0, name="dst")
+        dst.assign_rows(np.arange(-10, 0, dtype=np.int64), np.zeros((10, 16), np.float32))
+        try:
+            tf.train.Checkpoint(table=dst).read({path!r})
+        except tf.errors.ResourceExhaustedError as err:
+            message = str(err)
+            assert "Restoring the table stopped after" in message, message
+            assert "of its 400,000 rows" in message, message
+            assert "were removed when it began" in message, message
+            assert "Every row stored before is intact" not in message, message
+            held = dst.cache_stats()["host_rows"]
+            assert 0 < held < 400_000, held
+            print("REFUSED")
+        print("DONE")
+    """, limit_mb=24)
+    assert "REFUSED" in out, out

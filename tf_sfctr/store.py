@@ -8,6 +8,7 @@ as methods. It does no math and holds no device data: the cache rows live in
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 import zlib
@@ -380,6 +381,29 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
                 "saved table holds non-finite values; it is corrupt. The current "
                 "table was left untouched.")
 
+    def _check_disk_room(self, num_rows: int) -> None:
+        """Refuses, before the table changes, a restore of ``num_rows`` rows
+        that the disk of ``host_rows_dir`` has no room for."""
+        rows_dir = self.config.host_rows_dir
+        if not rows_dir:
+            return
+        try:
+            st = os.statvfs(rows_dir)
+        except OSError:
+            return  # the write says what went wrong
+        free = st.f_bavail * st.f_frsize
+        held = int(self.stats()[8])  # the current rows' file space, freed first
+        need = num_rows * self.config.width * 4
+        if need > free + held:
+            mib = 2**20
+            raise tf.errors.ResourceExhaustedError(
+                None, None,
+                f"Restoring {num_rows:,} rows needs about {need / mib:,.0f} MiB in "
+                f"host_rows_dir {rows_dir!r} (this table keeps its rows in a file there), which "
+                f"has {free / mib:,.0f} MiB free besides the {held / mib:,.0f} MiB the current "
+                "rows hold. Free space on that disk, or restore into a table with another "
+                "host_rows_dir (or none). The current table was left untouched.")
+
     def load_table(self, header, ids, rows, counts, counters) -> None:
         """Replaces the whole table (host rows, use counts, empty cache,
         counters). Checks everything first: on error nothing changes."""
@@ -400,6 +424,7 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
             raise CheckpointMismatchError(
                 f"saved table has {counters.size} counters, not 3 (hits, misses, "
                 "evictions); it is corrupt. The current table was left untouched.")
+        self._check_disk_room(len(ids))
         if self.before_load is not None:
             self.before_load()
         self.cache_clear()
@@ -409,6 +434,18 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         self.seed = int(np.asarray(header).ravel()[3])
         self.host_set_seed(self.seed)
         ids_t = tf.constant(ids, tf.int64)
-        self.host_write(ids_t, tf.constant(rows, tf.float32))
+        try:
+            self.host_write(ids_t, tf.constant(rows, tf.float32))
+        except tf.errors.ResourceExhaustedError as e:
+            # The core's message speaks of one write; the table's rows before
+            # the restore are gone already (cleared above).
+            cause = e.message.split(": ", 1)[-1].split(". ")[0]
+            held = int(self.stats()[3])
+            raise tf.errors.ResourceExhaustedError(
+                None, None,
+                f"Restoring the table stopped after {held:,} of its {len(ids):,} rows "
+                f"({cause}). The rows the table held before the restore were removed when it "
+                "began, so it now holds only those; restore the checkpoint again once there is "
+                "room.") from None
         self.host_add_counts(ids_t, tf.constant(counts, tf.int64))
         self.set_counters(tf.constant(np.asarray(counters, np.int64).ravel()[:3]))

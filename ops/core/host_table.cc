@@ -468,7 +468,9 @@ CoreStatus HostTable::Write(const int64_t* ids, int64_t n, const float* rows,
 
 CoreStatus HostTable::OutOfMemory(const std::string& outcome) const {
   const double mb = static_cast<double>(AllocatedBytes()) / (1 << 20);
-  if (row_file_ && row_file_->full()) {
+  // Called in the handler of the allocation's std::bad_alloc: a DiskFull
+  // one came from the row file.
+  if (row_file_ && HandlingDiskFull()) {
     const double on_file = static_cast<double>(row_file_->mapped_bytes()) / (1 << 20);
     return CoreStatus::ResourceExhausted(
         "out of disk space: " + Describe() + " (" + std::to_string(size()) + " rows of " +
@@ -645,12 +647,21 @@ void HostTable::Clear() {
     s.free_rows.clear();
     s.used = 0;
     s.rows = 0;
+  }
+  // Every shard's memory (and row file space) is free before any is sized
+  // again: the row file then starts over instead of growing.
+  for (uint64_t k = 0; k <= shard_mask_; ++k) {
+    Shard& s = shards_[k];
+    std::lock_guard<std::mutex> lock(s.mu);
     // The estimate is only a hint here: without the memory, the index grows
     // as usual instead (a clear must not fail half-way).
     try {
       PresizeLocked(s);
     } catch (const std::bad_alloc&) {
       decltype(s.entries)().swap(s.entries);
+      s.blocks.clear();
+      s.count_blocks.clear();
+      s.rows = 0;
     }
   }
   reserved_.fetch_sub(size_.exchange(0));

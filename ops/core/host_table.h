@@ -167,6 +167,9 @@ class HostTable {
   // page cache the kernel can write out and drop, not anonymous memory.
   size_t FileBytes() const { return row_file_ ? row_file_->mapped_bytes() : 0; }
   const std::string& rows_dir() const { return options_.rows_dir; }
+  // The row file's length (0 without rows_dir): what its mapped blocks and
+  // the holes kept for reuse span.
+  size_t RowFileLength() const { return row_file_ ? row_file_->length() : 0; }
   // With rows_dir: is the page of any of a few rows of `ids` (up to 8,
   // spread over them) on the disk, not in memory? Reads of rows on disk are
   // then started together (POSIX_FADV_WILLNEED) before they are copied, as

@@ -3,6 +3,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <vector>
 
 #include <fcntl.h>
@@ -13,13 +14,27 @@
 namespace sfctr {
 namespace {
 
-constexpr uint64_t kPage = 4096;
-
-uint64_t WholePagesOf(uint64_t bytes) { return (bytes + kPage - 1) & ~(kPage - 1); }
-
 std::string Reason(int err) { return std::strerror(err); }
 
 }  // namespace
+
+bool HandlingDiskFull() {
+  const std::exception_ptr current = std::current_exception();
+  if (!current) return false;
+  try {
+    std::rethrow_exception(current);
+  } catch (const DiskFull&) {
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
+RowFile::RowFile(int fd, std::string dir)
+    : fd_(fd),
+      dir_(std::move(dir)),
+      owner_(getpid()),
+      page_(static_cast<uint64_t>(sysconf(_SC_PAGESIZE) > 0 ? sysconf(_SC_PAGESIZE) : 4096)) {}
 
 std::shared_ptr<RowFile> RowFile::Open(const std::string& dir) {
   if (dir.empty()) throw RowFileError("host_rows_dir is empty: name a directory");
@@ -52,18 +67,27 @@ std::shared_ptr<RowFile> RowFile::Open(const std::string& dir) {
 
 RowFile::~RowFile() { close(fd_); }
 
+bool RowFile::Owner() const { return getpid() == owner_; }
+
 void* RowFile::Map(size_t bytes, uint64_t* offset) {
-  const uint64_t len = WholePagesOf(bytes);
+  const uint64_t len = (bytes + page_ - 1) / page_ * page_;
   std::lock_guard<std::mutex> lock(mu_);
-  const uint64_t at = end_;
+  // A forked child must not take file space its parent may use.
+  if (!Owner()) throw std::bad_alloc();
+  // A hole of this length first (its disk space was given back, so it is
+  // reserved again below); else the end of the file.
+  const auto hole = free_.find(len);
+  const uint64_t at = hole != free_.end() ? hole->second : end_;
   // Reserve the disk blocks now: a sparse range would fail later, on a
   // write to the mapping (SIGBUS), with no way to report it.
   const int err = posix_fallocate(fd_, static_cast<off_t>(at), static_cast<off_t>(len));
-  full_.store(err == ENOSPC || err == EDQUOT || err == EFBIG, std::memory_order_relaxed);
-  if (full()) throw DiskFull();
+  if (err == ENOSPC || err == EDQUOT || err == EFBIG) throw DiskFull();
   if (err != 0) throw std::bad_alloc();
   void* p = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, static_cast<off_t>(at));
   if (p == MAP_FAILED) throw std::bad_alloc();
+  // Not inherited by fork(): a child writing to MAP_SHARED pages would
+  // change the parent's rows.
+  madvise(p, len, MADV_DONTFORK);
 #if defined(MADV_RANDOM)
   // Rows are read at random: no read-ahead of the pages around a miss.
   madvise(p, len, MADV_RANDOM);
@@ -74,34 +98,48 @@ void* RowFile::Map(size_t bytes, uint64_t* offset) {
     munmap(p, len);
     throw;
   }
-  end_ = at + len;
+  if (hole != free_.end()) {
+    free_.erase(hole);
+  } else {
+    end_ = at + len;
+  }
   mapped_ += len;
   *offset = at;
   return p;
 }
 
 void RowFile::Unmap(void* p, size_t bytes, uint64_t offset) {
-  const uint64_t len = WholePagesOf(bytes);
+  const uint64_t len = (bytes + page_ - 1) / page_ * page_;
   std::lock_guard<std::mutex> lock(mu_);
-  munmap(p, len);
   mapped_ -= len;
   mappings_.erase(offset);
+  // In a forked child the range was never mapped (MADV_DONTFORK; the
+  // address may hold another mapping by now) and the file is the parent's:
+  // leave both as they are.
+  if (!Owner()) return;
+  munmap(p, len);
   if (mappings_.empty()) {
     // Nothing mapped (the table was cleared or is going): start over.
-    if (ftruncate(fd_, 0) == 0) end_ = 0;
+    if (ftruncate(fd_, 0) == 0) {
+      end_ = 0;
+      free_.clear();
+    }
     return;
   }
 #if defined(FALLOC_FL_PUNCH_HOLE) && defined(FALLOC_FL_KEEP_SIZE)
   // Give the range's disk space back (a hint: not every file system can).
   fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(offset),
             static_cast<off_t>(len));
-#else
-  (void)offset;
 #endif
+  try {
+    free_.emplace(len, offset);
+  } catch (...) {  // the range is only not reused
+  }
 }
 
 void RowFile::DropFromMemory() {
   std::lock_guard<std::mutex> lock(mu_);
+  if (!Owner()) return;
   for (const auto& [offset, where] : mappings_) {
     msync(where.first, where.second, MS_SYNC);
     // Unmaps the pages from this process (the file keeps their contents)...
@@ -113,15 +151,21 @@ void RowFile::DropFromMemory() {
 }
 
 bool RowFile::Resident(const void* p) {
-  void* page = reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(p) & ~(kPage - 1));
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  void* start = reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(p) & ~(page - 1));
   unsigned char in_memory = 0;
   // On failure (not expected for a mapped address), say resident: no hint.
-  return mincore(page, kPage, &in_memory) != 0 || (in_memory & 1) != 0;
+  return mincore(start, page, &in_memory) != 0 || (in_memory & 1) != 0;
 }
 
 void RowFile::WillNeed(uint64_t offset, uint64_t bytes) const {
   posix_fadvise(fd_, static_cast<off_t>(offset), static_cast<off_t>(bytes),
                 POSIX_FADV_WILLNEED);  // a hint: failure is harmless
+}
+
+uint64_t RowFile::length() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return end_;
 }
 
 uint64_t RowFile::mapped_bytes() const {

@@ -17,11 +17,19 @@
 // so a full disk fails the allocation (DiskFull, a std::bad_alloc) instead
 // of the process (a write to a mapped page that the disk cannot hold raises
 // SIGBUS).
+//
+// fork(): the mappings are not inherited (MADV_DONTFORK), so a child process
+// can neither see nor change its parent's rows through them; a child that
+// touches an inherited table crashes instead of corrupting the parent's. A
+// RowFile used in another process than the one that opened it never changes
+// the file (no new mappings, no holes, no truncation), so a child that exits
+// or drops the table leaves the parent's rows alone.
 #ifndef TF_SFCTR_OPS_CORE_ROW_FILE_H_
 #define TF_SFCTR_OPS_CORE_ROW_FILE_H_
 
+#include <sys/types.h>
+
 #include <cstddef>
-#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -39,11 +47,16 @@ class RowFileError : public std::runtime_error {
   explicit RowFileError(const std::string& message) : std::runtime_error(message) {}
 };
 
-// The disk under the row file has no room for more rows.
+// The disk under the row file has no room for more rows (or the file
+// reached the largest size the file system or a limit allows).
 class DiskFull : public std::bad_alloc {
  public:
   const char* what() const noexcept override { return "no space left for the row file"; }
 };
+
+// Is the exception being handled (inside a catch block) a DiskFull? For
+// errors that must say whether memory or the disk ran out.
+bool HandlingDiskFull();
 
 class RowFile {
  public:
@@ -53,10 +66,10 @@ class RowFile {
   RowFile(const RowFile&) = delete;
   RowFile& operator=(const RowFile&) = delete;
 
-  // Maps `bytes` (rounded up to whole pages) of new file space, read and
+  // Maps `bytes` (rounded up to whole pages) of file space, read and
   // written as memory, initially zero. `*offset` receives its place in the
   // file, for Unmap. Throws DiskFull when the disk has no room for it and
-  // std::bad_alloc when it cannot be mapped.
+  // std::bad_alloc when it cannot be mapped (or in a forked child).
   void* Map(size_t bytes, uint64_t* offset);
   // Unmaps a range from Map and gives its disk space back.
   void Unmap(void* p, size_t bytes, uint64_t offset);
@@ -78,19 +91,26 @@ class RowFile {
   const std::string& dir() const { return dir_; }
   // Bytes of the file that are mapped now (the rows' disk space).
   uint64_t mapped_bytes() const;
-  // Did the last Map fail for want of disk space?
-  bool full() const { return full_.load(std::memory_order_relaxed); }
+  // The file's length: mapped ranges and holes kept for reuse.
+  uint64_t length() const;
 
  private:
-  RowFile(int fd, std::string dir) : fd_(fd), dir_(std::move(dir)) {}
+  RowFile(int fd, std::string dir);
+  // Called with mu_ held: is this the process that opened the file?
+  bool Owner() const;
 
   const int fd_;
   const std::string dir_;
+  const pid_t owner_;       // the process that opened the file
+  const uint64_t page_;     // the system's page size
   mutable std::mutex mu_;
-  uint64_t end_ = 0;        // the next mapping starts here
+  uint64_t end_ = 0;        // the file's length: ranges past it are unused
   uint64_t mapped_ = 0;     // bytes mapped now
   std::map<uint64_t, std::pair<void*, uint64_t>> mappings_;  // offset -> (start, length)
-  std::atomic<bool> full_{false};
+  // Unmapped ranges (holes) by length -> offsets, reused by Map before the
+  // file grows: a table cleared and refilled (a restore) takes the same
+  // space again instead of growing the file.
+  std::multimap<uint64_t, uint64_t> free_;
 };
 
 }  // namespace sfctr

@@ -362,6 +362,10 @@ class CachePrepareOp : public StoreOpKernel {
     const bool skipped = !st.ok() && skip_if_refused_;
     if (!skipped) OP_REQUIRES_OK(ctx, ToTf(st, ctx));
     if (skipped) {
+      // The caller reports the refusal by a code (other ranks too); the
+      // reason (max_rows, memory, the disk of host_rows_dir) is only here.
+      LOG(WARNING) << "SfctrCachePrepare: the plan of " << ids.NumElements()
+                   << " ids was refused and nothing changed: " << st.message();
       r = sfctr::PrepareResult();
       r.slots.assign(ids.NumElements(), -1);
     }

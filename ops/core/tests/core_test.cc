@@ -7,6 +7,7 @@
 #include <fstream>
 #include <map>
 #include <new>
+#include <numeric>
 #include <random>
 #include <set>
 #include <string>
@@ -15,7 +16,9 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include <csignal>
 #include <dirent.h>
+#include <sys/wait.h>
 #include <sys/stat.h>
 #include <sys/resource.h>
 #include <unistd.h>
@@ -535,6 +538,92 @@ TEST_CASE(HostTableRowsDirMustBeAWritableDirectory) {
     chmod(dir.c_str(), 0700);
   }
   std::remove(file.c_str());
+  CHECK_EQ(rmdir(dir.c_str()), 0);
+}
+
+TEST_CASE(HostTableRowFileSurvivesAForkedChild) {
+  const std::string dir = MakeTempDir();
+  HostTableOptions o = Options(32, 1);
+  o.rows_dir = dir;
+  HostTable t(o);
+  std::mt19937_64 rng(3);
+  std::vector<int64_t> ids(30000);
+  for (auto& id : ids) id = static_cast<int64_t>(rng());
+  std::vector<float> rows(ids.size() * 64);
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(i % 997);
+  CHECK(t.Write(ids.data(), ids.size(), rows.data()).ok());
+  CHECK(t.FileBytes() > 0);
+  const pid_t child = fork();
+  if (child == 0) {
+    // The child drops its copy of the table (every block unmapped, which
+    // in the parent empties the file) and exits.
+    t.Clear();
+    _exit(t.FileBytes() == 0 ? 0 : 3);
+  }
+  int status = 0;
+  CHECK_EQ(waitpid(child, &status, 0), child);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  t.DropFileRowsFromMemory();
+  std::vector<float> got(rows.size());
+  t.Find(ids.data(), ids.size(), got.data());
+  CHECK(got == rows);
+  t.Clear();
+  CHECK_EQ(rmdir(dir.c_str()), 0);
+}
+
+TEST_CASE(HostTableRowFileIsReusedAfterClear) {
+  // A restore clears the table and writes it again: with reserve_rows the
+  // cleared shards are sized again at once, and the file must not grow.
+  const std::string dir = MakeTempDir();
+  HostTableOptions o = Options(32, 1);
+  o.rows_dir = dir;
+  o.expected_rows = 40000;
+  o.reserve_rows = true;
+  HostTable t(o);
+  const size_t length = t.RowFileLength();
+  CHECK(length > 0);
+  std::vector<int64_t> ids(40000);
+  std::iota(ids.begin(), ids.end(), int64_t{-20000});
+  std::vector<float> rows(ids.size() * 64, 1.5f);
+  for (int round = 0; round < 4; ++round) {
+    CHECK(t.Write(ids.data(), ids.size(), rows.data()).ok());
+    t.Clear();
+    CHECK_EQ(t.RowFileLength(), length);
+  }
+  CHECK_EQ(rmdir(dir.c_str()), 0);
+}
+
+TEST_CASE(HostTableSaysWhetherTheDiskOrTheMemoryRanOut) {
+  const std::string dir = MakeTempDir();
+  HostTableOptions o = Options(32, 1);
+  o.rows_dir = dir;
+  HostTable t(o);
+  std::vector<int64_t> ids(20000);
+  std::iota(ids.begin(), ids.end(), int64_t{1});
+  std::vector<float> rows(ids.size() * 64, 2.0f);
+  // A file size limit stands in for a full disk (EFBIG, not SIGXFSZ).
+  struct rlimit before;
+  CHECK_EQ(getrlimit(RLIMIT_FSIZE, &before), 0);
+  void (*old_handler)(int) = std::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit small = before;
+  small.rlim_cur = 1 << 20;
+  CHECK_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  CoreStatus st = t.Write(ids.data(), ids.size(), rows.data());
+  CHECK_EQ(setrlimit(RLIMIT_FSIZE, &before), 0);
+  std::signal(SIGXFSZ, old_handler);
+  CHECK(!st.ok());
+  CHECK(st.message().find("out of disk space") != std::string::npos);
+  CHECK(st.message().find("host_rows_dir '" + dir + "'") != std::string::npos);
+  // Later, memory runs out: that is what the error says, whatever the disk
+  // did before.
+  AllocationHook& hook = TestAllocationHook();
+  hook.countdown = 0;
+  st = t.Write(ids.data(), ids.size(), rows.data());
+  hook.countdown = -1;
+  CHECK(!st.ok());
+  CHECK(st.message().find("out of host memory") != std::string::npos);
+  CHECK(st.message().find("out of disk space") == std::string::npos);
+  t.Clear();
   CHECK_EQ(rmdir(dir.c_str()), 0);
 }
 

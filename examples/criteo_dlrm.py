@@ -91,6 +91,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reserve-rows", action="store_true",
                    help="with --expected-rows, also allocate the host rows of that many "
                         "ids at build (CachedEmbedding(reserve_rows=True))")
+    p.add_argument("--host-rows-dir", metavar="DIR", default=None,
+                   help="keep the host table's rows in a file in DIR, a directory on a local "
+                        "disk (CachedEmbedding(host_rows_dir=...)): for tables larger than "
+                        "memory")
     p.add_argument("--optimizer", choices=("adagrad", "adam"), default="adam",
                    help="of the dense layers and of the table")
     p.add_argument("--learning-rate", type=float, default=1e-3)
@@ -206,6 +210,7 @@ def build_model(args: argparse.Namespace) -> keras.Model:
     vectors = CachedEmbedding(
         dim, cache_capacity=args.cache_capacity, seed=args.seed + 1, name="categorical",
         expected_rows=args.expected_rows, reserve_rows=args.reserve_rows,
+        host_rows_dir=args.host_rows_dir,
         optimizer=table_optimizer(*table_optimizer_args(args)))(sparse)
     bottom = mlp(dense, [64, dim], "bottom", seed=args.seed)
     out = dlrm_output(bottom, vectors, [128, 64], seed=args.seed)

@@ -104,13 +104,14 @@ def test_movielens_keras_embedding_baseline():
     assert summary["cache hit rate"].startswith("n/a"), summary
 
 
-def test_criteo_dlrm_synthetic_and_vsi_agree():
+def test_criteo_dlrm_synthetic_and_vsi_agree(tmp_path):
     flags = ["--rows", "30000", "--vocab-size", "5000", "--batch-size", "512",
              "--cache-capacity", "8192"]
     plain = _summary(_example("criteo_dlrm.py", *flags))
-    # (The VSI run also sizes its host table and rows up front: same training.)
+    # (The VSI run also sizes its host table and rows up front, and keeps the
+    # rows in a file: the same training.)
     vsi = _summary(_example("criteo_dlrm.py", *flags, "--vsi", "--expected-rows", "130000",
-                            "--reserve-rows"))
+                            "--reserve-rows", "--host-rows-dir", str(tmp_path)))
     for summary in (plain, vsi):
         _check_cached_summary(summary, {"categorical"}, min_auc=0.6)
         planted = re.search(r"planted model: ([0-9.]+)", summary["test AUC"])

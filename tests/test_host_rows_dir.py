@@ -228,3 +228,25 @@ def test_a_restore_the_disk_cannot_hold_is_refused_before_anything_changes(rng, 
         tf.train.Checkpoint(table=small).read(path)
     np.testing.assert_array_equal(small.lookup_rows(kept), np.ones((100, DIM)))
     assert small.cache_stats()["host_rows"] == 100
+
+
+def test_a_distributed_restore_the_disk_cannot_hold_is_refused_in_its_checks(rng, small_disk):
+    from tf_sfctr.distributed import restore, save
+    from tf_sfctr.store import CheckpointMismatchError
+
+    big = CachedEmbedding(DIM, cache_capacity=64, seed=2, name="table")
+    ids = random_vocab(rng, 20_000)
+    big.assign_rows(ids, rng.normal(size=(ids.size, DIM)).astype("float32"))
+    directory = str(small_disk.parent / "sharded")
+    save(tf.train.Checkpoint(table=big), directory)
+    small = CachedEmbedding(DIM, cache_capacity=64, seed=2, name="table",
+                            host_rows_dir=small_disk)
+    kept = ids[:100]
+    small.assign_rows(kept, np.ones((100, DIM), "float32"))
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"would give rank 0 20000 rows, but the disk of its layer's "
+                             r"host_rows_dir '.*small_disk' has room for 4096 .*"
+                             r"Nothing was restored"):
+        restore(tf.train.Checkpoint(table=small), directory)
+    np.testing.assert_array_equal(small.lookup_rows(kept), np.ones((100, DIM)))
+    assert small.cache_stats()["host_rows"] == 100

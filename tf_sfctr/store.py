@@ -381,28 +381,43 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
                 "saved table holds non-finite values; it is corrupt. The current "
                 "table was left untouched.")
 
-    def _check_disk_room(self, num_rows: int) -> None:
-        """Refuses, before the table changes, a restore of ``num_rows`` rows
-        that the disk of ``host_rows_dir`` has no room for."""
+    def disk_room(self) -> Optional[tuple[int, int]]:
+        """(free bytes, bytes the current rows hold) on the disk of
+        ``host_rows_dir``: what a restore, which frees the current rows first,
+        may fill. None without one (or when the disk cannot be asked)."""
         rows_dir = self.config.host_rows_dir
         if not rows_dir:
-            return
+            return None
         try:
             st = os.statvfs(rows_dir)
         except OSError:
-            return  # the write says what went wrong
-        free = st.f_bavail * st.f_frsize
-        held = int(self.stats()[8])  # the current rows' file space, freed first
+            return None  # the write says what went wrong
+        return st.f_bavail * st.f_frsize, int(self.stats()[8])
+
+    def disk_room_message(self, num_rows: int) -> Optional[str]:
+        """Why ``num_rows`` restored rows would not fit on the disk of
+        ``host_rows_dir`` (None if they fit, or without one)."""
+        room = self.disk_room()
+        if room is None:
+            return None
+        free, held = room
         need = num_rows * self.config.width * 4
-        if need > free + held:
-            mib = 2**20
+        if need <= free + held:
+            return None
+        mib = 2**20
+        return (f"Restoring {num_rows:,} rows needs about {need / mib:,.0f} MiB in "
+                f"host_rows_dir {self.config.host_rows_dir!r} (this table keeps its rows in "
+                f"a file there), which has {free / mib:,.0f} MiB free besides the "
+                f"{held / mib:,.0f} MiB the current rows hold. Free space on that disk, or "
+                "restore into a table with another host_rows_dir (or none).")
+
+    def _check_disk_room(self, num_rows: int) -> None:
+        """Refuses, before the table changes, a restore of ``num_rows`` rows
+        that the disk of ``host_rows_dir`` has no room for."""
+        message = self.disk_room_message(num_rows)
+        if message is not None:
             raise tf.errors.ResourceExhaustedError(
-                None, None,
-                f"Restoring {num_rows:,} rows needs about {need / mib:,.0f} MiB in "
-                f"host_rows_dir {rows_dir!r} (this table keeps its rows in a file there), which "
-                f"has {free / mib:,.0f} MiB free besides the {held / mib:,.0f} MiB the current "
-                "rows hold. Free space on that disk, or restore into a table with another "
-                "host_rows_dir (or none). The current table was left untouched.")
+                None, None, f"{message} The current table was left untouched.")
 
     def load_table(self, header, ids, rows, counts, counters) -> None:
         """Replaces the whole table (host rows, use counts, empty cache,

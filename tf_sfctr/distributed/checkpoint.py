@@ -469,12 +469,22 @@ def _check(checkpoint, directory: str, stores, size: int, rank: int):
         mode = _table_mode(store, [t["header"] for _, t in store_parts], size, saved_size)
         for s, table in store_parts:
             _check_part(store, table, mode, s, saved_size, _shard_name(s, saved_size))
+        if mode == "whole":
+            # One complete table per rank: its rows must fit this rank's disk
+            # when the table keeps them in a file.
+            for s, table in store_parts:
+                message = store.disk_room_message(len(np.asarray(table["ids"]).ravel()))
+                if message is not None:
+                    raise tf.errors.ResourceExhaustedError(None, None, message)
         if mode == "shards":
             counts = np.zeros(size, np.int64)
             if mine:  # (shard 0 read for the dense state only adds no rows)
                 for _, table in store_parts:
                     counts += np.bincount(owner_of(table["ids"], size), minlength=size)
-            shares[k] = (counts, int(store.config.max_rows))
+            # Rows this rank's host_rows_dir disk can take (-1: no file).
+            room = store.disk_room()
+            room_rows = -1 if room is None else sum(room) // (4 * store.config.width)
+            shares[k] = (counts, int(store.config.max_rows), room_rows)
     return saved_size, shares
 
 
@@ -497,7 +507,13 @@ def _check_shares(checkpoint, reports: list, stores, size: int) -> Optional[str]
         for r, (_, shares) in enumerate(reports):
             if k not in shares:
                 continue
-            max_rows = shares[k][1]
+            max_rows, room_rows = shares[k][1], shares[k][2]
+            if room_rows >= 0 and counts[r] > room_rows:
+                return (f"saved table of {_table_name(checkpoint, stores[k])} would give rank "
+                        f"{r} {int(counts[r])} rows, but the disk of its layer's host_rows_dir "
+                        f"{stores[k].config.host_rows_dir!r} has room for {room_rows} (free "
+                        "space besides the rows it holds); "
+                        "free space there or use another host_rows_dir.")
             if max_rows and counts[r] > max_rows:
                 total = int(counts.sum())
                 if size == 1:

@@ -306,7 +306,7 @@ def main(argv=None) -> int:
     if args.child:
         return child(args)
     if args.tiny:
-        args.rows, args.chunk, args.probes, args.limit_mib = 1_000_000, 100_000, 20_000, 64
+        args.rows, args.chunk, args.probes, args.limit_mib = 2_000_000, 100_000, 20_000, 128
         args.vocab, args.batch, args.steps, args.rounds = 50_000, 256, 3, 2
     C.print_command(argv)
     larger_than_memory(args)

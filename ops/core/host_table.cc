@@ -145,6 +145,27 @@ float* HostTable::AllocateRowLocked(Shard& s) const {
   uint64_t block, offset;
   BlockOf(s.rows, &block, &offset);
   if (block >= s.blocks.size()) AddBlockLocked(s);
+  if (row_file_) {
+    // New rows fill a block in order: write each 256 KiB of them out as it
+    // fills (and a block's tail when the next block starts), so that a
+    // growing table's pages are clean and can leave memory as soon as it is
+    // short, instead of staying dirty until the kernel's periodic writeback.
+    constexpr uint64_t kWritebackBytes = 256 << 10;
+    const uint64_t row_bytes = sizeof(float) * static_cast<uint64_t>(width_);
+    const BlockDeleter& d = s.blocks[block].get_deleter();
+    const uint64_t end = (offset + 1) * row_bytes;
+    if (d.file && end / kWritebackBytes > offset * row_bytes / kWritebackBytes) {
+      const uint64_t from = end / kWritebackBytes * kWritebackBytes - kWritebackBytes;
+      row_file_->StartWriteback(d.offset + from, kWritebackBytes);
+    }
+    if (offset == 0 && block > 0) {
+      const BlockDeleter& full = s.blocks[block - 1].get_deleter();
+      if (full.file) {
+        const uint64_t tail = full.bytes / kWritebackBytes * kWritebackBytes;
+        if (tail < full.bytes) row_file_->StartWriteback(full.offset + tail, full.bytes - tail);
+      }
+    }
+  }
   ++s.rows;
   return s.blocks[block].get() + offset * width_;
 }

@@ -158,6 +158,12 @@ bool RowFile::Resident(const void* p) {
   return mincore(start, page, &in_memory) != 0 || (in_memory & 1) != 0;
 }
 
+void RowFile::StartWriteback(uint64_t offset, uint64_t bytes) const {
+  if (!Owner()) return;
+  sync_file_range(fd_, static_cast<off_t>(offset), static_cast<off_t>(bytes),
+                  SYNC_FILE_RANGE_WRITE);  // a hint: failure is harmless
+}
+
 void RowFile::WillNeed(uint64_t offset, uint64_t bytes) const {
   posix_fadvise(fd_, static_cast<off_t>(offset), static_cast<off_t>(bytes),
                 POSIX_FADV_WILLNEED);  // a hint: failure is harmless

@@ -85,6 +85,13 @@ class RowFile {
   // waits for each read in turn.
   void WillNeed(uint64_t offset, uint64_t bytes) const;
 
+  // Starts writing [offset, offset + bytes) to the disk without waiting
+  // (sync_file_range): pages written once are then clean, so memory
+  // pressure can drop them at once instead of waiting for the kernel's
+  // periodic writeback (under a cgroup v1 memory limit, dirty file pages
+  // cannot be reclaimed, and a growing table was killed by the limit).
+  void StartWriteback(uint64_t offset, uint64_t bytes) const;
+
   // Is the page holding `p` (inside a mapping of this file) in memory?
   static bool Resident(const void* p);
 

@@ -118,7 +118,8 @@ void HostTable::AddBlockLocked(Shard& s) const {
   s.count_blocks.reserve(block + 1);
   const size_t count_bytes = sizeof(uint16_t) * rows;
   std::unique_ptr<uint16_t[], BlockDeleter> counts(
-      static_cast<uint16_t*>(AllocateHeap(count_bytes)), BlockDeleter{count_bytes, false, nullptr, 0});
+      static_cast<uint16_t*>(AllocateHeap(count_bytes)),
+      BlockDeleter{count_bytes, false, nullptr, 0});
   // A shard this large (over 2^17 rows) reads and writes its rows at random
   // over GBs: huge pages save a page-table walk per access. Rows fill a
   // block in order, so at most one huge page per shard is resident but not

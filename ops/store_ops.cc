@@ -212,6 +212,28 @@ REGISTER_OP("SfctrHostExport")
          "`columns` floats of each row (the embedding without its optimizer state); "
          "-1: whole rows.");
 
+REGISTER_OP("SfctrHostExportRange")
+    .Input("store: resource")
+    .Input("cursor: int64")
+    .Input("max_rows: int64")
+    .Output("ids: int64")
+    .Output("rows: float")
+    .Output("counts: int64")
+    .Output("next_cursor: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      TF_RETURN_IF_ERROR(VectorOfUnknown(c, 0));
+      c->set_output(1, c->Matrix(InferenceContext::kUnknownDim,
+                                 InferenceContext::kUnknownDim));
+      TF_RETURN_IF_ERROR(VectorOfUnknown(c, 2));
+      c->set_output(3, c->Scalar());
+      return OkStatus();
+    })
+    .Doc("A part of the host table for saving it a part at a time: up to max_rows whole "
+         "rows (with their ids and use counts) from `cursor` on (0 at the start), and the "
+         "cursor of the next part (-1 once every row was returned). The parts add up to "
+         "the table when nothing changes its ids between the calls.");
+
 REGISTER_OP("SfctrHostAddCounts")
     .Input("store: resource")
     .Input("ids: int64")

@@ -616,6 +616,63 @@ void HostTable::Export(std::vector<int64_t>* ids, std::vector<float>* rows,
   }
 }
 
+void HostTable::ExportRange(uint64_t* cursor, int64_t max_rows, std::vector<int64_t>* ids,
+                            std::vector<float>* rows, std::vector<int64_t>* counts) const {
+  // The cursor is (shard << 40 | arena row): parts follow each shard's arena
+  // in row order, which is the order of its blocks in memory and, with a row
+  // file, on the disk, so a table on file is read sequentially.
+  constexpr int kRowBits = 40;
+  constexpr uint64_t kRowMask = (uint64_t{1} << kRowBits) - 1;
+  if (*cursor == kNoMoreRows) return;
+  uint64_t k = *cursor >> kRowBits;
+  uint64_t r0 = *cursor & kRowMask;
+  const uint64_t want = static_cast<uint64_t>(std::max<int64_t>(1, max_rows));
+  uint64_t got = 0;
+  std::vector<int64_t> id_of;
+  std::vector<uint8_t> held;
+  while (k <= shard_mask_ && got < want) {
+    const Shard& s = shards_[k];
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (r0 >= s.rows) {
+      ++k;
+      r0 = 0;
+      continue;
+    }
+    const uint64_t r1 = std::min<uint64_t>(s.rows, r0 + (want - got));
+    if (row_file_) {
+      // Start reading the range's pages from the disk at once, block by
+      // block (the mapping reads a page per fault otherwise: MADV_RANDOM).
+      const uint64_t bytes = sizeof(float) * static_cast<uint64_t>(width_);
+      for (uint64_t r = r0; r < r1;) {
+        uint64_t block, offset;
+        BlockOf(r, &block, &offset);
+        const uint64_t n = std::min<uint64_t>(r1 - r, BlockRows(block) - offset);
+        const BlockDeleter& d = s.blocks[block].get_deleter();
+        if (d.file) row_file_->WillNeed(d.offset + offset * bytes, n * bytes);
+        r += n;
+      }
+    }
+    // Which id holds each row of the range (rows of pruned ids hold none).
+    id_of.assign(r1 - r0, 0);
+    held.assign(r1 - r0, 0);
+    for (const Entry& e : s.entries) {
+      if (e.row == kEmptyRow || e.row < r0 || e.row >= r1) continue;
+      id_of[e.row - r0] = e.id;
+      held[e.row - r0] = 1;
+    }
+    for (uint64_t r = r0; r < r1; ++r) {
+      if (!held[r - r0]) continue;
+      ids->push_back(id_of[r - r0]);
+      counts->push_back(CountOf(s, static_cast<uint32_t>(r)));
+      const float* src = RowPtr(s, static_cast<uint32_t>(r));
+      rows->insert(rows->end(), src, src + width_);
+    }
+    got += r1 - r0;
+    r0 = r1;
+  }
+  *cursor = k > shard_mask_ ? kNoMoreRows : (k << kRowBits | r0);
+}
+
 int64_t HostTable::Prune(uint32_t min_count, const std::unordered_set<int64_t>& keep) {
   std::unique_lock<std::shared_mutex> no_writes(prune_mu_);
   int64_t removed = 0;

@@ -144,6 +144,18 @@ class HostTable {
   template <typename Allocate>
   void ExportTo(Allocate allocate, int64_t columns = -1) const;
 
+  // A part of the table, for saving it a chunk at a time (tables larger than
+  // memory): appends to `ids`, `rows` (whole rows, width() floats each) and
+  // `counts` the stored rows from position `*cursor` on, up to `max_rows`
+  // of them, and advances `*cursor` past them. A cursor starts at 0 and is
+  // kNoMoreRows once every row was returned. Locks one shard at a time: the
+  // parts add up to the table only if nothing inserts, removes or clears
+  // rows between the calls (rows written in between are returned as they
+  // are when their part is read).
+  static constexpr uint64_t kNoMoreRows = ~uint64_t{0};
+  void ExportRange(uint64_t* cursor, int64_t max_rows, std::vector<int64_t>* ids,
+                   std::vector<float>* rows, std::vector<int64_t>* counts) const;
+
   // Removes every stored id whose use counter is below `min_count`, except
   // the ids in `keep`; returns how many were removed. Out of memory
   // (std::bad_alloc, from its scratch lists) it stops with each shard

@@ -570,6 +570,41 @@ class HostExportOp : public StoreOpKernel {
   int64_t columns_ = -1;
 };
 
+class HostExportRangeOp : public StoreOpKernel {
+ public:
+  using StoreOpKernel::StoreOpKernel;
+
+ protected:
+  void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
+    const Tensor& cursor = ctx->input(1);
+    const Tensor& max_rows = ctx->input(2);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(cursor.shape()) &&
+                         TensorShapeUtils::IsScalar(max_rows.shape()),
+                errors::InvalidArgument("SfctrHostExportRange: cursor and max_rows must be "
+                                        "scalars"));
+    const int64_t limit = max_rows.scalar<int64_t>()();
+    OP_REQUIRES(ctx, limit >= 1,
+                errors::InvalidArgument("SfctrHostExportRange: max_rows must be at least 1, "
+                                        "got ", limit));
+    uint64_t at = static_cast<uint64_t>(cursor.scalar<int64_t>()());
+    std::vector<int64_t> ids, counts;
+    std::vector<float> rows;
+    store.table().ExportRange(&at, limit, &ids, &rows, &counts);
+    const int64_t n = static_cast<int64_t>(ids.size());
+    const int64_t width = store.table().width();
+    OutputVector(ctx, 0, ids);
+    if (!ctx->status().ok()) return;
+    Tensor* t_rows = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n, width}), &t_rows));
+    std::copy(rows.begin(), rows.end(), t_rows->flat<float>().data());
+    OutputVector(ctx, 2, counts);
+    if (!ctx->status().ok()) return;
+    Tensor* next = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({}), &next));
+    next->scalar<int64_t>()() = static_cast<int64_t>(at);  // -1: no more rows
+  }
+};
+
 class HostAddCountsOp : public StoreOpKernel {
  public:
   using StoreOpKernel::StoreOpKernel;
@@ -1183,6 +1218,7 @@ SFCTR_CPU_KERNEL("SfctrCacheProbe", CacheProbeOp);
 SFCTR_CPU_KERNEL("SfctrCacheEntries", CacheEntriesOp);
 SFCTR_CPU_KERNEL("SfctrCacheClear", CacheClearOp);
 SFCTR_CPU_KERNEL("SfctrHostExport", HostExportOp);
+SFCTR_CPU_KERNEL("SfctrHostExportRange", HostExportRangeOp);
 SFCTR_CPU_KERNEL("SfctrHostAddCounts", HostAddCountsOp);
 SFCTR_CPU_KERNEL("SfctrHostClear", HostClearOp);
 SFCTR_CPU_KERNEL("SfctrHostPrune", HostPruneOp);

@@ -441,6 +441,68 @@ int EntriesIn(const std::string& dir) {
   return n;
 }
 
+// ExportRange, part by part, gives every row of Export exactly once (with
+// its use count), for any part size, after a prune left holes in the arenas,
+// and with rows on file; an empty table ends at once.
+TEST_CASE(HostTableExportsInParts) {
+  const std::string dir = MakeTempDir();
+  CHECK(!dir.empty());
+  for (bool on_file : {false, true}) {
+    HostTableOptions o = Options(32, 1);
+    if (on_file) o.rows_dir = dir;
+    HostTable t(o);
+    constexpr int kWidth = 64;
+    {
+      uint64_t cursor = 0;
+      std::vector<int64_t> ids, counts;
+      std::vector<float> rows;
+      t.ExportRange(&cursor, 100, &ids, &rows, &counts);
+      CHECK(ids.empty());
+      CHECK_EQ(cursor, HostTable::kNoMoreRows);
+    }
+    std::mt19937_64 rng(5);
+    std::vector<int64_t> ids(30000);
+    for (auto& id : ids) id = static_cast<int64_t>(rng());
+    std::vector<float> rows(ids.size() * kWidth);
+    for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(i % 977) * 0.5f;
+    std::vector<uint32_t> uses(ids.size());
+    for (size_t i = 0; i < uses.size(); ++i) uses[i] = static_cast<uint32_t>(i % 5);
+    CHECK(t.Write(ids.data(), ids.size(), rows.data(), uses.data()).ok());
+    CHECK(t.Prune(1, {}) > 0);  // every fifth row, scattered over the arenas
+    std::vector<int64_t> all_ids;
+    std::vector<float> all_rows;
+    std::vector<uint32_t> all_counts;
+    t.Export(&all_ids, &all_rows, &all_counts);
+    std::map<int64_t, std::pair<uint32_t, std::vector<float>>> expected;
+    for (size_t i = 0; i < all_ids.size(); ++i) {
+      expected[all_ids[i]] = {all_counts[i], std::vector<float>(
+          all_rows.begin() + i * kWidth, all_rows.begin() + (i + 1) * kWidth)};
+    }
+    if (on_file) t.DropFileRowsFromMemory();
+    for (int64_t part : {1, 7, 4096, 1 << 20}) {
+      uint64_t cursor = 0;
+      std::map<int64_t, std::pair<uint32_t, std::vector<float>>> got;
+      int64_t calls = 0;
+      while (cursor != HostTable::kNoMoreRows) {
+        std::vector<int64_t> p_ids, p_counts;
+        std::vector<float> p_rows;
+        t.ExportRange(&cursor, part, &p_ids, &p_rows, &p_counts);
+        CHECK(static_cast<int64_t>(p_ids.size()) <= part);
+        CHECK_EQ(p_rows.size(), p_ids.size() * kWidth);
+        CHECK_EQ(p_counts.size(), p_ids.size());
+        for (size_t i = 0; i < p_ids.size(); ++i) {
+          CHECK(got.count(p_ids[i]) == 0);
+          got[p_ids[i]] = {static_cast<uint32_t>(p_counts[i]), std::vector<float>(
+              p_rows.begin() + i * kWidth, p_rows.begin() + (i + 1) * kWidth)};
+        }
+        ++calls;
+      }
+      CHECK(got == expected);
+      if (part == 1 << 20) CHECK_EQ(calls, int64_t{1});
+    }
+  }
+}
+
 TEST_CASE(HostTableRowsInAFileMatchRowsInMemory) {
   const std::string dir = MakeTempDir();
   CHECK(!dir.empty());

@@ -2047,7 +2047,7 @@ class CachedEmbedding(keras.layers.Layer):
     def save_own_variables(self, store) -> None:
         self._require_built()
         self._refuse_keras_format_when_sharded("saving")
-        saved = self._store._serialize_to_tensors()
+        saved = self._store.table_tensors()
         for key, value in saved.items():
             store[f"table_{key}"] = value.numpy()
         store["table_step"] = np.array([self._table_step.numpy()])

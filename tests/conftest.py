@@ -33,3 +33,18 @@ def random_vocab(rng, n):
     """n distinct int64 ids spread over the whole int64 range."""
     ids = np.unique(rng.integers(-(2**63), 2**63 - 1, size=2 * n, dtype=np.int64))
     return rng.permutation(ids)[:n]
+
+
+def model_state(model, emb, vocab):
+    """Table rows, table_step and host rows, every weight and the Keras
+    optimizer's variables: what a refused restore must leave as it was."""
+    return ([emb.lookup_rows(vocab), int(emb._table_step.numpy()),
+             emb.cache_stats()["host_rows"]]
+            + [np.array(w) for w in model.get_weights()]
+            + [np.array(v.numpy()) for v in model.optimizer.variables])
+
+
+def assert_same_state(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)

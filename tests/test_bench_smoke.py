@@ -71,8 +71,13 @@ def test_benchmark_prints_command_and_tables(tiny_run, name):
         # Under a memory limit only where a cgroup can be made (root).
         if "skipping the memory-limit part" not in section:
             assert "**Inserting" in section
-            assert "| host_rows_dir | exit 0 |" in section, section
+            assert "| host_rows_dir | done |" in section, section
             assert "| True |" in section
+            # Saved and restored under the limit, where a plain
+            # tf.train.Checkpoint was killed by it.
+            assert "every probed value right: True" in section, section
+            assert "| baseline: tf.train.Checkpoint (the table gathered in memory) |  |  | " \
+                   "killed by the limit |" in section, section
 
 
 def test_results_header_and_targets(tiny_run):

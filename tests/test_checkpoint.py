@@ -13,7 +13,7 @@ import tf_sfctr
 from tf_sfctr.keras_layers import CachedEmbedding
 from tf_sfctr.store import CheckpointMismatchError
 
-from conftest import powerlaw_ids, random_vocab
+from conftest import assert_same_state, model_state, powerlaw_ids, random_vocab
 
 FIELDS, DIM, CAPACITY, BATCH = 3, 4, 24, 8
 
@@ -236,12 +236,12 @@ def test_restore_across_world_sizes_refuses_to_mix_sharded_and_replicated_tables
     store.replicated = True  # a data-parallel layer, fed a 2-rank sharded table
     with pytest.raises(CheckpointMismatchError, match="holds a model-parallel .* but the "
                        "layer is data parallel"):
-        _load_repartitioned(store, [sharded], 3, "x", True, 2)
+        _load_repartitioned(store, [sharded], 3, "x", True, 2, 1, 1)
     store.replicated = False  # a model-parallel layer on 3 ranks, fed replicas
     with pytest.raises(CheckpointMismatchError, match="holds a data-parallel .* but the "
                        "layer is model parallel"):
-        _load_repartitioned(store, [replicated], 3, "x", True, 2)
-    _load_repartitioned(store, [replicated], 1, "x", True, 2)  # one process reads either
+        _load_repartitioned(store, [replicated], 3, "x", True, 2, 1, 1)
+    _load_repartitioned(store, [replicated], 1, "x", True, 2, 1, 1)  # one process reads either
     assert store.host_export()[0].numpy().tolist() == [5]
 
 
@@ -346,18 +346,6 @@ def test_distributed_checkpoints_go_through_tf_file_systems(rng):
 
 
 
-def _everything(model, emb, vocab):
-    """Table rows, every weight, the Keras optimizer's variables and
-    table_step: what a failed restore must leave as it was."""
-    return ([emb.lookup_rows(vocab), int(emb._table_step.numpy())]
-            + [np.array(w) for w in model.get_weights()]
-            + [np.array(v.numpy()) for v in model.optimizer.variables])
-
-
-def _assert_same(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        np.testing.assert_array_equal(x, y)
 
 
 @pytest.mark.parametrize("damage", ["other_optimizer", "other_dense", "truncated",
@@ -398,7 +386,7 @@ def test_a_failed_distributed_restore_changes_nothing(rng, tmp_path, damage):
                               units=2 if damage == "other_dense" else 1)
     _fit(other, x[: 2 * BATCH], np.repeat(y[: 2 * BATCH], 2 if damage == "other_dense" else 1,
                                          axis=1))
-    before = _everything(other, other_emb, vocab)
+    before = model_state(other, other_emb, vocab)
     match = {"other_optimizer": "optimizer state rows", "truncated": "cannot be read",
              "other_dense": r"with shape \[12, 1\] but the variable .* has shape \[12, 2\]",
              "missing_shard": "shard-00000-of-00001 is missing",
@@ -406,7 +394,7 @@ def test_a_failed_distributed_restore_changes_nothing(rng, tmp_path, damage):
              "no_manifest": "missing or unreadable"}[damage]
     with pytest.raises(CheckpointMismatchError, match=match):
         restore(_ckpt(other), str(directory))
-    _assert_same(_everything(other, other_emb, vocab), before)
+    assert_same_state(model_state(other, other_emb, vocab), before)
 
 
 def test_shards_of_different_saves_are_refused(rng, tmp_path):
@@ -429,7 +417,7 @@ def test_shards_of_different_saves_are_refused(rng, tmp_path):
     shutil.copytree(tmp_path / "a" / name, tmp_path / "b" / name)
     other, other_emb = _model(seed=8)
     _fit(other, x[: 2 * BATCH], y[: 2 * BATCH])
-    before = _everything(other, other_emb, vocab)
+    before = model_state(other, other_emb, vocab)
     with pytest.raises(CheckpointMismatchError,
                        match=f"mixes shards of different saves.*but {name} \\(save "):
         restore(_ckpt(other), str(tmp_path / "b"))
@@ -437,7 +425,7 @@ def test_shards_of_different_saves_are_refused(rng, tmp_path):
     (tmp_path / "b" / name / "shard.json").unlink()
     with pytest.raises(CheckpointMismatchError, match=f"{name} \\(its shard.json is missing"):
         restore(_ckpt(other), str(tmp_path / "b"))
-    _assert_same(_everything(other, other_emb, vocab), before)
+    assert_same_state(model_state(other, other_emb, vocab), before)
     # The untouched directory restores; so does one written before save ids
     # (manifest format 1, no shard.json).
     restore(_ckpt(other), str(tmp_path / "a"))
@@ -566,7 +554,7 @@ def test_bad_saved_arrays_are_refused_before_the_table_changes(rng, tmp_path):
     layer = _adagrad_layer(seed=3)
     _train_step(layer, rng.integers(0, 30, 20))
     store = layer.store
-    saved = {k: np.asarray(v) for k, v in store._serialize_to_tensors().items()}
+    saved = {k: np.asarray(v) for k, v in store.table_tensors().items()}
     before = _host_table(layer)
 
     def load(**changes):
@@ -612,7 +600,7 @@ def test_tables_that_do_not_fit_the_layer_are_refused_unchanged(rng):
     """An id listed twice, more rows than max_rows: refused, table unchanged."""
     layer = _adagrad_layer(seed=3)
     _train_step(layer, np.arange(10))
-    saved = {k: np.asarray(v) for k, v in layer.store._serialize_to_tensors().items()}
+    saved = {k: np.asarray(v) for k, v in layer.store.table_tensors().items()}
     small = CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=1, max_rows=5,
                             optimizer=tf_sfctr.optimizers.Adagrad(0.1))
     _train_step(small, np.arange(100, 103))
@@ -627,3 +615,30 @@ def test_tables_that_do_not_fit_the_layer_are_refused_unchanged(rng):
                                     t["counters"])
         for a, b in zip(_host_table(target)[:3], before[:3]):
             np.testing.assert_array_equal(a, b)
+
+
+def test_a_restore_does_not_export_the_current_table(rng, tmp_path):
+    """TensorFlow asks a restored object for its saved tensors to learn
+    their names and dtypes. The table exports itself only when a save reads
+    them: a restore used to copy the whole current table first (a table
+    larger than memory could not be restored into)."""
+    vocab, x, y = _data(rng, 4)
+    model, emb = _model("adagrad")
+    _fit(model, x, y)
+    path = _ckpt(model).save(str(tmp_path / "ckpt"))
+    other, other_emb = _model("adagrad", seed=9)
+    _fit(other, x[:BATCH], y[:BATCH])
+    exports = []
+    export = other_emb.store.host_export
+
+    def counted(*args, **kwargs):
+        exports.append(1)
+        return export(*args, **kwargs)
+
+    other_emb.store.host_export = counted
+    _ckpt(other).restore(path).assert_consumed()
+    assert exports == []
+    np.testing.assert_array_equal(other_emb.lookup_rows(vocab), emb.lookup_rows(vocab))
+    # A save still exports it (once).
+    _ckpt(other).write(str(tmp_path / "again"))
+    assert exports == [1]

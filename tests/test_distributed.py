@@ -23,12 +23,19 @@ WORKER = os.path.join(os.path.dirname(__file__), "distributed", "worker.py")
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("horovod")
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    from tf_sfctr.table_file import TEST_PART_ROWS_ENV
+
+    # Table files of 16-row parts: a restore on another number of ranks sends
+    # them in many rounds, and the ranks read different numbers of parts.
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", TEST_PART_ROWS_ENV: "16"}
     # A 1-process checkpoint for the workers to restore on 2 ranks (1 -> 2).
     ref = _reference("mp_adagrad_fit")
     from tf_sfctr.distributed import save
 
-    save(tf.train.Checkpoint(model=ref[4], optimizer=ref[4].optimizer), str(out / "ckpt_1rank"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(TEST_PART_ROWS_ENV, "16")
+        save(tf.train.Checkpoint(model=ref[4], optimizer=ref[4].optimizer),
+             str(out / "ckpt_1rank"))
     np.save(out / "ckpt_1rank_rows.npy", ref[0])
     # For the data-parallel restore (1 -> 2 ranks) and a format-1 table.
     dp = _reference("dp_sgd_dense", trainer="fit")
@@ -37,7 +44,7 @@ def results(tmp_path_factory):
     np.save(out / "ckpt_dp_1rank_host_rows.npy", dp[3].cache_stats()["host_rows"])
     store, full = dp[3].store, dp[3].store.header()
     store.header = lambda: np.array([1, *full[1:4]], np.int64)  # format 1 (test only)
-    save(tf.train.Checkpoint(model=dp[4]), str(out / "ckpt_v1_1rank"))
+    save(tf.train.Checkpoint(model=dp[4]), str(out / "ckpt_v1_1rank"), table_files=False)
     del store.header
     proc = subprocess.run(
         [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, WORKER,
@@ -428,13 +435,16 @@ def test_restore_on_more_ranks_bounds_each_share_by_max_rows(results):
 def test_plain_restores_of_a_shard_or_a_complete_table_are_refused(results):
     """tf.train.Checkpoint.restore (not tf_sfctr.distributed.restore) of a
     complete table into model-parallel ranks, or of another rank's shard, is
-    refused on that rank (the worker checked its table was unchanged)."""
+    refused on that rank (the worker checked its table was unchanged); so is
+    its own shard when its rows are in table files."""
     for rank in range(sc.WORLD):
         got = results("restore_checks_messages", rank)
         assert "complete table" in str(got["plain_complete"])
         assert f"rank {1 - rank} of 2" in str(got["plain_other_shard"])
-        for label in ("plain_complete", "plain_other_shard"):
+        for label in ("plain_complete", "plain_other_shard", "plain_table_files"):
             assert "tf_sfctr.distributed.restore(checkpoint, directory)" in str(got[label])
+        # Its own shard with table files: the rows are beside the checkpoint.
+        assert "table file beside the checkpoint" in str(got["plain_table_files"])
 
 
 def _restore_target(max_rows=None):
@@ -477,9 +487,12 @@ def test_failed_restore_on_one_process_changes_nothing(results, name):
 
 
 def _saved_ids_of(directory, rank):
-    reader = tf.train.load_checkpoint(str(directory / f"shard-{rank:05d}-of-00002" / "ckpt"))
-    key = [k for k in reader.get_variable_to_shape_map() if k.endswith("_store/.ATTRIBUTES/ids")]
-    return reader.get_tensor(key[0])
+    """The ids of rank ``rank``'s table, from its table file."""
+    from tf_sfctr.table_file import read_parts
+
+    shard = directory / f"shard-{rank:05d}-of-00002"
+    parts = list(read_parts(str(shard / "table-0000.rows"), 2 * sc.DIM))
+    return np.concatenate([p[0] for p in parts])
 
 
 def test_plain_restore_of_one_shard_into_one_process_is_refused(results):

@@ -87,6 +87,36 @@ def test_training_with_rows_on_disk_equals_rows_in_memory(rng, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_table_on_file_saves_and_restores_a_part_at_a_time(rng, tmp_path, monkeypatch):
+    """tf_sfctr.distributed.save reads the table a part at a time (here
+    parts of 500 rows, in the file's order, read back from the disk after
+    the rows were dropped from memory) into its table file; the restore
+    loads it a part at a time, into a table on file and one in memory."""
+    from tf_sfctr.distributed import restore, save
+    from tf_sfctr.table_file import TEST_PART_ROWS_ENV, read_parts
+
+    monkeypatch.setenv(TEST_PART_ROWS_ENV, "500")
+    vocab, x, y = _data(rng)
+    rows_dir = tmp_path / "rows"
+    rows_dir.mkdir()
+    model, emb = _model(str(rows_dir))
+    _fit(model, x, y)
+    emb.flush()
+    emb.store.host_drop_file_rows()
+    want = emb.lookup_rows(vocab)
+    emb.store.host_drop_file_rows()
+    save(tf.train.Checkpoint(model=model), str(tmp_path / "ckpt"))
+    table = tmp_path / "ckpt" / "shard-00000-of-00001" / "table-0000.rows"
+    parts = [p[0].size for p in read_parts(str(table), 2 * DIM)]
+    assert len(parts) > 10 and sum(parts) == emb.cache_stats()["host_rows"]
+    for target_dir in (str(rows_dir), None):
+        other, other_emb = _model(target_dir)
+        restore(tf.train.Checkpoint(model=other), str(tmp_path / "ckpt"))
+        np.testing.assert_array_equal(other_emb.lookup_rows(vocab), want)
+        assert (other_emb.cache_stats()["host_file_bytes"] > 0) == (target_dir is not None)
+        assert other_emb.cache_stats()["host_rows"] == emb.cache_stats()["host_rows"]
+
+
 def test_checkpoint_and_keras_file_round_trip(rng, tmp_path):
     vocab, x, y = _data(rng)
     rows_dir = tmp_path / "rows"

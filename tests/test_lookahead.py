@@ -330,12 +330,19 @@ def test_use_counts_resume_exactly_from_a_checkpoint_between_lookahead_steps(tmp
 
     model = keras.Sequential([keras.Input((FIELDS,), dtype="int64"), whole])
     model.save_weights(keras_path)  # the Keras format saves the same counts
+    # tf_sfctr.distributed.save writes the table to a table file a part at a
+    # time; it takes the same counts off.
+    tf_sfctr.distributed.save(tf.train.Checkpoint(table=whole), str(tmp_path / "files"))
     run(whole, 4, 8)
-    for restore in ("checkpoint", "keras"):
+    for restore in ("checkpoint", "keras", "table_files"):
         resumed = _layer()
         if restore == "checkpoint":
             resumed(tf.constant(batches[0]))  # built
             tf.train.Checkpoint(table=resumed).restore(path).assert_consumed()
+        elif restore == "table_files":
+            resumed(tf.constant(batches[0]))
+            tf_sfctr.distributed.restore(tf.train.Checkpoint(table=resumed),
+                                         str(tmp_path / "files"))
         else:
             keras.Sequential([keras.Input((FIELDS,), dtype="int64"), resumed]) \
                 .load_weights(keras_path)

@@ -34,7 +34,7 @@ def test_a_used_plan_takes_nothing_off_the_saved_use_counts():
     layer.flush()
     ids, _, counts = layer.store.host_export()
     want = dict(zip(ids.numpy().tolist(), counts.numpy().tolist()))
-    saved = layer.store._serialize_to_tensors()
+    saved = layer.store.table_tensors()
     got = dict(zip(saved["ids"].numpy().tolist(), saved["counts"].numpy().tolist()))
     assert got == want
 

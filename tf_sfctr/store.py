@@ -58,7 +58,31 @@ class StoreConfig:
 #: 3 the shard the table is (world size and rank of a model-parallel
 #: writer; 1 and 0 for a complete table). Versions 1 and 2 still load.
 FORMAT_VERSION = 3
-_READABLE_VERSIONS = {1: 4, 2: 6, 3: 8}  # version -> header length
+#: A table whose rows tf_sfctr.distributed.save wrote to a table file of
+#: their own (tf_sfctr.table_file): the version-3 header and [rows in the
+#: file, its table number, the save id]; the checkpoint's ids, rows and use
+#: counts are then empty.
+FILE_FORMAT_VERSION = 4
+_READABLE_VERSIONS = {1: 4, 2: 6, 3: 8, 4: 11}  # version -> header length
+
+#: Save id -> shard directory of a tf_sfctr.distributed.restore into layers
+#: not built yet: their tables are restored when they are built (TensorFlow
+#: defers restores into objects that do not exist yet), from the table files
+#: of that directory.
+_DEFERRED_TABLE_DIRS: dict[int, str] = {}
+
+
+def in_table_file(header) -> bool:
+    """Whether a saved table's rows are in a table file (format 4)."""
+    h = np.asarray(header).ravel()
+    return h.size == _READABLE_VERSIONS[FILE_FORMAT_VERSION] and int(h[0]) == FILE_FORMAT_VERSION
+
+
+def saved_rows(header, ids) -> int:
+    """Rows of a saved table: its ids, or what its table file holds."""
+    if in_table_file(header):
+        return int(np.asarray(header).ravel()[8])
+    return int(np.asarray(ids).size)
 
 
 def _saved_integers(name: str, values) -> np.ndarray:
@@ -134,6 +158,10 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         # (tf.train.Checkpoint outside tf_sfctr.distributed.restore) refuses
         # a table that is another shard than this one.
         self.shard = (1, 0)
+        # Set by tf_sfctr.distributed.save while it writes a checkpoint:
+        # (path, save id, table number) of the table file the rows go to,
+        # a part at a time, instead of the checkpoint's tensors.
+        self.table_file: Optional[tuple[str, int, int]] = None
         super().__init__(device="/CPU:0")
 
     def _create_resource(self):
@@ -217,6 +245,14 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         optimizer state)."""
         return _ops.load().sfctr_host_export(self.resource_handle, columns=columns)
 
+    def host_export_range(self, cursor: int, max_rows: int):
+        """(ids, rows, use counts, next cursor) of up to ``max_rows`` whole
+        host rows from ``cursor`` (0 at the start; the next cursor is -1
+        once every row was returned): the table a part at a time."""
+        return _ops.load().sfctr_host_export_range(
+            self.resource_handle, tf.constant(cursor, tf.int64),
+            tf.constant(max_rows, tf.int64))
+
     def host_add_counts(self, ids: tf.Tensor, counts: tf.Tensor):
         return _ops.load().sfctr_host_add_counts(self.resource_handle, ids, counts)
 
@@ -253,8 +289,44 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
     # Checkpointing ---------------------------------------------------------
     # tf.train.Checkpoint calls these; the saved tensors are the whole host
     # table (after a flush of the cache), the counters and a small header.
+    _SAVED_DTYPES = (("header", tf.int64), ("ids", tf.int64), ("rows", tf.float32),
+                     ("counts", tf.int64), ("counters", tf.int64))
+
     def _serialize_to_tensors(self):
+        # TensorFlow calls this on a restore too, to learn the names and
+        # dtypes of what it reads, and never reads the values then: the
+        # table is exported only when a save asks for its tensors (it used
+        # to be exported on every restore, a copy of the whole table).
+        from tensorflow.python.training.saving.saveable_object import SaveSpec
+
         if self.before_save is not None:
+            self.before_save()
+        if self.table_file is not None:
+            path, save_id, table = self.table_file
+            rows_written = self.write_table_file(path, save_id, table)
+            header = np.concatenate([self.header(), [rows_written, table, save_id]])
+            header[0] = FILE_FORMAT_VERSION
+            return {"header": tf.constant(header, tf.int64),
+                    "ids": tf.zeros([0], tf.int64),
+                    "rows": tf.zeros([0, self.config.width], tf.float32),
+                    "counts": tf.zeros([0], tf.int64), "counters": self.stats()[:3]}
+        exported: dict = {}
+
+        def value(key):
+            def make():
+                if not exported:
+                    exported.update(self.table_tensors(flush=False))
+                return exported[key]
+            return make
+
+        device = self.resource_handle.device  # as its tensors would say
+        return {key: SaveSpec(value(key), "", key, dtype=dtype, device=device)
+                for key, dtype in self._SAVED_DTYPES}
+
+    def table_tensors(self, flush: bool = True) -> dict:
+        """The saved form of the table: {header, ids, rows, use counts,
+        counters} tensors (after a flush of the cache when ``flush``)."""
+        if flush and self.before_save is not None:
             self.before_save()
         ids, rows, counts = self.host_export()
         ahead = self.counted_ahead() if self.counted_ahead is not None else None
@@ -264,6 +336,29 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         return {"header": tf.constant(self.header(), tf.int64), "ids": ids, "rows": rows,
                 "counts": counts, "counters": stats[:3]}
 
+    def write_table_file(self, path: str, save_id: int, table: int) -> int:
+        """Writes every host row (after a flush of the cache) to the table
+        file ``path``, a part at a time; returns the rows written."""
+        from tf_sfctr import table_file
+
+        ahead = self.counted_ahead() if self.counted_ahead is not None else None
+        ahead = None if ahead is None else np.asarray(ahead).ravel()
+        held = int(self.stats()[3])
+        limit = table_file.part_rows(self.config.width)
+        cursor = 0
+        with table_file.TableFileWriter(path, self.config.width, save_id, table) as writer:
+            while cursor != -1:
+                ids, rows, counts, cursor = self.host_export_range(cursor, limit)
+                ids, counts, cursor = ids.numpy(), counts.numpy(), int(cursor)
+                if ahead is not None and ahead.size:
+                    counts = counts - np.isin(ids, ahead)
+                writer.write(ids, rows.numpy(), counts)
+        if writer.rows != held or int(self.stats()[3]) != held:
+            raise RuntimeError(
+                f"the table changed while it was saved ({held} rows when the save began, "
+                f"{writer.rows} saved): save between training steps, not during one.")
+        return writer.rows
+
     def _restore_from_tensors(self, restored_tensors):
         t = {k: v.numpy() if hasattr(v, "numpy") else np.asarray(v)
              for k, v in restored_tensors.items()}
@@ -272,6 +367,20 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
                 self.collected.append(t)
             return tf.no_op()
         self.check_shard(t["header"], t["ids"])
+        if in_table_file(t["header"]):
+            header = _saved_integers("header", t["header"]).ravel()
+            directory = _DEFERRED_TABLE_DIRS.get(int(header[10]))
+            if directory is None:
+                raise CheckpointMismatchError(
+                    "saved table keeps its rows in a table file beside the checkpoint "
+                    "(tf_sfctr.distributed.save writes them so); restore it with "
+                    "tf_sfctr.distributed.restore(checkpoint, directory). The current table "
+                    "was left untouched.")
+            from tf_sfctr.table_file import table_file_name
+
+            self.load_table_file(header, os.path.join(directory, table_file_name(
+                int(header[9]))), t["counters"])
+            return tf.no_op()
         self.load_table(t["header"], t["ids"], t["rows"], t["counts"], t["counters"])
         return tf.no_op()
 
@@ -359,14 +468,15 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
                 f"assign_rows the values into a fresh table). The current table was left "
                 f"untouched.")
         ids, rows = np.asarray(ids), np.asarray(rows)
+        num_rows = saved_rows(header, ids)
         if ids.ndim != 1 or rows.shape != (ids.shape[0], c.width):
             raise CheckpointMismatchError(
                 f"saved table is inconsistent: {ids.shape} ids but rows of shape "
                 f"{rows.shape} (expected [{ids.shape[0] if ids.ndim == 1 else '?'}, "
                 f"{c.width}]). The current table was left untouched.")
-        if c.max_rows and ids.shape[0] > c.max_rows:
+        if c.max_rows and num_rows > c.max_rows:
             raise CheckpointMismatchError(
-                f"saved table has {ids.shape[0]} rows but this layer has "
+                f"saved table has {num_rows} rows but this layer has "
                 f"max_rows={c.max_rows}. The current table was left untouched.")
         if len(np.unique(ids)) != ids.shape[0]:
             raise CheckpointMismatchError(
@@ -435,11 +545,59 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
             raise CheckpointMismatchError(
                 "saved table has a use count per id missing; it is corrupt. The "
                 "current table was left untouched.")
-        if counters.size < 3:
+        self._check_counters(counters)
+        self.begin_load(header, len(ids))
+        self.load_rows(ids, rows, counts, len(ids))
+        self.end_load(counters, len(ids))
+
+    def load_table_file(self, header, path: str, counters) -> None:
+        """``load_table`` for a table whose rows are in the table file
+        ``path`` (format 4): reads the whole file once to check it (every
+        part's checksum, its rows finite), then again to load it, a part at
+        a time. On error before the load began nothing changes."""
+        header = _saved_integers("header", header).ravel()
+        counters = _saved_integers("counters", counters)
+        width = self.config.width
+        self.check_table(header, np.zeros(0, np.int64), np.zeros((0, width), np.float32))
+        self._check_counters(counters)
+        num_rows = saved_rows(header, None)
+        for _ in self.read_table_file(header, path):
+            pass
+        self.begin_load(header, num_rows)
+        for ids, rows, counts in self.read_table_file(header, path):
+            self.load_rows(ids, rows, counts, num_rows)
+        self.end_load(counters, num_rows)
+
+    def read_table_file(self, header, path: str):
+        """The parts of the table file ``path`` that a format-4 ``header``
+        names, checked as they are read (CheckpointMismatchError otherwise)."""
+        from tf_sfctr.table_file import TableFileError, read_parts
+
+        header = np.asarray(header).ravel()
+        try:
+            for ids, rows, counts in read_parts(path, self.config.width,
+                                                save_id=int(header[10]),
+                                                table=int(header[9]), rows=int(header[8])):
+                if not np.all(np.isfinite(rows)):
+                    raise TableFileError(f"{path} holds non-finite values.")
+                yield ids, rows, counts
+        except TableFileError as err:
             raise CheckpointMismatchError(
-                f"saved table has {counters.size} counters, not 3 (hits, misses, "
+                f"saved table's rows cannot be read: {err} It is damaged or not this "
+                "checkpoint's; the table was not restored from it.") from err
+
+    @staticmethod
+    def _check_counters(counters) -> None:
+        if np.asarray(counters).size < 3:
+            raise CheckpointMismatchError(
+                f"saved table has {np.asarray(counters).size} counters, not 3 (hits, misses, "
                 "evictions); it is corrupt. The current table was left untouched.")
-        self._check_disk_room(len(ids))
+
+    def begin_load(self, header, num_rows: int) -> None:
+        """Empties the table (and its cache) for a restore of ``num_rows``
+        rows and takes the saved initializer seed; refuses first, changing
+        nothing, if the disk of host_rows_dir has no room for them."""
+        self._check_disk_room(num_rows)
         if self.before_load is not None:
             self.before_load()
         self.cache_clear()
@@ -448,19 +606,32 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         # the interruption, so the initializer's seed is part of the table.
         self.seed = int(np.asarray(header).ravel()[3])
         self.host_set_seed(self.seed)
-        ids_t = tf.constant(ids, tf.int64)
+
+    def load_rows(self, ids, rows, counts, num_rows: int) -> None:
+        """Adds saved rows and use counts to the table being restored (of
+        ``num_rows`` rows in all, for the error if memory runs out)."""
+        ids_t = tf.constant(np.asarray(ids, np.int64))
         try:
             self.host_write(ids_t, tf.constant(rows, tf.float32))
         except tf.errors.ResourceExhaustedError as e:
             # The core's message speaks of one write; the table's rows before
-            # the restore are gone already (cleared above).
+            # the restore are gone already (cleared by begin_load).
             cause = e.message.split(": ", 1)[-1].split(". ")[0]
             held = int(self.stats()[3])
             raise tf.errors.ResourceExhaustedError(
                 None, None,
-                f"Restoring the table stopped after {held:,} of its {len(ids):,} rows "
+                f"Restoring the table stopped after {held:,} of its {num_rows:,} rows "
                 f"({cause}). The rows the table held before the restore were removed when it "
                 "began, so it now holds only those; restore the checkpoint again once there is "
                 "room.") from None
-        self.host_add_counts(ids_t, tf.constant(counts, tf.int64))
+        self.host_add_counts(ids_t, tf.constant(np.asarray(counts, np.int64)))
+
+    def end_load(self, counters, num_rows: int) -> None:
+        """Finishes a restore: the saved counters; checks that the table
+        holds ``num_rows`` rows (a saved id listed twice would leave fewer)."""
         self.set_counters(tf.constant(np.asarray(counters, np.int64).ravel()[:3]))
+        held = int(self.stats()[3])
+        if held != num_rows:
+            raise CheckpointMismatchError(
+                f"saved table lists {num_rows:,} rows but only {held:,} distinct ids: it lists "
+                "an id twice, so it is corrupt (the table holds the rows it gave).")

@@ -450,10 +450,17 @@ def run_robustness(out_dir, rank, size):
 
 
 def _saved_ids(prefix):
-    """The table ids of a 1-table checkpoint (read without restoring it)."""
+    """The table ids of a 1-table checkpoint (read without restoring it):
+    from its table file if it has one (tf_sfctr.distributed.save)."""
+    from tf_sfctr.table_file import read_parts, table_file_name
+
+    table = os.path.join(os.path.dirname(prefix), table_file_name(0))
     reader = tf.train.load_checkpoint(prefix)
     key = [k for k in reader.get_variable_to_shape_map() if k.endswith("_store/.ATTRIBUTES/ids")]
     assert len(key) == 1, key
+    if os.path.exists(table):
+        rows = reader.get_tensor(key[0].replace("/ids", "/rows"))
+        return np.concatenate([p[0] for p in read_parts(table, rows.shape[1])])
     return reader.get_tensor(key[0])
 
 
@@ -488,6 +495,11 @@ def run_restore_checks(out_dir, rank, size):
     save(tf.train.Checkpoint(model=model, optimizer=model.optimizer), os.path.join(base, "a"))
     model.fit(*batches[6], batch_size=len(batches[6][1]), verbose=0)
     save(tf.train.Checkpoint(model=model, optimizer=model.optimizer), os.path.join(base, "b"))
+    # The same, with the tables in the checkpoint's tensors (a plain
+    # tf.train.Checkpoint restore reads those; table files need
+    # tf_sfctr.distributed.restore).
+    save(tf.train.Checkpoint(model=model, optimizer=model.optimizer),
+         os.path.join(base, "b_tensors"), table_files=False)
     saved_b = state(emb, dense, model)
     shard1 = "shard-00001-of-00002"
     if rank == 0:
@@ -564,8 +576,15 @@ def run_restore_checks(out_dir, rank, size):
             messages[label] = str(err)
         np.testing.assert_array_equal(emb4.lookup_rows(v), rows4)
     emb5, dense5, model5 = make()
+    own = f"shard-{rank:05d}-of-00002"
+    try:  # its own shard with table files: refused, naming distributed.restore
+        tf.train.Checkpoint(model=model5, optimizer=model5.optimizer).restore(
+            os.path.join(base, "b", own, "ckpt")).expect_partial()
+        raise AssertionError("plain restore of table files: restored")
+    except CheckpointMismatchError as err:
+        messages["plain_table_files"] = str(err)
     tf.train.Checkpoint(model=model5, optimizer=model5.optimizer).restore(
-        os.path.join(base, "b", f"shard-{rank:05d}-of-00002", "ckpt")).expect_partial()
+        os.path.join(base, "b_tensors", own, "ckpt")).expect_partial()
     for a, b in zip(saved_b, state(emb5, dense5, model5)):
         np.testing.assert_array_equal(a, b)
     # A save whose write fails on rank 1 only (its shard's path is taken by a

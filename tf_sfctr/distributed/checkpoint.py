@@ -51,7 +51,10 @@ import tensorflow as tf
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
 from tf_sfctr.distributed._horovod import explain_shutdown, require, world
-from tf_sfctr.store import CheckpointMismatchError, EmbeddingStore, _saved_integers
+from tf_sfctr import store as store_module
+from tf_sfctr.store import (CheckpointMismatchError, EmbeddingStore, _saved_integers,
+                            in_table_file, saved_rows)
+from tf_sfctr.table_file import part_rows, table_file_name
 
 MANIFEST = "manifest.json"
 #: Per shard: the id of the save that wrote it, its rank and world size.
@@ -115,18 +118,27 @@ def _draw_save_id() -> int:
     return int.from_bytes(os.urandom(8), "little") % (2**63 - 1) + 1
 
 
-def save(checkpoint: tf.train.Checkpoint, directory: str) -> str:
+def save(checkpoint: tf.train.Checkpoint, directory: str, *, table_files: bool = True) -> str:
     """Writes this rank's shard (collective: call on every rank). If writing
     fails on any rank, every rank raises and the directory has no
-    ``manifest.json`` (``restore`` refuses it)."""
+    ``manifest.json`` (``restore`` refuses it).
+
+    Each table's rows go to a table file of their own in the shard
+    (``table-NNNN.rows``), a part of about 8 MiB at a time, so that saving
+    (and restoring) never holds a whole table in memory: tables larger than
+    memory (``host_rows_dir``) can be saved. ``table_files=False`` puts
+    them in the checkpoint's tensors instead, as a plain
+    ``tf.train.Checkpoint`` does (each table is gathered in memory first;
+    tools that read checkpoints, such as ``tf.train.load_checkpoint``, then
+    see the rows)."""
     try:
-        return _save(checkpoint, directory)
+        return _save(checkpoint, directory, table_files)
     except tf.errors.OpError as err:
         explain_shutdown(err, "tf_sfctr.distributed.save")
         raise
 
 
-def _save(checkpoint: tf.train.Checkpoint, directory: str) -> str:
+def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool) -> str:
     size, rank = world()
     save_id = _draw_save_id() if rank == 0 else 0
     if size > 1:
@@ -140,7 +152,8 @@ def _save(checkpoint: tf.train.Checkpoint, directory: str) -> str:
         if store.before_save is not None:
             store.before_save()
     prefix = _shard_prefix(directory, rank, size)
-    info = os.path.join(os.path.dirname(prefix), SHARD_INFO)
+    shard_dir = os.path.dirname(prefix)
+    info = os.path.join(shard_dir, SHARD_INFO)
     error, path = None, None
     try:
         # The old manifest and shard.json go first: a save that stops half
@@ -151,10 +164,20 @@ def _save(checkpoint: tf.train.Checkpoint, directory: str) -> str:
         _remove(info)
     except _FILE_ERRORS as err:
         error = err
+    # Each table's rows go to a table file of their own in the shard, a part
+    # at a time (tf_sfctr.table_file), not into the checkpoint's tensors.
+    stores = _stores(checkpoint) if table_files else []
     try:
-        path = checkpoint.write(prefix)
+        if error is None:
+            tf.io.gfile.makedirs(shard_dir)
+            for t, store in enumerate(stores):
+                store.table_file = (os.path.join(shard_dir, table_file_name(t)), save_id, t)
+            path = checkpoint.write(prefix)
     except Exception as err:  # noqa: BLE001 - agreed on below, then raised
         error = error or err
+    finally:
+        for store in stores:
+            store.table_file = None
     if error is None:
         try:
             _write_json(info, {"save_id": save_id, "rank": rank, "world_size": size})
@@ -207,10 +230,12 @@ def _check_built(checkpoint: tf.train.Checkpoint) -> None:
 
 
 def _normalized_header(header) -> np.ndarray:
-    """A saved header in the current layout (format 1 had no state kind,
+    """A saved header in the layout of format 3 (format 1 had no state kind,
     now 0 = unknown, and no replicated flag; formats 1 and 2 did not say
     which shard a table is), so that every rank broadcasts the same shape."""
     h = np.asarray(header, np.int64).ravel()
+    if in_table_file(h):  # format 4: the rows' table file is not needed here
+        h = h[:8]
     if h.size == 4:  # format 1
         h = np.concatenate([h, [0, 0]])
     if h.size == 6:  # format 2
@@ -370,7 +395,40 @@ def _read_shard(checkpoint, directory: str, s: int, saved_size: int,
         if absent:
             raise CheckpointMismatchError(
                 f"{name} of {directory} holds a table without {absent}; it is corrupt.")
+        # Where a table saved in a table file (format 4) has it.
+        table["dir"] = os.path.join(directory, name)
     return tables
+
+
+def _file_tables(directory: str, s: int, saved_size: int) -> bool:
+    """Whether shard ``s`` holds a table whose rows are in a table file (a
+    table header of format 4), whichever objects it restores into."""
+    reader = tf.compat.v1.train.NewCheckpointReader(_shard_prefix(directory, s, saved_size))
+    graph = trackable_object_graph_pb2.TrackableObjectGraph()
+    graph.ParseFromString(reader.get_tensor(_OBJECT_GRAPH))
+    for node in graph.nodes:
+        for attr in node.attributes:
+            if attr.name == "header" and in_table_file(reader.get_tensor(attr.checkpoint_key)):
+                return True
+    return False
+
+
+def _table_path(part: dict) -> str:
+    return os.path.join(part["dir"], table_file_name(int(np.asarray(part["header"]).ravel()[9])))
+
+
+def _parts_of(store: EmbeddingStore, parts: list):
+    """The rows of saved tables (tensors or table files), a part of at most
+    ``part_rows`` rows at a time: (ids, rows, use counts)."""
+    limit = part_rows(store.config.width)
+    for p in parts:
+        if in_table_file(p["header"]):
+            yield from store.read_table_file(p["header"], _table_path(p))
+            continue
+        ids, rows, counts = np.asarray(p["ids"]), np.asarray(p["rows"]), np.asarray(p["counts"])
+        for start in range(0, ids.size, limit):
+            yield (ids[start:start + limit], rows[start:start + limit],
+                   counts[start:start + limit])
 
 
 def _table_mode(store: EmbeddingStore, headers: list, size: int, saved_size: int) -> str:
@@ -402,9 +460,11 @@ def _table_mode(store: EmbeddingStore, headers: list, size: int, saved_size: int
 
 
 def _check_part(store: EmbeddingStore, part: dict, mode: str, s: int, saved_size: int,
-                name: str) -> None:
+                name: str, size: int) -> tuple[np.ndarray, int]:
     """Raises CheckpointMismatchError if ``part`` (shard ``s``'s table)
-    cannot be restored into ``store``."""
+    cannot be restored into ``store``; returns how many of its rows each of
+    ``size`` ranks owns and how many parts (of ``part_rows``) it is read in.
+    A table file is read whole (every part's checksum)."""
     from tf_sfctr.distributed.exchange import owner_of
 
     # What load_table checks before it changes anything (it runs after the
@@ -439,21 +499,28 @@ def _check_part(store: EmbeddingStore, part: dict, mode: str, s: int, saved_size
                     else f"rank {said[1]} of {said[0]}") +
                 f", not rank {s} of {saved_size}'s shard; the directory mixes shards of "
                 "different checkpoints.")
-    if mode == "shards" and saved_size > 1:
-        foreign = int(np.sum(owner_of(ids, saved_size) != s))
-        if foreign:
-            raise CheckpointMismatchError(
-                f"{name} holds {foreign} of its {ids.size} rows for ids rank {s} of "
-                f"{saved_size} does not own; it is not that rank's shard of a model-parallel "
-                "table (a complete table restored onto every rank with a plain "
-                "tf.train.Checkpoint before it was saved, or a shard from elsewhere).")
+    owners = np.zeros(size, np.int64)
+    foreign, total, num_parts = 0, 0, 0
+    # The rows, a part at a time (a table file is read whole here: a damaged
+    # one fails before anything is restored).
+    for part_ids, _, _ in _parts_of(store, [part]):
+        num_parts += 1
+        total += part_ids.size
+        if mode == "shards" and saved_size > 1:
+            foreign += int(np.sum(owner_of(part_ids, saved_size) != s))
+        owners += np.bincount(owner_of(part_ids, size), minlength=size)
+    if foreign:
+        raise CheckpointMismatchError(
+            f"{name} holds {foreign} of its {total} rows for ids rank {s} of "
+            f"{saved_size} does not own; it is not that rank's shard of a model-parallel "
+            "table (a complete table restored onto every rank with a plain "
+            "tf.train.Checkpoint before it was saved, or a shard from elsewhere).")
+    return owners, num_parts
 
 
 def _check(checkpoint, directory: str, stores, size: int, rank: int):
     """Everything restore checks before it changes anything, for this rank:
     (saved_size, {store index: (new owners' row counts, max_rows)})."""
-    from tf_sfctr.distributed.exchange import owner_of
-
     saved_size, save_id = _read_manifest(directory)
     if saved_size != size:
         _check_built(checkpoint)
@@ -467,24 +534,26 @@ def _check(checkpoint, directory: str, stores, size: int, rank: int):
     for k, store_parts in sorted(parts.items()):
         store = stores[k]
         mode = _table_mode(store, [t["header"] for _, t in store_parts], size, saved_size)
-        for s, table in store_parts:
-            _check_part(store, table, mode, s, saved_size, _shard_name(s, saved_size))
+        checked = [_check_part(store, table, mode, s, saved_size, _shard_name(s, saved_size),
+                               size) for s, table in store_parts]
         if mode == "whole":
             # One complete table per rank: its rows must fit this rank's disk
             # when the table keeps them in a file.
             for s, table in store_parts:
-                message = store.disk_room_message(len(np.asarray(table["ids"]).ravel()))
+                message = store.disk_room_message(saved_rows(table["header"], table["ids"]))
                 if message is not None:
                     raise tf.errors.ResourceExhaustedError(None, None, message)
         if mode == "shards":
             counts = np.zeros(size, np.int64)
+            num_parts = 0
             if mine:  # (shard 0 read for the dense state only adds no rows)
-                for _, table in store_parts:
-                    counts += np.bincount(owner_of(table["ids"], size), minlength=size)
+                for owners, n in checked:
+                    counts += owners
+                    num_parts += n
             # Rows this rank's host_rows_dir disk can take (-1: no file).
             room = store.disk_room()
             room_rows = -1 if room is None else sum(room) // (4 * store.config.width)
-            shares[k] = (counts, int(store.config.max_rows), room_rows)
+            shares[k] = (counts, int(store.config.max_rows), room_rows, num_parts)
     return saved_size, shares
 
 
@@ -573,6 +642,12 @@ def _restore(checkpoint: tf.train.Checkpoint, directory: str) -> None:
     error, message = None, None
     try:
         if deferred:
+            # Tables saved in table files are read from this shard's
+            # directory when their layers are built.
+            _, save_id = _read_manifest(directory)
+            if save_id is not None:
+                store_module._DEFERRED_TABLE_DIRS[save_id] = os.path.join(
+                    directory, _shard_name(rank, size))
             checkpoint.read(_shard_prefix(directory, rank, size)).expect_partial()
         else:
             # Read this rank's shards, collecting table rows instead of
@@ -582,6 +657,10 @@ def _restore(checkpoint: tf.train.Checkpoint, directory: str) -> None:
             with _collecting(stores):
                 for s in mine or [0]:
                     checkpoint.read(_shard_prefix(directory, s, saved_size)).expect_partial()
+                    for store in stores:  # where its table files are
+                        for part in store.collected:
+                            part.setdefault("dir", os.path.join(
+                                directory, _shard_name(s, saved_size)))
     except Exception as err:  # noqa: BLE001 - agreed on below, then raised
         error, message = err, _describe(err)
     # Reading can still fail after the checks (say, a file changed in
@@ -604,43 +683,76 @@ def _restore(checkpoint: tf.train.Checkpoint, directory: str) -> None:
             # Not in this checkpoint (every rank read at least one shard, so
             # all agree): left as it is, like any object the checkpoint lacks.
             continue
+        # Rows each rank receives, and the parts the rank with the most reads
+        # (the number of exchange rounds), from every rank's checks.
+        received = sum(int(shares[k][0][rank]) for _, shares in reports if k in shares)
+        rounds = max((shares[k][3] for _, shares in reports if k in shares), default=0)
         _load_repartitioned(store, parts, size, f"sfctr_restore_{k}", bool(mine),
-                            saved_size)
+                            saved_size, received, rounds)
 
 
 def _load_repartitioned(store: EmbeddingStore, parts: list, size: int, name: str,
-                        mine: bool, saved_size: int) -> None:
+                        mine: bool, saved_size: int, received: int, rounds: int) -> None:
+    """Loads the saved tables ``parts`` (this rank's shards) into ``store``,
+    a part at a time: whole, or sent to their owners in ``rounds`` rounds of
+    an all-to-all (collective; ``received``: rows this rank gets in all)."""
     c = store.config
     width = c.width
     if _table_mode(store, [p["header"] for p in parts], size, saved_size) == "whole":
         p = parts[0]
-        store.load_table(p["header"], p["ids"], p["rows"], p["counts"], p["counters"])
+        if in_table_file(p["header"]):
+            store.load_table_file(p["header"], _table_path(p), p["counters"])
+        else:
+            store.load_table(p["header"], p["ids"], p["rows"], p["counts"], p["counters"])
         return
     if not mine:  # shard 0 was read for the dense state only
         parts = []
     header = _normalized_header(parts[0]["header"] if parts else store.header())
-    ids = np.concatenate([p["ids"] for p in parts]) if parts else np.zeros(0, np.int64)
-    rows = (np.concatenate([p["rows"] for p in parts]) if parts
-            else np.zeros((0, width), np.float32))
-    counts = np.concatenate([p["counts"] for p in parts]) if parts else np.zeros(0, np.int64)
     counters = (np.sum([np.asarray(p["counters"], np.int64).ravel()[:3] for p in parts], axis=0)
                 if parts
                 else np.zeros(3, np.int64))
-    if size > 1:
-        from tf_sfctr.distributed import exchange
+    if size == 1:
+        store.begin_load(header, received)
+        for ids, rows, counts in _parts_of(store, parts):
+            store.load_rows(ids, rows, counts, received)
+        store.end_load(counters, received)
+        return
+    from tf_sfctr.distributed import exchange
 
-        hvd = require()
-        header = hvd.broadcast(tf.constant(np.asarray(header, np.int64)), 0,
-                               name=f"{name}_header").numpy()
+    hvd = require()
+    header = hvd.broadcast(tf.constant(np.asarray(header, np.int64)), 0,
+                           name=f"{name}_header").numpy()
+    # Every rank takes part in every round, also once its own load failed
+    # (out of memory, say): the others would wait for it in the next round.
+    error = None
+    try:
+        store.begin_load(header, received)
+    except Exception as err:  # noqa: BLE001 - raised after the rounds
+        error = err
+    source = _parts_of(store, parts)
+    empty = (np.zeros(0, np.int64), np.zeros((0, width), np.float32), np.zeros(0, np.int64))
+    for r in range(rounds):
+        try:
+            ids, rows, counts = empty if error is not None else next(source, empty)
+        except Exception as err:  # noqa: BLE001 - a file changed since its checks
+            error, (ids, rows, counts) = err, empty
         owners = exchange.owner_of(ids, size)
         order = np.argsort(owners, kind="stable")
         splits = tf.constant(np.bincount(owners, minlength=size).astype(np.int32))
         payload = np.concatenate(
-            [rows[order], counts[order, None].astype(np.float32)], axis=1)
-        ids, _ = hvd.alltoall(tf.constant(ids[order]), splits=splits, name=f"{name}_ids",
-                              ignore_name_scope=True)
-        payload, _ = hvd.alltoall(tf.constant(payload), splits=splits,
-                                  name=f"{name}_rows", ignore_name_scope=True)
-        ids, payload = ids.numpy(), payload.numpy()
-        rows, counts = payload[:, :width], payload[:, width].astype(np.int64)
-    store.load_table(header, ids, rows, counts, counters)
+            [np.asarray(rows, np.float32)[order], counts[order, None].astype(np.float32)],
+            axis=1)
+        got_ids, _ = hvd.alltoall(tf.constant(ids[order]), splits=splits,
+                                  name=f"{name}_ids_{r}", ignore_name_scope=True)
+        got, _ = hvd.alltoall(tf.constant(payload), splits=splits,
+                              name=f"{name}_rows_{r}", ignore_name_scope=True)
+        if error is None:
+            got = got.numpy()
+            try:
+                store.load_rows(got_ids.numpy(), got[:, :width],
+                                got[:, width].astype(np.int64), received)
+            except Exception as err:  # noqa: BLE001 - raised after the rounds
+                error = err
+    if error is not None:
+        raise error
+    store.end_load(counters, received)

@@ -1,0 +1,248 @@
+"""tf_sfctr.distributed.save writes each table to a table file of its own,
+a part at a time (tf_sfctr.table_file), so that no save or restore holds a
+whole table in memory. Restores from table files equal restores from the
+checkpoint's tensors; a damaged, truncated, missing or swapped table file is
+refused before anything changes."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sfctr
+from tf_sfctr.distributed import restore, save
+from tf_sfctr.keras_layers import CachedEmbedding
+from tf_sfctr.store import CheckpointMismatchError
+from conftest import assert_same_state, model_state
+from tf_sfctr.table_file import (TEST_PART_ROWS_ENV, TableFileError, TableFileWriter,
+                                 read_parts)
+
+FIELDS, DIM, CAPACITY, BATCH, VOCAB = 3, 4, 64, 16, 3000
+SHARD = "shard-00000-of-00001"
+
+
+@pytest.fixture(autouse=True)
+def small_parts(monkeypatch):
+    """Parts of 50 rows: every table here is saved in many parts."""
+    monkeypatch.setenv(TEST_PART_ROWS_ENV, "50")
+
+
+def _data(seed, steps):
+    rng = np.random.default_rng(seed)
+    vocab = rng.integers(-(2**62), 2**62, VOCAB)
+    x = vocab[rng.integers(0, VOCAB, (steps * BATCH, FIELDS))]
+    return vocab, x, rng.random((steps * BATCH, 1)).astype("float32")
+
+
+def _model(seed=5):
+    inp = keras.Input(shape=(FIELDS,), dtype="int64")
+    emb = CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=seed, name="emb",
+                          optimizer=tf_sfctr.optimizers.Adagrad(0.1))
+    out = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(3))(
+        keras.layers.Flatten()(emb(inp)))
+    model = keras.Model(inp, out)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model, emb
+
+
+def _ckpt(model):
+    return tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+
+
+def _fit(model, x, y):
+    return model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0).history["loss"]
+
+
+def _table(emb):
+    """{id: (row with its state, use count)} of the whole host table."""
+    emb.flush()
+    ids, rows, counts = emb.store.host_export()
+    return {int(i): (r.tolist(), int(c))
+            for i, r, c in zip(ids.numpy(), rows.numpy(), counts.numpy())}
+
+
+
+
+def test_a_table_saved_in_parts_resumes_exactly(tmp_path):
+    """The shard holds the table's rows in table-0000.rows (in parts of 50
+    rows) and none in the checkpoint's tensors; the restored table has every
+    row, optimizer state and use count, and training resumed from it equals
+    uninterrupted training, bit for bit."""
+    vocab, x, y = _data(1, 12)
+    model, emb = _model()
+    _fit(model, x[: 6 * BATCH], y[: 6 * BATCH])
+    assert emb.cache_stats()["host_rows"] > 200  # several parts
+    save(_ckpt(model), str(tmp_path / "ckpt"))
+    saved = _table(emb)
+    counters = [emb.cache_stats()[k] for k in ("hits", "misses", "evictions")]
+    shard = tmp_path / "ckpt" / SHARD
+    assert (shard / "table-0000.rows").exists()
+    shapes = dict(tf.train.list_variables(str(shard / "ckpt")))
+    table_keys = [k for k in shapes if k.endswith(("/ids", "/rows", "/counts"))]
+    assert table_keys and all(shapes[k][0] == 0 for k in table_keys)
+    parts = list(read_parts(str(shard / "table-0000.rows"), 2 * DIM))
+    assert len(parts) > 3 and all(p[0].size <= 50 for p in parts)
+    assert sum(p[0].size for p in parts) == len(saved)
+    whole = _fit(model, x[6 * BATCH:], y[6 * BATCH:])
+
+    other, other_emb = _model(seed=9)
+    _fit(other, x[:BATCH], y[:BATCH])
+    restore(_ckpt(other), str(tmp_path / "ckpt"))
+    assert _table(other_emb) == saved
+    assert [other_emb.cache_stats()[k] for k in ("hits", "misses", "evictions")] == counters
+    resumed = _fit(other, x[6 * BATCH:], y[6 * BATCH:])
+    assert resumed == whole
+    np.testing.assert_array_equal(other_emb.lookup_rows(vocab), emb.lookup_rows(vocab))
+
+
+def test_table_files_false_keeps_the_rows_in_the_checkpoint(tmp_path):
+    vocab, x, y = _data(2, 4)
+    model, emb = _model()
+    _fit(model, x, y)
+    save(_ckpt(model), str(tmp_path / "ckpt"), table_files=False)
+    shard = tmp_path / "ckpt" / SHARD
+    assert not list(shard.glob("table-*.rows"))
+    shapes = dict(tf.train.list_variables(str(shard / "ckpt")))
+    assert any(k.endswith("/ids") and v[0] == emb.cache_stats()["host_rows"]
+               for k, v in shapes.items())
+    other, other_emb = _model(seed=9)
+    restore(_ckpt(other), str(tmp_path / "ckpt"))
+    np.testing.assert_array_equal(other_emb.lookup_rows(vocab), emb.lookup_rows(vocab))
+
+
+def _damage(tmp_path, how):
+    shard = tmp_path / "ckpt" / SHARD
+    path = shard / "table-0000.rows"
+    data = bytearray(path.read_bytes())
+    if how == "flipped_byte":
+        data[len(data) // 2] ^= 0x40
+        path.write_bytes(bytes(data))
+    elif how == "truncated":
+        path.write_bytes(bytes(data[: len(data) - 100]))
+    elif how == "extra_bytes":
+        path.write_bytes(bytes(data) + b"\0")
+    elif how == "missing":
+        path.unlink()
+    elif how == "other_save":
+        # The table file of another save of the same model, copied in.
+        (tmp_path / "other" / SHARD / "table-0000.rows").replace(path)
+    elif how == "not_finite":
+        # A well-formed file (right checksums) holding a NaN.
+        parts = list(read_parts(str(path), 2 * DIM))
+        head = np.frombuffer(bytes(data[:32]), "<u8")
+        with TableFileWriter(str(path), 2 * DIM, int(head[2]), 0) as w:
+            for ids, rows, counts in parts:
+                rows = rows.copy()
+                rows[0, 0] = np.nan
+                w.write(ids, rows, counts)
+
+
+@pytest.mark.parametrize("how, match", [
+    ("flipped_byte", "fails its checksum"),
+    ("truncated", "truncated"),
+    ("extra_bytes", "data after its end"),
+    ("missing", "cannot be read"),
+    ("other_save", "is table 0 of save .* not table 0 of save"),
+    ("not_finite", "non-finite"),
+])
+def test_a_damaged_table_file_is_refused_before_anything_changes(tmp_path, how, match):
+    vocab, x, y = _data(3, 6)
+    model, emb = _model()
+    _fit(model, x[: 3 * BATCH], y[: 3 * BATCH])
+    save(_ckpt(model), str(tmp_path / "other"))
+    _fit(model, x[3 * BATCH:], y[3 * BATCH:])
+    save(_ckpt(model), str(tmp_path / "ckpt"))
+    _damage(tmp_path, how)
+    other, other_emb = _model(seed=9)
+    _fit(other, x[:BATCH], y[:BATCH])
+    before = model_state(other, other_emb, vocab)
+    with pytest.raises(CheckpointMismatchError, match=match) as err:
+        restore(_ckpt(other), str(tmp_path / "ckpt"))
+    assert "Nothing was restored" in str(err.value)
+    assert_same_state(model_state(other, other_emb, vocab), before)
+
+
+def test_a_table_file_listing_an_id_twice_is_reported(tmp_path):
+    """Checksums cannot catch a writer that listed an id twice; the restore
+    counts the rows it loaded and says the table is corrupt."""
+    vocab, x, y = _data(4, 4)
+    model, emb = _model()
+    _fit(model, x, y)
+    save(_ckpt(model), str(tmp_path / "ckpt"))
+    path = tmp_path / "ckpt" / SHARD / "table-0000.rows"
+    parts = list(read_parts(str(path), 2 * DIM))
+    save_id = int(np.frombuffer(path.read_bytes()[:32], "<u8")[2])
+    with TableFileWriter(str(path), 2 * DIM, save_id, 0) as w:
+        ids, rows, counts = parts[0]
+        w.write(np.concatenate([ids[:-1], ids[:1]]), rows, counts)
+        for p in parts[1:]:
+            w.write(*p)
+    other, _ = _model(seed=9)
+    with pytest.raises(CheckpointMismatchError, match="lists an id twice"):
+        restore(_ckpt(other), str(tmp_path / "ckpt"))
+
+
+def test_a_plain_checkpoint_read_of_a_shard_with_table_files_is_refused(tmp_path):
+    vocab, x, y = _data(5, 3)
+    model, emb = _model()
+    _fit(model, x, y)
+    save(_ckpt(model), str(tmp_path / "ckpt"))
+    other, other_emb = _model(seed=9)
+    _fit(other, x[:BATCH], y[:BATCH])
+    before = other_emb.lookup_rows(vocab)
+    with pytest.raises(CheckpointMismatchError, match="tf_sfctr.distributed.restore"):
+        _ckpt(other).read(str(tmp_path / "ckpt" / SHARD / "ckpt"))
+    np.testing.assert_array_equal(other_emb.lookup_rows(vocab), before)
+
+
+def test_restore_into_an_unbuilt_subclassed_model_reads_the_table_file(tmp_path):
+    """With no built table, restore leaves TensorFlow to restore the tables
+    when their layers are built; they then read their table files."""
+
+    class Tower(keras.Model):
+        def __init__(self, seed):
+            super().__init__()
+            self.emb = CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=seed, name="emb",
+                                       optimizer=tf_sfctr.optimizers.Adagrad(0.1))
+            self.out = keras.layers.Dense(1, name="out")
+
+        def call(self, x, training=None):
+            return self.out(keras.ops.sum(self.emb(x, training=training), axis=1))
+
+    vocab, x, y = _data(6, 4)
+    saved = Tower(1)
+    saved.compile(optimizer="adam", loss="mse")
+    saved.fit(x, y, batch_size=BATCH, verbose=0)
+    save(tf.train.Checkpoint(model=saved), str(tmp_path / "ckpt"))
+    fresh = Tower(2)
+    fresh.compile(optimizer="adam", loss="mse")
+    restore(tf.train.Checkpoint(model=fresh), str(tmp_path / "ckpt"))
+    fresh(x[:BATCH])
+    np.testing.assert_array_equal(fresh.emb.lookup_rows(vocab), saved.emb.lookup_rows(vocab))
+    assert fresh.emb.cache_stats()["host_rows"] == saved.emb.cache_stats()["host_rows"]
+
+
+def test_table_file_reader_checks_what_it_is_given(tmp_path):
+    path = str(tmp_path / "t.rows")
+    rng = np.random.default_rng(0)
+    ids = rng.integers(-(2**63), 2**63 - 1, 250)
+    rows = rng.normal(size=(250, 6)).astype(np.float32)
+    counts = rng.integers(0, 65536, 250)
+    with TableFileWriter(path, 6, save_id=77, table=3) as w:
+        w.write(ids[:200], rows[:200], counts[:200])
+        w.write(ids[200:], rows[200:], counts[200:])
+        with pytest.raises(ValueError, match=r"rows of shape \[2, 6\]"):
+            w.write(ids[:2], rows[:2, :5], counts[:2])
+    got = list(read_parts(path, 6, save_id=77, table=3, rows=250))
+    np.testing.assert_array_equal(np.concatenate([g[0] for g in got]), ids)
+    np.testing.assert_array_equal(np.concatenate([g[1] for g in got]), rows)
+    np.testing.assert_array_equal(np.concatenate([g[2] for g in got]), counts)
+    for kwargs, match in [({"width": 8}, "rows of 6 floats but the table has rows of 8"),
+                          ({"save_id": 78}, "not table 3 of save"),
+                          ({"table": 2}, "not table 2 of save"),
+                          ({"rows": 251}, "holds 250 rows but the checkpoint says 251")]:
+        with pytest.raises(TableFileError, match=match):
+            list(read_parts(path, **{"width": 6, **kwargs}))
+    (tmp_path / "junk").write_bytes(b"x" * 64)
+    with pytest.raises(TableFileError, match="not a tf_sfctr table file"):
+        list(read_parts(str(tmp_path / "junk"), 6))

@@ -212,6 +212,18 @@ def peak_rss_bytes() -> int:
     return 0
 
 
+def reset_peak_rss() -> bool:
+    """Sets VmHWM back to the current resident set (Linux: writing 5 to
+    /proc/self/clear_refs), so that peak_rss_bytes() measures from here.
+    False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def mem_info() -> dict[str, int]:
     out = {}
     with open("/proc/meminfo") as f:

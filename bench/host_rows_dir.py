@@ -9,7 +9,11 @@ what a training step pays for rows in a file.
    memory, one with ``host_rows_dir``. Each prints its progress; the table in
    memory is expected to be killed by the limit. The table on disk then reads
    ``--probes`` random ids it holds back (mostly from the disk, the limit
-   keeping few rows in memory) and checks every value.
+   keeping few rows in memory) and checks every value. Then, under the same
+   limit, it saves the table with ``tf_sfctr.distributed.save`` (a table file
+   written a part at a time), restores it into itself, reads the ids back
+   again and, as the baseline, writes a plain ``tf.train.Checkpoint`` (which
+   gathers the table in memory: expected to be killed by the limit).
 2. **Step time.** The lookup + update step of ``bench/lookup_update.py``
    (Zipf ``--alpha`` over ``--vocab`` ids, 4096 x 26 ids per step, dim 16,
    Adagrad, cache 20%), in one process, for a layer with its rows in memory
@@ -89,7 +93,43 @@ def child(args) -> int:
           f"last_half_rate={np.median([b[1] for b in blocks[half:]]):.0f} "
           f"read_per_s={args.probes / read_s:.0f} values_ok={ok} "
           f"host_bytes={int(stats[7])} file_bytes={int(stats[8])}", flush=True)
-    return 0 if ok else 1
+    if not ok or not args.rows_dir:
+        return 0 if ok else 1
+    # Save the table (tf_sfctr.distributed.save: a table file written a part
+    # at a time) and restore it into the same table (cleared first), under
+    # the same limit; then read the same ids back.
+    import tf_sfctr
+
+    ckpt_dir = os.path.join(args.rows_dir, "checkpoint")
+    ckpt = tf.train.Checkpoint(table=store)
+    peaks = []
+    for what in ("save", "restore"):
+        with open(os.path.join(args.cgroup, "memory.max_usage_in_bytes"), "w") as f:
+            f.write("0")
+        t = time.perf_counter()
+        if what == "save":
+            tf_sfctr.distributed.save(ckpt, ckpt_dir)
+        else:
+            tf_sfctr.distributed.restore(ckpt, ckpt_dir)
+        peaks.append((time.perf_counter() - t,
+                      _read_int(os.path.join(args.cgroup, "memory.max_usage_in_bytes")) - base))
+        print(f"PHASE {what} {peaks[-1][0]:.2f}", flush=True)
+    got = store.host_read(tf.constant(ids_at(numbers.astype(np.uint64)))).numpy()
+    ok = bool(np.array_equal(got, _row_values(numbers, width)))
+    rows_after = int(store.stats().numpy()[3])
+    table_bytes = sum(os.path.getsize(os.path.join(d, f))
+                      for d, _, fs in os.walk(ckpt_dir) for f in fs)
+    print(f"SAVED save_s={peaks[0][0]:.2f} save_peak={peaks[0][1]} "
+          f"restore_s={peaks[1][0]:.2f} restore_peak={peaks[1][1]} rows_after={rows_after} "
+          f"restored_ok={ok} checkpoint_bytes={table_bytes}", flush=True)
+    if not ok or rows_after != int(stats[3]):
+        return 1
+    # The baseline: a plain tf.train.Checkpoint, which gathers the table in
+    # memory first (expected to be killed by the limit).
+    t = time.perf_counter()
+    tf.train.Checkpoint(table=store).write(os.path.join(args.rows_dir, "plain", "ckpt"))
+    print(f"PLAIN_SAVED {time.perf_counter() - t:.2f}", flush=True)
+    return 0
 
 
 def _make_cgroup() -> str | None:
@@ -131,9 +171,13 @@ def _run_limited(args, cgroup: str, rows_dir: str | None) -> dict:
                             env=env, preexec_fn=lambda: open(procs_file, "w").write(
                                 str(os.getpid())))
     out, _ = proc.communicate()
-    inserted, seconds, done, base = 0, 0.0, {}, 0
+    inserted, seconds, done, base, saved = 0, 0.0, {}, 0, {}
     for line in out.splitlines():
-        if line.startswith("BASE "):
+        if line.startswith("SAVED "):
+            saved = dict(kv.split("=") for kv in line.split()[1:])
+        elif line.startswith("PLAIN_SAVED "):
+            saved["plain_s"] = line.split()[1]
+        elif line.startswith("BASE "):
             base = int(line.split()[1])
         elif line.startswith("PROGRESS "):
             inserted, seconds = int(line.split()[1]), float(line.split()[2])
@@ -144,7 +188,7 @@ def _run_limited(args, cgroup: str, rows_dir: str | None) -> dict:
         f.write("-1")  # for the next child, which sets its own
     with open(os.path.join(cgroup, "memory.max_usage_in_bytes"), "w") as f:
         f.write("0")
-    return {"returncode": proc.returncode, "inserted": inserted, "done": done,
+    return {"returncode": proc.returncode, "inserted": inserted, "done": done, "saved": saved,
             "rate": inserted / seconds if seconds else 0.0,
             "peak": peak - base, "base": base, "tail": out.splitlines()[-3:]}
 
@@ -175,8 +219,10 @@ def larger_than_memory(args) -> None:
     for name, r in (("rows in memory (baseline)", mem), ("host_rows_dir", disk)):
         d = r["done"]
         killed = r["returncode"] < 0
-        ended = ("killed by the limit (signal %d)" % -r["returncode"] if killed
-                 else "exit %d" % r["returncode"])
+        # The table on file's child goes on to save and restore, and to be
+        # killed by its plain-checkpoint baseline: "done" is its inserts.
+        ended = ("done" if d else "killed by the limit (signal %d)" % -r["returncode"]
+                 if killed else "exit %d" % r["returncode"])
         rows.append((name, ended, f"{r['inserted']:,}",
                      f"{r['inserted'] * payload / limit:.2f}x",
                      f"{r['base'] / 2**20:,.0f} + {r['peak'] / 2**20:,.0f} MiB",
@@ -188,13 +234,38 @@ def larger_than_memory(args) -> None:
                      f"{int(d['file_bytes']) / 2**30:.2f} GiB" if d else ""))
         if not d and not killed:
             print("  child output:", *r["tail"], sep="\n    ")
-    C.table(["host table", "ended", "rows inserted", "payload inserted / budget",
+    C.table(["host table", "inserts and reads", "rows inserted", "payload inserted / budget",
              "memory charged before the inserts + peak growth (cgroup)",
              "inserts/s (all inserts it made)", "inserts/s, first half (median per call)",
              "inserts/s, second half", f"host_read of {args.probes:,} random held ids/s",
              "every value read back right", "row file"], rows,
             title=f"Inserting {args.rows * payload / limit:.1f}x the memory budget of "
                   f"payload ({args.limit_mib} MiB budget, disk: {args.disk_dir or '/tmp'})")
+    s = disk["saved"]
+    if not s:
+        print("The table on file was not saved and restored; its child ended:",
+              *disk["tail"], sep="\n    ")
+        return
+    held = int(disk["done"]["rows"])
+    C.table(["step", "seconds", "rows/s",
+             "peak memory charged beyond the base (cgroup), or how it ended",
+             "of the budget"], [
+        ("tf_sfctr.distributed.save (a table file, a part at a time)", float(s["save_s"]),
+         C.si(held / float(s["save_s"])), f"{int(s['save_peak']) / 2**20:,.0f} MiB",
+         f"{int(s['save_peak']) / limit:.2f}x"),
+        ("tf_sfctr.distributed.restore into the same table (read twice: checked, then "
+         "loaded)", float(s["restore_s"]), C.si(held / float(s["restore_s"])),
+         f"{int(s['restore_peak']) / 2**20:,.0f} MiB", f"{int(s['restore_peak']) / limit:.2f}x"),
+        ("baseline: tf.train.Checkpoint (the table gathered in memory)",
+         float(s["plain_s"]) if "plain_s" in s else "",
+         C.si(held / float(s["plain_s"])) if "plain_s" in s else "",
+         "" if "plain_s" in s else
+         ("killed by the limit" if disk["returncode"] < 0 else f"exit {disk['returncode']}"),
+         ""),
+    ], title=f"Saving and restoring the table on file ({held:,} rows, "
+             f"{int(s['checkpoint_bytes']) / 2**30:.2f} GiB checkpoint) under the same limit; "
+             f"rows after the restore: {int(s['rows_after']):,}, every probed value right: "
+             f"{s['restored_ok']}")
 
 
 # ------------------------------------------------------------------ step time

@@ -608,3 +608,28 @@ def test_exports_go_through_tf_file_systems(tmp_path, monkeypatch):
     np.testing.assert_array_equal(np.asarray(served.serve(ids)),
                                   [[[1, 1, 1], [1, 1, 1]], [[0, 0, 0], [1, 1, 1]]])
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("max_rows", [0, 1, 37, 499, 600])
+def test_max_rows_reads_the_table_a_part_at_a_time(monkeypatch, max_rows):
+    """With max_rows the table is read a part at a time, keeping only the
+    most used rows seen so far (a table larger than memory exports its most
+    used rows): the same rows, ties by id, as choosing from the whole table,
+    here from parts of 7 rows with many tied counts."""
+    from tf_sfctr.export import _most_used
+    from tf_sfctr.table_file import TEST_PART_ROWS_ENV
+
+    monkeypatch.setenv(TEST_PART_ROWS_ENV, "7")
+    rng = np.random.default_rng(3)
+    emb = CachedEmbedding(3, cache_capacity=8, seed=0, name="emb", optimizer="adagrad")
+    model = _identity_model(emb)
+    ids = rng.choice(10**9, size=499, replace=False).astype(np.int64)
+    emb.assign_rows(ids, rng.normal(size=(499, 3)).astype("float32"))
+    emb.store.host_add_counts(tf.constant(ids), tf.constant(rng.integers(0, 12, 499)))
+    all_ids, rows, counts = (x.numpy() for x in emb.store.host_export(columns=3))
+    want = all_ids[_most_used(all_ids, counts, max_rows, "emb")]
+    frozen = serving_model(model, max_rows=max_rows).get_layer("emb")
+    assert frozen.num_keys == min(max_rows, 499)
+    assert sorted(frozen.keys.numpy()[:-1].tolist()) == sorted(want.tolist())
+    served = frozen(tf.constant(want[:, None])).numpy()[:, 0]
+    np.testing.assert_array_equal(served, emb.lookup_rows(want))

@@ -26,23 +26,34 @@ from tf_sfctr.store import _isin
 
 def _frozen_rows(layer: CachedEmbedding, max_rows: Optional[int]):
     layer.flush()
-    # The embedding columns only: each host row also holds its optimizer state.
-    ids, rows, counts = layer.store.host_export(columns=layer.output_dim)
     ahead = layer._counted_ahead()
-    if ahead is not None:
-        # A lookahead plan counted the next batch's step for its ids before
-        # that step trained them: count uses as a checkpoint saves them
-        # (capped counts stay at the cap, which they had reached anyway).
-        ahead = tf.logical_and(_isin(ids, ahead), counts < MAX_USE_COUNT)
-        counts = counts - tf.cast(ahead, counts.dtype)
+    if max_rows is not None:
+        # Read a part at a time, keeping the most used rows only: a table
+        # larger than memory (host_rows_dir) exports its max_rows most used.
+        ids, rows, counts, saturated = _most_used_parts(
+            layer, max_rows, None if ahead is None else ahead.numpy())
+    else:
+        # The embedding columns only: each host row also holds its optimizer state.
+        ids, rows, counts = layer.store.host_export(columns=layer.output_dim)
+        if ahead is not None:
+            # A lookahead plan counted the next batch's step for its ids before
+            # that step trained them: count uses as a checkpoint saves them
+            # (capped counts stay at the cap, which they had reached anyway).
+            ahead = tf.logical_and(_isin(ids, ahead), counts < MAX_USE_COUNT)
+            counts = counts - tf.cast(ahead, counts.dtype)
     if layer.mode == "model_parallel":
-        # Every rank holds a shard: gather the whole table (collective).
+        # Every rank holds a shard (of the most used rows with max_rows, which
+        # hold the whole table's most used): gather them (collective).
         hvd = _horovod.require()
         name = f"sfctr_export_{layer.name}"
         ids = hvd.allgather(ids, name=f"{name}_ids", ignore_name_scope=True)
         rows = hvd.allgather(rows, name=f"{name}_rows", ignore_name_scope=True)
         counts = hvd.allgather(counts, name=f"{name}_counts", ignore_name_scope=True)
-    ids, rows, counts = ids.numpy(), rows.numpy(), counts.numpy()
+        if max_rows is not None:
+            saturated = int(np.sum(hvd.allgather(
+                tf.constant([saturated], tf.int64), name=f"{name}_saturated",
+                ignore_name_scope=True).numpy()))
+    ids, rows, counts = (np.asarray(x) for x in (ids, rows, counts))
     if len(ids) == 0 and not _zero_initial_rows(layer):
         warnings.warn(
             f"export_for_serving: table {layer.name!r} holds no rows (it never trained"
@@ -52,10 +63,45 @@ def _frozen_rows(layer: CachedEmbedding, max_rows: Optional[int]):
             "initializer is not zeros). To serve what the model was trained on, store the "
             "rows first: layer.assign_rows(ids, layer.lookup_rows(ids)) for the ids to "
             "serve.", stacklevel=2)
-    if max_rows is not None and len(ids) > max_rows:
-        keep = _most_used(ids, counts, max_rows, layer.name)
+    if max_rows is not None:
+        keep = _most_used(ids, counts, max_rows, layer.name, saturated=saturated)
         ids, rows = ids[keep], rows[keep]
     return ids, rows
+
+
+def _most_used_parts(layer: CachedEmbedding, max_rows: int, ahead: Optional[np.ndarray]):
+    """(ids, embedding rows, use counts, rows whose count reached its cap)
+    of the ``max_rows`` most used rows of this process's table (ties by id,
+    as ``_most_used``), read a part at a time (``host_export_range``): what
+    it holds is at most about 2 x max_rows rows and a part."""
+    from tf_sfctr.table_file import part_rows
+
+    dim, store = layer.output_dim, layer.store
+    limit = part_rows(store.config.width)
+    kept = [np.zeros(0, np.int64), np.zeros((0, dim), np.float32), np.zeros(0, np.int64)]
+    pending: list = []
+    held, saturated, cursor = 0, 0, 0
+
+    def compact():
+        ids, rows, counts = (np.concatenate([k] + [p[j] for p in pending])
+                             for j, k in enumerate(kept))
+        pending.clear()
+        top = np.lexsort((ids, -counts))[:max_rows]
+        kept[:] = [ids[top], rows[top], counts[top]]
+        return top.size
+
+    while cursor != -1:
+        ids, rows, counts, cursor = store.host_export_range(cursor, limit)
+        ids, counts, cursor = ids.numpy(), counts.numpy(), int(cursor)
+        if ahead is not None and ahead.size:
+            counts = counts - (np.isin(ids, ahead) & (counts < MAX_USE_COUNT))
+        saturated += int(np.count_nonzero(counts >= MAX_USE_COUNT))
+        pending.append((ids, np.ascontiguousarray(rows.numpy()[:, :dim]), counts))
+        held += ids.size
+        if held > 2 * max_rows + limit:
+            held = compact()
+    compact()
+    return kept[0], kept[1], kept[2], saturated
 
 
 def _zero_initial_rows(layer: CachedEmbedding) -> bool:
@@ -67,12 +113,15 @@ def _zero_initial_rows(layer: CachedEmbedding) -> bool:
 MAX_USE_COUNT = 65535
 
 
-def _most_used(ids: np.ndarray, counts: np.ndarray, max_rows: int, table: str) -> np.ndarray:
+def _most_used(ids: np.ndarray, counts: np.ndarray, max_rows: int, table: str,
+               saturated: Optional[int] = None) -> np.ndarray:
     """Positions of the ``max_rows`` most used rows; ties broken by id so the
     choice is deterministic. Warns when the cut falls among rows whose count
-    reached its cap, where id order, not use, decides."""
+    reached its cap (``saturated`` of them in the whole table, if ``ids`` is
+    a part of it), where id order, not use, decides."""
     keep = np.lexsort((ids, -counts))[:max_rows]
-    saturated = int(np.count_nonzero(counts >= MAX_USE_COUNT))
+    if saturated is None:
+        saturated = int(np.count_nonzero(counts >= MAX_USE_COUNT))
     if max_rows and counts[keep[-1]] >= MAX_USE_COUNT and saturated > max_rows:
         warnings.warn(
             f"export_for_serving: table {table!r} has {saturated} rows whose use count "

@@ -109,6 +109,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--export", metavar="DIR", default=None,
                    help="write a SavedModel for serving (stock TF ops only) to DIR")
+    p.add_argument("--checkpoint-dir", metavar="DIR", default=None,
+                   help="save the model and its tables into DIR after every epoch "
+                        "(tf_sfctr.distributed.SaveCheckpoints) and first resume from the "
+                        "newest save there, if any")
     args = p.parse_args(argv)
     for name in ("rows", "vocab_size", "epochs", "batch_size", "embedding_dim",
                  "cache_capacity"):
@@ -232,13 +236,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"DLRM with CachedEmbedding on {source}; {world.size} process(es), batch "
               f"{args.batch_size} per process{', VSI in the pipeline with lookahead' if args.vsi else ''}",
               flush=True)
-    result = train(model, train_ds, test_ds, epochs=args.epochs, world=world)
+    result = train(model, train_ds, test_ds, epochs=args.epochs, world=world,
+                   checkpoint_dir=args.checkpoint_dir)
     if args.export:
         # Under Horovod every rank calls it: the table shards are gathered and
         # rank 0 writes one SavedModel.
         export(model, args.export)
     if world.chief:
-        rows_per_s = steps * args.batch_size * world.size * args.epochs / result.seconds
+        trained = len(result.history["loss"])  # fewer than --epochs after a resume
+        rows_per_s = steps * args.batch_size * world.size * trained / result.seconds
         opt_name, opt_lr = table_optimizer_args(args)
         lines = [
             ("data", source),
@@ -248,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"{', VSI in the pipeline with lookahead' if args.vsi else ''})"),
             ("processes", str(world.size)),
             ("epochs", f"{args.epochs} ({steps} steps of batch {args.batch_size} per "
-                       f"epoch and process)"),
+                       f"epoch and process"
+                       f"{f'; {trained} trained here after a resume' if trained < args.epochs else ''})"),
             ("final train loss", f"{result.loss:.4f}"),
             ("test AUC", f"{result.test_auc:.4f}"
              + (f" (planted model: {planted:.4f})" if planted else "")),
@@ -262,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
         if args.export:
             lines.append(("exported", args.export))
+        if args.checkpoint_dir:
+            lines.append(("checkpoints", args.checkpoint_dir))
         lines.append(("time", f"{time.perf_counter() - start:.1f} s (training "
                               f"{result.seconds:.1f} s, {rows_per_s:,.0f} rows/s)"))
         print_summary("Criteo DLRM summary", lines)

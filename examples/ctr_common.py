@@ -201,19 +201,31 @@ class Result:
 
 
 def train(model: keras.Model, train_ds: tf.data.Dataset, test_ds: tf.data.Dataset, *,
-          epochs: int, world: World) -> Result:
+          epochs: int, world: World, checkpoint_dir: Optional[str] = None) -> Result:
     """``model.fit`` with ``CacheMetrics``, the test set as validation data
     (its AUC is computed every epoch) and, under Horovod, the distributed
-    callbacks (initial broadcast, metrics averaged over ranks)."""
+    callbacks (initial broadcast, metrics averaged over ranks). With
+    ``checkpoint_dir``: resumes from its newest save, if any, and saves
+    after every epoch (``tf_sfctr.distributed.SaveCheckpoints``)."""
     tables = [layer.name for layer in cached_embeddings(model)]
     callbacks: list[keras.callbacks.Callback] = [CacheMetrics()]
     if world.size > 1:
         callbacks += tf_sfctr.distributed.callbacks()
+    initial_epoch = 0
+    if checkpoint_dir:
+        ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+        initial_epoch = tf_sfctr.distributed.resume(ckpt, checkpoint_dir)
+        if initial_epoch >= epochs:
+            raise SystemExit(f"{checkpoint_dir} holds a save after epoch {initial_epoch} "
+                             f"already; ask for more than {initial_epoch} epochs to train on")
+        if world.chief and initial_epoch:
+            print(f"resumed from {checkpoint_dir} after epoch {initial_epoch}", flush=True)
+        callbacks.append(tf_sfctr.distributed.SaveCheckpoints(ckpt, checkpoint_dir))
     if world.chief:
         callbacks.append(_EpochPrinter(epochs, tables))
     start = time.perf_counter()
     history = model.fit(train_ds, validation_data=test_ds, epochs=epochs, verbose=0,
-                        callbacks=callbacks)
+                        callbacks=callbacks, initial_epoch=initial_epoch)
     return Result(history.history, time.perf_counter() - start, tables)
 
 

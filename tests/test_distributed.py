@@ -394,12 +394,40 @@ def test_export_under_horovod_is_one_complete_savedmodel(results, tmp_path):
     np.testing.assert_allclose(got, results("ckpt", 0)["predictions"], rtol=1e-6, atol=1e-6)
 
 
+def test_export_under_horovod_with_max_rows_keeps_the_most_used_of_both_shards(results):
+    """max_rows=50 on 2 ranks: the served model holds the 50 most used rows
+    of the whole table (ties by id), as read from both shards' table files
+    saved at the same point."""
+    from tf_sfctr.export import _most_used
+    from tf_sfctr.table_file import read_parts
+
+    parts = [p for r in range(sc.WORLD) for p in read_parts(
+        str(results("ckpt_2ranks", None) / f"shard-{r:05d}-of-00002" / "table-0000.rows"),
+        2 * sc.DIM)]
+    ids = np.concatenate([p[0] for p in parts])
+    counts = np.concatenate([p[2] for p in parts])
+    assert ids.size > 50
+    want = ids[_most_used(ids, counts, 50, "emb")]
+    # The served table's keys, read from the SavedModel's variables: sorted,
+    # with a sentinel past every id at the end.
+    reader = tf.train.load_checkpoint(
+        str(results("served_2ranks_top50", None) / "variables" / "variables"))
+    keys = [reader.get_tensor(k) for k, dtype in reader.get_variable_to_dtype_map().items()
+            if dtype == tf.int64]
+    assert len(keys) == 1, reader.get_variable_to_dtype_map()
+    assert keys[0][:-1].tolist() == sorted(want.tolist())
+
+
 def test_exact_resume_on_two_ranks(results):
     # The workers asserted bit-identical losses, rows and dense weights after
     # restoring; here: the resumed run really trained (losses recorded).
     for rank in range(sc.WORLD):
         losses = results("resume", rank)["losses"]
         assert len(losses) == sc.STEPS - 16 and np.all(np.isfinite(losses))
+        # And model.fit resumed with tf_sfctr.distributed.resume from the
+        # newest of SaveCheckpoints' saves: one more epoch, trained.
+        fit_losses = results("resume", rank)["fit_losses"]
+        assert len(fit_losses) == 1 and np.all(np.isfinite(fit_losses))
 
 
 def test_failed_restores_raise_the_same_error_on_every_rank(results):

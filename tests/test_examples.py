@@ -124,6 +124,30 @@ def test_criteo_dlrm_synthetic_and_vsi_agree(tmp_path):
                _number(vsi["final train loss"])) <= 2e-3, (plain, vsi)
 
 
+def test_criteo_dlrm_saves_each_epoch_and_resumes(tmp_path):
+    """--checkpoint-dir: the first run saves after its epoch; the second,
+    asked for 2 epochs, resumes after epoch 1 and trains epoch 2 only; a
+    third asked for 2 has nothing left to train and says so."""
+    flags = ["--rows", "20000", "--vocab-size", "5000", "--batch-size", "512",
+             "--cache-capacity", "8192", "--checkpoint-dir", str(tmp_path / "ckpts")]
+    first = _summary(_example("criteo_dlrm.py", *flags, "--epochs", "1"))
+    saves = sorted(p.name for p in (tmp_path / "ckpts").iterdir())
+    assert len(saves) == 1 and saves[0].startswith("ckpt-"), saves
+    steps = int(saves[0][len("ckpt-"):])  # one epoch's steps
+    out = _example("criteo_dlrm.py", *flags, "--epochs", "2")
+    assert f"resumed from {tmp_path / 'ckpts'} after epoch 1" in out
+    second = _summary(out)
+    assert "1 trained here after a resume" in second["epochs"], second
+    assert _number(second["test AUC"]) >= _number(first["test AUC"]) - 0.02, (first, second)
+    assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == [
+        f"ckpt-{steps:012d}", f"ckpt-{2 * steps:012d}"]
+    done = subprocess.run([sys.executable, str(EXAMPLES / "criteo_dlrm.py"), *flags,
+                           "--epochs", "2"], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), cwd=REPO)
+    assert done.returncode != 0
+    assert "holds a save after epoch 2 already" in done.stderr + done.stdout
+
+
 def test_criteo_dlrm_trains_its_table_with_ftrl():
     out = _example("criteo_dlrm.py", "--rows", "30000", "--vocab-size", "5000",
                    "--batch-size", "512", "--cache-capacity", "8192",

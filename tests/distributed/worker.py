@@ -267,6 +267,10 @@ def run_checkpoint_and_export(out_dir, rank, size):
     ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
     save(ckpt, os.path.join(out_dir, "ckpt_2ranks"))
     tf_sfctr.export_for_serving(model, os.path.join(out_dir, "served_2ranks"))
+    # The 50 most used rows of the two shards (each rank reads its shard a
+    # part at a time and sends its own 50 most used).
+    tf_sfctr.export_for_serving(model, os.path.join(out_dir, "served_2ranks_top50"),
+                                max_rows=50)
     x = np.concatenate([b[0] for b in sc.global_batches(kind)])
     np.savez(os.path.join(out_dir, f"ckpt_rank{rank}.npz"), rows=emb.lookup_rows(sc.vocab()),
              predictions=model.predict(x, verbose=0, batch_size=len(x)),
@@ -639,7 +643,42 @@ def run_resume(out_dir, rank):
     np.testing.assert_array_equal(losses2, losses)
     np.testing.assert_array_equal(emb2.lookup_rows(sc.vocab()), emb.lookup_rows(sc.vocab()))
     np.testing.assert_array_equal(dense2.kernel.numpy(), dense.kernel.numpy())
-    np.savez(os.path.join(out_dir, f"resume_rank{rank}.npz"), losses=np.array(losses))
+    # model.fit with SaveCheckpoints (every 8 steps, the newest kept) on both
+    # ranks, then resume (collective) into a fresh model: its next epoch
+    # equals the first model's next epoch.
+    from tf_sfctr.distributed import SaveCheckpoints, resume
+
+    fit_dir = os.path.join(out_dir, "resume_fit")
+
+    def fit_model():
+        emb, dense, opt = make()
+        inp = keras.Input(shape=(sc.FIELDS,), dtype="int64")
+        model = keras.Model(inp, dense(keras.layers.Flatten()(emb(inp))))
+        model.compile(optimizer=opt, loss="mse")
+        return model, emb
+
+    def fit(model, epochs, initial_epoch=0, extra=()):
+        x = np.concatenate([b[0] for b in first])
+        y = np.concatenate([b[1] for b in first])
+        return model.fit(x, y, batch_size=len(first[0][1]), shuffle=False, verbose=0,
+                         epochs=epochs, initial_epoch=initial_epoch,
+                         callbacks=callbacks() + list(extra)).history["loss"]
+
+    model_a, emb_a = fit_model()
+    saver = SaveCheckpoints(None, fit_dir, every_steps=8, keep=1)
+    fit(model_a, 2, extra=[saver])
+    assert [int(p.rsplit("-", 1)[1]) for p in saver.saved] == [8, 16, 24, 32], saver.saved
+    hvd.allreduce(tf.constant(0), name="resume_fit_saved")
+    assert sorted(os.listdir(fit_dir)) == ["ckpt-000000000032"], os.listdir(fit_dir)
+    next_a = fit(model_a, 3, initial_epoch=2)
+    model_b, emb_b = fit_model()
+    start = resume(tf.train.Checkpoint(model=model_b, optimizer=model_b.optimizer), fit_dir)
+    assert start == 2, start
+    next_b = fit(model_b, 3, initial_epoch=start)
+    np.testing.assert_array_equal(next_b, next_a)
+    np.testing.assert_array_equal(emb_b.lookup_rows(sc.vocab()), emb_a.lookup_rows(sc.vocab()))
+    np.savez(os.path.join(out_dir, f"resume_rank{rank}.npz"), losses=np.array(losses),
+             fit_losses=np.array(next_b))
 
 
 def run_callback_order(out_dir, rank):

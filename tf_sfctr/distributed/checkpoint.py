@@ -118,7 +118,8 @@ def _draw_save_id() -> int:
     return int.from_bytes(os.urandom(8), "little") % (2**63 - 1) + 1
 
 
-def save(checkpoint: tf.train.Checkpoint, directory: str, *, table_files: bool = True) -> str:
+def save(checkpoint: tf.train.Checkpoint, directory: str, *, table_files: bool = True,
+         metadata: Optional[dict] = None) -> str:
     """Writes this rank's shard (collective: call on every rank). If writing
     fails on any rank, every rank raises and the directory has no
     ``manifest.json`` (``restore`` refuses it).
@@ -130,15 +131,23 @@ def save(checkpoint: tf.train.Checkpoint, directory: str, *, table_files: bool =
     them in the checkpoint's tensors instead, as a plain
     ``tf.train.Checkpoint`` does (each table is gathered in memory first;
     tools that read checkpoints, such as ``tf.train.load_checkpoint``, then
-    see the rows)."""
+    see the rows). ``metadata`` (JSON-serializable, from rank 0) is kept
+    in ``manifest.json``; ``read_metadata`` returns it."""
+    if metadata is not None:
+        try:
+            json.dumps(metadata)
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"tf_sfctr.distributed.save: metadata must be JSON-serializable "
+                            f"(a dict of numbers, strings, lists...): {err}") from None
     try:
-        return _save(checkpoint, directory, table_files)
+        return _save(checkpoint, directory, table_files, metadata)
     except tf.errors.OpError as err:
         explain_shutdown(err, "tf_sfctr.distributed.save")
         raise
 
 
-def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool) -> str:
+def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
+          metadata: Optional[dict]) -> str:
     size, rank = world()
     save_id = _draw_save_id() if rank == 0 else 0
     if size > 1:
@@ -188,8 +197,10 @@ def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool) ->
     error = None
     if rank == 0:
         try:
-            _write_json(os.path.join(directory, MANIFEST),
-                        {"world_size": size, "format": MANIFEST_FORMAT, "save_id": save_id})
+            manifest = {"world_size": size, "format": MANIFEST_FORMAT, "save_id": save_id}
+            if metadata is not None:
+                manifest["metadata"] = metadata
+            _write_json(os.path.join(directory, MANIFEST), manifest)
         except _FILE_ERRORS as err:
             error = err
     _agree_on_save(error, directory, "sfctr_checkpoint_manifest")
@@ -260,6 +271,14 @@ def _collecting(stores):
     finally:
         for store in stores:
             store.collecting = False
+
+
+def read_metadata(directory: str) -> Optional[dict]:
+    """The ``metadata`` a complete ``save`` into ``directory`` recorded
+    (None if it recorded none); raises CheckpointMismatchError if the
+    directory holds no complete save."""
+    _read_manifest(directory)
+    return _read_json(os.path.join(directory, MANIFEST)).get("metadata")
 
 
 def _read_manifest(directory: str) -> tuple[int, Optional[int]]:

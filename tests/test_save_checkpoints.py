@@ -1,0 +1,112 @@
+"""tf_sfctr.distributed.SaveCheckpoints saves during model.fit (every epoch
+or every n steps, keeping the newest) and resume restores the newest save
+and returns the epoch to continue from: a run stopped and resumed trains
+exactly as one that never stopped. (Under Horovod the callback calls the
+collective save every rank makes; tests/test_distributed.py covers that.)"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sfctr
+from tf_sfctr.distributed import SaveCheckpoints, latest_checkpoint, read_metadata, resume
+from tf_sfctr.keras_layers import CachedEmbedding
+
+FIELDS, DIM, BATCH, STEPS = 3, 4, 16, 5
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    vocab = rng.integers(-(2**62), 2**62, 500)
+    x = vocab[rng.integers(0, 500, (STEPS * BATCH, FIELDS))]
+    return vocab, x, rng.random((STEPS * BATCH, 1)).astype("float32")
+
+
+def _model(seed=5):
+    inp = keras.Input(shape=(FIELDS,), dtype="int64")
+    emb = CachedEmbedding(DIM, cache_capacity=64, seed=seed, name="emb",
+                          optimizer=tf_sfctr.optimizers.Adagrad(0.1))
+    out = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(3))(
+        keras.layers.Flatten()(emb(inp)))
+    model = keras.Model(inp, out)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    return model, emb
+
+
+def _ckpt(model):
+    return tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+
+
+def _fit(model, x, y, **kwargs):
+    return model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, **kwargs).history["loss"]
+
+
+def test_a_run_resumed_from_its_epoch_saves_equals_one_that_never_stopped(tmp_path):
+    vocab, x, y = _data()
+    whole, whole_emb = _model()
+    losses = _fit(whole, x, y, epochs=4)
+
+    first, _ = _model()
+    saver = SaveCheckpoints(_ckpt(first), str(tmp_path), keep=2)
+    assert resume(_ckpt(first), str(tmp_path)) == 0  # nothing saved yet
+    _fit(first, x, y, epochs=3, callbacks=[saver])
+    # One save per epoch, named after the step; the two newest are kept.
+    assert [p.rsplit("-", 1)[1] for p in saver.saved] == [
+        f"{k * STEPS:012d}" for k in (1, 2, 3)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"ckpt-{k * STEPS:012d}" for k in (2, 3)]
+    assert read_metadata(saver.saved[-1]) == {"step": 3 * STEPS, "epochs": 3}
+
+    # A new process: a fresh model (built, its optimizer not yet) resumes
+    # after epoch 3 and trains epoch 4.
+    again, again_emb = _model(seed=9)
+    start = resume(_ckpt(again), str(tmp_path))
+    assert start == 3
+    resumed = _fit(again, x, y, epochs=4, initial_epoch=start)
+    assert resumed == losses[3:]
+    np.testing.assert_array_equal(again_emb.lookup_rows(vocab), whole_emb.lookup_rows(vocab))
+    for a, b in zip(again.get_weights(), whole.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_every_steps_saves_after_each_nth_step_and_keeps_the_newest(tmp_path):
+    vocab, x, y = _data()
+    model, emb = _model()
+    saver = SaveCheckpoints(None, str(tmp_path), every_steps=3, keep=1)
+    _fit(model, x, y, epochs=2, callbacks=[saver])
+    steps = [int(p.rsplit("-", 1)[1]) for p in saver.saved]
+    assert steps == [3, 6, 9]  # 10 steps in all
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt-000000000009"]
+    # Step 9 is in the second epoch: resuming starts that epoch again.
+    assert read_metadata(saver.saved[-1]) == {"step": 9, "epochs": 1}
+    other, other_emb = _model(seed=9)
+    assert resume(_ckpt(other), str(tmp_path)) == 1
+    assert int(other.optimizer.iterations) == 9
+    # A save after an epoch's last step resumes after that epoch.
+    model, _ = _model()
+    saver = SaveCheckpoints(None, str(tmp_path.parent / f"{tmp_path.name}_per_epoch"),
+                            every_steps=STEPS, keep=None)
+    _fit(model, x, y, epochs=2, callbacks=[saver])
+    assert [read_metadata(p) for p in saver.saved] == [
+        {"step": STEPS, "epochs": 1}, {"step": 2 * STEPS, "epochs": 2}]
+    # A save left unfinished (no manifest) is never the latest; once an
+    # older one than the newest, the next save deletes it.
+    (tmp_path / "ckpt-000000000020").mkdir()
+    assert latest_checkpoint(str(tmp_path)).endswith("ckpt-000000000009")
+    (tmp_path / "ckpt-000000000008").mkdir()
+    _fit(model, x, y, epochs=1, callbacks=[SaveCheckpoints(None, str(tmp_path), keep=1)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt-000000000015", "ckpt-000000000020"]
+
+
+def test_bad_arguments_are_refused():
+    for kwargs, match in [({"every_steps": 0}, "every_steps must be None or an integer >= 1"),
+                          ({"keep": 0}, "keep must be None or an integer >= 1"),
+                          ({"every_steps": 2.5}, "got 2.5"), ({"keep": True}, "got True")]:
+        with pytest.raises(ValueError, match=match):
+            SaveCheckpoints(None, "ckpts", **kwargs)
+    with pytest.raises(ValueError, match="directory must be a path"):
+        SaveCheckpoints(None, "")
+    with pytest.raises(TypeError, match="metadata must be JSON-serializable"):
+        tf_sfctr.distributed.save(tf.train.Checkpoint(), "x", metadata={"a": object()})

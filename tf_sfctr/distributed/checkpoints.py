@@ -1,0 +1,163 @@
+"""Checkpoints while ``model.fit`` runs, and resuming from the newest.
+
+``SaveCheckpoints`` is a Keras callback that saves with
+:func:`tf_sfctr.distributed.save` (every table a part at a time, sharded under
+Horovod) at the end of every epoch, or every ``every_steps`` training steps,
+into ``directory/ckpt-<step>``, and keeps the ``keep`` newest. ``resume``
+restores the newest complete one and returns the number of epochs it had
+finished, for ``fit(initial_epoch=...)``. Both work in one process and
+under ``horovodrun`` (give the callback to every rank; call ``resume`` on
+every rank).
+
+Example::
+
+    ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    start = tf_sfctr.distributed.resume(ckpt, "ckpts")     # 0 on a fresh start
+    model.fit(data, epochs=10, initial_epoch=start,
+              callbacks=[tf_sfctr.distributed.SaveCheckpoints(ckpt, "ckpts")])
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Optional
+
+import keras
+import tensorflow as tf
+
+from tf_sfctr.distributed._horovod import world
+from tf_sfctr.distributed.checkpoint import (MANIFEST, _allgather, _read_json, _write_json,
+                                             read_metadata, restore, save)
+
+#: Each save's directory: the training step it was taken after.
+PREFIX = "ckpt-"
+_NAME = re.compile(re.escape(PREFIX) + r"(\d+)$")
+
+
+def _steps_done(model) -> int:
+    """Training steps the model's optimizer has run (restored with it)."""
+    from tf_sfctr.callbacks import _Steps
+
+    steps = _Steps._iterations(model)
+    return 0 if steps is None else steps
+
+
+def _saves(directory: str) -> list[tuple[int, str, bool]]:
+    """(step, path, complete) of each save under ``directory``, oldest first."""
+    if not tf.io.gfile.isdir(directory):
+        return []
+    found = []
+    for name in tf.io.gfile.listdir(directory):
+        match = _NAME.match(name.rstrip("/"))
+        if match:
+            path = os.path.join(directory, name.rstrip("/"))
+            found.append((int(match.group(1)), path,
+                          tf.io.gfile.exists(os.path.join(path, MANIFEST))))
+    return sorted(found)
+
+
+def latest_checkpoint(directory: str) -> Optional[str]:
+    """The newest complete save ``SaveCheckpoints`` wrote under
+    ``directory`` (None if there is none). Under Horovod, rank 0's answer,
+    so that every rank restores the same one (collective)."""
+    complete = [path for _, path, done in _saves(directory) if done]
+    newest = complete[-1] if complete else None
+    size, _ = world()
+    return newest if size == 1 else _allgather(newest, "sfctr_latest_checkpoint")[0]
+
+
+def resume(checkpoint: tf.train.Checkpoint, directory: str) -> int:
+    """Restores the newest complete save under ``directory`` (see
+    ``tf_sfctr.distributed.restore``: any number of ranks, everything
+    checked first) and returns how many epochs had finished when it was
+    saved, for ``fit(initial_epoch=...)``; returns 0 and restores nothing
+    when there is none yet. A save taken in the middle of an epoch resumes
+    at the start of that epoch: its batches before the save are trained
+    again. Collective under Horovod."""
+    path = latest_checkpoint(directory)
+    if path is None:
+        return 0
+    restore(checkpoint, path)
+    metadata = read_metadata(path) or {}
+    return int(metadata.get("epochs", 0))
+
+
+class SaveCheckpoints(keras.callbacks.Callback):
+    """Saves ``checkpoint`` with ``tf_sfctr.distributed.save`` while the
+    model trains: at the end of every epoch, or with ``every_steps=n`` after
+    every n-th training step (counted by the optimizer, so a resumed run
+    goes on counting), into ``directory/ckpt-<step>``. After each save, the
+    ``keep`` newest complete saves are kept and the older ones deleted
+    (``keep=None`` keeps all), with any save older than the newest that
+    did not finish. ``checkpoint`` defaults to the model and its
+    optimizer.
+
+    Under Horovod every rank must have this callback (the saves are
+    collective), with the same arguments; rank 0 deletes old saves.
+    """
+
+    def __init__(self, checkpoint: Optional[tf.train.Checkpoint], directory: str, *,
+                 every_steps: Optional[int] = None, keep: Optional[int] = 2):
+        super().__init__()
+        if not isinstance(directory, (str, os.PathLike)) or not str(directory):
+            raise ValueError(f"SaveCheckpoints: directory must be a path, got {directory!r}")
+        for name, value in (("every_steps", every_steps), ("keep", keep)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"SaveCheckpoints: {name} must be None or an integer >= 1, "
+                                 f"got {value!r}")
+        self.checkpoint = checkpoint
+        self.directory = str(directory)
+        self.every_steps = every_steps
+        self.keep = keep
+        self._epoch = 0
+        self._last_step: Optional[int] = None
+        self._saved_step: Optional[int] = None
+        self.saved: list[str] = []  # paths written by this callback, oldest first
+
+    def on_train_begin(self, logs=None):
+        if self.checkpoint is None:
+            self.checkpoint = tf.train.Checkpoint(model=self.model,
+                                                  optimizer=self.model.optimizer)
+        self._last_step = _steps_done(self.model)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.every_steps is None:
+            return
+        step = _steps_done(self.model)
+        if step // self.every_steps > self._last_step // self.every_steps:
+            self._save(step, epochs=self._epoch)
+        self._last_step = step
+
+    def on_epoch_end(self, epoch, logs=None):
+        step = _steps_done(self.model)
+        if self.every_steps is None:
+            self._save(step, epochs=epoch + 1)
+        elif self._saved_step == step and self.saved:
+            # Saved after this epoch's last step: it resumes after the epoch,
+            # not at its start (which would train its steps twice).
+            _, rank = world()
+            if rank == 0:
+                manifest_path = os.path.join(self.saved[-1], MANIFEST)
+                manifest = _read_json(manifest_path)
+                manifest["metadata"] = {"step": step, "epochs": epoch + 1}
+                _write_json(manifest_path, manifest)
+
+    def _save(self, step: int, epochs: int) -> None:
+        path = os.path.join(self.directory, f"{PREFIX}{step:012d}")
+        save(self.checkpoint, path, metadata={"step": step, "epochs": epochs})
+        self.saved.append(path)
+        self._saved_step = step
+        _, rank = world()
+        if rank == 0 and self.keep is not None:
+            saves = _saves(self.directory)
+            complete = [(s, p) for s, p, done in saves if done]
+            newest = complete[-1][0] if complete else -1
+            doomed = [p for s, p in complete[:-self.keep]]
+            doomed += [p for s, p, done in saves if not done and s < newest]
+            for old in doomed:
+                tf.io.gfile.rmtree(old)

@@ -66,7 +66,9 @@ def test_benchmark_prints_command_and_tables(tiny_run, name):
     if name == "host_memory":
         assert "| output_dim | optimizer | payload B/row |" in section
     if name == "checkpoint_io":
-        assert "| measure | tf_sfctr checkpoint |" in section
+        assert ("| measure | tf.train.Checkpoint | distributed.save / restore (table "
+                "files) |") in section, section
+        assert "| restore: peak memory growth beyond the restored table (MiB) |" in section
     if name == "host_rows_dir":
         # Under a memory limit only where a cgroup can be made (root).
         if "skipping the memory-limit part" not in section:

@@ -452,6 +452,17 @@ def test_failed_restores_raise_the_same_error_on_every_rank(results):
     assert "cannot be read" in str(got[0]["truncated"])
 
 
+def test_a_load_failing_on_one_rank_raises_on_every_rank(results):
+    """After its checks, rank 1's load failed (out of memory, simulated):
+    it raised that error, and rank 0, whose part loaded, raised naming
+    rank 1 instead of going on alone (the worker reached its next
+    collective on both ranks)."""
+    got = [str(results("restore_checks_messages", r)["load_failed"]) for r in range(sc.WORLD)]
+    assert "test: no memory left" in got[1]
+    assert "failed on rank 1" in got[0] and "test: no memory left" in got[0]
+    assert "not whole on every rank" in got[0]
+
+
 def test_restore_on_more_ranks_bounds_each_share_by_max_rows(results):
     """1 -> 2 into layers whose max_rows holds the larger owner's share but
     not the whole saved table: restored, each rank its share."""

@@ -630,6 +630,11 @@ def test_max_rows_reads_the_table_a_part_at_a_time(monkeypatch, max_rows):
     want = all_ids[_most_used(all_ids, counts, max_rows, "emb")]
     frozen = serving_model(model, max_rows=max_rows).get_layer("emb")
     assert frozen.num_keys == min(max_rows, 499)
+    # An empty table exports no rows (with the warning that says so).
+    empty = CachedEmbedding(3, cache_capacity=8, seed=0, name="emb")
+    with pytest.warns(UserWarning, match="holds no rows"):
+        assert serving_model(_identity_model(empty), max_rows=max_rows).get_layer(
+            "emb").num_keys == 0
     assert sorted(frozen.keys.numpy()[:-1].tolist()) == sorted(want.tolist())
     served = frozen(tf.constant(want[:, None])).numpy()[:, 0]
     np.testing.assert_array_equal(served, emb.lookup_rows(want))

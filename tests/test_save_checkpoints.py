@@ -110,3 +110,18 @@ def test_bad_arguments_are_refused():
         SaveCheckpoints(None, "")
     with pytest.raises(TypeError, match="metadata must be JSON-serializable"):
         tf_sfctr.distributed.save(tf.train.Checkpoint(), "x", metadata={"a": object()})
+
+
+def test_a_directory_with_saves_of_later_steps_warns_and_keeps_the_new_save(tmp_path):
+    """A new run given the directory of a run that got further warns (resume
+    would pick the other run's save), and keep never deletes the save just
+    written, even if it is the oldest."""
+    vocab, x, y = _data()
+    old, _ = _model()
+    _fit(old, x, y, epochs=2, callbacks=[SaveCheckpoints(None, str(tmp_path), keep=1)])
+    new, _ = _model(seed=9)
+    saver = SaveCheckpoints(None, str(tmp_path), keep=1)
+    with pytest.warns(UserWarning, match="holds saves of later steps than this run's 0"):
+        _fit(new, x, y, epochs=1, callbacks=[saver])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"ckpt-{STEPS:012d}", f"ckpt-{2 * STEPS:012d}"]

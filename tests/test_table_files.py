@@ -119,6 +119,11 @@ def _damage(tmp_path, how):
         path.write_bytes(bytes(data))
     elif how == "truncated":
         path.write_bytes(bytes(data[: len(data) - 100]))
+    elif how == "huge_count":
+        # The first part's row count (checked by the part's checksum only
+        # once read) says 2^39 rows: refused before anything that big is read.
+        data[32:40] = (1 << 39).to_bytes(8, "little")
+        path.write_bytes(bytes(data))
     elif how == "extra_bytes":
         path.write_bytes(bytes(data) + b"\0")
     elif how == "missing":
@@ -141,6 +146,7 @@ def _damage(tmp_path, how):
     ("flipped_byte", "fails its checksum"),
     ("truncated", "truncated"),
     ("extra_bytes", "data after its end"),
+    ("huge_count", "more than the rest of the file holds"),
     ("missing", "cannot be read"),
     ("other_save", "is table 0 of save .* not table 0 of save"),
     ("not_finite", "non-finite"),
@@ -214,6 +220,16 @@ def test_restore_into_an_unbuilt_subclassed_model_reads_the_table_file(tmp_path)
     saved.compile(optimizer="adam", loss="mse")
     saved.fit(x, y, batch_size=BATCH, verbose=0)
     save(tf.train.Checkpoint(model=saved), str(tmp_path / "ckpt"))
+    # A damaged table file is found by restore itself, not when the layer
+    # is built later.
+    path = tmp_path / "ckpt" / SHARD / "table-0000.rows"
+    intact = path.read_bytes()
+    path.write_bytes(intact[:-40])
+    damaged = Tower(2)
+    damaged.compile(optimizer="adam", loss="mse")
+    with pytest.raises(CheckpointMismatchError, match="whose rows cannot be read"):
+        restore(tf.train.Checkpoint(model=damaged), str(tmp_path / "ckpt"))
+    path.write_bytes(intact)
     fresh = Tower(2)
     fresh.compile(optimizer="adam", loss="mse")
     restore(tf.train.Checkpoint(model=fresh), str(tmp_path / "ckpt"))

@@ -122,7 +122,7 @@ def _most_used(ids: np.ndarray, counts: np.ndarray, max_rows: int, table: str,
     keep = np.lexsort((ids, -counts))[:max_rows]
     if saturated is None:
         saturated = int(np.count_nonzero(counts >= MAX_USE_COUNT))
-    if max_rows and counts[keep[-1]] >= MAX_USE_COUNT and saturated > max_rows:
+    if max_rows and keep.size and counts[keep[-1]] >= MAX_USE_COUNT and saturated > max_rows:
         warnings.warn(
             f"export_for_serving: table {table!r} has {saturated} rows whose use count "
             f"reached its cap ({MAX_USE_COUNT} steps), more than max_rows={max_rows}; which "

@@ -550,22 +550,33 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         self.load_rows(ids, rows, counts, len(ids))
         self.end_load(counters, len(ids))
 
-    def load_table_file(self, header, path: str, counters) -> None:
+    def load_table_file(self, header, path: str, counters, checked: bool = False) -> None:
         """``load_table`` for a table whose rows are in the table file
         ``path`` (format 4): reads the whole file once to check it (every
-        part's checksum, its rows finite), then again to load it, a part at
-        a time. On error before the load began nothing changes."""
+        part's checksum, its rows finite; skipped when the caller has
+        ``checked`` it), then again to load it, a part at a time. On error
+        before the load began nothing changes."""
         header = _saved_integers("header", header).ravel()
         counters = _saved_integers("counters", counters)
         width = self.config.width
         self.check_table(header, np.zeros(0, np.int64), np.zeros((0, width), np.float32))
         self._check_counters(counters)
         num_rows = saved_rows(header, None)
-        for _ in self.read_table_file(header, path):
-            pass
+        if not checked:
+            for _ in self.read_table_file(header, path):
+                pass
         self.begin_load(header, num_rows)
-        for ids, rows, counts in self.read_table_file(header, path):
-            self.load_rows(ids, rows, counts, num_rows)
+        try:
+            for ids, rows, counts in self.read_table_file(header, path):
+                self.load_rows(ids, rows, counts, num_rows)
+        except CheckpointMismatchError as err:
+            # The file changed (or its file system failed) since its checks:
+            # the table was cleared already.
+            held = int(self.stats()[3])
+            raise CheckpointMismatchError(
+                f"Restoring the table stopped after {held:,} of its {num_rows:,} rows: {err} "
+                "The rows the table held before the restore were removed when it began, so it "
+                "now holds only those; restore again from an intact checkpoint.") from err
         self.end_load(counters, num_rows)
 
     def read_table_file(self, header, path: str):

@@ -157,11 +157,12 @@ class TableFileWriter:
     def close(self) -> int:
         """Writes the end and closes the file; returns the rows written."""
         head = _COUNT.pack(0) + _COUNT.pack(self.rows)
-        self._file.write(head + _CRC.pack(zlib.crc32(head)))
-        if self._local:
-            self._file.close(sync=True)
-        else:
-            self._file.close()
+        try:
+            self._file.write(head + _CRC.pack(zlib.crc32(head)))
+            if self._local:
+                self._file.close(sync=True)
+        finally:
+            self._file.close()  # (again: a no-op when closed)
         return self.rows
 
     def __enter__(self):
@@ -182,6 +183,12 @@ def _read_exactly(f, n: int, path: str, what: str) -> bytes:
     return data
 
 
+def _file_size(path: str) -> int:
+    if _is_local(path):
+        return os.stat(path[len("file://"):] if path.startswith("file://") else path).st_size
+    return int(tf.io.gfile.stat(path).length)
+
+
 def read_parts(path: str, width: int, save_id: Optional[int] = None,
                table: Optional[int] = None,
                rows: Optional[int] = None) -> Iterator[tuple[np.ndarray, np.ndarray,
@@ -190,17 +197,22 @@ def read_parts(path: str, width: int, save_id: Optional[int] = None,
     use counts int64 [n]), checking each part's checksum as it is read.
     Raises ``TableFileError`` (naming the file and what is wrong) if it is
     not a table file of this width, is not save ``save_id``'s table
-    ``table``, or does not hold exactly ``rows`` rows (each when given); a
-    part is yielded only once its checksum matched."""
+    ``table``, or does not hold exactly ``rows`` rows (each when given), or
+    cannot be read; a part is yielded only once its checksum matched."""
     try:
-        f = _LocalFile(path, "rb") if _is_local(path) else tf.io.gfile.GFile(path, "rb")
-        head = f.read(_HEADER.size)
+        yield from _read_parts(path, width, save_id, table, rows)
     except OSError as err:
         raise TableFileError(f"{path} cannot be read ({err.strerror or err}).") from err
     except tf.errors.OpError as err:
         raise TableFileError(f"{path} cannot be read ({type(err).__name__}: "
                              f"{err.message.strip()}).") from err
+
+
+def _read_parts(path, width, save_id, table, rows):
+    size = _file_size(path)
+    f = _LocalFile(path, "rb") if _is_local(path) else tf.io.gfile.GFile(path, "rb")
     with f:
+        head = f.read(_HEADER.size)
         if len(head) != _HEADER.size or head[:8] != MAGIC:
             raise TableFileError(f"{path} is not a tf_sfctr table file.")
         _, version, saved_width, saved_id, saved_table, _ = _HEADER.unpack(head)
@@ -220,8 +232,10 @@ def read_parts(path: str, width: int, save_id: Optional[int] = None,
                 "from another checkpoint or left by a save that did not finish.")
         total = 0
         part = 0
+        at = _HEADER.size  # bytes read
         while True:
             raw = _read_exactly(f, _COUNT.size, path, f"part {part}")
+            at += _COUNT.size
             (n,) = _COUNT.unpack(raw)
             if n == 0:
                 tail = _read_exactly(f, _END.size - _COUNT.size, path, "its end")
@@ -235,9 +249,14 @@ def read_parts(path: str, width: int, save_id: Optional[int] = None,
                     raise TableFileError(f"{path} holds {total} rows but the checkpoint "
                                          f"says {rows}.")
                 return
-            if n > (1 << 40):
-                raise TableFileError(f"{path} is damaged (part {part} says {n} rows).")
-            body = _read_exactly(f, n * (12 + 4 * width) + _CRC.size, path, f"part {part}")
+            # The count is checked by the part's checksum only once the part
+            # is read: a damaged one must not ask for more than the file has.
+            length = n * (12 + 4 * width) + _CRC.size
+            if length > size - at:
+                raise TableFileError(f"{path} is damaged or truncated (part {part} says {n} "
+                                     f"rows, more than the rest of the file holds).")
+            body = _read_exactly(f, length, path, f"part {part}")
+            at += length
             (crc,) = _CRC.unpack(body[-_CRC.size:])
             if zlib.crc32(body[:-_CRC.size], zlib.crc32(raw)) != crc:
                 raise TableFileError(f"{path} is damaged: part {part} fails its checksum.")

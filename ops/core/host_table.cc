@@ -628,8 +628,6 @@ void HostTable::ExportRange(uint64_t* cursor, int64_t max_rows, std::vector<int6
   uint64_t r0 = *cursor & kRowMask;
   const uint64_t want = static_cast<uint64_t>(std::max<int64_t>(1, max_rows));
   uint64_t got = 0;
-  std::vector<int64_t> id_of;
-  std::vector<uint8_t> held;
   while (k <= shard_mask_ && got < want) {
     const Shard& s = shards_[k];
     std::lock_guard<std::mutex> lock(s.mu);
@@ -652,17 +650,27 @@ void HostTable::ExportRange(uint64_t* cursor, int64_t max_rows, std::vector<int6
         r += n;
       }
     }
-    // Which id holds each row of the range (rows of pruned ids hold none).
-    id_of.assign(r1 - r0, 0);
-    held.assign(r1 - r0, 0);
-    for (const Entry& e : s.entries) {
-      if (e.row == kEmptyRow || e.row < r0 || e.row >= r1) continue;
-      id_of[e.row - r0] = e.id;
-      held[e.row - r0] = 1;
+    // Which id holds each row (rows of pruned ids hold none): one scan of
+    // the shard's index serves all of its parts.
+    std::lock_guard<std::mutex> map_lock(export_mu_);
+    ExportMap& m = export_map_;
+    if (m.shard != k || r0 == 0 || m.rows != s.rows || m.used != s.used ||
+        m.free_rows != s.free_rows.size()) {
+      m.ids.assign(s.rows, 0);
+      m.held.assign(s.rows, 0);
+      for (const Entry& e : s.entries) {
+        if (e.row == kEmptyRow) continue;
+        m.ids[e.row] = e.id;
+        m.held[e.row] = 1;
+      }
+      m.shard = k;
+      m.rows = s.rows;
+      m.used = s.used;
+      m.free_rows = s.free_rows.size();
     }
     for (uint64_t r = r0; r < r1; ++r) {
-      if (!held[r - r0]) continue;
-      ids->push_back(id_of[r - r0]);
+      if (!m.held[r]) continue;
+      ids->push_back(m.ids[r]);
       counts->push_back(CountOf(s, static_cast<uint32_t>(r)));
       const float* src = RowPtr(s, static_cast<uint32_t>(r));
       rows->insert(rows->end(), src, src + width_);
@@ -671,6 +679,10 @@ void HostTable::ExportRange(uint64_t* cursor, int64_t max_rows, std::vector<int6
     r0 = r1;
   }
   *cursor = k > shard_mask_ ? kNoMoreRows : (k << kRowBits | r0);
+  if (*cursor == kNoMoreRows) {  // the last part: the map's memory goes back
+    std::lock_guard<std::mutex> map_lock(export_mu_);
+    export_map_ = ExportMap();
+  }
 }
 
 int64_t HostTable::Prune(uint32_t min_count, const std::unordered_set<int64_t>& keep) {

@@ -151,7 +151,8 @@ class HostTable {
   // kNoMoreRows once every row was returned. Locks one shard at a time: the
   // parts add up to the table only if nothing inserts, removes or clears
   // rows between the calls (rows written in between are returned as they
-  // are when their part is read).
+  // are when their part is read). Keeps a map of one shard's row ids
+  // between calls (8 bytes per row of that shard).
   static constexpr uint64_t kNoMoreRows = ~uint64_t{0};
   void ExportRange(uint64_t* cursor, int64_t max_rows, std::vector<int64_t>* ids,
                    std::vector<float>* rows, std::vector<int64_t>* counts) const;
@@ -300,6 +301,19 @@ class HostTable {
   // inserts: Prune must not remove rows in between (shared: writers, unique:
   // Prune).
   mutable std::shared_mutex prune_mu_;
+  // ExportRange's map from the arena rows of one shard to their ids, built
+  // with one scan of the shard's index and kept for the shard's next parts
+  // (rebuilding it for every part made a save quadratic in a shard's size).
+  // Rebuilt when a part starts a shard, or when the shard's counts changed.
+  struct ExportMap {
+    uint64_t shard = ~uint64_t{0};
+    uint32_t rows = 0, used = 0;
+    size_t free_rows = 0;
+    std::vector<int64_t> ids;    // per arena row
+    std::vector<uint8_t> held;   // 0: the row of a pruned id
+  };
+  mutable std::mutex export_mu_;
+  mutable ExportMap export_map_;
 };
 
 template <typename Allocate>

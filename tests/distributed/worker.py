@@ -550,6 +550,27 @@ def run_restore_checks(out_dir, rank, size):
     for a, b in zip(saved_b, state(emb2, dense2, model2)):
         np.testing.assert_array_equal(a, b)
 
+    # A load that fails on rank 1 only, after every check passed (its
+    # load_rows raises, as running out of memory would): every rank raises,
+    # rank 0 naming rank 1, and none waits in a collective.
+    emb6, _, model6 = make()
+    if rank == 1:
+        def out_of_memory(*args, **kwargs):
+            raise tf.errors.ResourceExhaustedError(None, None, "test: no memory left")
+
+        emb6.store.load_rows = out_of_memory
+    try:
+        restore(tf.train.Checkpoint(model=model6, optimizer=model6.optimizer),
+                os.path.join(base, "b"))
+        raise AssertionError("load failure: restored")
+    except tf.errors.ResourceExhaustedError as err:
+        assert rank == 1, err
+        messages["load_failed"] = str(err)
+    except RuntimeError as err:
+        assert rank == 0 and "failed on rank 1" in str(err), err
+        messages["load_failed"] = str(err)
+    emb6.lookup_rows(v)  # collective: both ranks are here
+
     # 1 -> 2 with max_rows: each rank's re-partitioned share is what must
     # fit, not the whole saved table.
     one = os.path.join(out_dir, "ckpt_1rank")

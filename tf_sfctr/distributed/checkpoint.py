@@ -419,17 +419,35 @@ def _read_shard(checkpoint, directory: str, s: int, saved_size: int,
     return tables
 
 
-def _file_tables(directory: str, s: int, saved_size: int) -> bool:
-    """Whether shard ``s`` holds a table whose rows are in a table file (a
-    table header of format 4), whichever objects it restores into."""
+def _check_table_files(directory: str, s: int, saved_size: int) -> None:
+    """Reads every table file of shard ``s`` whole (every part's checksum,
+    finite values), whichever objects its tables restore into: a restore
+    into layers not built yet loads them only when the layers are built,
+    and must not find a damaged one then."""
+    from tf_sfctr.table_file import TableFileError, read_parts
+
+    name = _shard_name(s, saved_size)
     reader = tf.compat.v1.train.NewCheckpointReader(_shard_prefix(directory, s, saved_size))
     graph = trackable_object_graph_pb2.TrackableObjectGraph()
     graph.ParseFromString(reader.get_tensor(_OBJECT_GRAPH))
     for node in graph.nodes:
         for attr in node.attributes:
-            if attr.name == "header" and in_table_file(reader.get_tensor(attr.checkpoint_key)):
-                return True
-    return False
+            if attr.name != "header":
+                continue
+            header = np.asarray(reader.get_tensor(attr.checkpoint_key)).ravel()
+            if not in_table_file(header):
+                continue
+            width = int(header[1]) * (1 + int(header[2]))
+            path = os.path.join(directory, name, table_file_name(int(header[9])))
+            try:
+                for _, rows, _ in read_parts(path, width, save_id=int(header[10]),
+                                             table=int(header[9]), rows=int(header[8])):
+                    if not np.all(np.isfinite(rows)):
+                        raise TableFileError(f"{path} holds non-finite values.")
+            except TableFileError as err:
+                raise CheckpointMismatchError(
+                    f"{name} of {directory} holds a table whose rows cannot be read: {err} It "
+                    "is damaged or not this checkpoint's.") from err
 
 
 def _table_path(part: dict) -> str:
@@ -479,11 +497,12 @@ def _table_mode(store: EmbeddingStore, headers: list, size: int, saved_size: int
 
 
 def _check_part(store: EmbeddingStore, part: dict, mode: str, s: int, saved_size: int,
-                name: str, size: int) -> tuple[np.ndarray, int]:
+                name: str, size: int, scan: bool = True) -> tuple[np.ndarray, int]:
     """Raises CheckpointMismatchError if ``part`` (shard ``s``'s table)
     cannot be restored into ``store``; returns how many of its rows each of
     ``size`` ranks owns and how many parts (of ``part_rows``) it is read in.
-    A table file is read whole (every part's checksum)."""
+    A table file is read whole (every part's checksum) unless not ``scan``
+    (its rows are not restored here)."""
     from tf_sfctr.distributed.exchange import owner_of
 
     # What load_table checks before it changes anything (it runs after the
@@ -522,7 +541,7 @@ def _check_part(store: EmbeddingStore, part: dict, mode: str, s: int, saved_size
     foreign, total, num_parts = 0, 0, 0
     # The rows, a part at a time (a table file is read whole here: a damaged
     # one fails before anything is restored).
-    for part_ids, _, _ in _parts_of(store, [part]):
+    for part_ids, _, _ in _parts_of(store, [part] if scan else []):
         num_parts += 1
         total += part_ids.size
         if mode == "shards" and saved_size > 1:
@@ -549,12 +568,19 @@ def _check(checkpoint, directory: str, stores, size: int, rank: int):
     for s in mine or [0]:
         for k, table in _read_shard(checkpoint, directory, s, saved_size, stores).items():
             parts.setdefault(k, []).append((s, table))
+    if saved_size == size and not stores:
+        # Nothing built: the restore leaves the tables to be loaded at build
+        # (from this rank's shard), so their files are checked now.
+        _check_table_files(directory, rank, size)
     shares = {}
     for k, store_parts in sorted(parts.items()):
         store = stores[k]
         mode = _table_mode(store, [t["header"] for _, t in store_parts], size, saved_size)
+        # (A rank without a shard reads shard 0 for the dense state only,
+        # and for a complete table to load whole.)
         checked = [_check_part(store, table, mode, s, saved_size, _shard_name(s, saved_size),
-                               size) for s, table in store_parts]
+                               size, scan=bool(mine) or mode == "whole")
+                   for s, table in store_parts]
         if mode == "whole":
             # One complete table per rank: its rows must fit this rank's disk
             # when the table keeps them in a file.
@@ -706,8 +732,26 @@ def _restore(checkpoint: tf.train.Checkpoint, directory: str) -> None:
         # (the number of exchange rounds), from every rank's checks.
         received = sum(int(shares[k][0][rank]) for _, shares in reports if k in shares)
         rounds = max((shares[k][3] for _, shares in reports if k in shares), default=0)
-        _load_repartitioned(store, parts, size, f"sfctr_restore_{k}", bool(mine),
-                            saved_size, received, rounds)
+        error, message = None, None
+        try:
+            _load_repartitioned(store, parts, size, f"sfctr_restore_{k}", bool(mine),
+                                saved_size, received, rounds)
+        except Exception as err:  # noqa: BLE001 - agreed on below, then raised
+            error, message = err, _describe(err)
+        # A rank whose load failed (out of memory, a file changed since its
+        # checks) must not leave the others to go on alone into the next
+        # table's collectives or into training: all hear of it.
+        failed = [(r, m) for r, m in enumerate(
+            _allgather(message, f"sfctr_restore_loaded_{k}")) if m is not None]
+        if error is not None:
+            raise error
+        if failed:
+            r, m = failed[0]
+            raise RuntimeError(
+                f"tf_sfctr.distributed.restore from {directory}: loading the table of "
+                f"{_table_name(checkpoint, store)} failed on rank {r}: {m} This rank loaded its "
+                "part, but the table is not whole on every rank: restore again once the cause "
+                "is fixed.")
 
 
 def _load_repartitioned(store: EmbeddingStore, parts: list, size: int, name: str,
@@ -719,8 +763,8 @@ def _load_repartitioned(store: EmbeddingStore, parts: list, size: int, name: str
     width = c.width
     if _table_mode(store, [p["header"] for p in parts], size, saved_size) == "whole":
         p = parts[0]
-        if in_table_file(p["header"]):
-            store.load_table_file(p["header"], _table_path(p), p["counters"])
+        if in_table_file(p["header"]):  # (its file was read whole by the checks)
+            store.load_table_file(p["header"], _table_path(p), p["counters"], checked=True)
         else:
             store.load_table(p["header"], p["ids"], p["rows"], p["counts"], p["counters"])
         return
@@ -743,7 +787,8 @@ def _load_repartitioned(store: EmbeddingStore, parts: list, size: int, name: str
                            name=f"{name}_header").numpy()
     # Every rank takes part in every round, also once its own load failed
     # (out of memory, say): the others would wait for it in the next round.
-    error = None
+    # It goes on sending its parts, so that the others' tables are whole.
+    error, read_error = None, False
     try:
         store.begin_load(header, received)
     except Exception as err:  # noqa: BLE001 - raised after the rounds
@@ -752,9 +797,9 @@ def _load_repartitioned(store: EmbeddingStore, parts: list, size: int, name: str
     empty = (np.zeros(0, np.int64), np.zeros((0, width), np.float32), np.zeros(0, np.int64))
     for r in range(rounds):
         try:
-            ids, rows, counts = empty if error is not None else next(source, empty)
+            ids, rows, counts = empty if read_error else next(source, empty)
         except Exception as err:  # noqa: BLE001 - a file changed since its checks
-            error, (ids, rows, counts) = err, empty
+            error, read_error, (ids, rows, counts) = err, True, empty
         owners = exchange.owner_of(ids, size)
         order = np.argsort(owners, kind="stable")
         splits = tf.constant(np.bincount(owners, minlength=size).astype(np.int32))

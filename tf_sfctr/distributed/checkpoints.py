@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from typing import Optional
 
 import keras
@@ -121,6 +122,16 @@ class SaveCheckpoints(keras.callbacks.Callback):
             self.checkpoint = tf.train.Checkpoint(model=self.model,
                                                   optimizer=self.model.optimizer)
         self._last_step = _steps_done(self.model)
+        _, rank = world()
+        later = [path for step, path, done in _saves(self.directory)
+                 if done and step > self._last_step] if rank == 0 else []
+        if later:
+            warnings.warn(
+                f"SaveCheckpoints: {self.directory} holds saves of later steps than this "
+                f"run's {self._last_step} ({os.path.basename(later[-1])}): another run's, or "
+                "this run did not resume (tf_sfctr.distributed.resume). resume() picks the "
+                "save of the latest step, so use another directory for a new run.",
+                stacklevel=2)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -143,9 +154,15 @@ class SaveCheckpoints(keras.callbacks.Callback):
             _, rank = world()
             if rank == 0:
                 manifest_path = os.path.join(self.saved[-1], MANIFEST)
-                manifest = _read_json(manifest_path)
-                manifest["metadata"] = {"step": step, "epochs": epoch + 1}
-                _write_json(manifest_path, manifest)
+                try:
+                    manifest = _read_json(manifest_path)
+                    manifest["metadata"] = {"step": step, "epochs": epoch + 1}
+                    _write_json(manifest_path, manifest)
+                except (OSError, tf.errors.OpError, ValueError) as err:
+                    # (Rank 0 alone: raising would leave the others waiting.)
+                    warnings.warn(f"SaveCheckpoints: could not mark {self.saved[-1]} as "
+                                  f"saved after epoch {epoch + 1} ({err}); resuming from it "
+                                  f"trains epoch {epoch + 1} again.", stacklevel=2)
 
     def _save(self, step: int, epochs: int) -> None:
         path = os.path.join(self.directory, f"{PREFIX}{step:012d}")
@@ -154,10 +171,16 @@ class SaveCheckpoints(keras.callbacks.Callback):
         self._saved_step = step
         _, rank = world()
         if rank == 0 and self.keep is not None:
-            saves = _saves(self.directory)
-            complete = [(s, p) for s, p, done in saves if done]
-            newest = complete[-1][0] if complete else -1
-            doomed = [p for s, p in complete[:-self.keep]]
-            doomed += [p for s, p, done in saves if not done and s < newest]
-            for old in doomed:
-                tf.io.gfile.rmtree(old)
+            try:
+                saves = _saves(self.directory)
+                complete = [(s, p) for s, p, done in saves if done]
+                newest = complete[-1][0] if complete else -1
+                doomed = [p for s, p in complete[:-self.keep]]
+                doomed += [p for s, p, done in saves if not done and s < newest]
+                for old in doomed:
+                    if old != path:  # never the save just written
+                        tf.io.gfile.rmtree(old)
+            except (OSError, tf.errors.OpError) as err:
+                # (Rank 0 alone: raising would leave the others waiting.)
+                warnings.warn(f"SaveCheckpoints: could not delete old saves in "
+                              f"{self.directory} ({err}); they stay.", stacklevel=2)

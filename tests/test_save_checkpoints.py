@@ -125,3 +125,17 @@ def test_a_directory_with_saves_of_later_steps_warns_and_keeps_the_new_save(tmp_
         _fit(new, x, y, epochs=1, callbacks=[saver])
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         f"ckpt-{STEPS:012d}", f"ckpt-{2 * STEPS:012d}"]
+
+
+def test_a_save_at_an_epochs_last_step_counts_the_epoch_on_data_of_unknown_size(tmp_path):
+    """On a dataset of unknown size Keras counts one more optimizer
+    iteration once the data ran out, after the last batch: the save at the
+    epoch's last step is still marked as after the epoch."""
+    vocab, x, y = _data()
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).filter(lambda *_: True)
+    assert data.cardinality() == tf.data.UNKNOWN_CARDINALITY
+    model, _ = _model()
+    saver = SaveCheckpoints(None, str(tmp_path), every_steps=STEPS, keep=None)
+    model.fit(data, epochs=1, verbose=0, callbacks=[saver])
+    assert int(model.optimizer.iterations) == STEPS + 1  # (Keras's extra count)
+    assert [read_metadata(p) for p in saver.saved] == [{"step": STEPS, "epochs": 1}]

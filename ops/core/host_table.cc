@@ -301,6 +301,7 @@ HostTable::Entry* HostTable::InsertLocked(Shard& s, int64_t id,
   CountOf(s, row) = 0;
   s.entries[pos] = Entry{id, row};
   ++s.used;
+  ++s.generation;
   return &s.entries[pos];
 }
 
@@ -654,8 +655,8 @@ void HostTable::ExportRange(uint64_t* cursor, int64_t max_rows, std::vector<int6
     // the shard's index serves all of its parts.
     std::lock_guard<std::mutex> map_lock(export_mu_);
     ExportMap& m = export_map_;
-    if (m.shard != k || r0 == 0 || m.rows != s.rows || m.used != s.used ||
-        m.free_rows != s.free_rows.size()) {
+    if (m.shard != k || r0 == 0 || m.generation != s.generation) {
+      m.shard = ~uint64_t{0};  // (not valid until filled: assign may throw)
       m.ids.assign(s.rows, 0);
       m.held.assign(s.rows, 0);
       for (const Entry& e : s.entries) {
@@ -664,9 +665,7 @@ void HostTable::ExportRange(uint64_t* cursor, int64_t max_rows, std::vector<int6
         m.held[e.row] = 1;
       }
       m.shard = k;
-      m.rows = s.rows;
-      m.used = s.used;
-      m.free_rows = s.free_rows.size();
+      m.generation = s.generation;
     }
     for (uint64_t r = r0; r < r1; ++r) {
       if (!m.held[r]) continue;
@@ -721,6 +720,7 @@ int64_t HostTable::Prune(uint32_t min_count, const std::unordered_set<int64_t>& 
       s.entries[pos] = e;
     }
     s.used = static_cast<uint32_t>(kept.size());
+    ++s.generation;
     size_.fetch_sub(static_cast<int64_t>(gone));
     reserved_.fetch_sub(static_cast<int64_t>(gone));
     removed += static_cast<int64_t>(gone);
@@ -738,6 +738,7 @@ void HostTable::Clear() {
     s.free_rows.clear();
     s.used = 0;
     s.rows = 0;
+    ++s.generation;
   }
   // Every shard's memory (and row file space) is free before any is sized
   // again: the row file then starts over instead of growing.

@@ -238,6 +238,7 @@ class HostTable {
     std::vector<std::unique_ptr<uint16_t[], BlockDeleter>> count_blocks;  // one per row block
     uint32_t rows = 0;                          // rows handed out from arena
     std::vector<uint32_t> free_rows;            // arena rows of pruned ids
+    uint64_t generation = 0;  // bumped by every insert, prune and clear
   };
 
   // The shard takes the hash's low bits, the index position its high bits
@@ -304,11 +305,11 @@ class HostTable {
   // ExportRange's map from the arena rows of one shard to their ids, built
   // with one scan of the shard's index and kept for the shard's next parts
   // (rebuilding it for every part made a save quadratic in a shard's size).
-  // Rebuilt when a part starts a shard, or when the shard's counts changed.
+  // Rebuilt when a part starts a shard, or when the shard's ids changed
+  // since (its generation).
   struct ExportMap {
     uint64_t shard = ~uint64_t{0};
-    uint32_t rows = 0, used = 0;
-    size_t free_rows = 0;
+    uint64_t generation = 0;
     std::vector<int64_t> ids;    // per arena row
     std::vector<uint8_t> held;   // 0: the row of a pruned id
   };

@@ -62,10 +62,26 @@ def latest_checkpoint(directory: str) -> Optional[str]:
     """The newest complete save ``SaveCheckpoints`` wrote under
     ``directory`` (None if there is none). Under Horovod, rank 0's answer,
     so that every rank restores the same one (collective)."""
-    complete = [path for _, path, done in _saves(directory) if done]
-    newest = complete[-1] if complete else None
-    size, _ = world()
-    return newest if size == 1 else _allgather(newest, "sfctr_latest_checkpoint")[0]
+    return _on_rank_0(lambda: ([path for _, path, done in _saves(directory) if done]
+                               or [None])[-1], "sfctr_latest_checkpoint")
+
+
+def _on_rank_0(fn, name: str):
+    """``fn()`` on rank 0, its result (or its error) on every rank
+    (collective): a rank whose file system call failed alone would leave
+    the others waiting."""
+    size, rank = world()
+    value, error = None, None
+    if rank == 0:
+        try:
+            value = fn()
+        except (OSError, tf.errors.OpError, ValueError) as err:
+            error = f"{type(err).__name__}: {err}"
+    if size > 1:
+        value, error = _allgather((value, error), name)[0]
+    if error is not None:
+        raise RuntimeError(f"tf_sfctr.distributed ({name}) failed on rank 0: {error}")
+    return value
 
 
 def resume(checkpoint: tf.train.Checkpoint, directory: str) -> int:
@@ -80,8 +96,8 @@ def resume(checkpoint: tf.train.Checkpoint, directory: str) -> int:
     if path is None:
         return 0
     restore(checkpoint, path)
-    metadata = read_metadata(path) or {}
-    return int(metadata.get("epochs", 0))
+    return _on_rank_0(lambda: int((read_metadata(path) or {}).get("epochs", 0)),
+                      "sfctr_resume_epochs")
 
 
 class SaveCheckpoints(keras.callbacks.Callback):
@@ -148,15 +164,17 @@ class SaveCheckpoints(keras.callbacks.Callback):
         step = _steps_done(self.model)
         if self.every_steps is None:
             self._save(step, epochs=epoch + 1)
-        elif self._saved_step == step and self.saved:
+        elif self.saved and self._saved_step == self._last_step:
             # Saved after this epoch's last step: it resumes after the epoch,
-            # not at its start (which would train its steps twice).
+            # not at its start (which would train its steps twice). (Compared
+            # with the count read at the last batch's end: on data of unknown
+            # size Keras counts one more iteration once the data ran out.)
             _, rank = world()
             if rank == 0:
                 manifest_path = os.path.join(self.saved[-1], MANIFEST)
                 try:
                     manifest = _read_json(manifest_path)
-                    manifest["metadata"] = {"step": step, "epochs": epoch + 1}
+                    manifest["metadata"] = {"step": self._saved_step, "epochs": epoch + 1}
                     _write_json(manifest_path, manifest)
                 except (OSError, tf.errors.OpError, ValueError) as err:
                     # (Rank 0 alone: raising would leave the others waiting.)

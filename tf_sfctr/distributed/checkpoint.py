@@ -578,9 +578,12 @@ def _check(checkpoint, directory: str, stores, size: int, rank: int):
         mode = _table_mode(store, [t["header"] for _, t in store_parts], size, saved_size)
         # (A rank without a shard reads shard 0 for the dense state only,
         # and for a complete table to load whole.)
+        # In "whole" mode only the first of the complete copies is loaded, so
+        # only its rows are read here.
         checked = [_check_part(store, table, mode, s, saved_size, _shard_name(s, saved_size),
-                               size, scan=bool(mine) or mode == "whole")
-                   for s, table in store_parts]
+                               size, scan=(mode == "whole" and i == 0)
+                               or (mode == "shards" and bool(mine)))
+                   for i, (s, table) in enumerate(store_parts)]
         if mode == "whole":
             # One complete table per rank: its rows must fit this rank's disk
             # when the table keeps them in a file.

@@ -1,0 +1,145 @@
+"""Checks of ``CachedEmbedding``'s arguments and environment, made when a
+layer is created or built: what memory its cache and host-table indexes
+would take on this machine, ``host_rows_dir``, id dtypes, and which Keras
+saving or tracing mode is running."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import tensorflow as tf
+
+
+def compute_device() -> str:
+    return "/GPU:0" if tf.config.list_logical_devices("GPU") else "/CPU:0"
+
+
+def check_id_dtype(dtype: tf.DType, what: str = "ids") -> None:
+    if dtype not in (tf.int32, tf.int64):
+        raise TypeError(
+            f"CachedEmbedding expects integer {what} (int32 or int64), got "
+            f"{dtype.name}. Raw 64-bit ids are fine as int64; hash strings to "
+            f"int64 first (e.g. tf_sfctr.data.hash_categorical)."
+        )
+
+
+def keras_shape_inference() -> bool:
+    """True while Keras traces a call only to infer shapes, never to run it:
+    building a subclassed model from its saved input shapes (load_model)
+    feeds float32 placeholders."""
+    try:
+        from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+    except ImportError:  # another Keras layout: no relaxation
+        return False
+    return in_symbolic_scope()
+
+
+#: Host-table index bytes per expected row (12-byte entries at 54-81% load,
+#: measured 16.9-17.1 bytes at 1-2M rows).
+INDEX_BYTES_PER_ROW = 17
+
+
+def physical_memory() -> int:
+    """This machine's memory in bytes, or 0 where the platform does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def directory_bytes(capacity: int) -> int:
+    """Host bytes of the cache directory (ops/core/cache_directory.h): a
+    32-byte slot and a 2-byte scan key per row, and a map of 16-byte entries
+    sized to the power of two >= 2 x capacity (at least 16)."""
+    entries = 16
+    while entries < 2 * capacity:
+        entries *= 2
+    return capacity * 34 + entries * 16
+
+
+def check_cache_memory(name: str, capacity: int, dim: int, num_state: int) -> None:
+    """Refuses a cache whose host memory exceeds the machine's: its directory
+    (always in host memory) and, on a machine without a GPU, its rows and
+    their optimizer state (float32). A typo in cache_capacity would otherwise
+    take it all. On a GPU, TF's allocator refuses too many rows itself
+    (ResourceExhaustedError)."""
+    physical = physical_memory()
+    rows = capacity * dim * 4 * (1 + num_state) if compute_device() == "/CPU:0" else 0
+    directory = directory_bytes(capacity)
+    if physical and rows + directory > physical:
+        raise ValueError(
+            f"CachedEmbedding {name!r}: cache_capacity={capacity} needs "
+            f"{(rows + directory) / 2**30:.1f} GiB of host memory ("
+            + (f"{rows / 2**30:.1f} GiB of rows of output_dim={dim}"
+               + (f" with the table optimizer's state (x{1 + num_state})" if num_state else "")
+               + " held in host memory without a GPU, " if rows else "")
+            + f"{directory / 2**30:.1f} GiB for the cache's directory), more than this "
+            f"machine's {physical / 2**30:.1f} GiB. The cache must only hold one step's "
+            "distinct ids (and what you want kept hot); lower cache_capacity")
+
+
+def check_host_rows_dir(value: Any) -> Optional[str]:
+    """``host_rows_dir`` as an absolute local path (None stays None)."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or isinstance(value, bytes):
+        raise ValueError(f"host_rows_dir must be a directory path (str or os.PathLike) or "
+                         f"None, got {value!r}")
+    path = os.fspath(value)
+    if not path:
+        raise ValueError("host_rows_dir must name a directory (or be None to keep the host "
+                         "rows in memory), got ''")
+    if "://" in path:
+        raise ValueError(
+            f"host_rows_dir must be a directory on a local disk (the rows file is mapped into "
+            f"memory), got {path!r}; TF's other file systems (gs://, hdfs://, ...) cannot "
+            "hold it")
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def check_index_memory(name: str, expected_rows: Optional[int], share: int,
+                        row_bytes: int = 0) -> None:
+    """Refuses an ``expected_rows`` whose presized indexes (and, with
+    ``reserve_rows``, its reserved rows: ``row_bytes`` each) would not fit in
+    this machine's memory (a typo would otherwise take it all)."""
+    physical = physical_memory()
+    if not share or not physical:
+        return
+    per_row = INDEX_BYTES_PER_ROW + row_bytes
+    need = share * per_row
+    if need > physical:
+        rows = "rows" if share == expected_rows else f"rows of this rank's share ({share})"
+        what = ("host table's indexes" if not row_bytes
+                else "host table's indexes and reserved rows (reserve_rows=True)")
+        raise ValueError(
+            f"CachedEmbedding {name!r}: expected_rows={expected_rows} would size the "
+            f"{what} at about {need / 2**30:.1f} GiB ({per_row} bytes per expected {rows}), "
+            f"more than this machine's {physical / 2**30:.1f} GiB of memory; lower "
+            f"expected_rows (an estimate of the distinct ids the table will hold)"
+            + (" or leave reserve_rows False" if row_bytes else ""))
+
+
+#: Arguments of keras.layers.Embedding that CachedEmbedding does not take.
+KERAS_EMBEDDING_ONLY = {
+    "input_dim": "ids are any int64 values and the host table grows as new ones arrive; "
+                 "max_rows=N bounds it, expected_rows=N sizes it up front",
+    "embeddings_regularizer": "the table's rows are trained by its own optimizer "
+                              "(optimizer=), outside the model's loss; for L1/L2, "
+                              "tf_sfctr.optimizers.Ftrl takes l1/l2_regularization_strength",
+    "embeddings_constraint": "the table's rows are trained by its own optimizer "
+                             "(optimizer=), which applies no constraint",
+    "lora_rank": "LoRA is not supported",
+}
+
+
+def in_legacy_h5_format() -> bool:
+    """True while Keras 3 writes or reads a model in its legacy HDF5 format
+    (``model.save("x.h5")``, ``load_model`` of such a file): both run inside a
+    scope that sets Keras's global attribute ``use_legacy_config``. Read only;
+    without that attribute (another Keras) this is False."""
+    try:
+        from keras.src.backend.common import global_state
+    except ImportError:
+        return False
+    return bool(global_state.get_global_attribute("use_legacy_config", False))

@@ -1,0 +1,327 @@
+"""How ``CachedEmbedding`` reads its inputs: dense, ragged and sparse ids,
+list calls of features that share the table, per-id weights, the input
+pipeline's de-duplicated features (``with_unique_ids``) and their eviction
+hints; and how it shapes and combines the rows it gathered."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import tensorflow as tf
+
+from tf_sfctr import _ops
+from tf_sfctr.keras_layers._combine import combine_last_axis, combine_segments
+from tf_sfctr.keras_layers._layer_checks import check_id_dtype
+
+
+def eviction_hints(name: str, inputs: dict) -> Optional[tuple]:
+    """(ids, steps) of a de-duplicated feature's eviction hints, or None;
+    the tensors wait for the check that they pair up (the caller makes the
+    step wait for them)."""
+    has_ids, has_steps = "next_hint_ids" in inputs, "next_hint_steps" in inputs
+    if has_ids != has_steps:
+        raise ValueError(
+            "CachedEmbedding: eviction hints need both 'next_hint_ids' and 'next_hint_steps' "
+            f"(tf_sfctr.data.with_unique_ids(..., eviction_hints=k) gives both); got only "
+            f"{'next_hint_ids' if has_ids else 'next_hint_steps'}")
+    if not has_ids:
+        return None
+    for key in ("next_hint_ids", "next_hint_steps"):
+        if isinstance(inputs[key], (tf.SparseTensor, tf.RaggedTensor)):
+            raise TypeError(
+                f"CachedEmbedding {name!r}: {key!r} must be a dense vector (any shape is "
+                f"flattened), got a {type(inputs[key]).__name__}; "
+                "tf_sfctr.data.with_unique_ids(..., eviction_hints=k) gives them so.")
+    check_id_dtype(tf.as_dtype(inputs["next_hint_ids"].dtype), "next_hint_ids")
+    steps_dtype = tf.as_dtype(inputs["next_hint_steps"].dtype)
+    if steps_dtype not in (tf.int32, tf.int64):
+        raise TypeError(
+            f"CachedEmbedding {name!r}: 'next_hint_steps' must be int32 or int64 (how many "
+            f"batches after this one each hinted id is used), got {steps_dtype.name}")
+    hint_ids = tf.reshape(tf.cast(inputs["next_hint_ids"], tf.int64), [-1])
+    hint_steps = tf.reshape(inputs["next_hint_steps"], [-1])
+    if hint_steps.dtype != tf.int32:  # a step beyond 2**31 - 1 is as good as never
+        hint_steps = tf.cast(tf.clip_by_value(tf.cast(hint_steps, tf.int64), -2**31, 2**31 - 1),
+                             tf.int32)
+    # Checked here, before the step changes anything: a lookahead step reads
+    # them only late, after its update (SfctrCachePrepare checks them too).
+    what = (f"CachedEmbedding {name!r}: eviction hints need one 'next_hint_steps' entry per "
+            "'next_hint_ids' entry, each >= 1 (how many batches after this one the id is "
+            "used), as tf_sfctr.data.with_unique_ids(..., eviction_hints=k) gives them. "
+            "Nothing was changed")
+    checks = [
+        tf.debugging.assert_equal(tf.size(hint_ids), tf.size(hint_steps),
+                                  message=what + "; the sizes (ids, steps) are"),
+        tf.debugging.assert_greater_equal(hint_steps, tf.constant(1, tf.int32),
+                                          message=what + "; the steps given are")]
+    with tf.control_dependencies(checks):
+        return tf.identity(hint_ids), tf.identity(hint_steps)
+
+
+VSI_REQUIRED_KEYS = ("ids", "unique_ids", "inverse")
+VSI_OPTIONAL_KEYS = ("next_unique_ids", "next_hint_ids", "next_hint_steps")
+
+
+def check_vsi_keys(name: str, inputs: dict) -> None:
+    """A de-duplicated feature's dict must have the keys with_unique_ids gives."""
+    missing = [k for k in VSI_REQUIRED_KEYS if k not in inputs]
+    unknown = sorted(set(inputs) - set(VSI_REQUIRED_KEYS) - set(VSI_OPTIONAL_KEYS))
+    if missing or unknown:
+        problems = "; ".join(
+            ([f"missing {missing}"] if missing else [])
+            + ([f"unknown {unknown}"] if unknown else []))
+        raise ValueError(
+            f"CachedEmbedding {name!r}: a de-duplicated feature is a dict with the keys "
+            f"{list(VSI_REQUIRED_KEYS)} and optionally {list(VSI_OPTIONAL_KEYS)} "
+            f"(what tf_sfctr.data.with_unique_ids gives); {problems}")
+
+
+def is_ids_and_values(a: Any, b: Any) -> bool:
+    """Whether ``a`` holds integers and ``b`` floats (ids and their weights)."""
+    try:
+        return tf.as_dtype(a.dtype).is_integer and tf.as_dtype(b.dtype).is_floating
+    except TypeError:  # a dtype TF does not know (NumPy objects, strings)
+        return False
+
+
+def is_feature_list(inputs: Any) -> bool:
+    """A list call (features sharing the table): a list or tuple holding a
+    tensor or array of rank >= 1, or a dict. (A list of scalars is ids.)"""
+    def feature_like(x):
+        if isinstance(x, dict):
+            return True
+        if not (hasattr(x, "dtype") and hasattr(x, "shape")):
+            return False
+        try:
+            return len(x.shape) != 0
+        except (TypeError, ValueError):  # unknown rank
+            return True
+
+    return isinstance(inputs, (list, tuple)) and any(feature_like(x) for x in inputs)
+
+
+def float_as_ids(x: Any) -> Any:
+    dtype = getattr(x, "dtype", None)
+    if isinstance(dtype, tf.DType) and dtype.is_floating:
+        return tf.cast(x, tf.int64)
+    return x
+
+
+class InputsMixin:
+    """``CachedEmbedding``'s input side: flattens a call's ids (and weights)
+    into one vector with a layout, checks de-duplicated features, and
+    combines the gathered rows back into the call's output structure."""
+
+    def _note_input_kinds(self, inputs: Any) -> None:
+        """Records which features got ragged or sparse ids (_fed_sparse)."""
+        if isinstance(inputs, dict):
+            features = [inputs.get("ids")]
+        elif is_feature_list(inputs):
+            features = list(inputs)
+        else:
+            features = [inputs]
+        fed = [isinstance(x, (tf.RaggedTensor, tf.SparseTensor)) for x in features]
+        if self._fed_sparse is not None and len(self._fed_sparse) == len(fed):
+            fed = [a or b for a, b in zip(self._fed_sparse, fed)]
+        self._fed_sparse = fed
+
+    def _checked_vsi(self, ids: tf.Tensor, unique_ids: Any, inverse: Any):
+        """(unique_ids int64, inverse int32) of a de-duplicated feature, once
+        they are known to describe ``ids``: at every position, the inverse
+        entry indexes ``unique_ids`` and ``unique_ids[inverse] == ids`` (one
+        pass, ``SfctrFirstBadInverse`` on CPU). This catches tensors swapped by
+        key, as when a model's vsi_inputs and its dataset were made with
+        different options, and a hand-made feature whose inverse is wrong
+        anywhere. The table's step waits for the check, so a failure changes
+        nothing."""
+        check_id_dtype(tf.as_dtype(unique_ids.dtype), "unique_ids")
+        check_id_dtype(tf.as_dtype(inverse.dtype), "inverse")
+        unique_ids = tf.reshape(tf.cast(unique_ids, tf.int64), [-1])
+        # Checked in its own dtype (int64 ones before the cast to int32, which
+        # would wrap them).
+        inverse = tf.ensure_shape(tf.reshape(inverse, [-1]), ids.shape)
+        message = (
+            f"CachedEmbedding {self.name!r}: the de-duplicated feature does not describe "
+            "its ids: 'inverse' must index 'unique_ids' (0 <= inverse < len(unique_ids)) "
+            "and unique_ids[inverse] must equal 'ids' at every position, as "
+            "tf_sfctr.data.with_unique_ids gives (the first position where it does not "
+            "is shown below). A model whose tf_sfctr.data.vsi_inputs(...) were made with "
+            "other options (lookahead, eviction_hints) than its dataset's with_unique_ids "
+            "gets the wrong tensors: Keras matches the entries of a dict by position. "
+            "Nothing was changed")
+        bad = _ops.first_bad_inverse(ids, unique_ids, inverse)
+        checked = tf.debugging.assert_equal(bad, tf.constant(-1, tf.int64), message=message)
+        with tf.control_dependencies([checked]):
+            return tf.identity(unique_ids), tf.cast(inverse, tf.int32)
+
+    def _flatten(self, inputs: Any) -> tuple[tf.Tensor, dict]:
+        """Flat int64 ids and what is needed to shape the output."""
+        if isinstance(inputs, (list, tuple)) and not inputs:
+            raise ValueError("CachedEmbedding got an empty list: pass ids, or a list of "
+                             "features that share the table")
+        if is_feature_list(inputs):
+            if not all(hasattr(x, "dtype") and hasattr(x, "shape") for x in inputs):
+                raise ValueError(
+                    "CachedEmbedding takes ids, or a list of features that share the table, "
+                    "each a tensor or array of ids (dense, tf.RaggedTensor or "
+                    "tf.SparseTensor; one output each; a list call does not take the "
+                    "input pipeline's de-duplicated dicts); got a list of "
+                    f"{[type(x).__name__ for x in inputs]}")
+            if len(inputs) == 2 and is_ids_and_values(*inputs):
+                # (ids, weights) as one input, as a Sequential model passes them.
+                raise TypeError(
+                    f"CachedEmbedding {self.name!r} got a list of integer ids and "
+                    f"{tf.as_dtype(inputs[1].dtype).name} values: a list call takes features "
+                    f"of ids that share the table; per-id weights go in weights= "
+                    f"(layer(ids, weights=w), a functional model's second input), which a "
+                    f"Sequential model cannot pass")
+            flat = [self._flatten(x) for x in inputs]
+            return tf.concat([ids for ids, _ in flat], 0), {
+                "kind": "parts", "layouts": [layout for _, layout in flat],
+                "sizes": [tf.size(ids) for ids, _ in flat]}
+        if isinstance(inputs, tf.RaggedTensor):
+            check_id_dtype(inputs.dtype)
+            if inputs.ragged_rank != 1 or inputs.shape.rank != 2:
+                raise ValueError(
+                    f"CachedEmbedding takes 2-D ragged ids [batch, (ids)], got "
+                    f"ragged_rank={inputs.ragged_rank}, rank={inputs.shape.rank}")
+            self._require_combiner("tf.RaggedTensor")
+            return tf.cast(inputs.values, tf.int64), {
+                "kind": "rows", "row_ids": inputs.value_rowids(), "nrows": inputs.nrows()}
+        if isinstance(inputs, tf.SparseTensor):
+            check_id_dtype(inputs.dtype)
+            if inputs.shape.rank != 2:
+                raise ValueError(
+                    f"CachedEmbedding takes 2-D sparse ids [batch, ids], got rank "
+                    f"{inputs.shape.rank}")
+            self._require_combiner("tf.SparseTensor")
+            rows, nrows = inputs.indices[:, 0], inputs.dense_shape[0]
+            # A row outside the batch would be dropped by the combiner's
+            # segment sum (negative) or fail inside it (too large).
+            inside = tf.debugging.assert_equal(
+                tf.logical_or(tf.equal(tf.size(rows), 0), tf.logical_and(
+                    tf.reduce_min(rows) >= 0, tf.reduce_max(rows) < nrows)), True,
+                message=(f"CachedEmbedding {self.name!r}: a tf.SparseTensor of ids has row "
+                         "indices outside [0, dense_shape[0]); every entry's first index "
+                         "must be a row of the batch"))
+            with tf.control_dependencies([inside]):
+                return tf.cast(inputs.values, tf.int64), {
+                    "kind": "rows", "row_ids": tf.identity(rows), "nrows": nrows}
+        if isinstance(inputs, (str, bytes)):
+            raise TypeError(f"CachedEmbedding expects integer ids, got a string {inputs!r}")
+        x = tf.convert_to_tensor(inputs)
+        check_id_dtype(x.dtype)
+        if x.shape.rank == 0:
+            raise ValueError("CachedEmbedding needs ids of rank >= 1 ([batch, ...]), got a scalar")
+        if self.combiner is not None and x.shape.rank is None:
+            raise ValueError(
+                f"combiner={self.combiner!r} reduces the last axis of dense ids, so their "
+                f"rank must be known when the layer is traced (>= 2), got unknown rank; "
+                f"give the tf.function or keras.Input a shape such as [None, None]")
+        if self.combiner is not None and x.shape.rank < 2:
+            raise ValueError(
+                f"combiner={self.combiner!r} reduces the last axis of dense ids, "
+                f"so they need rank >= 2, got shape {x.shape}")
+        return tf.reshape(tf.cast(x, tf.int64), [-1]), {
+            "kind": "dense", "shape": tf.shape(x), "static": x.shape}
+
+    def _attach_weights(self, weights: Any, ids: Any, layout: dict) -> None:
+        """Checks per-id ``weights`` against ``ids`` (the same structure:
+        dense of the same shape, ragged of the same row lengths, sparse of
+        the same indices; a list for a list call, None entries allowed) and
+        puts them into ``layout`` as float32: the values of ragged or sparse
+        weights (aligned with the flat ids), dense ones in their shape."""
+        if weights is None:
+            return
+        what = f"CachedEmbedding {self.name!r}: weights"
+        if layout["kind"] == "parts":
+            if not isinstance(weights, (list, tuple)) or len(weights) != len(layout["layouts"]):
+                raise ValueError(
+                    f"{what} of a list call (features sharing the table) must be a list "
+                    f"with one entry per feature ({len(layout['layouts'])}; None for a "
+                    f"feature without weights), got {type(weights).__name__}"
+                    + (f" of {len(weights)}" if isinstance(weights, (list, tuple)) else ""))
+            for w, x, part in zip(weights, ids, layout["layouts"]):
+                self._attach_weights(w, x, part)
+            return
+        kinds = {tf.RaggedTensor: "a tf.RaggedTensor", tf.SparseTensor: "a tf.SparseTensor"}
+        ids_kind = next((k for k in kinds if isinstance(ids, k)), None)
+        w_kind = next((k for k in kinds if isinstance(weights, k)), None)
+        if ids_kind is not w_kind:
+            same_what = {tf.RaggedTensor: "row lengths", tf.SparseTensor: "indices"}
+            raise TypeError(
+                f"{what} must have the structure of the ids: "
+                f"{kinds.get(ids_kind, 'a dense tensor or array')} with the same "
+                f"{same_what.get(ids_kind, 'shape')} as the ids, got "
+                f"{kinds.get(w_kind, 'a dense ' + type(weights).__name__)}")
+        if ids_kind is tf.RaggedTensor and (weights.ragged_rank != 1
+                                            or weights.shape.rank != 2):
+            raise ValueError(f"{what} must have the row lengths of the ids: 2-D ragged "
+                             f"[batch, (weights)], got ragged_rank={weights.ragged_rank}, "
+                             f"rank={weights.shape.rank}")
+        values = weights.values if w_kind is not None else weights
+        if isinstance(values, (str, bytes)):
+            raise TypeError(f"{what} must be floats, got a string")
+        values = tf.convert_to_tensor(values)
+        if not values.dtype.is_floating:
+            raise TypeError(f"{what} must be floats (float16/32/64 or bfloat16), got "
+                            f"{values.dtype.name}")
+        values = tf.cast(values, tf.float32)
+        if ids_kind is tf.RaggedTensor:
+            # (int32 or int64 row splits, on either side.)
+            same = _ops.ids_equal(tf.cast(weights.row_splits, tf.int64),
+                                  tf.cast(ids.row_splits, tf.int64))
+            told = "row lengths"
+        elif ids_kind is tf.SparseTensor:
+            same = tf.logical_and(_ops.ids_equal(weights.indices, ids.indices),
+                                  _ops.ids_equal(weights.dense_shape, ids.dense_shape))
+            told = "indices and dense_shape"
+        else:
+            ids_shape = tf.convert_to_tensor(ids).shape
+            if values.shape.rank is not None and ids_shape.rank is not None and (
+                    not values.shape.is_compatible_with(ids_shape)):
+                raise ValueError(f"{what} must have the shape of the ids, {ids_shape}, got "
+                                 f"{values.shape}")
+            same = _ops.ids_equal(tf.shape(values, out_type=tf.int64),
+                                  tf.shape(ids, out_type=tf.int64))
+            told = "shape"
+        message = f"CachedEmbedding {self.name!r}: weights must have the {told} of the ids"
+        if tf.executing_eagerly():
+            if not bool(same):
+                raise tf.errors.InvalidArgumentError(None, None, message)
+        else:
+            # Everything that uses the weights waits for the check. Dense
+            # weights keep their shape (_combine does not reshape them):
+            # grappler dropped this control dependency when it merged a
+            # reshape here with one after it, and a traced step failed on
+            # the mismatch elsewhere, with TF's message. A bare Assert:
+            # assert_equal's guard is a cond, for which grappler's loop
+            # optimizer logs a warning at every trace; no quotes in its
+            # text, which it prints escaped.
+            checked = tf.debugging.Assert(same, [message.replace(repr(self.name), self.name)])
+            with tf.control_dependencies([checked]):
+                values = tf.identity(values)
+        layout["weights"] = values
+
+    def _require_combiner(self, what: str) -> None:
+        if self.combiner is None:
+            raise ValueError(
+                f"{what} input needs a combiner to give one vector per row: "
+                f"create the layer with combiner='sum', 'mean' or 'sqrtn'")
+
+    def _combine(self, rows: tf.Tensor, layout: dict) -> Any:
+        dim = self.output_dim
+        if layout["kind"] == "parts":
+            pieces = tf.split(rows, tf.stack(layout["sizes"]), num=len(layout["sizes"]))
+            return [self._combine(p, part) for p, part in zip(pieces, layout["layouts"])]
+        weights = layout.get("weights")
+        if layout["kind"] == "dense":
+            out = tf.reshape(rows, tf.concat([layout["shape"], [dim]], 0))
+            out.set_shape(layout["static"].concatenate([dim]))
+            if weights is not None and self.combiner is None:
+                return out * weights[..., None]
+            if self.combiner is None:
+                return out
+            return combine_last_axis(out, self.combiner, weights=weights)
+        return combine_segments(rows, layout["row_ids"], layout["nrows"], self.combiner,
+                                weights=weights)

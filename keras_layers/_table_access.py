@@ -1,0 +1,306 @@
+"""``CachedEmbedding``'s methods for reading and changing its table between
+steps: ``lookup_rows``, ``assign_rows``, ``flush``, ``prune`` and
+``cache_stats``. In a model-parallel table the reads and writes are
+collective (every rank calls them)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+import tensorflow as tf
+
+from tf_sfctr import _ops
+from tf_sfctr.distributed import _horovod
+from tf_sfctr.keras_layers._layer_checks import check_id_dtype
+
+
+class TableAccessMixin:
+    """Reads and writes of the table outside training steps."""
+
+    def _ids_vector(self, ids: Any) -> Union[tf.Tensor, np.ndarray]:
+        if isinstance(ids, (tf.RaggedTensor, tf.SparseTensor)):
+            raise TypeError("ids must be a dense 1-D array of int ids")
+        arr = ids if isinstance(ids, tf.Tensor) else np.asarray(ids)
+        if not isinstance(ids, (tf.Tensor, np.ndarray)) and arr.dtype.kind in "uO":
+            # Python ints beyond int64 (NumPy makes them uint64 or objects).
+            flat = np.asarray(ids, dtype=object).ravel()
+            if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+                   for v in flat):
+                bad = next((int(v) for v in flat if not -2**63 <= int(v) < 2**63), None)
+                if bad is not None:
+                    raise ValueError(f"ids must fit in int64 (-2**63 to 2**63 - 1), got "
+                                     f"{bad}. Nothing was changed.")
+        if not isinstance(arr, tf.Tensor) and arr.size == 0 and arr.dtype.kind == "f":
+            arr = arr.astype(np.int64)  # [] comes as float64: no ids at all
+        if not isinstance(arr, tf.Tensor) and arr.dtype.kind not in "iu":
+            raise TypeError(
+                f"ids must be integers (int32 or int64), got dtype {arr.dtype}")
+        if not isinstance(arr, tf.Tensor):
+            # Checked and converted in NumPy: each eager TF op here would
+            # keep a few hundred bytes (see _read_functions).
+            # (Other integer dtypes as TF tensors would be: a uint64 id
+            # above the int64 range must not become a negative one.)
+            check_id_dtype(tf.as_dtype(arr.dtype))
+            if arr.ndim != 1:
+                raise ValueError(f"ids must be a 1-D array, got shape {tuple(arr.shape)}")
+            return arr.astype(np.int64, copy=False)
+        check_id_dtype(arr.dtype)
+        if arr.shape.rank != 1:
+            raise ValueError(f"ids must be a 1-D array, got shape {arr.shape}")
+        return tf.cast(arr, tf.int64)
+
+    def lookup_rows(self, ids: Sequence[int] | np.ndarray | tf.Tensor) -> np.ndarray:
+        """Current values of rows ``ids`` as a ``[len(ids), output_dim]`` array.
+
+        Reads the cache where a row is cached and the host table otherwise; ids
+        never seen get their initial value and are not inserted. No side
+        effects: no counters, no insertion, no cache change. In model-parallel
+        mode this is collective: every rank calls it (with its own ids, maybe
+        none) and gets the rows of any id, wherever its owner is. Not while
+        another thread trains the layer: it could read another id's row.
+        """
+        self._require_built()
+        error = None
+        try:
+            ids = self._ids_vector(ids)
+        except (TypeError, ValueError) as err:
+            error = err
+        if self._mode == "model_parallel":  # collective: all ranks go on, or none
+            error = self._agree(error, "lookup_rows")
+        if error is not None:
+            raise error
+        return self._read_function("lookup_rows", self._lookup_graph,
+                                   tf.TensorSpec([None], tf.int64))(ids).numpy()
+
+    def _lookup_graph(self, ids: tf.Tensor) -> tf.Tensor:
+        self._call_suffixes = {}  # this graph's collectives (see _collective_name)
+        unique_ids, inverse = tf.unique(ids, out_idx=tf.int32)
+        rows, _ = self._unique_rows(unique_ids, training=False)
+        return tf.gather(rows, inverse)
+
+    def _read_function(self, name: str, fn, *signature):
+        """``fn`` as a tf.function made once per layer (TF's eager ops each
+        keep a little memory), called under the layer's lock: a pending
+        cache plan it applies must be applied by one thread only."""
+        function = self._read_functions.get(name)
+        if function is None:
+            function = tf.function(fn, input_signature=list(signature), autograph=False)
+            self._read_functions[name] = function
+
+        def call(*args):
+            with self._assign_lock:
+                return function(*args)
+
+        return call
+
+    def assign_rows(self, ids: Sequence[int] | np.ndarray | tf.Tensor,
+                    values: np.ndarray | tf.Tensor) -> None:
+        """Sets rows ``ids`` to ``values`` (``[len(ids), output_dim]``) and resets
+        their optimizer state (FTRL: to the state that gives these values
+        back, since it recomputes a row from its state). Missing ids are
+        created. On a bad argument nothing is changed. Collective under
+        Horovod (every rank calls it with its own rows; when two ranks set the
+        same id, the higher rank wins). Not while another thread trains the
+        layer: it could write to another id's cache slot."""
+        self._require_built()
+        error = None
+        try:
+            ids, values = self._check_assign(ids, values)
+        except (TypeError, ValueError) as err:
+            error = err
+        if self._mode != "local":
+            # All ranks must reach the collectives below, or none.
+            error = self._agree(error, "assign_rows")
+        if error is not None:
+            raise error
+        if self._mode == "model_parallel":
+            ids, values = self._route_assignments(ids, values)
+        elif self._mode == "data_parallel":
+            hvd = _horovod.require()
+            ids = hvd.allgather(ids, name=f"sfctr_{self.name}_assign_ids",
+                                ignore_name_scope=True)
+            values = hvd.allgather(tf.constant(values), name=f"sfctr_{self.name}_assign_values",
+                                   ignore_name_scope=True)
+            ids, values = self._last_wins(ids, values)
+        error = None
+        try:
+            self._assign_local(ids, np.asarray(values, np.float32))
+        except ValueError as err:  # the owner's host table is full (max_rows)
+            error = err
+        if self._mode != "local":
+            # An owner that failed set none of the rows it owns; tell every rank.
+            error = self._agree(error, "assign_rows", changed=True)
+        if error is not None:
+            raise error
+
+    def _agree(self, error: Optional[Exception], what: str,
+               changed: bool = False) -> Optional[Exception]:
+        """Collective: returns this rank's error, or one saying that another
+        rank failed, so that every rank raises when any does (and none waits
+        in a collective for a rank that gave up)."""
+        hvd = _horovod.require()
+        failed = hvd.allreduce(tf.constant(0 if error is None else 1, tf.int32), op=hvd.Sum,
+                               name=f"sfctr_{self.name}_{what}_agree", ignore_name_scope=True)
+        if error is None and int(failed) > 0:
+            error = ValueError(
+                f"{what} failed on another rank (see its error). " + (
+                    "Rows owned by ranks that did not fail were set; rows owned by a rank "
+                    "that failed were not." if changed else "Nothing was changed."))
+        return error
+
+    def _check_assign(self, ids, values):
+        ids = tf.convert_to_tensor(self._ids_vector(ids))
+        values = np.asarray(values)
+        if values.dtype.kind not in "fiu" and values.dtype.name != "bfloat16":
+            raise TypeError(f"values must be real numbers (float or integer), got dtype "
+                            f"{values.dtype}. Nothing was changed.")
+        # float64 beyond float32's range becomes inf and is refused below.
+        with np.errstate(over="ignore"):
+            values = values.astype(np.float32)
+        n = int(ids.shape[0])
+        if values.shape != (n, self.output_dim):
+            raise ValueError(
+                f"values must have shape [len(ids), output_dim] = [{n}, "
+                f"{self.output_dim}], got {list(values.shape)}")
+        if not np.all(np.isfinite(values)):
+            bad = int(np.argwhere(~np.isfinite(values))[0, 0])
+            raise ValueError(
+                f"values must be finite; row {bad} (id {int(ids[bad])}) holds "
+                f"{values[bad].tolist()}. Nothing was changed.")
+        if len(np.unique(ids.numpy())) != n:
+            raise ValueError("ids passed to assign_rows must be distinct")
+        return ids, values
+
+    @staticmethod
+    def _last_wins(ids: tf.Tensor, values) -> tuple[tf.Tensor, np.ndarray]:
+        unique, inverse = tf.unique(ids, out_idx=tf.int32)
+        last = tf.math.unsorted_segment_max(tf.range(tf.size(ids)), inverse, tf.size(unique))
+        return unique, tf.gather(values, last).numpy()
+
+    def _route_assignments(self, ids, values):
+        from tf_sfctr.distributed import exchange
+
+        name = f"sfctr_{self.name}_assign"
+        # A deferred update first: the assignment must not be trained over.
+        self._deliver_deferred()
+        route = exchange.send_ids(ids, self._world_size, name)
+        received = exchange.send_to_owners(tf.constant(values), route, name)
+        return self._last_wins(route.recv_ids, received)
+
+    def _assign_local(self, ids: tf.Tensor, values: np.ndarray) -> None:
+        with self._assign_lock:
+            self._settle()
+            # The optimizer may keep other state than its initial values with
+            # an assigned row (FTRL: the linear term that gives it back).
+            state = self.table_optimizer.state_for_assigned_rows(
+                values, int(self._table_step.numpy()))
+            try:
+                self._store.host_assign(ids, values)  # creates rows; max_rows
+            except tf.errors.OpError as err:
+                raise ValueError(err.message) from None
+            if state is not None:
+                self._store.host_write(ids, [values, *state])
+            slots = self._store.cache_probe(ids)
+            where = tf.where(slots >= 0)[:, 0]
+            cached = tf.gather(slots, where)
+            self._cache_rows.scatter_update(
+                tf.IndexedSlices(tf.gather(values, where), cached))
+            for k, (var, init) in enumerate(zip(self._cache_state,
+                                                self.table_optimizer.state_initial_values())):
+                fill = (tf.fill([tf.size(cached), self.output_dim], init) if state is None
+                        else tf.gather(state[k], where))
+                var.scatter_update(tf.IndexedSlices(fill, cached))
+
+    def flush(self) -> int:
+        """Writes every cached row (and its state) back to the host table, so
+        the host table alone holds the current values. Returns the number of
+        rows written. The cache keeps its contents. Collective in
+        model-parallel mode (every rank calls it): the last training step's
+        update is delivered to the owners first. Not while another thread
+        trains the layer (nor a checkpoint or export, which flush first): it
+        could write other ids' rows into the host table."""
+        self._require_built()
+        return int(self._read_function("flush", self._flush_graph)())
+
+    def _flush_graph(self) -> tf.Tensor:
+        self._call_suffixes = {}  # this graph's collectives (see _collective_name)
+        with tf.control_dependencies([self._deliver_deferred()]):
+            settled = self._settle()
+        with tf.control_dependencies([settled]):
+            ids, slots = self._store.cache_entries()
+        written = self._store.host_write(
+            ids, [_ops.gather_rows(v, slots) for v in self._device_variables])
+        with tf.control_dependencies([written]):
+            return tf.size(ids)
+
+    def prune(self, min_uses: int) -> int:
+        """Removes from the host table every id used in fewer than
+        ``min_uses`` training steps, except the ids the cache holds now;
+        returns how many were removed.
+
+        Uses are counted over the table's whole history (checkpoints keep
+        them; they saturate at 65535); rows written by ``assign_rows`` start
+        at 0. A removed id that comes back starts from its initial row and a
+        fresh optimizer state, as if never seen. Freed rows are reused by
+        later ids (the process keeps their memory). For tables fed an
+        endless stream of new ids, most of them seen once: prune between
+        epochs, or every N steps (``tf_sfctr.callbacks.PruneHostTable``).
+        Model-parallel tables prune this rank's shard only (not a
+        collective: call it on every rank).
+
+        Example:
+
+        >>> from tf_sfctr.keras_layers import CachedEmbedding
+        >>> emb = CachedEmbedding(2, cache_capacity=4, seed=0)
+        >>> emb.assign_rows([1, 2, 3, 4, 5, 6], [[0.5, 0.5]] * 6)
+        >>> emb.prune(min_uses=1), emb.cache_stats()["host_rows"]
+        (6, 0)
+        """
+        if (isinstance(min_uses, bool) or not isinstance(min_uses, (int, np.integer))
+                or not 1 <= min_uses <= 65536):
+            raise ValueError(
+                f"min_uses must be an int in [1, 65536] (use counters saturate at 65535), "
+                f"got {min_uses!r}")
+        self._require_built()
+        return int(self._store.host_prune(int(min_uses)))
+
+    def cache_stats(self) -> dict[str, float]:
+        """Counters of this layer's cache and host table.
+
+        Keys: ``hits``, ``misses``, ``evictions`` (distinct ids per training
+        step, cumulative), ``host_rows``, ``cache_capacity``, ``cached_rows``,
+        ``hit_rate`` (hits / (hits + misses), 0 before any step) and
+        ``ids_sent`` (model parallel: ids this rank sent to their owners in
+        training steps, one per distinct (id, owner) pair) and
+        ``prepared_ahead`` (training steps whose cache was prepared during
+        the previous step, with ``next_unique_ids``) and
+        ``write_backs_by_handle`` (write-backs of evicted rows that went
+        straight to their host rows, without an id lookup; normally every
+        step that evicted) and ``host_bytes`` (memory held by the host
+        table's indexes and row blocks: allocated, not payload) and
+        ``host_file_bytes`` (with ``host_rows_dir``: the part of
+        ``host_bytes`` that is row blocks in the file, which the kernel may
+        write out and drop from memory; 0 without). Under
+        Horovod the
+        numbers are this rank's shard. Hits, misses and evictions are counted
+        when a batch's cache is prepared.
+        """
+        self._require_built()
+        (hits, misses, evictions, host_rows, capacity, cached, by_handle, host_bytes,
+         host_file_bytes) = (int(v) for v in self._store.stats().numpy())
+        lookups = hits + misses
+        return {
+            "hits": hits,
+            "misses": misses,
+            "evictions": evictions,
+            "host_rows": host_rows,
+            "cache_capacity": capacity,
+            "cached_rows": cached,
+            "hit_rate": hits / lookups if lookups else 0.0,
+            "ids_sent": int(self._ids_sent.var.numpy()),
+            "prepared_ahead": int(self._prepared_ahead.var.numpy()),
+            "write_backs_by_handle": by_handle,
+            "host_bytes": host_bytes,
+            "host_file_bytes": host_file_bytes,
+        }

@@ -68,7 +68,12 @@ from tf_sfctr.keras_layers._layer_inputs import (
 from tf_sfctr.keras_layers._sharded_rows import ShardedRowsMixin
 from tf_sfctr.keras_layers._step_state import Counter, DeferredUpdate, DeviceCache, Plan
 from tf_sfctr.keras_layers._table_access import TableAccessMixin
-from tf_sfctr.store import CheckpointMismatchError, EmbeddingStore, StoreConfig
+from tf_sfctr.store import (
+    PENDING_TABLE_DIRS,
+    CheckpointMismatchError,
+    EmbeddingStore,
+    StoreConfig,
+)
 
 COMBINERS = ("sum", "mean", "sqrtn")
 DISTRIBUTIONS = ("auto", "model_parallel", "data_parallel")
@@ -417,6 +422,9 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         # runs when the table is tracked (below).
         store.replicated = self._mode == "data_parallel"
         store.shard = _horovod.world() if self._mode == "model_parallel" else (1, 0)
+        # Where a tf_sfctr.distributed.restore into this layer before it was
+        # built left its table file.
+        store.pending_table_dir = PENDING_TABLE_DIRS.pop(self, None)
         try:
             # Tracking the table restores it now if a checkpoint was restored
             # into this layer before it was built (TF's deferred restore).

@@ -15,7 +15,7 @@ from tf_sfctr.keras_layers import CachedEmbedding
 from tf_sfctr.store import CheckpointMismatchError
 from conftest import assert_same_state, model_state
 from tf_sfctr.table_file import (TEST_PART_ROWS_ENV, TableFileError, TableFileWriter,
-                                 read_parts)
+                                 max_part_rows, read_parts)
 
 FIELDS, DIM, CAPACITY, BATCH, VOCAB = 3, 4, 64, 16, 3000
 SHARD = "shard-00000-of-00001"
@@ -124,6 +124,10 @@ def _damage(tmp_path, how):
         # once read) says 2^39 rows: refused before anything that big is read.
         data[32:40] = (1 << 39).to_bytes(8, "little")
         path.write_bytes(bytes(data))
+    elif how == "long_count":
+        # A count a part may hold, but more rows than the file has.
+        data[32:40] = (100_000).to_bytes(8, "little")
+        path.write_bytes(bytes(data))
     elif how == "extra_bytes":
         path.write_bytes(bytes(data) + b"\0")
     elif how == "missing":
@@ -146,7 +150,8 @@ def _damage(tmp_path, how):
     ("flipped_byte", "fails its checksum"),
     ("truncated", "truncated"),
     ("extra_bytes", "data after its end"),
-    ("huge_count", "more than the rest of the file holds"),
+    ("huge_count", "a part holds at most"),
+    ("long_count", "more than the rest of the file holds"),
     ("missing", "cannot be read"),
     ("other_save", "is table 0 of save .* not table 0 of save"),
     ("not_finite", "non-finite"),
@@ -238,6 +243,62 @@ def test_restore_into_an_unbuilt_subclassed_model_reads_the_table_file(tmp_path)
     assert fresh.emb.cache_stats()["host_rows"] == saved.emb.cache_stats()["host_rows"]
 
 
+def test_restore_into_a_partly_built_model_checks_and_loads_the_unbuilt_tables(tmp_path):
+    """One table built, one not: restore loads the built one and leaves the
+    other to its build, which reads its table file; a damaged file of the
+    unbuilt table is refused by restore itself, before anything changes
+    (found by a review: restore returned, and the later build failed)."""
+
+    class TwoTables(keras.Model):
+        def __init__(self, seed):
+            super().__init__()
+            self.a = CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=seed, name="a")
+            self.b = CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=seed + 1, name="b")
+
+        def call(self, x, training=None):
+            return self.a(x, training=training) + self.b(x, training=training)
+
+    vocab = np.arange(1, 301, dtype=np.int64) * 7919
+    saved = TwoTables(1)
+    saved.a.assign_rows(vocab, np.full([vocab.size, DIM], 1.5, np.float32))
+    saved.b.assign_rows(vocab, np.arange(vocab.size * DIM, dtype=np.float32).reshape(-1, DIM))
+    save(tf.train.Checkpoint(model=saved), str(tmp_path / "ckpt"))
+    names = sorted(p.name for p in (tmp_path / "ckpt" / SHARD).glob("table-*.rows"))
+    assert names == ["table-0000.rows", "table-0001.rows"]
+
+    def partly_built():
+        model = TwoTables(5)
+        model.a(vocab[:2, None])  # builds a only
+        return model
+
+    # Damage b's file (the table the restore does not load now).
+    for name in names:
+        damaged = partly_built()
+        before = damaged.a.lookup_rows(vocab)
+        path = tmp_path / "ckpt" / SHARD / name
+        intact = path.read_bytes()
+        path.write_bytes(intact[:-40])
+        with pytest.raises(CheckpointMismatchError, match="truncated|cannot be read"):
+            restore(tf.train.Checkpoint(model=damaged), str(tmp_path / "ckpt"))
+        path.write_bytes(intact)
+        np.testing.assert_array_equal(damaged.a.lookup_rows(vocab), before)
+    model = partly_built()
+    restore(tf.train.Checkpoint(model=model), str(tmp_path / "ckpt"))
+    np.testing.assert_array_equal(model.a.lookup_rows(vocab), saved.a.lookup_rows(vocab))
+    model.b(vocab[:2, None])  # built now: its table comes from its file
+    np.testing.assert_array_equal(model.b.lookup_rows(vocab), saved.b.lookup_rows(vocab))
+    assert model.b.cache_stats()["host_rows"] == vocab.size
+    # The directory is known to the layers that restore took, not to the
+    # save: a plain tf.train.Checkpoint read of the shard into other layers
+    # is still refused when they are built (it found the file, once a
+    # distributed.restore of the same save had run in the process).
+    plain = TwoTables(7)
+    tf.train.Checkpoint(model=plain).read(
+        str(tmp_path / "ckpt" / SHARD / "ckpt")).expect_partial()
+    with pytest.raises(CheckpointMismatchError, match="tf_sfctr.distributed.restore"):
+        plain.b(vocab[:2, None])
+
+
 def test_table_file_reader_checks_what_it_is_given(tmp_path):
     path = str(tmp_path / "t.rows")
     rng = np.random.default_rng(0)
@@ -262,3 +323,28 @@ def test_table_file_reader_checks_what_it_is_given(tmp_path):
     (tmp_path / "junk").write_bytes(b"x" * 64)
     with pytest.raises(TableFileError, match="not a tf_sfctr table file"):
         list(read_parts(str(tmp_path / "junk"), 6))
+
+
+def test_a_part_count_above_what_a_part_may_hold_is_refused_before_it_is_read(tmp_path):
+    """A damaged count that the file's size could still hold (here a sparse
+    file: no disk used) is refused by the bound on a part's rows, before a
+    read of that size is attempted; the writer splits larger parts."""
+    width = 1024
+    most = max_part_rows(width)
+    path = tmp_path / "big.rows"
+    with TableFileWriter(str(path), width, save_id=5, table=0) as w:
+        w.write([1], np.ones([1, width], np.float32), [1])
+    data = bytearray(path.read_bytes())
+    data[32:40] = (most + 1).to_bytes(8, "little")
+    with open(path, "wb") as f:
+        f.write(bytes(data))
+        f.truncate((most + 2) * (12 + 4 * width) + len(data))  # room for the count
+    with pytest.raises(TableFileError, match=f"a part holds at most {most} rows"):
+        list(read_parts(str(path), width))
+    # More rows than a part may hold go out as several parts.
+    small = max_part_rows(2)
+    ids = np.arange(small + 3, dtype=np.int64)
+    with TableFileWriter(str(path), 2, save_id=6, table=0) as w:
+        w.write(ids, np.ones([ids.size, 2], np.float32), np.ones(ids.size))
+    sizes = [p[0].size for p in read_parts(str(path), 2, rows=ids.size)]
+    assert sizes == [small, 3]

@@ -9,8 +9,9 @@ as methods. It does no math and holds no device data: the cache rows live in
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 import zlib
 
 import numpy as np
@@ -65,11 +66,13 @@ FORMAT_VERSION = 3
 FILE_FORMAT_VERSION = 4
 _READABLE_VERSIONS = {1: 4, 2: 6, 3: 8, 4: 11}  # version -> header length
 
-#: Save id -> shard directory of a tf_sfctr.distributed.restore into layers
-#: not built yet: their tables are restored when they are built (TensorFlow
-#: defers restores into objects that do not exist yet), from the table files
-#: of that directory.
-_DEFERRED_TABLE_DIRS: dict[int, str] = {}
+#: Layer -> (save id, shard directory) of a tf_sfctr.distributed.restore
+#: into a layer not built yet: its table is restored when it is built
+#: (TensorFlow defers restores into objects that do not exist yet), from
+#: that save's table file in that directory. Per layer, so that a plain
+#: tf.train.Checkpoint restore into another layer never finds it.
+PENDING_TABLE_DIRS: "weakref.WeakKeyDictionary[Any, tuple[int, str]]" = (
+    weakref.WeakKeyDictionary())
 
 
 def in_table_file(header) -> bool:
@@ -162,6 +165,10 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         # (path, save id, table number) of the table file the rows go to,
         # a part at a time, instead of the checkpoint's tensors.
         self.table_file: Optional[tuple[str, int, int]] = None
+        # Set by the owning layer when it is built, from PENDING_TABLE_DIRS:
+        # (save id, shard directory) of the table file a deferred restore
+        # loads (once).
+        self.pending_table_dir: Optional[tuple[int, str]] = None
         super().__init__(device="/CPU:0")
 
     def _create_resource(self):
@@ -369,7 +376,8 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         self.check_shard(t["header"], t["ids"])
         if in_table_file(t["header"]):
             header = _saved_integers("header", t["header"]).ravel()
-            directory = _DEFERRED_TABLE_DIRS.get(int(header[10]))
+            pending, self.pending_table_dir = self.pending_table_dir, None
+            directory = pending[1] if pending and pending[0] == int(header[10]) else None
             if directory is None:
                 raise CheckpointMismatchError(
                     "saved table keeps its rows in a table file beside the checkpoint "

@@ -58,7 +58,18 @@ def part_rows(width: int) -> int:
     test = os.environ.get(TEST_PART_ROWS_ENV)
     if test:
         return max(1, int(test))
+    return _default_part_rows(width)
+
+
+def _default_part_rows(width: int) -> int:
     return max(1024, PART_BYTES // (4 * width + 12))
+
+
+def max_part_rows(width: int) -> int:
+    """The most rows a part may hold: the writer splits larger parts, and a
+    reader refuses a count above it before reading the part (a damaged
+    count must not make it allocate gigabytes before the checksum can tell)."""
+    return 4 * _default_part_rows(width)
 
 
 def table_file_name(table: int) -> str:
@@ -76,7 +87,8 @@ class _LocalFile:
     be larger than memory, and under a cgroup v1 memory limit dirty pages
     cannot be reclaimed until the kernel writes them: a restore right after
     a save of a table on file was killed by the limit, holding the save's
-    unwritten pages. Synced, a save is also on the disk when it returns."""
+    unwritten pages. Synced, a table file is also on the disk when its
+    writer returns."""
 
     def __init__(self, path: str, mode: str):
         self._f = open(path[len("file://"):] if path.startswith("file://") else path, mode)
@@ -137,6 +149,9 @@ class TableFileWriter:
         self._file.write(_HEADER.pack(MAGIC, VERSION, self.width, int(save_id), int(table), 0))
 
     def write(self, ids, rows, counts) -> None:
+        """Writes rows ``ids`` (their values and state, ``[n, width]``, and use
+        counts) as one part, or as several if there are more than
+        ``max_part_rows``."""
         ids = np.ascontiguousarray(ids, "<i8").ravel()
         n = ids.size
         if n == 0:
@@ -146,6 +161,12 @@ class TableFileWriter:
         if rows.shape != (n, self.width) or counts.size != n:
             raise ValueError(f"a part of {n} ids needs rows of shape [{n}, {self.width}] and "
                              f"{n} use counts, got {rows.shape} and {counts.size}")
+        most = max_part_rows(self.width)
+        if n > most:
+            for start in range(0, n, most):
+                end = start + most
+                self.write(ids[start:end], rows[start:end], counts[start:end])
+            return
         counts = np.clip(counts, 0, 2**32 - 1).astype("<u4")
         crc = 0
         for piece in (_COUNT.pack(n), ids.data, counts.data, rows.data):
@@ -232,6 +253,7 @@ def _read_parts(path, width, save_id, table, rows):
                 "from another checkpoint or left by a save that did not finish.")
         total = 0
         part = 0
+        most = max_part_rows(width)
         at = _HEADER.size  # bytes read
         while True:
             raw = _read_exactly(f, _COUNT.size, path, f"part {part}")
@@ -250,7 +272,11 @@ def _read_parts(path, width, save_id, table, rows):
                                          f"says {rows}.")
                 return
             # The count is checked by the part's checksum only once the part
-            # is read: a damaged one must not ask for more than the file has.
+            # is read: a damaged one must not ask for more than a part may
+            # hold, or than the file has.
+            if n > most:
+                raise TableFileError(f"{path} is damaged (part {part} says {n} rows; a part "
+                                     f"holds at most {most} rows of this width).")
             length = n * (12 + 4 * width) + _CRC.size
             if length > size - at:
                 raise TableFileError(f"{path} is damaged or truncated (part {part} says {n} "

@@ -224,6 +224,13 @@ def _stores(checkpoint: tf.train.Checkpoint) -> list[EmbeddingStore]:
             if isinstance(obj, EmbeddingStore)]
 
 
+def _unbuilt_layers(checkpoint: tf.train.Checkpoint) -> list:
+    from tf_sfctr.keras_layers.cached_embedding import CachedEmbedding
+
+    return [obj for obj in tf.train.TrackableView(checkpoint).descendants()
+            if isinstance(obj, CachedEmbedding) and obj._store is None]
+
+
 def _check_built(checkpoint: tf.train.Checkpoint) -> None:
     """A table restored on another number of ranks is collected shard by
     shard and re-partitioned; a layer not built yet would get each shard
@@ -419,11 +426,13 @@ def _read_shard(checkpoint, directory: str, s: int, saved_size: int,
     return tables
 
 
-def _check_table_files(directory: str, s: int, saved_size: int) -> None:
+def _check_table_files(directory: str, s: int, saved_size: int,
+                       skip: frozenset = frozenset()) -> None:
     """Reads every table file of shard ``s`` whole (every part's checksum,
-    finite values), whichever objects its tables restore into: a restore
-    into layers not built yet loads them only when the layers are built,
-    and must not find a damaged one then."""
+    finite values) but those of the table numbers in ``skip``, whichever
+    objects its tables restore into: a restore into layers not built yet
+    loads them only when the layers are built, and must not find a damaged
+    one then."""
     from tf_sfctr.table_file import TableFileError, read_parts
 
     name = _shard_name(s, saved_size)
@@ -435,7 +444,7 @@ def _check_table_files(directory: str, s: int, saved_size: int) -> None:
             if attr.name != "header":
                 continue
             header = np.asarray(reader.get_tensor(attr.checkpoint_key)).ravel()
-            if not in_table_file(header):
+            if not in_table_file(header) or int(header[9]) in skip:
                 continue
             width = int(header[1]) * (1 + int(header[2]))
             path = os.path.join(directory, name, table_file_name(int(header[9])))
@@ -568,10 +577,14 @@ def _check(checkpoint, directory: str, stores, size: int, rank: int):
     for s in mine or [0]:
         for k, table in _read_shard(checkpoint, directory, s, saved_size, stores).items():
             parts.setdefault(k, []).append((s, table))
-    if saved_size == size and not stores:
-        # Nothing built: the restore leaves the tables to be loaded at build
-        # (from this rank's shard), so their files are checked now.
-        _check_table_files(directory, rank, size)
+    if saved_size == size:
+        # Tables of layers not built yet are loaded when they are built (from
+        # this rank's shard), so their files are checked now; the built
+        # ones' are read below.
+        built = {int(np.asarray(table["header"]).ravel()[9])
+                 for tables in parts.values() for _, table in tables
+                 if in_table_file(table["header"])}
+        _check_table_files(directory, rank, size, skip=built)
     shares = {}
     for k, store_parts in sorted(parts.items()):
         store = stores[k]
@@ -689,13 +702,16 @@ def _restore(checkpoint: tf.train.Checkpoint, directory: str) -> None:
     deferred = saved_size == size and not stores
     error, message = None, None
     try:
-        if deferred:
-            # Tables saved in table files are read from this shard's
-            # directory when their layers are built.
+        if saved_size == size:
+            # Tables saved in table files whose layers are not built yet (all
+            # of them when deferred) are read from this shard's directory
+            # when their layers are built.
             _, save_id = _read_manifest(directory)
             if save_id is not None:
-                store_module._DEFERRED_TABLE_DIRS[save_id] = os.path.join(
-                    directory, _shard_name(rank, size))
+                for layer in _unbuilt_layers(checkpoint):
+                    store_module.PENDING_TABLE_DIRS[layer] = (
+                        save_id, os.path.join(directory, _shard_name(rank, size)))
+        if deferred:
             checkpoint.read(_shard_prefix(directory, rank, size)).expect_partial()
         else:
             # Read this rank's shards, collecting table rows instead of
@@ -762,8 +778,6 @@ def _load_repartitioned(store: EmbeddingStore, parts: list, size: int, name: str
     """Loads the saved tables ``parts`` (this rank's shards) into ``store``,
     a part at a time: whole, or sent to their owners in ``rounds`` rounds of
     an all-to-all (collective; ``received``: rows this rank gets in all)."""
-    c = store.config
-    width = c.width
     if _table_mode(store, [p["header"] for p in parts], size, saved_size) == "whole":
         p = parts[0]
         if in_table_file(p["header"]):  # (its file was read whole by the checks)
@@ -783,21 +797,41 @@ def _load_repartitioned(store: EmbeddingStore, parts: list, size: int, name: str
             store.load_rows(ids, rows, counts, received)
         store.end_load(counters, received)
         return
-    from tf_sfctr.distributed import exchange
-
     hvd = require()
     header = hvd.broadcast(tf.constant(np.asarray(header, np.int64)), 0,
                            name=f"{name}_header").numpy()
     # Every rank takes part in every round, also once its own load failed
     # (out of memory, say): the others would wait for it in the next round.
     # It goes on sending its parts, so that the others' tables are whole.
-    error, read_error = None, False
+    error = None
     try:
         store.begin_load(header, received)
     except Exception as err:  # noqa: BLE001 - raised after the rounds
         error = err
     source = _parts_of(store, parts)
+    try:
+        error = _exchange_rounds(store, source, rounds, size, name, received, error)
+    finally:
+        # The rank with the most parts stops at its last one, before its
+        # file's end record (read by the checks): its file closes here.
+        source.close()
+    if error is not None:
+        raise error
+    store.end_load(counters, received)
+
+
+def _exchange_rounds(store: EmbeddingStore, source, rounds: int, size: int, name: str,
+                     received: int, error: Optional[Exception]) -> Optional[Exception]:
+    """The all-to-all rounds of a re-partitioning load: each sends this
+    rank's next part of ``source`` to the ids' owners and loads what arrives
+    (nothing once ``error`` is set, but the rank still takes part). Returns
+    the first error."""
+    from tf_sfctr.distributed import exchange
+
+    hvd = require()
+    width = store.config.width
     empty = (np.zeros(0, np.int64), np.zeros((0, width), np.float32), np.zeros(0, np.int64))
+    read_error = False
     for r in range(rounds):
         try:
             ids, rows, counts = empty if read_error else next(source, empty)
@@ -820,6 +854,4 @@ def _load_repartitioned(store: EmbeddingStore, parts: list, size: int, name: str
                                 got[:, width].astype(np.int64), received)
             except Exception as err:  # noqa: BLE001 - raised after the rounds
                 error = err
-    if error is not None:
-        raise error
-    store.end_load(counters, received)
+    return error

@@ -114,6 +114,37 @@ def test_ragged_ids_through_a_dense_input_serve_padded_rows_like_training(rng):
                                rtol=1e-5, atol=1e-6)
 
 
+def test_a_restored_model_with_a_variable_length_dense_input_needs_pad_id(rng, tmp_path):
+    """A model restored before its export does not record that ragged ids
+    reached it through a dense Input((None,)); pad_id='auto' then refused to
+    guess (a review found it served the padding 0 as an id: 44 of 64 served
+    rows differed), and an explicit pad_id=0 serves it as trained."""
+    rows = [rng.integers(1, 50, size=rng.integers(1, 5)) for _ in range(64)]
+    ragged = tf.ragged.constant(rows, dtype=tf.int64)
+    y = rng.random((64, 1)).astype("float32")
+
+    def make():
+        inp = keras.Input((None,), dtype="int64", name="tags")
+        emb = CachedEmbedding(4, cache_capacity=64, seed=0, combiner="mean", name="emb")
+        model = keras.Model(inp, keras.layers.Dense(1, name="out")(emb(inp)))
+        model.compile(optimizer="adam", loss="mse")
+        return model
+
+    model = make()
+    model.fit(tf.data.Dataset.from_tensor_slices((ragged, y)).batch(16), verbose=0)
+    expected = model.predict(tf.data.Dataset.from_tensors(ragged), verbose=0)
+    tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
+    restored = make()
+    tf.train.Checkpoint(model=restored).read(str(tmp_path / "ckpt")).expect_partial()
+    with pytest.raises(ValueError, match="Pass pad_id=0 for the first, pad_id=None"):
+        serving_model(restored)
+    with pytest.raises(ValueError, match="does not record it"):
+        tf_sfctr.export_for_serving(restored, str(tmp_path / "served"))
+    frozen = serving_model(restored, pad_id=0)
+    np.testing.assert_allclose(frozen.predict(ragged.to_tensor().numpy(), verbose=0), expected,
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_a_trained_row_for_id_0_that_served_rows_skip_warns():
     """Trained on sparse ids where 0 is a real id (a StringLookup's
     out-of-vocabulary index), the served model's dense rows skip 0 as

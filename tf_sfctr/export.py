@@ -339,10 +339,29 @@ def _served_pad_id(model: keras.Model, layer: CachedEmbedding) -> Union[int, Non
     def merged(pad, k):
         return 0 if pad == 0 or (k < len(fed) and fed[k]) else None
 
+    inputs = _call_inputs(model, layer)
     pads = [[merged(p, k) for k, p in enumerate(x)] if isinstance(x, list) else merged(x, 0)
-            for x in map(_pad_for, _call_inputs(model, layer))]
+            for x in map(_pad_for, inputs)]
     if not pads:  # not wired into this graph: as before
         return 0
+    if layer._fed_sparse is None and layer.combiner is not None:
+        # No call since the layer was made (a model restored or loaded for
+        # export): ragged ids fed through a dense variable-length Input
+        # leave no trace in the model, and guessing would serve wrong rows.
+        for x, pad in zip(inputs, pads):
+            for k, t in enumerate(x if isinstance(x, list) else [x]):
+                p = pad[k] if isinstance(pad, list) else pad
+                shape = getattr(t, "shape", None)
+                if p is None and shape is not None and len(shape) >= 2 and shape[-1] is None:
+                    raise ValueError(
+                        f"export_for_serving: CachedEmbedding {layer.name!r} "
+                        f"(combiner={layer.combiner!r}) takes a dense input of variable "
+                        f"length {tuple(shape)}, and no call of it in this process tells "
+                        "whether it was trained on ragged ids fed through that input (their "
+                        "dense served rows are padded with 0, which the served layer must "
+                        "skip) or on dense rows (every position counts, 0 included): a "
+                        "model restored or loaded before its export does not record it. "
+                        "Pass pad_id=0 for the first, pad_id=None for the second.")
     if any(p != pads[0] for p in pads[1:]):
         raise ValueError(
             f"export_for_serving: CachedEmbedding {layer.name!r} is called on inputs of "

@@ -272,6 +272,10 @@ BAD_LINES = [  # (line, reason find_bad_tsv_lines gives)
     ("0\t-nan", "dense column I1: '-nan' is not a finite number"),
     ("0\t3.5e38", "dense column I1: '3.5e38' is not a finite number"),  # beyond float32
     ("0\t0x1g", "dense column I1: '0x1g' is not a number"),
+    # TF reads at most 31 characters (found by a review: 32 was let through).
+    ("0\t0." + "1" * 30, "is not a number TensorFlow reads (it has 32 characters"),
+    ("1" + "0" * 31 + "\t7", "is not a number TensorFlow reads (it has 32 characters"),
+    ("1\t" + "1" * 40, "is not a number TensorFlow reads (it has 40 characters"),
 ]
 
 
@@ -293,11 +297,11 @@ def test_find_bad_tsv_lines_names_file_and_line_of_what_the_reader_refuses(
     args = dict(num_dense=1, num_sparse=1, compression_type=compression)
     # TF's StringToNumber also reads hexadecimal integers, and so do both.
     good = write("good.tsv", [GOOD_LINE, "0\t\t", " 1 \t 2 \tcd\r", "0x1\t0X1a", "0\t-0x10",
-                              "1\t.5e1", "0\t1e-50"])
+                              "1\t.5e1", "0\t1e-50", "0\t" + "1" * 31])
     assert find_bad_tsv_lines(good, **args) == []
     batches_ = list(criteo_tsv(good, **args))
     np.testing.assert_array_equal(batches_[0][0]["dense"].numpy().ravel(),
-                                  [7, 0, 2, 26, -16, 5, 0])
+                                  np.float32([7, 0, 2, 26, -16, 5, 0, float("1" * 31)]))
     for k, (line, reason) in enumerate(BAD_LINES):
         bad = write(f"bad_{k}.tsv", [GOOD_LINE, GOOD_LINE, line, GOOD_LINE])
         with pytest.raises(tf.errors.InvalidArgumentError):
@@ -378,6 +382,38 @@ def test_reader_argument_errors(files, tmp_path):
 
 
 @needs_pyarrow
+def test_parquet_columns_of_arrow_null_type_read_as_missing(tmp_path):
+    """A field missing in every row of a file (Criteo's sparse C20 in a small
+    partition, say) may come typed null; the pyarrow engine reads it as
+    missing, like a column of nulls (found by a review: it was refused)."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    n = 5
+    common = {"label": pa.array([0, 1, 0, 1, 1], pa.int64()),
+              "I1": pa.array([1.0, 2.0, 3.0, 4.0, 5.0])}
+    typed_null = pa.table({**common, "I2": pa.nulls(n), "C1": pa.array(list("abcde")),
+                           "C2": pa.nulls(n)})
+    nulls = pa.table({**common, "I2": pa.nulls(n, pa.float64()), "C1": pa.array(list("abcde")),
+                      "C2": pa.nulls(n, pa.string())})
+    assert pa.types.is_null(typed_null.schema.field("C2").type)
+    got = []
+    for name, table in (("typed_null", typed_null), ("nulls", nulls)):
+        pq.write_table(table, tmp_path / f"{name}.parquet")
+        got.append(list(parquet(str(tmp_path / f"{name}.parquet"), batch_size=n,
+                                dense_columns=["I1", "I2"], sparse_columns=["C1", "C2"],
+                                dense_default=-1.0)))
+    (a, ya), = got[0]
+    (b, yb), = got[1]
+    np.testing.assert_array_equal(a["dense"].numpy()[:, 1], [-1.0] * n)
+    for key in ("dense", "sparse"):
+        np.testing.assert_array_equal(a[key].numpy(), b[key].numpy())
+    np.testing.assert_array_equal(ya.numpy(), yb.numpy())
+    with pytest.raises(ValueError, match="column 'label' .* has type null"):
+        pq.write_table(typed_null.set_column(0, "label", pa.nulls(n)), tmp_path / "l.parquet")
+        parquet(str(tmp_path / "l.parquet"), dense_columns=["I1"], sparse_columns=["C1"])
+
+
 def test_parquet_errors(files, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

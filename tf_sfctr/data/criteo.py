@@ -376,10 +376,17 @@ _HEX = re.compile(rb"[+-]?0[xX][0-9a-fA-F]+")
 _SPECIAL = re.compile(rb"[+-]?(?:inf|nan)", re.IGNORECASE)
 
 
+#: The longest string TF's StringToNumber reads (it refuses 32 characters).
+_MAX_NUMBER_CHARS = 31
+
+
 def _number(field: bytes) -> float | None:
     """``field`` (stripped) as TF's StringToNumber reads it into float32, or
     None where TF refuses it. Python's ``float()`` differs: it takes "1_000",
-    "infinity" and non-ASCII digits, and refuses hexadecimal integers."""
+    "infinity", non-ASCII digits and any length, and refuses hexadecimal
+    integers."""
+    if len(field) > _MAX_NUMBER_CHARS:
+        return None
     if _DECIMAL.fullmatch(field):
         value = float(field)
     elif _HEX.fullmatch(field):
@@ -439,7 +446,8 @@ def find_bad_tsv_lines(
             elif not label:
                 reason = "empty label (a blank or whitespace-only line?)"
             elif _number(label) is None:
-                reason = f"label {label.decode(errors='replace')!r} is not a number"
+                reason = f"label {label.decode(errors='replace')!r} is not a number" + (
+                    _too_long(label))
             elif _number(label) not in (0.0, 1.0):
                 reason = f"label {label.decode(errors='replace')!r} is not 0 or 1"
             else:
@@ -451,13 +459,21 @@ def find_bad_tsv_lines(
                     if value is None or not math.isfinite(value):
                         reason = (f"dense column {name}: "
                                   f"{field.decode(errors='replace')!r} is not a "
-                                  f"{'number' if value is None else 'finite number'}")
+                                  f"{'number' if value is None else 'finite number'}"
+                                  + _too_long(field))
                         break
             if reason is not None:
                 found.append(BadLine(path, number, reason))
                 if len(found) == limit:
                     return found
     return found
+
+
+def _too_long(field: bytes) -> str:
+    if len(field) <= _MAX_NUMBER_CHARS:
+        return ""
+    return (f" TensorFlow reads (it has {len(field)} characters; TensorFlow's string-to-number "
+            f"reads at most {_MAX_NUMBER_CHARS})")
 
 
 def _check_compressed_alike(paths: Sequence[str], compression_type: str | None,

@@ -11,9 +11,10 @@ Engines:
 * ``"pyarrow"`` (default): reads record batches with pyarrow in Python
   (``tf.data.Dataset.from_generator``). Supports nulls (a null dense value
   becomes ``dense_default`` and a null categorical value is treated as the empty
-  string, exactly like an empty TSV field), every compression, and categorical
-  columns stored as strings, binary or dictionaries of either (pandas
-  ``category``). Needs ``pyarrow`` (a tested version: 25.0.1, the newest that
+  string, exactly like an empty TSV field; a dense or categorical column with no
+  value at all may have Arrow's ``null`` type), every compression, and
+  categorical columns stored as strings, binary or dictionaries of either
+  (pandas ``category``). Needs ``pyarrow`` (a tested version: 25.0.1, the newest that
   supports NumPy 1.26).
 * ``"tensorflow_io"``: tensorflow-io 0.37.1's native Parquet kernel (column
   slices of ``tfio.IOTensor.from_parquet``) inside the ``tf.data`` graph, for
@@ -326,13 +327,17 @@ def _pyarrow_check_schema(
         )
     for name in [label, *dense]:
         t = schema.field(name).type
-        if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
+        # (A column with no value at all may be typed null: a file of rows
+        # where that field is always missing. Read as missing.)
+        if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+                or (pa.types.is_null(t) and name != label)):
             raise ValueError(
                 f"parquet: column {name!r} of {path} has type {t}; a numeric column is required"
             )
     for name in sparse:
         t = schema.field(name).type
-        if not _is_text(pa, t.value_type if pa.types.is_dictionary(t) else t):
+        if not (_is_text(pa, t.value_type if pa.types.is_dictionary(t) else t)
+                or pa.types.is_null(t)):
             raise ValueError(
                 f"parquet: column {name!r} of {path} has type {t}; a string column is "
                 "required (string, binary, or a dictionary of either)"
@@ -346,6 +351,8 @@ def _is_text(pa, t) -> bool:
 
 def _text_values(pa, column) -> np.ndarray:
     """A categorical column as an object array of str or bytes; null -> empty."""
+    if pa.types.is_null(column.type):  # no value at all
+        return np.full(len(column), "", dtype=object)
     if pa.types.is_dictionary(column.type):
         column = column.dictionary_decode()
     empty = b"" if pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type) \

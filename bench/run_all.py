@@ -49,6 +49,7 @@ BENCHMARKS = [
     ("checkpoint_io", "Checkpoint size and save/restore time", ["--rows", "1000000"],
      ["--rows", "20000"], {}),
     ("vsi", "Rows moved with and without de-duplication", [], ["--tiny"], {}),
+    ("inference", "Inference reads (predict, evaluate)", [], ["--tiny"], {}),
     ("ftrl", "FTRL tables: update kernel and training step", [], ["--tiny"], {}),
     ("distributed", "Model parallel on 2 ranks (Horovod, Gloo)", [], ["--tiny"], {}),
 ]

@@ -225,6 +225,8 @@ class CachePlanMixin:
         """Current rows of distinct ids, from cache or host. Changes nothing
         but the placement of rows (a pending cache plan is applied first)."""
         with tf.control_dependencies([self._settle()]):
+            if _ops.use_kernels():  # one CPU kernel (the cache is in host memory)
+                return self._store.lookup_values(self._cache_rows, unique_ids)
             slots = self._store.cache_probe(unique_ids)
         cached_rows = _ops.gather_rows(self._cache_rows, tf.maximum(slots, 0))
         missing = tf.where(slots < 0)

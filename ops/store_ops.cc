@@ -165,6 +165,24 @@ Reads full-width rows from the host table; ids never stored get their initial
 row and are not inserted.
 )doc");
 
+REGISTER_OP("SfctrLookupValues")
+    .Input("store: resource")
+    .Input("cache_rows: resource")
+    .Input("ids: int64")
+    .Output("rows: float")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle ids;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &ids));
+      c->set_output(0, c->Matrix(c->Dim(ids, 0), InferenceContext::kUnknownDim));
+      return OkStatus();
+    })
+    .Doc(R"doc(
+Current values of ids outside training (no optimizer state): a cached id's row
+from the cache rows variable, any other id's from the host table (the initial
+value of an id never stored, which is not inserted). No side effects. CPU only.
+)doc");
+
 REGISTER_OP("SfctrCacheProbe")
     .Input("store: resource")
     .Input("ids: int64")

@@ -31,6 +31,7 @@ TABLES = {
     "ftrl": ["FTRL update kernels", "FTRL training step"],
     "distributed": ["Reference workload on 2 ranks"],
     "host_rows_dir": ["Lookup + update step"],  # and "Inserting", below
+    "inference": ["Inference reads"],
 }
 
 

@@ -234,6 +234,13 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
     def host_read(self, ids: tf.Tensor) -> tf.Tensor:
         return _ops.load().sfctr_host_read(self.resource_handle, ids)
 
+    def lookup_values(self, cache_rows: tf.Variable, ids: tf.Tensor) -> tf.Tensor:
+        """``[len(ids), dim]`` current values of ``ids`` outside training, in
+        one CPU kernel: cached rows from ``cache_rows`` (the cache's rows
+        variable, in host memory), the others from the host table."""
+        rows = _ops.load().sfctr_lookup_values(self.resource_handle, cache_rows.handle, ids)
+        return tf.ensure_shape(rows, [None, self.config.dim])
+
     def host_write(self, ids: tf.Tensor, rows, counts: tf.Tensor | None = None):
         """Stores full-width rows, given as one ``[n, width]`` tensor or a list
         of column blocks; ``counts`` (one per id) are added to the ids' use

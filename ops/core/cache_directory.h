@@ -91,6 +91,10 @@ class CacheDirectory {
   // Slot of `id`, or -1. Read-only (no counters, no frequency change).
   int32_t Probe(int64_t id) const;
 
+  // Probe of each of `ids` into slots[i], with the map entries of the ids
+  // ahead prefetched (as Classify does).
+  void ProbeMany(const int64_t* ids, int64_t n, int32_t* slots) const;
+
   // Classifies distinct `ids` (n of them) without changing anything: writes
   // the slot of each hit into slots[i] and -1 for each miss; returns the
   // number of misses. Fails if n exceeds the capacity.

@@ -1,6 +1,7 @@
 #include "embedding_store.h"
 
 #include <algorithm>
+#include <cstring>
 #include <unordered_set>
 
 #include "mix.h"
@@ -249,7 +250,42 @@ int64_t EmbeddingStore::PruneHost(uint32_t min_count) {
 void EmbeddingStore::Probe(const int64_t* ids, int64_t n,
                            int32_t* slots) const {
   std::lock_guard<std::mutex> lock(mu_);
-  for (int64_t i = 0; i < n; ++i) slots[i] = directory_.Probe(ids[i]);
+  directory_.ProbeMany(ids, n, slots);
+}
+
+void EmbeddingStore::LookupValues(const int64_t* ids, int64_t n, const float* cache_rows,
+                                  float* out) const {
+  const int dim = table_.dim();
+  std::vector<int32_t> slots(n);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    directory_.ProbeMany(ids, n, slots.data());
+  }
+  // Cached rows first, the rows of the ids ahead prefetched (the cache is
+  // larger than a core's caches; as SfctrGatherRows does). Reading the host
+  // rows on a pool thread beside these copies was no faster
+  // (bench/inference.py, docs/design.md).
+  std::vector<int64_t> miss_ids, miss_at;
+  constexpr int64_t kAhead = 32;
+  const size_t bytes = sizeof(float) * dim;
+  for (int64_t i = 0; i < n; ++i) {
+    if (i + kAhead < n && slots[i + kAhead] >= 0) {
+      __builtin_prefetch(cache_rows + static_cast<int64_t>(slots[i + kAhead]) * dim);
+    }
+    if (slots[i] >= 0) {
+      std::memcpy(out + i * dim, cache_rows + static_cast<int64_t>(slots[i]) * dim, bytes);
+    } else {
+      miss_ids.push_back(ids[i]);
+      miss_at.push_back(i);
+    }
+  }
+  if (miss_ids.empty()) return;
+  std::vector<float> host(miss_ids.size() * dim);
+  table_.Find(miss_ids.data(), static_cast<int64_t>(miss_ids.size()), host.data(),
+              /*values_only=*/true);
+  for (size_t k = 0; k < miss_at.size(); ++k) {
+    std::memcpy(out + miss_at[k] * dim, host.data() + k * dim, bytes);
+  }
 }
 
 void EmbeddingStore::CachedEntries(std::vector<int64_t>* ids,

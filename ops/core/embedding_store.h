@@ -91,6 +91,14 @@ class EmbeddingStore {
   // Slots of `ids` (-1 when not cached), without side effects.
   void Probe(const int64_t* ids, int64_t n, int32_t* slots) const;
 
+  // Current values (n x dim, no optimizer state) of `ids` for a read outside
+  // training: a cached id's row from `cache_rows` (the device cache's rows as
+  // a host array, capacity x dim), any other's from the host table (the
+  // initial value of an id never stored, which is not inserted). No side
+  // effects. The caller holds the cache rows still while this runs.
+  void LookupValues(const int64_t* ids, int64_t n, const float* cache_rows,
+                    float* out) const;
+
   // Every cached id and its slot; credits their use counts to the host table.
   void CachedEntries(std::vector<int64_t>* ids, std::vector<int32_t>* slots);
 

@@ -360,15 +360,18 @@ double SecondsSince(std::chrono::steady_clock::time_point t0) {
 }
 }  // namespace
 
-void HostTable::Find(const int64_t* ids, int64_t n, float* out) const {
+void HostTable::Find(const int64_t* ids, int64_t n, float* out, bool values_only) const {
   AdviseReads(ids, n);
   const auto t0 = std::chrono::steady_clock::now();
   OnExit timed{[&] { NoteReadTime(n, SecondsSince(t0)); }};
+  const int64_t cols = values_only ? options_.dim : width_;
   ForEachByShard(ids, n, [&](int64_t i, Shard& s, uint64_t h) {
-    float* dst = out + i * width_;
+    float* dst = out + i * cols;
     const Entry* e = Locate(s, ids[i], h);
     if (e != nullptr) {
-      std::memcpy(dst, RowPtr(s, e->row), sizeof(float) * width_);
+      std::memcpy(dst, RowPtr(s, e->row), sizeof(float) * cols);
+    } else if (values_only) {
+      initializer_.Fill(ids[i], options_.dim, dst);
     } else {
       InitialRow(ids[i], dst);
     }

@@ -79,8 +79,9 @@ class HostTable {
   void InitialRow(int64_t id, float* out) const;
 
   // Copies the stored full-width rows of `ids` into `out` (n x width); ids not
-  // present get their initial row and are not inserted.
-  void Find(const int64_t* ids, int64_t n, float* out) const;
+  // present get their initial row and are not inserted. With `values_only`,
+  // only each row's value (n x dim), without its optimizer state.
+  void Find(const int64_t* ids, int64_t n, float* out, bool values_only = false) const;
 
   // Number of distinct ids among `ids` that are not stored (duplicates in
   // `ids` counted once).

@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_var.h"
 
 namespace tensorflow {
 namespace sfctr_kernels {
@@ -31,6 +32,19 @@ inline bool CatchOutOfMemory(OpKernelContext* ctx, const Where& where, const Bod
                                               ": a buffer too large for memory ", where()));
   }
   return false;
+}
+
+// The float ops below on resource variables have no dtype attribute: check
+// the variable's type before anything reads it as float.
+inline Status CheckFloatVariable(Var* var, const char* name) {
+  if (!var->tensor()->IsInitialized()) {
+    return errors::FailedPrecondition(name, " is not initialized");
+  }
+  if (var->tensor()->dtype() != DT_FLOAT) {
+    return errors::InvalidArgument(name, " must be a float32 variable, got ",
+                                   DataTypeString(var->tensor()->dtype()));
+  }
+  return OkStatus();
 }
 
 }  // namespace sfctr_kernels

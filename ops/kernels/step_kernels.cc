@@ -32,6 +32,7 @@ namespace tensorflow {
 namespace {
 
 using sfctr_kernels::CatchOutOfMemory;
+using sfctr_kernels::CheckFloatVariable;
 
 class UniqueOp : public OpKernel {
  public:
@@ -245,19 +246,6 @@ class FirstBadInverseOp : public OpKernel {
         inverse.flat<Index>().data(), ids.NumElements());
   }
 };
-
-// The float ops below on resource variables have no dtype attribute: check
-// the variable's type before anything reads it as float.
-Status CheckFloatVariable(Var* var, const char* name) {
-  if (!var->tensor()->IsInitialized()) {
-    return errors::FailedPrecondition(name, " is not initialized");
-  }
-  if (var->tensor()->dtype() != DT_FLOAT) {
-    return errors::InvalidArgument(name, " must be a float32 variable, got ",
-                                   DataTypeString(var->tensor()->dtype()));
-  }
-  return OkStatus();
-}
 
 class NonFiniteMarkerOp : public OpKernel {
  public:

@@ -31,6 +31,7 @@ namespace tensorflow {
 namespace {
 
 using sfctr_kernels::CatchOutOfMemory;
+using sfctr_kernels::CheckFloatVariable;
 
 // Test-only: SFCTR_TEST_HOST_MEMORY_LIMIT=<bytes> makes the tables of this
 // library refuse memory beyond that many bytes (of host table indexes, row
@@ -464,6 +465,39 @@ class HostReadOp : public StoreOpKernel {
   }
 };
 
+// Values of ids for a read outside training (inference), in one kernel: the
+// cached ones from the cache rows variable, the others from the host table
+// (values only). CPU only: the variable must be in host memory.
+class LookupValuesOp : public StoreOpKernel {
+ public:
+  using StoreOpKernel::StoreOpKernel;
+
+ protected:
+  void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
+    using CPUDevice = Eigen::ThreadPoolDevice;
+    const Tensor& ids = ctx->input(2);
+    OP_REQUIRES_OK(ctx, CheckIds(ids));
+    core::RefCountPtr<Var> var;
+    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 1), &var));
+    OP_REQUIRES_OK(ctx, CheckFloatVariable(var.get(), "cache_rows"));
+    // As SfctrGatherRows: a shared lock for the whole read, so that a
+    // concurrent update never sees a second reference and copies the cache.
+    OP_REQUIRES_OK(ctx, EnsureSparseVariableAccess<CPUDevice, float>(ctx, var.get()));
+    tf_shared_lock lock(*var->mu());
+    const Tensor& rows = *var->tensor();
+    const int64_t dim = store.table().dim();
+    OP_REQUIRES(ctx, rows.dims() == 2 && rows.dim_size(0) == store.cache_capacity() &&
+                         rows.dim_size(1) == dim,
+                errors::InvalidArgument("cache_rows must have shape [", store.cache_capacity(),
+                                        ", ", dim, "] (the store's cache), got ",
+                                        rows.shape().DebugString()));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({ids.NumElements(), dim}), &out));
+    store.LookupValues(ids.flat<int64_t>().data(), ids.NumElements(),
+                       rows.flat<float>().data(), out->flat<float>().data());
+  }
+};
+
 class CacheProbeOp : public StoreOpKernel {
  public:
   using StoreOpKernel::StoreOpKernel;
@@ -692,6 +726,7 @@ SFCTR_CPU_KERNEL("SfctrHostWrite", HostWriteOp);
 SFCTR_CPU_KERNEL("SfctrHostAssign", HostAssignOp);
 SFCTR_CPU_KERNEL("SfctrHostRead", HostReadOp);
 SFCTR_CPU_KERNEL("SfctrCacheProbe", CacheProbeOp);
+SFCTR_CPU_KERNEL("SfctrLookupValues", LookupValuesOp);
 SFCTR_CPU_KERNEL("SfctrCacheEntries", CacheEntriesOp);
 SFCTR_CPU_KERNEL("SfctrCacheClear", CacheClearOp);
 SFCTR_CPU_KERNEL("SfctrHostExport", HostExportOp);

@@ -1194,6 +1194,36 @@ void RunStoreAgainstModel(const Scheduler* schedule) {
       for (int j = 2; j < 4; ++j) row[j] += 10.0f;
       std::copy(row, row + w, want.begin());
     }
+    if (step % 97 == 0) {
+      // A read outside training: cached values from the cache, the others
+      // from the host table, initial values for ids never seen.
+      std::vector<float> values(o.cache_capacity * 2);
+      for (int64_t s = 0; s < o.cache_capacity; ++s) {
+        std::copy(cache.begin() + s * w, cache.begin() + s * w + 2, values.begin() + s * 2);
+      }
+      std::vector<int64_t> probe;
+      for (int64_t id = -152; id < 152; ++id) probe.push_back(id);
+      for (int64_t k = 0; k < 40; ++k) probe.push_back((int64_t{1} << 40) + k);  // never seen
+      std::vector<float> got(probe.size() * 2, -7.0f);
+      store.LookupValues(probe.data(), probe.size(), values.data(), got.data());
+      for (size_t i = 0; i < probe.size(); ++i) {
+        std::vector<float> want(w);
+        if (model.count(probe[i])) {
+          want = model[probe[i]];
+        } else {
+          store.table().InitialRow(probe[i], want.data());
+        }
+        CHECK_EQ(got[i * 2], want[0]);
+        CHECK_EQ(got[i * 2 + 1], want[1]);
+      }
+      // Nothing was inserted.
+      CHECK(store.table().size() <= static_cast<int64_t>(model.size()));
+      std::vector<float> full(w), value(2);
+      const int64_t unseen = int64_t{1} << 40;
+      store.table().Find(&unseen, 1, full.data());
+      store.table().Find(&unseen, 1, value.data(), /*values_only=*/true);
+      CHECK(value[0] == full[0] && value[1] == full[1]);
+    }
   }
   // Flush and compare every row.
   std::vector<int64_t> cached_ids;

@@ -533,7 +533,9 @@ def criteo_tsv(
     or hexadecimal ``0x1f`` numbers), or a dense field that is not finite in
     float32 ("dense values must be finite numbers": ``inf``, ``nan``, 1e39). The errors name
     the batch's offending value; :func:`find_bad_tsv_lines` names the file and
-    line. Lines may end in
+    line. (A refused label or dense field holding bytes that are not UTF-8
+    raises Python's ``UnicodeDecodeError`` instead: TensorFlow's own message
+    quotes the value and cannot be decoded.) Lines may end in
     ``\\r\\n``; a carriage return elsewhere in a line is dropped as well
     (TensorFlow's line reader drops every one), so a categorical value
     ``"a\\rb"`` gets the id of ``"ab"``. Spaces around a label or dense number are ignored, and a

@@ -74,3 +74,44 @@ def test_inference_calls_use_it_and_match_training_values():
         trained = layer(ids[:2], training=True)
         loss = tf.reduce_sum(trained)
     np.testing.assert_array_equal(trained.numpy(), served[:2])
+
+
+@pytest.mark.parametrize("dim,on_disk", [(1, False), (4, False), (3, True)])
+def test_a_read_after_a_lookahead_step_equals_the_stock_ops_read(monkeypatch, tmp_path, dim,
+                                                                 on_disk):
+    """A lookahead step leaves its next batch's plan pending; an inference
+    call settles it first, with the kernel as with the stock ops (GPU path),
+    also for a table whose rows are on disk (host_rows_dir)."""
+    from tf_sfctr import _ops
+    from tf_sfctr.data import deduplicate
+
+    def run(kernels):
+        monkeypatch.setenv(_ops.CPU_KERNELS_ENV, "1" if kernels else "0")
+        rows_dir = tmp_path / f"rows_{kernels}"
+        rows_dir.mkdir()
+        layer = CachedEmbedding(dim, cache_capacity=24, seed=5,
+                                optimizer=tf_sfctr.optimizers.Adagrad(0.3),
+                                host_rows_dir=str(rows_dir) if on_disk else None)
+        rng = np.random.default_rng(0)
+        batches = [rng.integers(0, 100, (4, 5)).astype(np.int64) for _ in range(12)]
+
+        @tf.function
+        def step(ids, next_ids):
+            feature = deduplicate(ids)
+            feature["next_unique_ids"] = next_ids
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(layer(feature, training=True) ** 2)
+            tape.gradient(loss, layer.trainable_variables)
+
+        for k in range(len(batches) - 1):
+            step(tf.constant(batches[k]), deduplicate(tf.constant(batches[k + 1]))["unique_ids"])
+        assert bool(layer._plan.pending.numpy())
+
+        @tf.function
+        def infer(ids):
+            return layer(ids, training=False)
+
+        queries = np.arange(0, 130, dtype=np.int64).reshape(13, 10)  # some never seen
+        return infer(tf.constant(queries)).numpy()
+
+    np.testing.assert_array_equal(run(kernels=True), run(kernels=False))

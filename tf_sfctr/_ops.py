@@ -51,6 +51,10 @@ _OP_TYPES = (
     "SfctrFirstBadInverse",
     "SfctrFrame",
     "SfctrUnframe",
+    "SfctrHostExportRange",
+    "SfctrHostDropFileRows",
+    "SfctrSparseApplyFtrl",
+    "SfctrLookupValues",
 )
 
 

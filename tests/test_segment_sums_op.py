@@ -71,6 +71,16 @@ def test_empty_inputs():
     assert sums.shape == (0, 5)
 
 
+def test_an_output_shape_that_overflows_is_refused_not_aborted():
+    """Rows with no elements can be of any width; with num_segments from the
+    caller, [num_segments, width] overflowed int64 and TensorShape aborted
+    the process."""
+    for squares in (False, True):
+        with pytest.raises(tf.errors.InvalidArgumentError, match="overflow"):
+            _ops.segment_sums(tf.zeros([0, 2**33]), tf.zeros([0], tf.int32), 2**31 - 1,
+                              squares=squares, use_kernel=True)
+
+
 @pytest.mark.parametrize("bad", [-1, 3])
 def test_rejects_segment_out_of_range(bad):
     with pytest.raises(tf.errors.InvalidArgumentError, match=rf"segment_ids\[1\] = {bad} is not in \[0, 3\)"):

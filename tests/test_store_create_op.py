@@ -42,3 +42,23 @@ def test_settings_that_give_non_finite_rows_are_refused(init, state_init, match)
 def test_the_edges_of_what_is_allowed_give_finite_rows(init):
     rows = _store(init).host_read(tf.constant(np.arange(100), tf.int64)).numpy()
     assert np.all(np.isfinite(rows))
+
+
+def test_set_seed_and_set_counters_refuse_other_shapes_and_negative_counts():
+    """Raw op inputs: a seed of shape [1] and counters of shape [3, 1] or with
+    negative counts were taken (stats then reported hits -1)."""
+    from tf_sfctr import _ops
+    store = _store(InitSpec("uniform", -0.1, 0.1))
+    ops = _ops.load()
+    for seed in (tf.constant([7], tf.int64), tf.constant([[7]], tf.int64)):
+        with pytest.raises(tf.errors.InvalidArgumentError, match="seed must be a scalar"):
+            ops.sfctr_host_set_seed(store.resource_handle, seed)
+    before = store.stats().numpy()
+    for counters, match in [(tf.constant([[1], [2], [3]], tf.int64), "vector of 3 values"),
+                            (tf.constant([1, 2], tf.int64), "vector of 3 values"),
+                            (tf.constant([-1, 2, 3], tf.int64), "must be >= 0")]:
+        with pytest.raises(tf.errors.InvalidArgumentError, match=match):
+            store.set_counters(counters)
+    np.testing.assert_array_equal(store.stats().numpy(), before)
+    store.set_counters(tf.constant([4, 5, 6], tf.int64))
+    assert store.stats().numpy()[:3].tolist() == [4, 5, 6]

@@ -157,9 +157,14 @@ class SegmentSumsOp : public OpKernel {
                                         " is not in [0, ", num_segments, ")"));
     Tensor* sums = nullptr;
     Tensor* squares = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({num_segments, dim}), &sums));
+    // Built with a status: num_segments is the caller's, and rows of data
+    // with no elements can be of any width, so the product may overflow
+    // (the TensorShape constructor would abort the process).
+    TensorShape sums_shape;
+    OP_REQUIRES_OK(ctx, TensorShape::BuildTensorShape({num_segments, dim}, &sums_shape));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, sums_shape, &sums));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            1, TensorShape({squares_ ? num_segments : 0, dim}), &squares));
+                            1, squares_ ? sums_shape : TensorShape({0, dim}), &squares));
     const float* in = data.flat<float>().data();
     float* out = sums->flat<float>().data();
     float* out_sq = squares_ ? squares->flat<float>().data() : nullptr;
@@ -500,6 +505,20 @@ class SparseApplyFtrlOp : public OpKernel {
                                           "scalars"));
       *scalars[k] = t.scalar<float>()();
     }
+    // The ranges ResourceSparseApplyFtrlV2 requires (the GPU path runs it):
+    // the update divides by lr, so lr = 0 (a schedule decayed to zero) would
+    // write NaN into the rows. Checked before any row changes; NaN fails too.
+    OP_REQUIRES(ctx, p.lr > 0.0f,
+                errors::InvalidArgument("FTRL's learning rate must be > 0, got ", p.lr,
+                                        " (from the table optimizer's learning rate or "
+                                        "its schedule); no row was changed"));
+    OP_REQUIRES(ctx, p.l1 >= 0.0f && p.l2 >= 0.0f && p.l2_shrinkage >= 0.0f,
+                errors::InvalidArgument("FTRL's l1, l2 (with beta / (2 lr)) and "
+                                        "l2_shrinkage must be >= 0, got ", p.l1, ", ", p.l2,
+                                        " and ", p.l2_shrinkage, "; no row was changed"));
+    OP_REQUIRES(ctx, p.lr_power <= 0.0f,
+                errors::InvalidArgument("FTRL's learning_rate_power must be <= 0, got ",
+                                        p.lr_power, "; no row was changed"));
     const Tensor& grad = ctx->input(8);
     const Tensor& indices = ctx->input(9);
     const Tensor& grad_sq = ctx->input(10);

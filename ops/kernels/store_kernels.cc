@@ -642,8 +642,9 @@ class HostSetSeedOp : public StoreOpKernel {
  protected:
   void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
     const Tensor& seed = ctx->input(1);
-    OP_REQUIRES(ctx, seed.NumElements() == 1,
-                errors::InvalidArgument("seed must be a scalar"));
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(seed.shape()),
+                errors::InvalidArgument("seed must be a scalar, got shape ",
+                                        seed.shape().DebugString()));
     store.table().SetInitSeed(
         static_cast<uint64_t>(seed.flat<int64_t>()(0)));
   }
@@ -710,9 +711,14 @@ class StoreSetCountersOp : public StoreOpKernel {
  protected:
   void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
     const Tensor& c = ctx->input(1);
-    OP_REQUIRES(ctx, c.NumElements() == 3,
-                errors::InvalidArgument("counters must hold 3 values"));
+    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(c.shape()) && c.NumElements() == 3,
+                errors::InvalidArgument("counters must be a vector of 3 values (hits, "
+                                        "misses, evictions), got shape ",
+                                        c.shape().DebugString()));
     auto v = c.flat<int64_t>();
+    OP_REQUIRES(ctx, v(0) >= 0 && v(1) >= 0 && v(2) >= 0,
+                errors::InvalidArgument("counters (hits, misses, evictions) must be >= 0, "
+                                        "got ", v(0), ", ", v(1), ", ", v(2)));
     store.SetCounters(v(0), v(1), v(2));
   }
 };

@@ -390,6 +390,12 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             # Updates applied by the table optimizer (Adam's t); checkpointed.
             self._table_step = tf.Variable(
                 tf.constant(0, tf.int64), trainable=False, name="table_step")
+        # A learning rate given as a number can be set again during training
+        # (by a callback, say): tracked, so that checkpoints keep the rate the
+        # table trains at, as they keep the Keras optimizer's.
+        rate = getattr(opt, "learning_rate_variable", None)
+        if rate is not None:
+            self._table_learning_rate = rate
         with tf.init_scope():
             self._plan = Plan(self.output_dim, 1 + opt.num_state, compute_device())
             self._warned_unused_plans = False
@@ -814,6 +820,9 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             store[f"table_{key}"] = value.numpy()
         store["table_step"] = np.array([self._table_step.numpy()])
         store["trigger"] = np.array([self._trigger.numpy()])
+        rate = getattr(self.table_optimizer, "learning_rate_variable", None)
+        if rate is not None:
+            store["table_learning_rate"] = np.array([rate.numpy()], np.float32)
 
     def load_own_variables(self, store) -> None:
         self._require_built()
@@ -833,9 +842,29 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                 f"CachedEmbedding {self.name}: the saved weights' table_step (the table "
                 f"optimizer's update count) is {'missing' if step is None else step!r}, not "
                 "one integer >= 0; they are corrupt. The current table was left untouched.")
+        rate = self._saved_learning_rate(store, present)
         self._store.load_table(table["header"], table["ids"], table["rows"],
                                table["counts"], table["counters"])
         self._table_step.assign(int(step.ravel()[0]))
+        if rate is not None:
+            self.table_optimizer.learning_rate_variable.assign(rate)
+
+    def _saved_learning_rate(self, store, present) -> Optional[float]:
+        """The table optimizer's learning rate in saved weights, checked; None
+        when there is nothing to restore (weights saved before the rate was
+        saved, or a schedule on either side)."""
+        if "table_learning_rate" not in present:
+            return None
+        if getattr(self.table_optimizer, "learning_rate_variable", None) is None:
+            return None  # a schedule now: it follows the restored table_step
+        rate = np.asarray(store["table_learning_rate"])
+        if (rate.size != 1 or rate.dtype.kind != "f" or not np.isfinite(rate).all()
+                or rate.ravel()[0] <= 0):
+            raise ValueError(
+                f"CachedEmbedding {self.name}: the saved weights' table_learning_rate is "
+                f"{rate!r}, not one finite float > 0; they are corrupt. The current table "
+                "was left untouched.")
+        return float(rate.ravel()[0])
 
     # ---------------------------------------------------------- Keras glue
     def compute_output_shape(self, input_shape: Any) -> tuple:

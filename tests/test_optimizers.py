@@ -322,3 +322,111 @@ def test_structural_settings_cannot_be_set_again():
         assert getattr(optimizer, name) == before
         optimizer.learning_rate = 0.05
         assert optimizer.learning_rate == 0.05
+
+
+def _sgd_model(rate=0.1, name="emb"):
+    ids = keras.Input((2,), dtype="int64")
+    emb = CachedEmbedding(2, cache_capacity=8, seed=0, name=name,
+                          optimizer=tf_sfctr.optimizers.SGD(learning_rate=rate))
+    model = keras.Model(ids, keras.layers.Flatten()(emb(ids)))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model, emb
+
+
+def _trained_rate(model, emb):
+    """The rate the table's next step applies: one SGD step on row 7 with a
+    known gradient (d mse / d out = 2 * out / 4 for a zero target, summed
+    over the two positions of id 7)."""
+    before = emb.lookup_rows(np.array([7]))[0]
+    model.train_on_batch(np.array([[7, 7]]), np.zeros((1, 4), np.float32))
+    after = emb.lookup_rows(np.array([7]))[0]
+    return float(np.mean((before - after) / before))
+
+
+def test_a_table_rate_set_again_is_saved_and_restored_by_every_format(tmp_path):
+    """A rate set during training (by a callback, say) used to be kept only
+    by .keras files: a tf.train.Checkpoint, distributed.save or weights file
+    restored the table at the rate the layer was built with, while the Keras
+    optimizer's rate came back."""
+    model, emb = _sgd_model(0.1)
+    emb.table_optimizer.learning_rate = 0.5
+    ckpt = tf.train.Checkpoint(model=model).save(str(tmp_path / "ckpt"))
+    model.save_weights(str(tmp_path / "w.weights.h5"))
+    model.save(str(tmp_path / "m.keras"))
+    tf_sfctr.distributed.save(tf.train.Checkpoint(model=model), str(tmp_path / "dist"))
+
+    restored = []
+    m, e = _sgd_model(0.1)
+    tf.train.Checkpoint(model=m).restore(ckpt).assert_existing_objects_matched()
+    restored.append((m, e))
+    m, e = _sgd_model(0.1)
+    m.load_weights(str(tmp_path / "w.weights.h5"))
+    restored.append((m, e))
+    m = keras.models.load_model(str(tmp_path / "m.keras"))
+    restored.append((m, m.get_layer("emb")))
+    m, e = _sgd_model(0.1)
+    tf_sfctr.distributed.restore(tf.train.Checkpoint(model=m), str(tmp_path / "dist"))
+    restored.append((m, e))
+    for m, e in restored:
+        assert e.table_optimizer.learning_rate == pytest.approx(0.5)
+        assert e.get_config()["optimizer"]["config"]["learning_rate"] == pytest.approx(0.5)
+        assert _trained_rate(m, e) == pytest.approx(0.5 * 2 * 2 / 4, rel=1e-5)
+
+
+def test_a_table_rate_restores_into_a_layer_built_after_the_restore(tmp_path):
+    model, emb = _sgd_model(0.1)
+    emb.table_optimizer.learning_rate = 0.25
+    path = tf.train.Checkpoint(emb=emb).save(str(tmp_path / "ckpt"))
+    later = CachedEmbedding(2, cache_capacity=8, seed=0,
+                            optimizer=tf_sfctr.optimizers.SGD(learning_rate=0.1))
+    tf.train.Checkpoint(emb=later).restore(path)
+    later.build((None, 2))
+    assert later.table_optimizer.learning_rate == pytest.approx(0.25)
+
+
+def test_a_schedule_ignores_a_saved_rate_and_a_corrupt_saved_rate_is_refused(tmp_path):
+    model, emb = _sgd_model(0.1)
+    emb.table_optimizer.learning_rate = 0.5
+    store = {}
+    emb.save_own_variables(store)
+    assert store["table_learning_rate"].tolist() == [0.5]
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.3, decay_steps=1, decay_rate=0.5)
+    ids = keras.Input((2,), dtype="int64")
+    scheduled = CachedEmbedding(2, cache_capacity=8, seed=0,
+                                optimizer=tf_sfctr.optimizers.SGD(learning_rate=schedule))
+    keras.Model(ids, scheduled(ids))
+    scheduled.load_own_variables(store)
+    assert scheduled.table_optimizer.learning_rate is schedule
+
+    other, target = _sgd_model(0.1, name="target")
+    target.assign_rows(np.array([3]), np.array([[1.0, 2.0]], np.float32))
+    for bad in [np.array([0.0], np.float32), np.array([np.nan], np.float32),
+                np.array([1, 2], np.float32), np.array([1])]:
+        with pytest.raises(ValueError, match="table_learning_rate is .* not one finite float"):
+            target.load_own_variables({**store, "table_learning_rate": bad})
+        assert target.table_optimizer.learning_rate == pytest.approx(0.1)
+        np.testing.assert_array_equal(target.lookup_rows(np.array([3])), [[1.0, 2.0]])
+
+
+def test_ftrl_under_a_schedule_that_reaches_zero_refuses_the_step_and_keeps_the_rows():
+    """FTRL divides by the learning rate: a schedule decayed to 0 made the
+    CPU kernel write NaN into the rows (TF's kernel, the GPU path, refuses
+    it). Now the step is refused, naming the rate, and no row changes."""
+    schedule = keras.optimizers.schedules.CosineDecay(0.1, decay_steps=2)
+    layer = CachedEmbedding(4, cache_capacity=8, seed=0,
+                            optimizer=tf_sfctr.optimizers.Ftrl(learning_rate=schedule))
+    ids = np.array([1, 2, 3])
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(ids, training=True) ** 2)
+        tape.gradient(loss, layer.trainable_weights)
+
+    step()
+    step()
+    before = layer.lookup_rows(ids)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="learning rate must be > 0, got 0"):
+        step()
+    after = layer.lookup_rows(ids)
+    assert np.isfinite(after).all()
+    np.testing.assert_array_equal(after, before)

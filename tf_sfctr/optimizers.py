@@ -117,8 +117,25 @@ class TableOptimizer:
         """A number or a ``LearningRateSchedule``. A number can be set again at
         any time (``opt.learning_rate = 0.01``, from a callback say, as
         ``ReduceLROnPlateau`` sets the Keras optimizer's): the next table
-        update uses it, also in a step that ``fit`` has traced."""
+        update uses it, also in a step that ``fit`` has traced. The number is
+        kept in a variable that the layer's checkpoints and weight files save
+        (``learning_rate_variable``), so a restore brings back the rate the
+        table trained at when it was saved."""
+        rate = getattr(self, "_rate_variable", None)
+        if rate is not None and tf.executing_eagerly():
+            held = rate.numpy()
+            if held != np.float32(self._learning_rate):  # restored from a checkpoint
+                return float(held)
         return self._learning_rate
+
+    @property
+    def learning_rate_variable(self) -> tf.Variable | None:
+        """The float32 variable that holds a learning rate given as a number
+        (None for a schedule, which depends on the table's update count).
+        ``CachedEmbedding`` tracks it, so ``tf.train.Checkpoint``,
+        ``tf_sfctr.distributed.save``, ``save_weights`` and ``.keras`` files
+        save it and their restores bring it back."""
+        return getattr(self, "_rate_variable", None)
 
     @learning_rate.setter
     def learning_rate(self, value: LearningRate) -> None:

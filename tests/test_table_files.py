@@ -348,3 +348,13 @@ def test_a_part_count_above_what_a_part_may_hold_is_refused_before_it_is_read(tm
         w.write(ids, np.ones([ids.size, 2], np.float32), np.ones(ids.size))
     sizes = [p[0].size for p in read_parts(str(path), 2, rows=ids.size)]
     assert sizes == [small, 3]
+
+
+def test_save_and_restore_take_a_checkpoint_not_a_model(tmp_path):
+    """A model passed as is failed deep inside ("'Functional' object has no
+    attribute 'write'"); now refused up front, naming what to pass."""
+    model, _ = _model()
+    for call in (save, restore):
+        with pytest.raises(TypeError, match=r"takes a tf.train.Checkpoint .*got Functional"):
+            call(model, str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()

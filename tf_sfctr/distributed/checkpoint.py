@@ -133,6 +133,7 @@ def save(checkpoint: tf.train.Checkpoint, directory: str, *, table_files: bool =
     tools that read checkpoints, such as ``tf.train.load_checkpoint``, then
     see the rows). ``metadata`` (JSON-serializable, from rank 0) is kept
     in ``manifest.json``; ``read_metadata`` returns it."""
+    _check_checkpoint(checkpoint, "save")
     if metadata is not None:
         try:
             json.dumps(metadata)
@@ -144,6 +145,17 @@ def save(checkpoint: tf.train.Checkpoint, directory: str, *, table_files: bool =
     except tf.errors.OpError as err:
         explain_shutdown(err, "tf_sfctr.distributed.save")
         raise
+
+
+def _check_checkpoint(checkpoint, what: str) -> None:
+    """Refuses anything but a ``tf.train.Checkpoint`` (a Keras model passed
+    as is failed deep inside with "'Functional' object has no attribute
+    'write'")."""
+    if not isinstance(checkpoint, tf.train.Checkpoint):
+        raise TypeError(
+            f"tf_sfctr.distributed.{what} takes a tf.train.Checkpoint of what to "
+            f"{what}, e.g. tf.train.Checkpoint(model=model, optimizer=model.optimizer); "
+            f"got {type(checkpoint).__name__}")
 
 
 def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
@@ -669,6 +681,7 @@ def restore(checkpoint: tf.train.Checkpoint, directory: str) -> None:
     (collective: call on every rank). Checks everything first: if anything
     is wrong on any rank, every rank raises the same
     ``CheckpointMismatchError`` and nothing was restored on any."""
+    _check_checkpoint(checkpoint, "restore")
     try:
         _restore(checkpoint, directory)
     except tf.errors.OpError as err:

@@ -100,9 +100,12 @@ class ShardedRowsMixin:
             # train like one process with batch N * B.
             g_own = total[:, :dim] / n
             g_sq_own = total[:, dim:] / (n * n) if d.width > dim else None
-            update = self.table_optimizer.apply(
-                self._cache_rows, list(self._cache_state), d.slots.read_value(), g_own,
-                g_sq_own, d.step.read_value())
+            # At the rate of the step it belongs to (a callback may have
+            # set another one since, for the next step).
+            with self.table_optimizer.rate_fixed(d.rate.read_value()):
+                update = self.table_optimizer.apply(
+                    self._cache_rows, list(self._cache_state), d.slots.read_value(), g_own,
+                    g_sq_own, d.step.read_value())
             with tf.control_dependencies([update]):
                 return d.pending.assign(False, read_value=True)
 
@@ -114,9 +117,11 @@ class ShardedRowsMixin:
         ``DeferredUpdate``); returns the new table step count, as an applied
         update does."""
         d = self._deferred
+        step = self._table_step.read_value()
         saved = [d.payload.assign(payload), d.splits.assign(splits),
                  d.own_inverse.assign(own_inverse), d.own_count.assign(own_count),
-                 d.slots.assign(slots), d.step.assign(self._table_step.read_value())]
+                 d.slots.assign(slots), d.step.assign(step),
+                 d.rate.assign(self.table_optimizer.rate_at(step))]
         with tf.control_dependencies(saved):
             pending = d.pending.assign(True)
         with tf.control_dependencies([pending]):

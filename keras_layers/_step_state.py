@@ -81,8 +81,8 @@ class DeferredUpdate:
     As requester: ``payload`` (the summed gradients, and squares, of the ids
     this rank sent, in route order) and ``splits`` (how many went to each
     rank). As owner: where the rows it will receive go (``own_inverse``
-    into its ``own_count`` distinct ids, at cache ``slots``) and the table
-    step the update belongs to. ``pending`` is the same on every rank (every
+    into its ``own_count`` distinct ids, at cache ``slots``), the table
+    step the update belongs to and that step's learning ``rate``. ``pending`` is the same on every rank (every
     rank takes part in every training step's collectives).
     """
 
@@ -97,6 +97,9 @@ class DeferredUpdate:
             self.own_count = var(0, [], "deferred_own_count")
             self.slots = var(tf.zeros([0], tf.int32), [None], "deferred_slots")
             self.step = var(tf.constant(0, tf.int64), [], "deferred_step")
+            # The learning rate of that step: one set again before the
+            # update is delivered belongs to the next step.
+            self.rate = var(tf.constant(0.0, tf.float32), [], "deferred_rate")
         with tf.device(device):
             self.payload = var(tf.zeros([0, width]), [None, width], "deferred_payload")
         self.width = width

@@ -53,6 +53,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Callable, Union
 
@@ -180,7 +181,28 @@ class TableOptimizer:
         ``step`` is the table's update count."""
         return None
 
+    def rate_at(self, step: tf.Tensor) -> tf.Tensor:
+        """The float32 learning rate an update of table step ``step`` uses
+        now: the schedule's value at that step, or the number set last."""
+        return self._lr(step)
+
+    @contextlib.contextmanager
+    def rate_fixed(self, rate: tf.Tensor):
+        """While an update is traced inside, it uses ``rate`` (a float32
+        scalar tensor) as its learning rate. A model-parallel layer applies
+        a step's update at the next collective, with the rate read when the
+        step ran (``rate_at``), not one set again in between."""
+        previous = self.__dict__.get("_fixed_rate")
+        self.__dict__["_fixed_rate"] = rate
+        try:
+            yield
+        finally:
+            self.__dict__["_fixed_rate"] = previous
+
     def _lr(self, step: tf.Tensor) -> tf.Tensor:
+        fixed = self.__dict__.get("_fixed_rate")
+        if fixed is not None:
+            return fixed
         rate = getattr(self, "_rate_variable", None)  # None: a subclass set no rate
         if rate is not None:
             return rate.read_value()

@@ -168,6 +168,29 @@ def run_deferred(out_dir, rank, size):
     step(ids)  # and training goes on from the restored rows
     np.testing.assert_allclose(emb.lookup_rows(mine), want - w.numpy().reshape(6, 2) / size,
                                rtol=1e-6)
+    # A learning rate set between two steps takes effect at the next step:
+    # the update held from the step before keeps its own rate (it was
+    # applied at the new one, found by a review), eager and traced.
+    rated = CachedEmbedding(2, cache_capacity=16, optimizer=tf_sfctr.optimizers.SGD(1.0),
+                            seed=3, name="deferred_rate", distribution="model_parallel")
+    rated.build(None)
+
+    def rated_step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(rated(x, training=True) * w)
+        return tape.gradient(loss, rated.trainable_weights)
+
+    start = rated.lookup_rows(mine)
+    step_move = w.numpy().reshape(6, 2) / size
+    for traced in (False, True):
+        train = tf.function(rated_step) if traced else rated_step
+        rated.table_optimizer.learning_rate = 1.0
+        train(ids)
+        rated.table_optimizer.learning_rate = 1e-3
+        train(ids)
+        start = start - step_move - 1e-3 * step_move
+        np.testing.assert_allclose(rated.lookup_rows(mine), start, rtol=1e-5,
+                                   err_msg=f"traced={traced}")
     np.savez(os.path.join(out_dir, f"deferred_rank{rank}.npz"), ok=np.array(1))
 
 

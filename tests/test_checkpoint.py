@@ -642,3 +642,53 @@ def test_a_restore_does_not_export_the_current_table(rng, tmp_path):
     # A save still exports it (once).
     _ckpt(other).write(str(tmp_path / "again"))
     assert exports == [1]
+
+
+def test_an_accumulator_that_training_overflowed_saves_and_restores(tmp_path):
+    """Two steps of finite gradients of 1.5e19 (each square 2.25e38, which the
+    step's finiteness gate lets through) overflow Adagrad's accumulator to
+    inf, as they do Keras's. Every checkpoint of that table used to be
+    refused on restore as corrupt; an infinite optimizer state now restores,
+    while non-finite values and a NaN state are still refused."""
+    from tf_sfctr.distributed import restore, save
+
+    def layer():
+        return CachedEmbedding(2, cache_capacity=8, seed=0, embeddings_initializer="zeros",
+                               optimizer=tf_sfctr.optimizers.Adagrad(0.1))
+
+    trained = layer()
+    ids = tf.constant([[5], [6]], tf.int64)
+    for _ in range(2):
+        with tf.GradientTape() as tape:
+            loss = 1.5e19 * tf.reduce_sum(trained(ids, training=True))
+        tape.gradient(loss, trained.trainable_variables)
+    trained.flush()
+    want_ids, want_rows, _ = (t.numpy() for t in trained.store.host_export())
+    assert np.isinf(want_rows[:, 2:]).all() and np.isfinite(want_rows[:, :2]).all()
+
+    ckpt = tf.train.Checkpoint(emb=trained).save(str(tmp_path / "plain"))
+    save(tf.train.Checkpoint(emb=trained), str(tmp_path / "dist"))
+    weights = {}
+    trained.save_own_variables(weights)
+    for how in ("plain", "dist", "weights"):
+        fresh = layer()
+        fresh.build((None, 1))
+        if how == "plain":
+            tf.train.Checkpoint(emb=fresh).restore(ckpt)
+        elif how == "dist":
+            restore(tf.train.Checkpoint(emb=fresh), str(tmp_path / "dist"))
+        else:
+            fresh.load_own_variables(weights)
+        got_ids, got_rows, _ = (t.numpy() for t in fresh.store.host_export())
+        order = np.argsort(got_ids)
+        np.testing.assert_array_equal(got_ids[order], np.sort(want_ids), err_msg=how)
+        np.testing.assert_array_equal(got_rows[order], want_rows[np.argsort(want_ids)],
+                                      err_msg=how)
+
+    header = trained.store.header()
+    for column, value in ((2, np.nan), (0, np.inf), (1, np.nan)):
+        bad = want_rows.copy()
+        bad[0, column] = value
+        with pytest.raises(CheckpointMismatchError, match="non-finite values"):
+            fresh.store.load_table(header, want_ids, bad, np.ones(2, np.int64),
+                                   np.zeros(3, np.int64))

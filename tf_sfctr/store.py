@@ -88,6 +88,18 @@ def saved_rows(header, ids) -> int:
     return int(np.asarray(ids).size)
 
 
+def rows_restorable(rows: np.ndarray, dim: int) -> bool:
+    """Whether saved rows (value, then optimizer state) may be loaded: every
+    value finite, no state NaN. A state may be infinite: training can
+    overflow an accumulator (Adagrad's, FTRL's) over several steps of huge
+    but finite gradients, as Keras's optimizers do too, and a checkpoint of
+    such a table must restore (it used to be refused as corrupt)."""
+    rows = np.asarray(rows)
+    with np.errstate(over="ignore"):  # float64 past float32's range: inf
+        rows = rows.astype(np.float32, copy=False)
+    return bool(np.all(np.isfinite(rows[:, :dim])) and not np.any(np.isnan(rows[:, dim:])))
+
+
 def _saved_integers(name: str, values) -> np.ndarray:
     """A saved integer array as int64, or CheckpointMismatchError: floats
     would be truncated and unsigned values past int64 would wrap (into other
@@ -499,12 +511,10 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
                 "was left untouched.")
         # Checked as the float32 the table holds: a float64 value past its
         # range would load as inf.
-        with np.errstate(over="ignore"):
-            finite = np.all(np.isfinite(rows.astype(np.float32, copy=False)))
-        if not finite:
+        if not rows_restorable(rows, c.dim):
             raise CheckpointMismatchError(
-                "saved table holds non-finite values; it is corrupt. The current "
-                "table was left untouched.")
+                "saved table holds non-finite values (or NaN optimizer state); it is "
+                "corrupt. The current table was left untouched.")
 
     def disk_room(self) -> Optional[tuple[int, int]]:
         """(free bytes, bytes the current rows hold) on the disk of
@@ -604,8 +614,9 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
             for ids, rows, counts in read_parts(path, self.config.width,
                                                 save_id=int(header[10]),
                                                 table=int(header[9]), rows=int(header[8])):
-                if not np.all(np.isfinite(rows)):
-                    raise TableFileError(f"{path} holds non-finite values.")
+                if not rows_restorable(rows, self.config.dim):
+                    raise TableFileError(f"{path} holds non-finite values (or NaN "
+                                         "optimizer state).")
                 yield ids, rows, counts
         except TableFileError as err:
             raise CheckpointMismatchError(

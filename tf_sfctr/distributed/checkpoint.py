@@ -53,7 +53,7 @@ from tensorflow.core.protobuf import trackable_object_graph_pb2
 from tf_sfctr.distributed._horovod import explain_shutdown, require, world
 from tf_sfctr import store as store_module
 from tf_sfctr.store import (CheckpointMismatchError, EmbeddingStore, _saved_integers,
-                            in_table_file, saved_rows)
+                            in_table_file, rows_restorable, saved_rows)
 from tf_sfctr.table_file import part_rows, table_file_name
 
 MANIFEST = "manifest.json"
@@ -463,8 +463,9 @@ def _check_table_files(directory: str, s: int, saved_size: int,
             try:
                 for _, rows, _ in read_parts(path, width, save_id=int(header[10]),
                                              table=int(header[9]), rows=int(header[8])):
-                    if not np.all(np.isfinite(rows)):
-                        raise TableFileError(f"{path} holds non-finite values.")
+                    if not rows_restorable(rows, int(header[1])):
+                        raise TableFileError(f"{path} holds non-finite values (or NaN "
+                                             "optimizer state).")
             except TableFileError as err:
                 raise CheckpointMismatchError(
                     f"{name} of {directory} holds a table whose rows cannot be read: {err} It "

@@ -231,6 +231,27 @@ def test_carriage_returns_inside_a_line_are_dropped(tmp_path):
     np.testing.assert_array_equal(features["sparse"][:, 0], hash_categorical(0, ["ab", "c"]))
 
 
+def test_find_bad_tsv_lines_drops_carriage_returns_as_the_reader_does(tmp_path):
+    """find_bad_tsv_lines stripped one trailing carriage return only, so it
+    reported '5\r6' (read as 56) as not a number, and a last line of a
+    carriage return alone (which the reader never yields) as an empty label."""
+    for body, dense in ((b"1\t5\r6\n", [56.0]), (b"1\t5\n\r", [5.0]),
+                        (b"1\t5\r\n0\t\r7\r\n\r\r", [5.0, 7.0])):
+        path = str(tmp_path / "cr.tsv")
+        with open(path, "wb") as f:
+            f.write(body)
+        read = concat(batches(criteo_tsv(path, num_dense=1, num_sparse=0)))[0]
+        assert read.ravel().tolist() == dense, body
+        assert find_bad_tsv_lines(path, num_dense=1, num_sparse=0) == [], body
+    # A line of carriage returns alone inside the file is an empty line.
+    with open(path, "wb") as f:
+        f.write(b"1\t5\n\r\n0\t6\n")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="empty label"):
+        list(criteo_tsv(path, num_dense=1, num_sparse=0))
+    assert [(b.line, b.reason[:11]) for b in
+            find_bad_tsv_lines(path, num_dense=1, num_sparse=0)] == [(2, "empty label")]
+
+
 # ------------------------------------------------------------------ bad input
 
 
@@ -471,20 +492,35 @@ def test_parquet_integers_past_float_precision(tmp_path):
     import pyarrow.parquet as pq
 
     path = str(tmp_path / "big.parquet")
-    dense = [2**53 + 1, -(2**62) - 1, 5]
+    # 2**60 + 2**36 + 1 rounds to 2**60 + 2**37 in one rounding, to 2**60
+    # through float64 (the pyarrow engine and CriteoRows.encode did that).
+    dense = [2**53 + 1, -(2**62) - 1, 2**60 + 2**36 + 1]
+    unsigned = [2**64 - 1, 2**63 + 1, 7]
     pq.write_table(pa.table({"label": pa.array([1, 0, 1], pa.int64()),
                              "I1": pa.array(dense, pa.int64()),
-                             "I2": pa.array([2**64 - 1, 2**63 + 1, 7], pa.uint64()),
+                             "I2": pa.array(unsigned, pa.uint64()),
                              "C1": ["a", "b", "c"]}), path, compression="none")
-    expected = np.array([dense, [2**64 - 1, 2**63 + 1, 7]], np.float64).T.astype(np.float32)
+    expected = np.stack([np.array(dense, np.int64).astype(np.float32),
+                         np.array(unsigned, np.uint64).astype(np.float32)], axis=1)
+    assert expected[2, 0] == 2**60 + 2**37
     got = concat(batches(parquet(path, dense_columns=["I1", "I2"], sparse_columns=["C1"])))
     np.testing.assert_array_equal(got[0], expected)
+    got = concat(batches(parquet(path, dense_columns=["I1"], sparse_columns=["C1"],
+                                 engine="tensorflow_io")))  # it refuses uint64 columns
+    np.testing.assert_array_equal(got[0], expected[:, :1])
+    rows = tf_sfctr.data.CriteoRows(labels=[1, 0, 1], dense=np.array(dense, np.int64)[:, None],
+                                    dense_missing=np.zeros((3, 1), bool),
+                                    categorical=np.array([["a"], ["b"], ["c"]], object))
+    np.testing.assert_array_equal(rows.encode()[0]["dense"][:, 0], expected[:, 0])
     tsv = str(tmp_path / "big.tsv")
     with open(tsv, "w") as f:
         f.writelines(f"{y}\t{a}\t{b}\t{c}\n" for y, a, b, c in
                      zip([1, 0, 1], dense, [2**64 - 1, 2**63 + 1, 7], "abc"))
     np.testing.assert_array_equal(
         concat(batches(criteo_tsv(tsv, num_dense=2, num_sparse=1)))[0], expected)
+    # A new file: tensorflow-io aborts the process reading a file rewritten
+    # since it first read it.
+    path = str(tmp_path / "big_label.parquet")
     pq.write_table(pa.table({"label": pa.array([1, 2**24 + 1], pa.int64()), "I1": [1, 2],
                              "C1": ["a", "b"]}), path, compression="none")
     for engine in ("pyarrow", "tensorflow_io"):

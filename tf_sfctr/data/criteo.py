@@ -117,7 +117,10 @@ class CriteoRows:
 
     def encode(self, dense_default: float = 0.0) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """The ``(features, label)`` the readers produce for these rows, in NumPy."""
-        dense = np.where(self.dense_missing, dense_default, self.dense)
+        # To float32 in one rounding, as the readers do (through float64, an
+        # integer past 2**53 was rounded twice).
+        dense = np.where(self.dense_missing, np.float32(dense_default),
+                         np.asarray(self.dense).astype(np.float32))
         sparse = np.zeros(self.categorical.shape, dtype=np.int64)
         for j in range(self.categorical.shape[1]):
             sparse[:, j] = hash_categorical(j, self.categorical[:, j])
@@ -435,8 +438,13 @@ def find_bad_tsv_lines(
     found: list[BadLine] = []
     for path in paths:
         for number, raw in enumerate(_open_lines(path, compression_type), start=1):
-            line = raw[:-1] if raw.endswith(b"\n") else raw
-            line = line[:-1] if line.endswith(b"\r") else line
+            ends_line = raw.endswith(b"\n")
+            # TF's line reader drops every carriage return, not only a
+            # trailing one ("5\r6" reads as 56), and yields no last line
+            # that held carriage returns alone.
+            line = (raw[:-1] if ends_line else raw).replace(b"\r", b"")
+            if not ends_line and not line:
+                continue
             columns = line.split(b"\t")
             label = columns[0].strip()
             reason = None

@@ -38,7 +38,11 @@ Engines:
 
   It also refuses unsigned 32- and 64-bit label or dense columns (read as
   signed: 2**64 - 1 comes back as -1) and files with a half-float column
-  (which crash the process).
+  (which crash the process). It keeps what it learned of a file by path for
+  the life of the process: a file rewritten after this engine read it is
+  then misread (a "null value" error, then an abort of the process in
+  parquet's page reader; seen with tensorflow-io 0.37.1), so write new data
+  to new paths.
 """
 
 from __future__ import annotations
@@ -393,8 +397,12 @@ def _pyarrow_batches(
             lab = lab.cast(pa.float32(), safe=False).to_numpy()
             den = np.zeros((n, len(dense)), np.float32)
             for j, c in enumerate(dense):
-                col = pc.fill_null(rb.column(c).cast(pa.float64(), safe=False),
-                                   float(dense_default))
+                # Straight to float32: an integer past 2**53 went through
+                # float64 first and was rounded twice (2**60 + 2**36 + 1 read
+                # as 2**60, where criteo_tsv and tensorflow_io give
+                # 2**60 + 2**37).
+                col = pc.fill_null(rb.column(c).cast(pa.float32(), safe=False),
+                                   pa.scalar(float(dense_default), pa.float32()))
                 den[:, j] = col.to_numpy()
             cat = np.empty((n, len(sparse)), dtype=object)
             for j, c in enumerate(sparse):

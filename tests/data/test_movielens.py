@@ -174,16 +174,45 @@ def test_history_lists_each_users_earlier_movies(tmp_path):
     assert isinstance(batch["history"], tf.RaggedTensor) and batch["history"].dtype == tf.int64
 
 
+H = "userId,movieId,rating,timestamp\n"
+
+
 @pytest.mark.parametrize("ratings, match", [
-    ("userId,movieId,rating,timestamp\n", "has no ratings"),
-    ("userId,movieId,rating,timestamp\n1,2,4.0\n", "expected 4 columns"),
-    ("userId,movieId,rating,timestamp\n1,2,four,10\n", r"ratings.csv: .*four"),
+    (H, "has no ratings"),
+    (H + "\n\n", "has no ratings"),
+    (H + "1,1,4.0,10\n1,2,4.0\n", r"ratings.csv:3: expected 4 columns"),
+    (H + "1,2,four,10\n", r"ratings.csv:2: rating 'four' is not a finite number"),
+    (H + "1,2,,10\n", r"ratings.csv:2: rating '' is not a finite number"),
+    (H + "1,1,4.0,10\n1,2,nan,11\n", r"ratings.csv:3: rating 'nan' is not a finite"),
+    # Ids were read as float64 and cast: 1.5 became user 1.
+    (H + "1,1,4.0,10\n1.5,2,3.0,11\n", r"ratings.csv:3: userId '1.5' is not an integer"),
+    (H + "1,x,4.0,10\n", r"ratings.csv:2: movieId 'x' is not an integer"),
+    (H + f"{2**60},1,4.0,10\n", r"ratings.csv:2: userId 1152921504606846976 is past 2\*\*53"),
+    (H + "1,1,4.0,1e9\n", r"ratings.csv:2: timestamp '1e9' is not an integer"),
+    ("userId,movieId,rating\n", r"expected the header userId,movieId,rating,timestamp, "
+                                 r"got userId,movieId,rating$"),
 ])
-def test_bad_ratings_files_name_the_file(tmp_path, ratings, match):
+def test_bad_ratings_files_name_the_file_and_line(tmp_path, ratings, match):
     (tmp_path / "movies.csv").write_text("movieId,title,genres\n", encoding="utf-8")
     (tmp_path / "ratings.csv").write_text(ratings)
     with pytest.raises(ValueError, match=match):
         load_movielens(tmp_path)
+
+
+def test_a_bad_movie_id_names_the_file_and_line(tmp_path):
+    (tmp_path / "movies.csv").write_text("movieId,title,genres\n1,A (1999),Drama\n"
+                                         "x,B (2001),Comedy\n", encoding="utf-8")
+    (tmp_path / "ratings.csv").write_text(H + "1,1,4.0,10\n")
+    with pytest.raises(ValueError, match=r"movies.csv:3: movieId 'x' is not an integer"):
+        load_movielens(tmp_path)
+
+
+def test_blank_lines_in_ratings_are_skipped(tmp_path):
+    (tmp_path / "movies.csv").write_text("movieId,title,genres\n1,A (1999),Drama\n",
+                                         encoding="utf-8")
+    (tmp_path / "ratings.csv").write_text(H + "1,1,4.0,10\n\n2,1,3.0,11\n\n")
+    data = load_movielens(tmp_path, split="time", test_fraction=0.5)
+    assert data.train_label.shape[0] + data.test_label.shape[0] == 2
 
 
 @pytest.mark.parametrize("bom_in", ["ratings.csv", "movies.csv", "both"])

@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import math
 import os
 import re
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +56,7 @@ SPLITS = ("random", "time")
 _NO_GENRES = "(no genres listed)"
 _YEAR = re.compile(r"\((\d{4})(?:\s*[-\u2013]\s*\d{0,4})?\)\s*$")
 _RATINGS_HEADER = "userId,movieId,rating,timestamp"
+_INTEGER = re.compile(r"[+-]?[0-9]+")
 
 
 @dataclasses.dataclass
@@ -118,28 +119,51 @@ def _read_movies(path: Path) -> dict[int, tuple[str, tuple[str, ...]]]:
                 raise ValueError(f"{path}:{line}: expected 3 fields, got {len(row)}")
             match = _YEAR.search(row[1])
             genres = tuple(g for g in row[2].split("|") if g and g != _NO_GENRES)
-            movies[int(row[0])] = (match.group(1) if match else "", genres)
+            movie = _integer_id(path, line, "movieId", row[0])
+            movies[movie] = (match.group(1) if match else "", genres)
     return movies
 
 
+def _integer_id(path: Path, line: int, name: str, field: str) -> int:
+    """An id field of a MovieLens CSV: a whole number float64 holds exactly."""
+    if not _INTEGER.fullmatch(field.strip()):
+        raise ValueError(f"{path}:{line}: {name} {field!r} is not an integer")
+    value = int(field)
+    if abs(value) > 2**53:
+        raise ValueError(f"{path}:{line}: {name} {value} is past 2**53 (ids are read as "
+                         "float64)")
+    return value
+
+
 def _read_ratings(path: Path) -> np.ndarray:
-    """float64 [N, 4]: userId, movieId, rating, timestamp."""
-    with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is skipped)
-        header = f.readline().strip()
-    if header != _RATINGS_HEADER:
-        raise ValueError(f"{path}: expected the header {_RATINGS_HEADER}, got {header}")
-    try:
-        with warnings.catch_warnings():  # an empty file is refused below
-            warnings.simplefilter("ignore", UserWarning)
-            rows = np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.float64, ndmin=2)
-    except ValueError as err:
-        raise ValueError(f"{path}: {err}") from None
-    if rows.shape[0] == 0:
+    """float64 [N, 4]: userId, movieId, rating, timestamp. A bad field is
+    refused naming the file and its line."""
+    with open(path, encoding="utf-8-sig", newline="") as f:  # a byte-order mark is skipped
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if header != _RATINGS_HEADER.split(","):
+            shown = ",".join(header) if header is not None else "nothing"
+            raise ValueError(f"{path}: expected the header {_RATINGS_HEADER}, got {shown}")
+        rows = []
+        for line, row in enumerate(reader, start=2):
+            if not row:
+                continue  # a blank line (as np.loadtxt skipped them)
+            if len(row) != 4:
+                raise ValueError(f"{path}:{line}: expected 4 columns ({_RATINGS_HEADER}), "
+                                 f"got {len(row)}")
+            user = _integer_id(path, line, "userId", row[0])
+            movie = _integer_id(path, line, "movieId", row[1])
+            try:
+                rating = float(row[2])
+            except ValueError:
+                rating = math.nan
+            if not math.isfinite(rating):
+                raise ValueError(f"{path}:{line}: rating {row[2]!r} is not a finite number")
+            stamp = _integer_id(path, line, "timestamp", row[3])
+            rows.append((user, movie, rating, stamp))
+    if not rows:
         raise ValueError(f"{path} has no ratings (only its header)")
-    if rows.shape[1] != 4:
-        raise ValueError(f"{path}: expected 4 columns ({_RATINGS_HEADER}), got "
-                         f"{rows.shape[1]}")
-    return rows
+    return np.array(rows, dtype=np.float64)
 
 
 def _history(users: np.ndarray, times: np.ndarray, movie_ids: np.ndarray,

@@ -425,7 +425,8 @@ def test_ftrl_under_a_schedule_that_reaches_zero_refuses_the_step_and_keeps_the_
     step()
     step()
     before = layer.lookup_rows(ids)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="learning rate must be > 0, got 0"):
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"learning rate must be > 0, got[^0-9]*0"):
         step()
     after = layer.lookup_rows(ids)
     assert np.isfinite(after).all()

@@ -320,7 +320,26 @@ def sparse_apply_ftrl(var: tf.Variable, accum: tf.Variable, linear: tf.Variable,
             var=var.handle, accum=accum.handle, linear=linear.handle, grad=grad,
             indices=indices, lr=lr, l1=l1, l2=l2, l2_shrinkage=l2_shrinkage,
             lr_power=lr_power)
-    # The sums of squares for the accumulator (TF's kernel squares grad).
+    # The sums of squares for the accumulator (TF's kernel squares grad);
+    # first the ranges TF's kernel (and ours) require: the update divides by
+    # lr, and lr = 0 (a schedule decayed to zero) would write NaN rows.
+    checks = [
+        tf.debugging.Assert(lr > 0.0, ["FTRL's learning rate must be > 0, got", lr,
+                                       "; no row was changed"]),
+        tf.debugging.Assert(tf.reduce_all(tf.stack([l1 >= 0.0, l2 >= 0.0,
+                                                    l2_shrinkage >= 0.0])),
+                            ["FTRL's l1, l2 (with beta / (2 lr)) and l2_shrinkage must be "
+                             ">= 0, got", l1, l2, l2_shrinkage, "; no row was changed"]),
+        tf.debugging.Assert(lr_power <= 0.0, ["FTRL's learning_rate_power must be <= 0, got",
+                                              lr_power, "; no row was changed"]),
+    ]
+    with tf.control_dependencies(checks):
+        return _stock_ftrl_with_squares(var, accum, linear, lr, l1, l2, l2_shrinkage, lr_power,
+                                        grad, indices, grad_sq)
+
+
+def _stock_ftrl_with_squares(var, accum, linear, lr, l1, l2, l2_shrinkage, lr_power, grad,
+                             indices, grad_sq):
     w = tf.gather(var, indices)
     n = tf.gather(accum, indices)
     new_n = n + grad_sq

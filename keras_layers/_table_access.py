@@ -5,6 +5,7 @@ collective (every rank calls them)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
@@ -61,17 +62,30 @@ class TableAccessMixin:
         another thread trains the layer: it could read another id's row.
         """
         self._require_built()
-        error = None
-        try:
-            ids = self._ids_vector(ids)
-        except (TypeError, ValueError) as err:
-            error = err
-        if self._mode == "model_parallel":  # collective: all ranks go on, or none
-            error = self._agree(error, "lookup_rows")
-        if error is not None:
-            raise error
-        return self._read_function("lookup_rows", self._lookup_graph,
-                                   tf.TensorSpec([None], tf.int64))(ids).numpy()
+        with self._one_collective_call():
+            error = None
+            try:
+                ids = self._ids_vector(ids)
+            except (TypeError, ValueError) as err:
+                error = err
+            if self._mode == "model_parallel":  # collective: all ranks go on, or none
+                error = self._agree(error, "lookup_rows")
+            if error is not None:
+                raise error
+            return self._read_function("lookup_rows", self._lookup_graph,
+                                       tf.TensorSpec([None], tf.int64))(ids).numpy()
+
+    def _one_collective_call(self):
+        """Held for the whole of a ``lookup_rows``, ``assign_rows`` or
+        ``flush`` of a table shared with other ranks. Each is a sequence of
+        Horovod collectives, which the ranks pair in the order they are
+        issued (eager ones carry no name Horovod matches): two threads of a
+        rank calling at once interleaved their collectives and failed on
+        Horovod's "same name as another tensor that is currently being
+        processed" (found by a review), or shut Horovod down."""
+        if self._mode == "local":
+            return contextlib.nullcontext()
+        return self._assign_lock
 
     def _lookup_graph(self, ids: tf.Tensor) -> tf.Tensor:
         self._call_suffixes = {}  # this graph's collectives (see _collective_name)
@@ -104,6 +118,10 @@ class TableAccessMixin:
         same id, the higher rank wins). Not while another thread trains the
         layer: it could write to another id's cache slot."""
         self._require_built()
+        with self._one_collective_call():
+            self._assign_rows(ids, values)
+
+    def _assign_rows(self, ids, values) -> None:
         error = None
         try:
             ids, values = self._check_assign(ids, values)
@@ -221,7 +239,8 @@ class TableAccessMixin:
         trains the layer (nor a checkpoint or export, which flush first): it
         could write other ids' rows into the host table."""
         self._require_built()
-        return int(self._read_function("flush", self._flush_graph)())
+        with self._one_collective_call():
+            return int(self._read_function("flush", self._flush_graph)())
 
     def _flush_graph(self) -> tf.Tensor:
         self._call_suffixes = {}  # this graph's collectives (see _collective_name)

@@ -529,22 +529,38 @@ def export_for_serving(model: keras.Model, export_dir: str,
         # rank waits for rank 0 to finish writing.)
         _horovod.explain_shutdown(err, "export_for_serving")
         raise
+    error = None
     if rank == 0:
-        parent = os.path.dirname(export_dir.rstrip("/"))
-        if parent:
-            tf.io.gfile.makedirs(parent)
-        was_logging = keras.config.is_interactive_logging_enabled()
-        keras.config.disable_interactive_logging()  # Keras prints every signature
         try:
-            _write_saved_model(frozen, export_dir)
-        finally:
-            if was_logging:
-                keras.config.enable_interactive_logging()
-    if size > 1:  # the others wait until the SavedModel is complete
+            parent = os.path.dirname(export_dir.rstrip("/"))
+            if parent:
+                tf.io.gfile.makedirs(parent)
+            was_logging = keras.config.is_interactive_logging_enabled()
+            keras.config.disable_interactive_logging()  # Keras prints every signature
+            try:
+                _write_saved_model(frozen, export_dir)
+            finally:
+                if was_logging:
+                    keras.config.enable_interactive_logging()
+        except Exception as err:  # noqa: BLE001 - raised below, on every rank
+            if size == 1:
+                raise
+            error = err
+    if size > 1:
+        # The others wait until the SavedModel is complete, and learn whether
+        # rank 0 wrote it: they returned as if it had, and the ranks' next
+        # collectives were paired out of step (found by a review).
         hvd = _horovod.require()
         try:
-            hvd.allreduce(tf.constant(0), op=hvd.Sum, name="sfctr_export_done")
+            failed = hvd.allreduce(tf.constant(0 if error is None else 1), op=hvd.Sum,
+                                   name="sfctr_export_done")
         except tf.errors.OpError as err:
             _horovod.explain_shutdown(err, "export_for_serving")
             raise
+        if error is not None:
+            raise error
+        if int(failed) > 0:
+            raise RuntimeError(
+                f"export_for_serving: rank 0, which writes the SavedModel, failed to write "
+                f"{export_dir!r} (its error says why); it may be incomplete.")
     return frozen

@@ -294,6 +294,20 @@ def run_checkpoint_and_export(out_dir, rank, size):
     # part at a time and sends its own 50 most used).
     tf_sfctr.export_for_serving(model, os.path.join(out_dir, "served_2ranks_top50"),
                                 max_rows=50)
+    # An export that rank 0, the writer, fails (the directory's parent is a
+    # file): every rank raises, and their next collectives stay paired (rank 1
+    # returned as if it had written, and the next collective hung).
+    blocker = os.path.join(out_dir, "export_blocker")
+    if rank == 0:
+        with open(blocker, "w") as f:
+            f.write("not a directory")
+    hvd.allreduce(tf.constant(0), name="export_blocker_written")
+    try:
+        tf_sfctr.export_for_serving(model, os.path.join(blocker, "served"))
+        raise AssertionError("an export that rank 0 could not write returned")
+    except (tf.errors.OpError, OSError, RuntimeError) as err:
+        want = "not a directory" if rank == 0 else "rank 0, which writes the SavedModel"
+        assert want in str(err), str(err)
     x = np.concatenate([b[0] for b in sc.global_batches(kind)])
     np.savez(os.path.join(out_dir, f"ckpt_rank{rank}.npz"), rows=emb.lookup_rows(sc.vocab()),
              predictions=model.predict(x, verbose=0, batch_size=len(x)),
@@ -825,6 +839,38 @@ def run_uneven_steps(out_dir, rank):
     model.fit(ds.repeat(), steps_per_epoch=2, epochs=2, verbose=0, callbacks=callbacks())
     model.evaluate(ds.take(2), verbose=0, callbacks=callbacks())
     assert int(model.optimizer.iterations) == 4
+    # fit's validation batches (3 on rank 0, 2 on rank 1) after training
+    # batches that agree: refused before the first validation step (fit's
+    # check counted training steps only, and rank 0 waited in its third).
+    even = tf.data.Dataset.from_tensor_slices((x[:8], y[:8])).batch(4)
+    _expect_error(lambda: model.fit(even, validation_data=ds, verbose=0,
+                                    callbacks=callbacks()),
+                  "fit's validation would run 2 to 3 steps on the 2 Horovod ranks")
+    model.fit(even, validation_data=ds.take(2), verbose=0, callbacks=callbacks())
+    assert int(model.optimizer.iterations) == 8
+    # Two threads of each rank reading a model-parallel table at once: each
+    # call's collectives are one thread's at a time (they interleaved and
+    # failed on Horovod's "same name as another tensor").
+    import threading
+
+    emb = next(layer for layer in model.layers if isinstance(layer, CachedEmbedding))
+    assert emb.mode == "model_parallel", emb.mode
+    ids = np.arange(40, dtype=np.int64)
+    want, errors = emb.lookup_rows(ids), []
+
+    def read(k):
+        try:
+            for _ in range(5):
+                np.testing.assert_array_equal(emb.lookup_rows(ids[k::2]), want[k::2])
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(repr(err))
+
+    threads = [threading.Thread(target=read, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
     np.savez(os.path.join(out_dir, f"uneven_steps_rank{rank}.npz"), ok=np.array(1))
 
 

@@ -222,7 +222,8 @@ class AverageMetrics(keras.callbacks.Callback):
     Every rank must run as many steps. When ``fit``, ``evaluate`` or
     ``predict`` starts and Keras knows each rank's number of batches (arrays,
     datasets of known cardinality, ``steps_per_epoch``), ranks with different
-    numbers raise on every rank before the first step; a rank that ran no
+    numbers raise on every rank before the first step (and before each of
+    ``fit``'s validations, for the validation batches); a rank that ran no
     training step in an epoch raises at its end. (Other ranks would wait in
     their steps forever.)
     """
@@ -275,9 +276,10 @@ class AverageMetrics(keras.callbacks.Callback):
         self._average(rest)
         logs.update(rest)
 
-    def _check_steps(self, call):
+    def _check_steps(self, call, steps):
+        """Collective: raises on every rank when the ranks would run
+        different numbers of steps (None: not known on this rank)."""
         hvd = require()
-        steps = (self.params or {}).get("steps")
         mine = -1.0 if steps is None else float(steps)  # -1: not known here
         most = hvd.allreduce(tf.constant([mine, -mine], tf.float64), op=hvd.Max,
                              name="sfctr_steps").numpy()
@@ -290,9 +292,12 @@ class AverageMetrics(keras.callbacks.Callback):
                 "Give every rank as many batches: steps_per_epoch (or steps=) with "
                 "dataset.repeat(), or dataset.take(n) on every rank.")
 
+    def _params_steps(self):
+        return (self.params or {}).get("steps")
+
     def on_train_begin(self, logs=None):
         self._in_fit = True
-        self._check_steps("fit")
+        self._check_steps("fit", self._params_steps())
 
     def on_train_end(self, logs=None):
         self._in_fit = False
@@ -300,15 +305,22 @@ class AverageMetrics(keras.callbacks.Callback):
     def on_test_begin(self, logs=None):
         if not self._in_fit:  # fit's validation shares fit's params
             _check_same_tables(self.model)
-            self._check_steps("evaluate")
+            self._check_steps("evaluate", self._params_steps())
         else:
             # The epoch's training states, before validation resets them.
             self._train_results = self._global_results()
             self._train_results_taken = True
+            # fit's params count training steps only: a rank with more
+            # validation batches waited forever in its extra one (found by
+            # a review). Keras keeps fit's validation data in this iterator
+            # (None when Keras does not know the count).
+            validation = getattr(self.model, "_eval_epoch_iterator", None)
+            self._check_steps("fit's validation",
+                              steps=getattr(validation, "num_batches", None))
 
     def on_predict_begin(self, logs=None):
         _check_same_tables(self.model)
-        self._check_steps("predict")
+        self._check_steps("predict", self._params_steps())
 
     def on_epoch_begin(self, epoch, logs=None):
         self._trained = False

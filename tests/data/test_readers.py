@@ -3,6 +3,7 @@
 import doctest
 import gzip
 import os
+import re
 import subprocess
 import sys
 
@@ -525,8 +526,38 @@ def test_parquet_integers_past_float_precision(tmp_path):
                              "C1": ["a", "b"]}), path, compression="none")
     for engine in ("pyarrow", "tensorflow_io"):
         with pytest.raises(tf.errors.InvalidArgumentError,
-                           match=r"column label: labels must be 0 or 1.*16777216"):
+                           match=r"column label: labels must be 0 or 1.*16777217"):
             list(parquet(path, dense_columns=["I1"], sparse_columns=["C1"], engine=engine))
+
+
+@needs_pyarrow
+def test_labels_a_hair_from_0_or_1_are_refused_by_every_reader(tmp_path):
+    """Labels were checked after their cast to float32, so 0.99999999 read
+    as 1 and 1e-46 as 0; they are now checked as float64."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for label in ("0.99999999", "1e-46"):
+        tsv = str(tmp_path / f"l{label}.tsv")
+        with open(tsv, "w") as f:
+            f.write(f"1\t1\n{label}\t2\n")
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=rf"labels must be 0 or 1.*{re.escape(label)}"):
+            list(criteo_tsv(tsv, num_dense=1, num_sparse=0))
+        assert [b.line for b in find_bad_tsv_lines(tsv, num_dense=1, num_sparse=0)] == [2]
+        path = str(tmp_path / f"l{label}.parquet")
+        pq.write_table(pa.table({"label": [1.0, float(label)], "I1": [1, 2], "C1": ["a", "b"]}),
+                       path, compression="none")
+        for engine in ("pyarrow", "tensorflow_io"):
+            with pytest.raises(tf.errors.InvalidArgumentError,
+                               match="column label: labels must be 0 or 1"):
+                list(parquet(path, dense_columns=["I1"], sparse_columns=["C1"], engine=engine))
+    # 0 and 1 in any spelling still read, as float32.
+    tsv = str(tmp_path / "ok.tsv")
+    with open(tsv, "w") as f:
+        f.write("1.0\t1\n0e5\t2\n0x1\t3\n")
+    label = concat(batches(criteo_tsv(tsv, num_dense=1, num_sparse=0)))[2]
+    assert label.dtype == np.float32 and label.ravel().tolist() == [1.0, 0.0, 1.0]
 
 
 @needs_pyarrow

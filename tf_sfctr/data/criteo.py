@@ -334,7 +334,9 @@ def _parse_tsv_lines(
         "line?); tf_sfctr.data.find_bad_tsv_lines(paths) names the file and line",
     )
     with tf.control_dependencies([no_label]):
-        label = tf.strings.to_number(label_str, tf.float32)
+        # Checked as float64 (encode_batch casts to float32 after): as
+        # float32, "0.99999999" read as 1 and "1e-46" as 0.
+        label = tf.strings.to_number(label_str, tf.float64)
     label = binary_labels(label, "criteo_tsv", label_str,
                           "(tf_sfctr.data.find_bad_tsv_lines(paths) names the file and line)")
     dense_str = tf.strings.strip(table[:, 1 : 1 + num_dense])
@@ -383,9 +385,9 @@ _SPECIAL = re.compile(rb"[+-]?(?:inf|nan)", re.IGNORECASE)
 _MAX_NUMBER_CHARS = 31
 
 
-def _number(field: bytes) -> float | None:
-    """``field`` (stripped) as TF's StringToNumber reads it into float32, or
-    None where TF refuses it. Python's ``float()`` differs: it takes "1_000",
+def _number(field: bytes, float32: bool = True) -> float | None:
+    """``field`` (stripped) as TF's StringToNumber reads it into float32 (or
+    float64, as labels are read), or None where TF refuses it. Python's ``float()`` differs: it takes "1_000",
     "infinity", non-ASCII digits and any length, and refuses hexadecimal
     integers."""
     if len(field) > _MAX_NUMBER_CHARS:
@@ -398,6 +400,8 @@ def _number(field: bytes) -> float | None:
         value = float(field)
     else:
         return None
+    if not float32:
+        return value
     with np.errstate(over="ignore"):
         return float(np.float32(value))
 
@@ -456,7 +460,7 @@ def find_bad_tsv_lines(
             elif _number(label) is None:
                 reason = f"label {label.decode(errors='replace')!r} is not a number" + (
                     _too_long(label))
-            elif _number(label) not in (0.0, 1.0):
+            elif _number(label, float32=False) not in (0.0, 1.0):
                 reason = f"label {label.decode(errors='replace')!r} is not 0 or 1"
             else:
                 for name, field in zip(names, columns[1:1 + num_dense]):

@@ -302,7 +302,7 @@ def _tfio_dataset(
                     t = t[first::num_shards]
                 return t if dtype is None else tf.cast(t, dtype)
 
-            lab = take(label, tf.float32)
+            lab = take(label, tf.float64)  # checked as 0 or 1 before float32
             n = tf.shape(lab)[0]
             den = [take(c, tf.float32) for c in dense]
             cat = [take(c) for c in sparse]
@@ -394,7 +394,9 @@ def _pyarrow_batches(
                 raise ValueError(f"parquet: column {label!r} of {path} has nulls")
             # safe=False: integers past float32's (float64's) exact range round, as
             # in criteo_tsv, instead of raising a bare ArrowInvalid mid-iteration.
-            lab = lab.cast(pa.float32(), safe=False).to_numpy()
+            # float64: checked as 0 or 1 before the cast to float32, where
+            # 0.99999999 became 1.
+            lab = lab.cast(pa.float64(), safe=False).to_numpy()
             den = np.zeros((n, len(dense)), np.float32)
             for j, c in enumerate(dense):
                 # Straight to float32: an integer past 2**53 went through
@@ -505,7 +507,7 @@ def parquet(
                 drop_remainder,
             ),
             output_signature=(
-                tf.TensorSpec([None], tf.float32),
+                tf.TensorSpec([None], tf.float64),
                 tf.TensorSpec([None, len(dense)], tf.float32),
                 tf.TensorSpec([None, len(sparse)], tf.string),
             ),

@@ -121,7 +121,7 @@ class ShardedRowsMixin:
         saved = [d.payload.assign(payload), d.splits.assign(splits),
                  d.own_inverse.assign(own_inverse), d.own_count.assign(own_count),
                  d.slots.assign(slots), d.step.assign(step),
-                 d.rate.assign(self.table_optimizer.rate_at(step))]
+                 d.rate.assign(tf.cast(self.table_optimizer.rate_at(step), tf.float32))]
         with tf.control_dependencies(saved):
             pending = d.pending.assign(True)
         with tf.control_dependencies([pending]):

@@ -692,3 +692,18 @@ def test_an_accumulator_that_training_overflowed_saves_and_restores(tmp_path):
         with pytest.raises(CheckpointMismatchError, match="non-finite values"):
             fresh.store.load_table(header, want_ids, bad, np.ones(2, np.int64),
                                    np.zeros(3, np.int64))
+
+
+def test_negative_counters_are_refused_before_the_table_changes():
+    """The counters' kernel refuses negative counts, but only after the rows
+    were loaded: a restore of such weights left the saved rows in place of
+    the table's. Now refused first."""
+    saved, target = _adagrad_layer(1), _adagrad_layer(2)
+    for layer, ids in ((saved, [1, 2, 3]), (target, [7, 8])):
+        layer.assign_rows(np.array(ids), np.ones((len(ids), DIM), np.float32))
+    weights = {}
+    saved.save_own_variables(weights)
+    weights["table_counters"] = np.array([-1, 0, 0], np.int64)
+    with pytest.raises(CheckpointMismatchError, match=r"counters .* \[-1, 0, 0\] are negative"):
+        target.load_own_variables(weights)
+    assert sorted(target.store.host_export()[0].numpy().tolist()) == [7, 8]

@@ -431,3 +431,30 @@ def test_ftrl_under_a_schedule_that_reaches_zero_refuses_the_step_and_keeps_the_
     after = layer.lookup_rows(ids)
     assert np.isfinite(after).all()
     np.testing.assert_array_equal(after, before)
+
+
+def test_a_fixed_rate_stays_on_its_thread():
+    """rate_fixed (a model-parallel layer's held update) kept the rate on the
+    optimizer object, which several layers may share: another thread's
+    eager use of it got the traced tensor of this one."""
+    import threading
+
+    opt = tf_sfctr.optimizers.SGD(0.5)
+    step = tf.constant(0, tf.int64)
+    inside, read = threading.Event(), threading.Event()
+    seen = {}
+
+    def other():
+        inside.wait(10)
+        seen["rate"] = float(opt.rate_at(step))
+        read.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    with opt.rate_fixed(tf.constant(0.125)):
+        assert float(opt.rate_at(step)) == 0.125
+        inside.set()
+        assert read.wait(10)
+    thread.join()
+    assert seen["rate"] == 0.5
+    assert float(opt.rate_at(step)) == 0.5

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from typing import Any, Callable, Union
 
 import keras
@@ -83,6 +84,18 @@ def _check_positive(name: str, value: float, allow_zero: bool = False) -> float:
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name} must be a finite number {bound}, got {value}")
     return value
+
+
+_THREAD_STATE = threading.local()
+
+
+def _fixed_rates() -> dict:
+    """This thread's rates fixed by ``TableOptimizer.rate_fixed``, by id of
+    the optimizer."""
+    rates = getattr(_THREAD_STATE, "fixed_rates", None)
+    if rates is None:
+        rates = _THREAD_STATE.fixed_rates = {}
+    return rates
 
 
 class TableOptimizer:
@@ -192,15 +205,21 @@ class TableOptimizer:
         scalar tensor) as its learning rate. A model-parallel layer applies
         a step's update at the next collective, with the rate read when the
         step ran (``rate_at``), not one set again in between."""
-        previous = self.__dict__.get("_fixed_rate")
-        self.__dict__["_fixed_rate"] = rate
+        # Per thread: one optimizer may serve several layers, and another
+        # thread's eager or traced use of it must not see this graph's rate.
+        fixed = _fixed_rates()
+        previous = fixed.get(id(self))
+        fixed[id(self)] = rate
         try:
             yield
         finally:
-            self.__dict__["_fixed_rate"] = previous
+            if previous is None:
+                del fixed[id(self)]
+            else:
+                fixed[id(self)] = previous
 
     def _lr(self, step: tf.Tensor) -> tf.Tensor:
-        fixed = self.__dict__.get("_fixed_rate")
+        fixed = _fixed_rates().get(id(self))
         if fixed is not None:
             return fixed
         rate = getattr(self, "_rate_variable", None)  # None: a subclass set no rate

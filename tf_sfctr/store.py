@@ -629,6 +629,13 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
             raise CheckpointMismatchError(
                 f"saved table has {np.asarray(counters).size} counters, not 3 (hits, misses, "
                 "evictions); it is corrupt. The current table was left untouched.")
+        if np.any(np.asarray(counters).ravel()[:3] < 0):
+            # Before the table is cleared: the kernel that sets them refuses
+            # negative counts too, but only after the rows were loaded.
+            raise CheckpointMismatchError(
+                f"saved table's counters (hits, misses, evictions) "
+                f"{np.asarray(counters).ravel()[:3].tolist()} are negative; it is corrupt. "
+                "The current table was left untouched.")
 
     def begin_load(self, header, num_rows: int) -> None:
         """Empties the table (and its cache) for a restore of ``num_rows``

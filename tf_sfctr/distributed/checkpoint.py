@@ -549,6 +549,10 @@ def _check_part(store: EmbeddingStore, part: dict, mode: str, s: int, saved_size
     if counts.shape != ids.shape or counters.size < 3:
         raise CheckpointMismatchError(
             f"{name}'s table has a use count per id or its counters missing; it is corrupt.")
+    if np.any(counters.ravel()[:3] < 0):
+        raise CheckpointMismatchError(
+            f"{name}'s table has negative counters (hits, misses, evictions) "
+            f"{counters.ravel()[:3].tolist()}; it is corrupt.")
     if header.size >= 8:  # format 3 says which shard the table is
         said = (int(header[6]), int(header[7]))
         expected = (1, 0) if _replicated(header) else (saved_size, s)

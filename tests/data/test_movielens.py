@@ -188,7 +188,8 @@ H = "userId,movieId,rating,timestamp\n"
     (H + "1,1,4.0,10\n1.5,2,3.0,11\n", r"ratings.csv:3: userId '1.5' is not an integer"),
     (H + "1,x,4.0,10\n", r"ratings.csv:2: movieId 'x' is not an integer"),
     (H + f"{2**60},1,4.0,10\n", r"ratings.csv:2: userId 1152921504606846976 is past 2\*\*53"),
-    (H + "1,1,4.0,1e9\n", r"ratings.csv:2: timestamp '1e9' is not an integer"),
+    (H + "1,1,4.0,10.5\n", r"ratings.csv:2: timestamp '10.5' is not an integer"),
+    (H + "1,1,4.0,10\n" * 3 + "1,1,4.0,\n", r"ratings.csv:5: timestamp '' is not an integer"),
     ("userId,movieId,rating\n", r"expected the header userId,movieId,rating,timestamp, "
                                  r"got userId,movieId,rating$"),
 ])

@@ -34,11 +34,13 @@ latest ``test_fraction`` of the ratings (by timestamp, ties by file order) there
 
 from __future__ import annotations
 
+import array
 import csv
 import dataclasses
 import math
 import os
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -56,7 +58,7 @@ SPLITS = ("random", "time")
 _NO_GENRES = "(no genres listed)"
 _YEAR = re.compile(r"\((\d{4})(?:\s*[-\u2013]\s*\d{0,4})?\)\s*$")
 _RATINGS_HEADER = "userId,movieId,rating,timestamp"
-_INTEGER = re.compile(r"[+-]?[0-9]+")
+_MAX_EXACT = 2**53
 
 
 @dataclasses.dataclass
@@ -119,35 +121,69 @@ def _read_movies(path: Path) -> dict[int, tuple[str, tuple[str, ...]]]:
                 raise ValueError(f"{path}:{line}: expected 3 fields, got {len(row)}")
             match = _YEAR.search(row[1])
             genres = tuple(g for g in row[2].split("|") if g and g != _NO_GENRES)
-            movie = _integer_id(path, line, "movieId", row[0])
+            movie = int(_integer_id(path, line, "movieId", row[0]))
             movies[movie] = (match.group(1) if match else "", genres)
     return movies
 
 
-def _integer_id(path: Path, line: int, name: str, field: str) -> int:
-    """An id field of a MovieLens CSV: a whole number float64 holds exactly."""
-    if not _INTEGER.fullmatch(field.strip()):
+def _integer_id(path: Path, line: int, name: str, field: str) -> float:
+    """An id or timestamp field of a MovieLens CSV: a whole number that
+    float64 holds exactly (written as NumPy's loadtxt reads numbers)."""
+    try:
+        value = float(field)
+    except ValueError:
+        value = math.nan
+    if not value.is_integer():
         raise ValueError(f"{path}:{line}: {name} {field!r} is not an integer")
-    value = int(field)
-    if abs(value) > 2**53:
-        raise ValueError(f"{path}:{line}: {name} {value} is past 2**53 (ids are read as "
+    if abs(value) > _MAX_EXACT:
+        raise ValueError(f"{path}:{line}: {name} {int(value)} is past 2**53 (ids are read as "
                          "float64)")
     return value
+
+
+def _ratings_valid(rows: np.ndarray) -> bool:
+    """Whether parsed ratings hold whole ids and timestamps float64 holds
+    exactly, and finite ratings."""
+    if rows.ndim != 2 or rows.shape[1] != 4:
+        return False
+    whole = rows[:, [0, 1, 3]]
+    return bool(np.all(np.isfinite(rows)) and np.all(whole == np.round(whole))
+                and np.all(np.abs(whole) <= _MAX_EXACT))
 
 
 def _read_ratings(path: Path) -> np.ndarray:
     """float64 [N, 4]: userId, movieId, rating, timestamp. A bad field is
     refused naming the file and its line."""
-    with open(path, encoding="utf-8-sig", newline="") as f:  # a byte-order mark is skipped
+    with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is skipped)
+        header = f.readline().strip()
+    if header != _RATINGS_HEADER:
+        raise ValueError(f"{path}: expected the header {_RATINGS_HEADER}, got {header}")
+    # NumPy's parser first (fast, compact); anything it refuses or that
+    # fails the checks is read again line by line, which names the line.
+    try:
+        with warnings.catch_warnings():  # an empty file is refused below
+            warnings.simplefilter("ignore", UserWarning)
+            rows = np.loadtxt(path, delimiter=",", skiprows=1, dtype=np.float64, ndmin=2,
+                              comments=None)
+        if rows.shape[0] and not _ratings_valid(rows):
+            rows = _read_ratings_by_line(path)
+    except ValueError:
+        rows = _read_ratings_by_line(path)
+    if rows.shape[0] == 0:
+        raise ValueError(f"{path} has no ratings (only its header)")
+    return rows
+
+
+def _read_ratings_by_line(path: Path) -> np.ndarray:
+    """What ``_read_ratings`` returns, parsed one line at a time: slower,
+    but a bad field is refused naming its line."""
+    with open(path, encoding="utf-8-sig", newline="") as f:
         reader = csv.reader(f)
-        header = next(reader, None)
-        if header != _RATINGS_HEADER.split(","):
-            shown = ",".join(header) if header is not None else "nothing"
-            raise ValueError(f"{path}: expected the header {_RATINGS_HEADER}, got {shown}")
-        rows = []
+        next(reader, None)  # the header, checked by the caller
+        columns = [array.array("d") for _ in range(4)]
         for line, row in enumerate(reader, start=2):
             if not row:
-                continue  # a blank line (as np.loadtxt skipped them)
+                continue  # a blank line (np.loadtxt skips them too)
             if len(row) != 4:
                 raise ValueError(f"{path}:{line}: expected 4 columns ({_RATINGS_HEADER}), "
                                  f"got {len(row)}")
@@ -160,10 +196,10 @@ def _read_ratings(path: Path) -> np.ndarray:
             if not math.isfinite(rating):
                 raise ValueError(f"{path}:{line}: rating {row[2]!r} is not a finite number")
             stamp = _integer_id(path, line, "timestamp", row[3])
-            rows.append((user, movie, rating, stamp))
-    if not rows:
-        raise ValueError(f"{path} has no ratings (only its header)")
-    return np.array(rows, dtype=np.float64)
+            for column, value in zip(columns, (user, movie, rating, stamp)):
+                column.append(value)
+    return np.stack([np.frombuffer(c, np.float64) for c in columns], axis=1) \
+        if len(columns[0]) else np.zeros((0, 4))
 
 
 def _history(users: np.ndarray, times: np.ndarray, movie_ids: np.ndarray,

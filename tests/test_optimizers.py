@@ -281,6 +281,15 @@ def test_a_name_gives_its_class_with_keras_defaults(name, keras_class):
         k: pytest.approx(keras_defaults[k]) for k in shared}
 
 
+def test_a_table_optimizer_given_to_compile_is_named_as_ours_in_keras_error():
+    """Keras refuses a table optimizer in compile and quotes its repr: the
+    repr names the library, so the error does not look like a Keras Adam."""
+    model = keras.Sequential([keras.Input((1,), dtype="int64"),
+                              CachedEmbedding(2, cache_capacity=4, seed=0)])
+    with pytest.raises(ValueError, match=r"tf_sfctr\.optimizers\.Adam\(learning_rate=0\.01"):
+        model.compile(optimizer=tf_sfctr.optimizers.Adam(0.01), loss="mse")
+
+
 def test_the_default_table_optimizer_is_adagrad_at_learning_rate_0_01():
     opt = CachedEmbedding(2, cache_capacity=4, seed=0).table_optimizer
     assert type(opt) is tf_sfctr.optimizers.Adagrad

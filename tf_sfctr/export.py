@@ -30,7 +30,7 @@ def _frozen_rows(layer: CachedEmbedding, max_rows: Optional[int]):
     if max_rows is not None:
         # Read a part at a time, keeping the most used rows only: a table
         # larger than memory (host_rows_dir) exports its max_rows most used.
-        ids, rows, counts, saturated = _most_used_parts(
+        ids, rows, counts, saturated, held = _most_used_parts(
             layer, max_rows, None if ahead is None else ahead.numpy())
     else:
         # The embedding columns only: each host row also holds its optimizer state.
@@ -41,6 +41,7 @@ def _frozen_rows(layer: CachedEmbedding, max_rows: Optional[int]):
             # (capped counts stay at the cap, which they had reached anyway).
             ahead = tf.logical_and(_isin(ids, ahead), counts < MAX_USE_COUNT)
             counts = counts - tf.cast(ahead, counts.dtype)
+        held = None
     if layer.mode == "model_parallel":
         # Every rank holds a shard (of the most used rows with max_rows, which
         # hold the whole table's most used): gather them (collective).
@@ -50,11 +51,13 @@ def _frozen_rows(layer: CachedEmbedding, max_rows: Optional[int]):
         rows = hvd.allgather(rows, name=f"{name}_rows", ignore_name_scope=True)
         counts = hvd.allgather(counts, name=f"{name}_counts", ignore_name_scope=True)
         if max_rows is not None:
-            saturated = int(np.sum(hvd.allgather(
-                tf.constant([saturated], tf.int64), name=f"{name}_saturated",
-                ignore_name_scope=True).numpy()))
+            saturated, held = (int(x) for x in np.sum(hvd.allgather(
+                tf.constant([[saturated, held]], tf.int64), name=f"{name}_saturated",
+                ignore_name_scope=True).numpy(), axis=0))
     ids, rows, counts = (np.asarray(x) for x in (ids, rows, counts))
-    if len(ids) == 0 and not _zero_initial_rows(layer):
+    if held is None:
+        held = len(ids)  # the whole table (with max_rows, held counts the rows before the cut)
+    if held == 0 and not _zero_initial_rows(layer):
         warnings.warn(
             f"export_for_serving: table {layer.name!r} holds no rows (it never trained"
             f"{', being frozen: trainable=False' if not layer.trainable else ''}, and no "
@@ -70,8 +73,8 @@ def _frozen_rows(layer: CachedEmbedding, max_rows: Optional[int]):
 
 
 def _most_used_parts(layer: CachedEmbedding, max_rows: int, ahead: Optional[np.ndarray]):
-    """(ids, embedding rows, use counts, rows whose count reached its cap)
-    of the ``max_rows`` most used rows of this process's table (ties by id,
+    """(ids, embedding rows, use counts, rows whose count reached its cap,
+    rows read) of the ``max_rows`` most used rows of this process's table (ties by id,
     as ``_most_used``), read a part at a time (``host_export_range``): what
     it holds is at most about 2 x max_rows rows and a part."""
     from tf_sfctr.table_file import part_rows
@@ -80,7 +83,7 @@ def _most_used_parts(layer: CachedEmbedding, max_rows: int, ahead: Optional[np.n
     limit = part_rows(store.config.width)
     kept = [np.zeros(0, np.int64), np.zeros((0, dim), np.float32), np.zeros(0, np.int64)]
     pending: list = []
-    held, saturated, cursor = 0, 0, 0
+    held, saturated, cursor, total = 0, 0, 0, 0
 
     def compact():
         ids, rows, counts = (np.concatenate([k] + [p[j] for p in pending])
@@ -98,10 +101,11 @@ def _most_used_parts(layer: CachedEmbedding, max_rows: int, ahead: Optional[np.n
         saturated += int(np.count_nonzero(counts >= MAX_USE_COUNT))
         pending.append((ids, np.ascontiguousarray(rows.numpy()[:, :dim]), counts))
         held += ids.size
+        total += ids.size
         if held > 2 * max_rows + limit:
             held = compact()
     compact()
-    return kept[0], kept[1], kept[2], saturated
+    return kept[0], kept[1], kept[2], saturated, total
 
 
 def _zero_initial_rows(layer: CachedEmbedding) -> bool:

@@ -258,7 +258,11 @@ class TableOptimizer:
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
-        return f"{type(self).__name__}({args})"
+        # Qualified, so that an error quoting it (Keras's "Could not interpret
+        # optimizer identifier" for a table optimizer given to compile) says
+        # which library's optimizer it is.
+        cls = type(self)
+        return f"{cls.__module__}.{cls.__qualname__}({args})"
 
 
 @keras.saving.register_keras_serializable(package="tf_sfctr")

@@ -26,7 +26,10 @@ worth.
 Memory-traffic bound of a step: bytes it must touch (ids read: 8 N; distinct
 rows and their Adagrad accumulator read and written: 2 * 2 * 4 * dim * U;
 output written: 4 * dim * N) / the bandwidth of a large NumPy copy measured in
-the same run. "% of bound" = bound time / measured time.
+the same run. "% of bound" = bound time / measured time. These are the bytes
+the issue lists; every variant's backward pass also reads the output's
+gradient (4 * dim * N more), which would raise every "% of bound" by the same
+factor (~1.4x at dim 16) and change no ratio.
 
 Then the CachedEmbedding step of the reference workload is traced with TF's
 profiler and its kernel time is split by stage.
@@ -218,8 +221,8 @@ def classify(name: str, typ: str) -> str:
     """
     if re.match(r"^(.*/)?loss/", name):
         return "loss sum(out*w) and its gradient (harness)"
-    if typ == "Unique":
-        return "tf.unique (VSI)"
+    if typ in ("Unique", "SfctrUnique"):
+        return "de-duplication of the batch's ids (SfctrUnique, VSI)"
     if typ == "SfctrCachePrepare":
         return "SfctrCachePrepare (C++ cache directory + host fetch)"
     if re.match(r"^(.*/)?ours(_\d+)?/", name):
@@ -271,7 +274,9 @@ def isolated_parts(wl: Workload, warmup: int, steps: int, dim: int, capacity: in
         with tf.control_dependencies([op]):
             return tf.constant(0)
 
-    unique = fn(lambda x: tf.unique(x, out_idx=tf.int32))
+    # As the layer does it (SfctrUnique); TF's tf.unique for comparison.
+    unique = fn(lambda x: tf_sfctr._ops.unique(x)[:2])
+    tf_unique = fn(lambda x: tf.unique(x, out_idx=tf.int32))
     prepare = fn(lambda u: store.cache_prepare(u))
     write = fn(lambda ids, n, c: done(store.host_write(ids, tf.zeros([n, width]), c)))
     # As the layer does it on CPU (SfctrGatherRows); the [U, dim] -> [N, dim]
@@ -290,7 +295,7 @@ def isolated_parts(wl: Workload, warmup: int, steps: int, dim: int, capacity: in
         var=rows.handle, accum=acc.handle, lr=tf.constant(LR), epsilon=tf.constant(EPS),
         grad=g, indices=s)))
 
-    timings = {k: [] for k in ("unique", "prepare", "write", "gather_slots", "gather_inv",
+    timings = {k: [] for k in ("unique", "tf_unique", "prepare", "write", "gather_slots", "gather_inv",
                                "segsum", "ours_sum", "ours_both", "update", "noop", "fused")}
 
     def timed(key, fn, *a):
@@ -306,6 +311,7 @@ def isolated_parts(wl: Workload, warmup: int, steps: int, dim: int, capacity: in
         key = (lambda k: k) if i >= warmup else (lambda k: None)
         ids = tf.reshape(wl.ids[i], [-1])
         u, inv = timed(key("unique"), unique, ids)
+        timed(key("tf_unique"), tf_unique, ids)
         slots, miss_slots, _, _, evict_ids, evict_uses = timed(key("prepare"), prepare, u)
         if i >= warmup:
             misses.append(int(tf.size(miss_slots)))
@@ -333,7 +339,7 @@ def isolated_parts(wl: Workload, warmup: int, steps: int, dim: int, capacity: in
     hit_ms = 1e3 * float(np.median(all_hits))
     n_miss, n_evict = float(np.mean(misses)), float(np.mean(evictions))
     rows_ = [
-        ("tf.unique of the batch's ids", med["unique"]),
+        ("SfctrUnique of the batch's ids (the layer's de-duplication)", med["unique"]),
         (f"SfctrCachePrepare (directory + fetch of missed rows; {n_miss:,.0f} misses and "
          f"{n_evict:,.0f} evictions per step)", med["prepare"]),
         ("  of which: the same call when every id hits (directory lookups + output copies)",
@@ -351,12 +357,14 @@ def isolated_parts(wl: Workload, warmup: int, steps: int, dim: int, capacity: in
         ("empty tf.function call on the ids (dispatch overhead)", med["noop"]),
     ]
     rows_.append(("**sum of the stages above** (counting the g, g^2 sums only)",
-                  sum(v for k, v in med.items() if k not in ("segsum", "ours_sum", "fused"))))
+                  sum(v for k, v in med.items()
+                      if k not in ("segsum", "ours_sum", "fused", "tf_unique"))))
     rows_.append(("whole step, timed run (median)", wall_ms))
     rows_.append(("for comparison: fused ResourceSparseApplyAdagradV2 on the cache "
                   "(summed formula, as tf_keras)", med["fused"]))
     rows_.append(("for comparison: TF's unsorted_segment_sum of g (what tf_keras runs)",
                   med["segsum"]))
+    rows_.append(("for comparison: TF's tf.unique of the batch's ids", med["tf_unique"]))
     C.table(["stage, alone in its own tf.function", "ms (median)"], rows_,
             title=f"Stages of the CachedEmbedding step run alone on the same batches "
                   f"(alpha {wl.alpha}, dim {dim}, cache {capacity:,} rows)")
@@ -425,7 +433,11 @@ def main(argv=None) -> int:
 
     bw = C.memory_bandwidth(64 << 20 if args.tiny else 512 << 20)
     print(f"memory bandwidth (NumPy copy, read + write): {bw / 1e9:.1f} GB/s; "
-          f"load average {C.load_average()}\n")
+          f"load average {C.load_average()}")
+    print("% of memory bound: the bytes the issue lists (ids read, distinct rows and "
+          "accumulators read and written, output written) at that bandwidth, over the step "
+          "time; the output gradient's read, which every variant also makes, is not counted "
+          "(it would raise each % by ~1.4x at dim 16)\n")
     want = {"tf_keras": TFK, "tfra": TFRA, "keras3": K3}
     baselines = [want[b] for b in args.baselines]
     if TFK in baselines and _tfra.tf_keras() is None:

@@ -90,6 +90,10 @@ def lower_gloo_polling_priority(sample_s: float = 0.05) -> list[int]:
     Why: the loop busy-spins while a message waits for its receiver (see this
     module's docstring); at normal priority that spinning takes a share of
     the core from the rank's TensorFlow threads.
+
+    For nodes the job has to itself: where other processes keep the cores
+    busy, an idle-priority loop waits for them, and so do the messages
+    (README, "Scale out with Horovod").
     """
     if sample_s < 0:
         raise ValueError(f"sample_s must be >= 0 seconds, got {sample_s}")

@@ -319,6 +319,69 @@ def test_distributed_restore_leaves_tables_the_checkpoint_lacks_alone(rng, tmp_p
     assert extra.cache_stats()["host_rows"] == 2
 
 
+def _two_tables(first: str, second: str, noop_in_front: bool = False):
+    """A model with two tables of one shape ("user" on column 0, "item" on
+    column 1), their outputs concatenated in the given order (which is the
+    order of the model's layers)."""
+    inp = keras.Input((2,), dtype="int64")
+    x = keras.layers.Identity(name="noop")(inp) if noop_in_front else inp
+    tables = {name: CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=7, name=name)
+              for name in (first, second)}
+    out = {name: tables[name](x[:, :1] if name == "user" else x[:, 1:])
+           for name in (first, second)}
+    out = keras.layers.Dense(1)(keras.layers.Concatenate()(
+        [keras.layers.Flatten()(out[first]), keras.layers.Flatten()(out[second])]))
+    model = keras.Model(inp, out)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    return model, tables
+
+
+@pytest.mark.parametrize("change", ["order", "layer_in_front", "checkpoint_names"])
+def test_distributed_restore_refuses_tables_that_would_land_in_other_layers(
+        rng, tmp_path, change):
+    """TF matches saved objects by their place in the model, and restore
+    reads with expect_partial: a model whose tables were built in another
+    order restored each table into the other layer, one with a layer added
+    in front restored the first table into the second layer and left the
+    other empty, and a tf.train.Checkpoint with other attribute names
+    restored nothing, all without an error (a review found them). Each is
+    refused now, naming the cause, and nothing changes."""
+    from tf_sfctr.distributed import restore, save
+
+    model, tables = _two_tables("user", "item")
+    x = np.stack([rng.integers(0, 50, 64), rng.integers(50, 100, 64)], axis=1)
+    model.fit(x, rng.random((64, 1)), batch_size=8, verbose=0)
+    save(_ckpt(model), str(tmp_path / "ckpt"))
+    other, other_tables = (_two_tables("item", "user") if change == "order"
+                           else _two_tables("user", "item", noop_in_front=True))
+    ckpt = (tf.train.Checkpoint(net=other, opt=other.optimizer)
+            if change == "checkpoint_names" else _ckpt(other))
+    ids = np.arange(100)
+
+    def state():
+        return (model_state(other, other_tables["user"], ids)
+                + [other_tables["item"].lookup_rows(ids),
+                   other_tables["item"].cache_stats()["host_rows"]])
+
+    before = state()
+    match = {"order": "table saved by layer 'user' into layer 'item'",
+             "layer_in_front": "table of 'user' .*no CachedEmbedding at that place",
+             "checkpoint_names": r"saved with \['model', 'optimizer'\], this checkpoint has "
+                                 r"\['net', 'opt'\]"}[change]
+    with pytest.raises(CheckpointMismatchError, match=match):
+        restore(ckpt, str(tmp_path / "ckpt"))
+    assert_same_state(state(), before)
+    # Built as it was saved, the model restores (names that differ, as
+    # Keras's automatic ones do between processes, are not a mismatch).
+    same, same_tables = _two_tables("user", "item")
+    restore(_ckpt(same), str(tmp_path / "ckpt"))
+    for name in ("user", "item"):
+        ids = np.unique(x[:, 0] if name == "user" else x[:, 1])
+        np.testing.assert_array_equal(same_tables[name].lookup_rows(ids),
+                                      tables[name].lookup_rows(ids))
+
+
 def test_distributed_checkpoints_go_through_tf_file_systems(rng):
     """tf_sfctr.distributed.save and restore write and read every file
     (shards, shard.json, manifest.json) through tf.io.gfile, so a directory

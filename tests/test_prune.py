@@ -178,6 +178,39 @@ def test_every_steps_counts_on_over_fit_calls():
     assert prune.pruned_rows["items"] > 0
 
 
+def test_a_resumed_run_prunes_after_the_steps_an_uninterrupted_run_does():
+    """The count starts where the model's training stands: a new callback
+    on a model restored at step 14 pruned after steps 19, 24, 29 (every 5
+    of its own), where the run that never stopped pruned after 15, 20, 25,
+    30 (a review found it)."""
+    class Steps(PruneHostTable):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.at = []
+
+        def _prune(self):
+            self.at.append(int(self.model.optimizer.iterations.numpy()))
+            super()._prune()
+
+    def model():
+        inp = keras.Input((2,), dtype="int64")
+        emb = CachedEmbedding(2, cache_capacity=8, seed=0, name="items")
+        made = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
+        made.compile(optimizer="sgd", loss="mse")
+        return made
+
+    x, y = np.arange(60, dtype=np.int64).reshape(30, 2), np.ones((30, 1))
+    whole = Steps(min_uses=2, every_steps=5)
+    model().fit(x, y, batch_size=1, verbose=0, callbacks=[whole])
+    assert whole.at == [5, 10, 15, 20, 25, 30]
+    first, resumed = model(), model()
+    first.fit(x[:14], y[:14], batch_size=1, verbose=0)
+    resumed.optimizer.iterations.assign(first.optimizer.iterations)  # as a restore does
+    later = Steps(min_uses=2, every_steps=5)
+    resumed.fit(x[14:], y[14:], batch_size=1, verbose=0, callbacks=[later])
+    assert later.at == [15, 20, 25, 30]
+
+
 def test_every_steps_counts_steps_with_gradient_accumulation():
     """With gradient_accumulation_steps=4 the optimizer's public `iterations`
     counts updates: every_steps=4 pruned once in 16 steps, not 4 times."""

@@ -127,6 +127,56 @@ def test_a_directory_with_saves_of_later_steps_warns_and_keeps_the_new_save(tmp_
         f"ckpt-{STEPS:012d}", f"ckpt-{2 * STEPS:012d}"]
 
 
+def test_a_save_of_a_step_that_has_a_complete_save_is_refused(tmp_path):
+    """A run that did not resume, given the directory of one that got
+    further, replaced that run's saves of the same steps (a review found
+    both of a first run's saves gone). The save is refused; the other
+    run's stays as it was."""
+    import json
+
+    vocab, x, y = _data()
+    old, old_emb = _model()
+    _fit(old, x, y, epochs=2, callbacks=[SaveCheckpoints(None, str(tmp_path), keep=None)])
+    manifest = tmp_path / f"ckpt-{STEPS:012d}" / "manifest.json"
+    before = json.loads(manifest.read_text())
+    new, _ = _model(seed=9)
+    with pytest.warns(UserWarning, match="holds saves of later steps"), \
+            pytest.raises(FileExistsError, match=f"ckpt-{STEPS:012d} already holds a complete "
+                                                 "save of step 5.*this run started at step 0"):
+        _fit(new, x, y, epochs=1, callbacks=[SaveCheckpoints(None, str(tmp_path))])
+    assert json.loads(manifest.read_text()) == before
+    again, again_emb = _model(seed=9)
+    assert resume(_ckpt(again), str(tmp_path)) == 2
+    np.testing.assert_array_equal(again_emb.lookup_rows(vocab), old_emb.lookup_rows(vocab))
+
+
+def test_resume_falls_back_to_an_older_save_when_the_newest_is_damaged(tmp_path):
+    """A crash while a save was written can leave it damaged (TF's files
+    are not synced); resume refused it and so could never restart the job.
+    It now restores the next older save, with a warning, and raises only
+    when no save restores."""
+    vocab, x, y = _data()
+    saves = SaveCheckpoints(None, str(tmp_path), keep=None)
+    model, emb = _model()
+    _fit(model, x, y, epochs=1, callbacks=[saves])
+    one_epoch = emb.lookup_rows(vocab)
+    _fit(model, x, y, epochs=2, initial_epoch=1, callbacks=[saves])
+    newest = tmp_path / f"ckpt-{2 * STEPS:012d}" / "shard-00000-of-00001"
+    data = next(newest.glob("ckpt.data*"))
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    again, again_emb = _model(seed=9)
+    with pytest.warns(UserWarning, match=f"the newest save in .* could not be restored .*"
+                                         f"damaged.*resumed from .*ckpt-{STEPS:012d}"):
+        assert resume(_ckpt(again), str(tmp_path)) == 1
+    np.testing.assert_array_equal(again_emb.lookup_rows(vocab), one_epoch)
+    older = tmp_path / f"ckpt-{STEPS:012d}" / "shard-00000-of-00001"
+    data = next(older.glob("ckpt.data*"))
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(tf_sfctr.store.CheckpointMismatchError,
+                       match=f"ckpt-{2 * STEPS:012d}.*damaged"):
+        resume(_ckpt(_model(seed=9)[0]), str(tmp_path))
+
+
 def test_a_save_at_an_epochs_last_step_counts_the_epoch_on_data_of_unknown_size(tmp_path):
     """On a dataset of unknown size Keras counts one more optimizer
     iteration once the data ran out, after the last batch: the save at the

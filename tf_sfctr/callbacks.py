@@ -269,14 +269,20 @@ class PruneHostTable(keras.callbacks.Callback):
     """Prunes the host table of every ``CachedEmbedding`` of the model while
     it trains: ids used in fewer than ``min_uses`` training steps are removed
     (``CachedEmbedding.prune``), at the end of each epoch, or every
-    ``every_steps`` training steps when given (counted with
-    the optimizer's iteration counter, so ``steps_per_execution > 1`` prunes as
-    often; the check runs after each execution; with
-    ``gradient_accumulation_steps`` every step counts, not every update). The
-    steps add up over the ``fit`` calls the callback is passed to, as
-    ``keras.callbacks.ModelCheckpoint(save_freq=n)`` counts batches: a stream
-    trained one ``fit`` per chunk, each shorter than ``every_steps``, is still
-    pruned every ``every_steps`` steps. Each epoch's logs get
+    ``every_steps`` training steps when given: after the steps whose count
+    reaches a multiple of ``every_steps`` (counted with the optimizer's
+    iteration counter, so ``steps_per_execution > 1`` prunes as often, the
+    check running after each execution; with ``gradient_accumulation_steps``
+    every step counts, not every update). The count starts from the
+    optimizer's count when the callback first trains, and adds up over the
+    ``fit`` calls the callback is passed to: a stream trained one ``fit`` per
+    chunk, each shorter than ``every_steps``, is still pruned every
+    ``every_steps`` steps, and a run resumed from a checkpoint prunes after
+    the same steps as the run that never stopped. (Not quite on data of
+    unknown size, where Keras 3.5 counts one iteration more after each
+    epoch's last batch: the restored count includes those. And with the
+    cache cold after a restore the rows it removes can differ, since cached
+    ids are never pruned.) Each epoch's logs get
     ``<layer name>/pruned_rows``, the rows removed during that epoch, and
     ``self.pruned_rows`` holds each layer's total (keyed as ``table_log_names``
     names them).
@@ -318,6 +324,7 @@ class PruneHostTable(keras.callbacks.Callback):
         self.pruned_rows: dict = {}
         self._epoch_rows: dict = {}
         self._steps = _Steps()
+        self._started = False
         self._last_prune_step = 0
 
     def _prune(self) -> None:
@@ -335,6 +342,14 @@ class PruneHostTable(keras.callbacks.Callback):
         # here only where the optimizer's counter is read from).
         self._steps.restart(self.model)
         self._epoch_rows = {name: 0 for _, name in table_log_names(self.model)}
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        if not self._started:
+            # Where the model's training stands (a restored optimizer's count),
+            # so that a resumed run prunes after the steps an uninterrupted
+            # one would.
+            self._started = True
+            self._steps.count = self._last_prune_step = _Steps._iterations(self.model) or 0
 
     def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
         step = self._steps.batch_end(self.model)

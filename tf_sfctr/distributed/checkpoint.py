@@ -201,7 +201,8 @@ def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
             store.table_file = None
     if error is None:
         try:
-            _write_json(info, {"save_id": save_id, "rank": rank, "world_size": size})
+            _write_json(info, {"save_id": save_id, "rank": rank, "world_size": size,
+                               "tables": _saved_table_names(checkpoint, prefix)})
         except _FILE_ERRORS as err:
             error = err
     _agree_on_save(error, directory, "sfctr_checkpoint_saved")
@@ -217,6 +218,18 @@ def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
             error = err
     _agree_on_save(error, directory, "sfctr_checkpoint_manifest")
     return path
+
+
+def _saved_table_names(checkpoint, prefix: str) -> dict[str, str]:
+    """{node id of each table in the object graph just written: the name of
+    its layer}, so that restore can tell a table that would land in another
+    layer (TensorFlow matches by place, not by name)."""
+    reader = tf.compat.v1.train.NewCheckpointReader(prefix)
+    graph = trackable_object_graph_pb2.TrackableObjectGraph()
+    graph.ParseFromString(reader.get_tensor(_OBJECT_GRAPH))
+    matched = _matched(checkpoint, graph)
+    return {str(node_id): layer.name
+            for node_id, layer in _table_layers(checkpoint, graph, matched).items()}
 
 
 def _agree_on_save(error: Optional[BaseException], directory: str, name: str) -> None:
@@ -353,10 +366,10 @@ def _check_shards_present(directory: str, saved_size: int, save_id: Optional[int
             f"tf_sfctr.distributed.save wrote completely.")
 
 
-def _matched(checkpoint, graph) -> list[tuple[object, object]]:
-    """(live object, its node of the saved object graph) for every object
-    the checkpoint restores into: matched the way TensorFlow restores, from
-    the root by the names of children."""
+def _matched(checkpoint, graph) -> list[tuple[object, object, int]]:
+    """(live object, its node of the saved object graph, the node's id) for
+    every object the checkpoint restores into: matched the way TensorFlow
+    restores, from the root by the names of children."""
     matched, seen = [], set()
     queue = [(checkpoint, 0)]
     while queue:
@@ -365,7 +378,7 @@ def _matched(checkpoint, graph) -> list[tuple[object, object]]:
             continue
         seen.add((id(obj), node_id))
         node = graph.nodes[node_id]
-        matched.append((obj, node))
+        matched.append((obj, node, node_id))
         if isinstance(obj, EmbeddingStore):
             continue
         children = tf.train.TrackableView.children(obj)
@@ -374,6 +387,84 @@ def _matched(checkpoint, graph) -> list[tuple[object, object]]:
             if child is not None:
                 queue.append((child, ref.node_id))
     return matched
+
+
+def _table_layers(checkpoint, graph, matched) -> dict[int, object]:
+    """{node id of a saved table: the live CachedEmbedding whose place in
+    the checkpoint's object graph that table's layer had when it was saved
+    (its store restores from it, now or, not built yet, once built)}."""
+    from tf_sfctr.keras_layers.cached_embedding import CachedEmbedding
+
+    layers = {node_id: obj for obj, _, node_id in matched if isinstance(obj, CachedEmbedding)}
+    found = {}
+    for node_id in _saved_table_nodes(graph):
+        for parent_id, node in enumerate(graph.nodes):
+            if parent_id in layers and any(ref.node_id == node_id for ref in node.children):
+                found[node_id] = layers[parent_id]
+                break
+    return found
+
+
+def _saved_table_nodes(graph) -> list[int]:
+    return [node_id for node_id, node in enumerate(graph.nodes)
+            if {"header", "ids"} <= {a.name for a in node.attributes}]
+
+
+def _saved_path(graph, node_id: int) -> str:
+    """A path of names from the saved root to a node (for messages)."""
+    parents = {ref.node_id: (parent_id, ref.local_name)
+               for parent_id, node in enumerate(graph.nodes) for ref in node.children}
+    names, seen = [], set()
+    while node_id in parents and node_id not in seen:
+        seen.add(node_id)
+        node_id, local_name = parents[node_id]
+        names.append(local_name)
+    return "/".join(reversed(names))
+
+
+def _check_tables_bound(checkpoint, graph, matched, directory: str, name: str) -> None:
+    """TensorFlow matches saved objects to live ones by their place in the
+    object graph (a Keras model's layers by their order), not by name, and
+    restore reads with expect_partial(). So a checkpoint given to another
+    structure restores nothing, or tables into the wrong layers, without an
+    error. Refused here: a checkpoint none of whose objects is in
+    ``checkpoint``, a saved table with no CachedEmbedding at its place, and
+    a table saved by one layer that would restore into another layer of the
+    model (the names ``save`` recorded in ``shard.json``)."""
+    root = graph.nodes[0]
+    if root.children and len(matched) == 1:
+        saved = sorted({ref.local_name for ref in root.children})
+        live = sorted(tf.train.TrackableView.children(checkpoint))
+        raise CheckpointMismatchError(
+            f"{name} of {directory} holds none of the objects of this tf.train.Checkpoint: it "
+            f"was saved with {saved}, this checkpoint has {live}. Name them as the save did "
+            f"(tf.train.Checkpoint({', '.join(f'{n}=...' for n in saved)})).")
+    layers = _table_layers(checkpoint, graph, matched)
+    unbound = [node_id for node_id in _saved_table_nodes(graph) if node_id not in layers]
+    try:
+        saved_names = {int(k): v for k, v in _read_json(
+            os.path.join(directory, name, SHARD_INFO)).get("tables", {}).items()}
+    except (*_FILE_ERRORS, ValueError, TypeError, AttributeError):
+        saved_names = {}  # checked by _check_shards_present (format 1 has none)
+    if unbound:
+        what = ", ".join(
+            (f"{saved_names[i]!r}" if i in saved_names else "a table") + f" (at "
+            f"{_saved_path(graph, i)})" for i in unbound)
+        raise CheckpointMismatchError(
+            f"{name} of {directory} holds the table of {what}, but this model has no "
+            f"CachedEmbedding at that place. TensorFlow matches saved objects by their place "
+            f"in the model (the order of its layers), not by name: the model is not built as "
+            f"the saved one was (a layer added, removed or moved before it).")
+    live_names = {layer.name for layer in layers.values()}
+    for node_id, layer in sorted(layers.items()):
+        saved_name = saved_names.get(node_id)
+        if saved_name is not None and saved_name != layer.name and saved_name in live_names:
+            raise CheckpointMismatchError(
+                f"{name} of {directory} would restore the table saved by layer "
+                f"{saved_name!r} into layer {layer.name!r}: TensorFlow matches saved objects "
+                f"by their place in the model (the order of its layers), not by name, and "
+                f"this model's CachedEmbedding layers are not in the order of the saved one. "
+                f"Build the model as it was when saved.")
 
 
 def _read_shard(checkpoint, directory: str, s: int, saved_size: int,
@@ -394,7 +485,7 @@ def _read_shard(checkpoint, directory: str, s: int, saved_size: int,
         shapes = reader.get_variable_to_shape_map()
         matched = _matched(checkpoint, graph)
         wanted, tables = {}, {}
-        for obj, node in matched:
+        for obj, node, _ in matched:
             if id(obj) in index:
                 k = index[id(obj)]
                 tables[k] = {}
@@ -411,7 +502,8 @@ def _read_shard(checkpoint, directory: str, s: int, saved_size: int,
     # A variable of another shape or dtype (another model) would fail its
     # restore half way through the others.
     dtypes = reader.get_variable_to_dtype_map()
-    for obj, node in matched:
+    _check_tables_bound(checkpoint, graph, matched, directory, name)
+    for obj, node, _ in matched:
         shape, dtype = getattr(obj, "shape", None), getattr(obj, "dtype", None)
         for attr in node.attributes:
             key = attr.checkpoint_key

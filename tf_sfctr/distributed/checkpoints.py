@@ -30,6 +30,7 @@ import tensorflow as tf
 from tf_sfctr.distributed._horovod import world
 from tf_sfctr.distributed.checkpoint import (MANIFEST, _allgather, _read_json, _write_json,
                                              read_metadata, restore, save)
+from tf_sfctr.store import CheckpointMismatchError
 
 #: Each save's directory: the training step it was taken after.
 PREFIX = "ckpt-"
@@ -91,13 +92,31 @@ def resume(checkpoint: tf.train.Checkpoint, directory: str) -> int:
     saved, for ``fit(initial_epoch=...)``; returns 0 and restores nothing
     when there is none yet. A save taken in the middle of an epoch resumes
     at the start of that epoch: its batches before the save are trained
-    again. Collective under Horovod."""
-    path = latest_checkpoint(directory)
-    if path is None:
+    again. Collective under Horovod.
+
+    If the newest save cannot be restored (damaged by a crash while it was
+    written, say), the next older complete save is tried, with a warning
+    naming what was wrong; if none can be, the newest one's error is
+    raised. A failed restore changes nothing, so each try starts clean."""
+    paths = _on_rank_0(lambda: [path for _, path, done in _saves(directory) if done],
+                       "sfctr_resume_saves")
+    if not paths:
         return 0
-    restore(checkpoint, path)
-    return _on_rank_0(lambda: int((read_metadata(path) or {}).get("epochs", 0)),
-                      "sfctr_resume_epochs")
+    first_error = None
+    for path in reversed(paths):
+        try:
+            restore(checkpoint, path)
+        except CheckpointMismatchError as err:
+            # (Every rank gets the same error: restore agrees on it.)
+            first_error = first_error or err
+            continue
+        if first_error is not None:
+            warnings.warn(f"tf_sfctr.distributed.resume: the newest save in {directory} could "
+                          f"not be restored ({first_error}); resumed from {path} instead.",
+                          stacklevel=2)
+        return _on_rank_0(lambda: int((read_metadata(path) or {}).get("epochs", 0)),
+                          "sfctr_resume_epochs")
+    raise first_error
 
 
 class SaveCheckpoints(keras.callbacks.Callback):
@@ -130,6 +149,7 @@ class SaveCheckpoints(keras.callbacks.Callback):
         self.keep = keep
         self._epoch = 0
         self._last_step: Optional[int] = None
+        self._begin_step: Optional[int] = None
         self._saved_step: Optional[int] = None
         self.saved: list[str] = []  # paths written by this callback, oldest first
 
@@ -137,7 +157,7 @@ class SaveCheckpoints(keras.callbacks.Callback):
         if self.checkpoint is None:
             self.checkpoint = tf.train.Checkpoint(model=self.model,
                                                   optimizer=self.model.optimizer)
-        self._last_step = _steps_done(self.model)
+        self._last_step = self._begin_step = _steps_done(self.model)
         _, rank = world()
         later = [path for step, path, done in _saves(self.directory)
                  if done and step > self._last_step] if rank == 0 else []
@@ -146,7 +166,8 @@ class SaveCheckpoints(keras.callbacks.Callback):
                 f"SaveCheckpoints: {self.directory} holds saves of later steps than this "
                 f"run's {self._last_step} ({os.path.basename(later[-1])}): another run's, or "
                 "this run did not resume (tf_sfctr.distributed.resume). resume() picks the "
-                "save of the latest step, so use another directory for a new run.",
+                "save of the latest step, and a save of a step that has one already is "
+                "refused, so use another directory for a new run.",
                 stacklevel=2)
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -184,6 +205,16 @@ class SaveCheckpoints(keras.callbacks.Callback):
 
     def _save(self, step: int, epochs: int) -> None:
         path = os.path.join(self.directory, f"{PREFIX}{step:012d}")
+        # A complete save of this step is another run's (this run's steps
+        # only grow): saving again would replace it (a run that did not
+        # resume, into the directory of one that got further).
+        if _on_rank_0(lambda: tf.io.gfile.exists(os.path.join(path, MANIFEST)),
+                      "sfctr_save_exists"):
+            raise FileExistsError(
+                f"SaveCheckpoints: {path} already holds a complete save of step {step}, made "
+                f"by another run (this run started at step {self._begin_step}); it is not "
+                f"overwritten. Resume from the directory's saves "
+                f"(tf_sfctr.distributed.resume), or give this run a directory of its own.")
         save(self.checkpoint, path, metadata={"step": step, "epochs": epochs})
         self.saved.append(path)
         self._saved_step = step

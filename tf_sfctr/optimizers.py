@@ -139,7 +139,9 @@ class TableOptimizer:
         if rate is not None and tf.executing_eagerly():
             held = rate.numpy()
             if held != np.float32(self._learning_rate):  # restored from a checkpoint
-                return float(held)
+                # The shortest decimal that is this float32 (0.05, not
+                # 0.05000000074505806), as the rate was given.
+                return float(np.format_float_scientific(held, unique=True))
         return self._learning_rate
 
     @property

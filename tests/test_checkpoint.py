@@ -382,6 +382,34 @@ def test_distributed_restore_refuses_tables_that_would_land_in_other_layers(
                                       tables[name].lookup_rows(ids))
 
 
+def test_a_local_distributed_save_is_on_the_disk_when_it_returns(rng, tmp_path, monkeypatch):
+    """Only the table files were synced: a crash after save returned (and
+    after SaveCheckpoints deleted the older saves) could leave a save whose
+    TF files or manifest were lost (a review). Every file of the save, and
+    the directories that name them, are synced now; the manifest last."""
+    from tf_sfctr.distributed import save
+
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    model, _ = _model("adagrad")
+    vocab, x, y = _data(rng, 3)
+    _fit(model, x, y)
+    monkeypatch.setattr(os, "fsync", fsync)
+    target = tmp_path / "ckpts" / "ckpt-3"
+    save(_ckpt(model), str(target))
+    shard = target / "shard-00000-of-00001"
+    want = {str(p) for p in shard.iterdir() if not p.name.startswith("table-")}
+    assert {p for p in want if "ckpt.data" in p or "ckpt.index" in p}, want
+    assert want | {str(shard), str(target), str(target / "manifest.json"),
+                   str(tmp_path / "ckpts")} <= set(synced)
+    assert synced.index(str(target / "manifest.json")) > max(synced.index(p) for p in want)
+
+
 def test_distributed_checkpoints_go_through_tf_file_systems(rng):
     """tf_sfctr.distributed.save and restore write and read every file
     (shards, shard.json, manifest.json) through tf.io.gfile, so a directory

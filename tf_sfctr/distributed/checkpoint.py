@@ -104,6 +104,32 @@ def _write_json(path: str, value: dict) -> None:
     tf.io.gfile.rename(tmp, path, overwrite=True)
 
 
+def _sync_local(directory: str, names=None) -> None:
+    """On a local file system, puts ``directory``'s files (or those of
+    ``names``) and its entries on the disk (``fsync``), so that a save is
+    durable before the manifest names it complete and before
+    ``SaveCheckpoints`` deletes older saves. Other file systems are left to
+    ``tf.io.gfile``."""
+    from tf_sfctr.table_file import _is_local
+
+    if not _is_local(directory):
+        return
+    directory = directory[len("file://"):] if directory.startswith("file://") else directory
+    for name in sorted(os.listdir(directory)) if names is None else names:
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _read_json(path: str) -> dict:
     with tf.io.gfile.GFile(path, "r") as f:
         return json.loads(f.read())
@@ -203,6 +229,10 @@ def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
         try:
             _write_json(info, {"save_id": save_id, "rank": rank, "world_size": size,
                                "tables": _saved_table_names(checkpoint, prefix)})
+            # The shard's files (the table files are synced already) and its
+            # entry in the save's directory.
+            _sync_local(shard_dir)
+            _sync_local(directory, names=[])
         except _FILE_ERRORS as err:
             error = err
     _agree_on_save(error, directory, "sfctr_checkpoint_saved")
@@ -214,6 +244,10 @@ def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
             if metadata is not None:
                 manifest["metadata"] = metadata
             _write_json(os.path.join(directory, MANIFEST), manifest)
+            _sync_local(directory, names=[MANIFEST])
+            if os.path.dirname(os.path.normpath(directory)):
+                # The save's own entry (ckpts/ckpt-<step> of SaveCheckpoints).
+                _sync_local(os.path.dirname(os.path.normpath(directory)), names=[])
         except _FILE_ERRORS as err:
             error = err
     _agree_on_save(error, directory, "sfctr_checkpoint_manifest")

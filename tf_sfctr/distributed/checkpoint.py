@@ -245,9 +245,9 @@ def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
                 manifest["metadata"] = metadata
             _write_json(os.path.join(directory, MANIFEST), manifest)
             _sync_local(directory, names=[MANIFEST])
-            if os.path.dirname(os.path.normpath(directory)):
-                # The save's own entry (ckpts/ckpt-<step> of SaveCheckpoints).
-                _sync_local(os.path.dirname(os.path.normpath(directory)), names=[])
+            parent = os.path.dirname(directory.rstrip("/"))
+            if parent:  # the save's own entry (ckpts/ckpt-<step> of SaveCheckpoints)
+                _sync_local(parent, names=[])
         except _FILE_ERRORS as err:
             error = err
     _agree_on_save(error, directory, "sfctr_checkpoint_manifest")

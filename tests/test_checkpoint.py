@@ -366,7 +366,7 @@ def test_distributed_restore_refuses_tables_that_would_land_in_other_layers(
 
     before = state()
     match = {"order": "table saved by layer 'user' into layer 'item'",
-             "layer_in_front": "table of 'user' .*no CachedEmbedding at that place",
+             "layer_in_front": r"table of 'user' .*no CachedEmbedding \(or table\) at that place",
              "checkpoint_names": r"saved with \['model', 'optimizer'\], this checkpoint has "
                                  r"\['net', 'opt'\]"}[change]
     with pytest.raises(CheckpointMismatchError, match=match):
@@ -380,6 +380,23 @@ def test_distributed_restore_refuses_tables_that_would_land_in_other_layers(
         ids = np.unique(x[:, 0] if name == "user" else x[:, 1])
         np.testing.assert_array_equal(same_tables[name].lookup_rows(ids),
                                       tables[name].lookup_rows(ids))
+
+
+def test_a_checkpoint_of_a_table_alone_restores(rng, tmp_path):
+    """A tf.train.Checkpoint may hold a layer's store itself (as
+    bench/host_rows_dir.py does): its table is at its place, with no layer
+    around it, and restores (the first version of the place check refused
+    it, found by make bench)."""
+    from tf_sfctr.distributed import restore, save
+
+    vocab, x, y = _data(rng, 3)
+    model, emb = _model("adagrad")
+    _fit(model, x, y)
+    save(tf.train.Checkpoint(table=emb.store), str(tmp_path / "ckpt"))
+    _, other = _model("adagrad", seed=9)
+    other.build((None, FIELDS))
+    restore(tf.train.Checkpoint(table=other.store), str(tmp_path / "ckpt"))
+    np.testing.assert_array_equal(other.lookup_rows(vocab), emb.lookup_rows(vocab))
 
 
 def test_a_local_distributed_save_is_on_the_disk_when_it_returns(rng, tmp_path, monkeypatch):

@@ -233,7 +233,7 @@ def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
             # entry in the save's directory.
             _sync_local(shard_dir)
             _sync_local(directory, names=[])
-        except _FILE_ERRORS as err:
+        except Exception as err:  # noqa: BLE001 - agreed on below, then raised
             error = err
     _agree_on_save(error, directory, "sfctr_checkpoint_saved")
     # Every shard is complete: the manifest makes the directory a checkpoint.
@@ -262,8 +262,9 @@ def _saved_table_names(checkpoint, prefix: str) -> dict[str, str]:
     graph = trackable_object_graph_pb2.TrackableObjectGraph()
     graph.ParseFromString(reader.get_tensor(_OBJECT_GRAPH))
     matched = _matched(checkpoint, graph)
-    return {str(node_id): layer.name
-            for node_id, layer in _table_layers(checkpoint, graph, matched).items()}
+    names = {str(node_id): _owner_name(checkpoint, target)
+             for node_id, target in _table_layers(checkpoint, graph, matched).items()}
+    return {node_id: name for node_id, name in names.items() if name is not None}
 
 
 def _agree_on_save(error: Optional[BaseException], directory: str, name: str) -> None:
@@ -424,19 +425,37 @@ def _matched(checkpoint, graph) -> list[tuple[object, object, int]]:
 
 
 def _table_layers(checkpoint, graph, matched) -> dict[int, object]:
-    """{node id of a saved table: the live CachedEmbedding whose place in
-    the checkpoint's object graph that table's layer had when it was saved
-    (its store restores from it, now or, not built yet, once built)}."""
+    """{node id of a saved table: what it restores into}: the live store at
+    its place, or the live CachedEmbedding at its layer's place (a layer not
+    built yet, whose store restores from it once built). For a store, the
+    name of the layer that owns it, if any, is ``_owner_name``."""
     from tf_sfctr.keras_layers.cached_embedding import CachedEmbedding
 
+    stores = {node_id: obj for obj, _, node_id in matched if isinstance(obj, EmbeddingStore)}
     layers = {node_id: obj for obj, _, node_id in matched if isinstance(obj, CachedEmbedding)}
     found = {}
     for node_id in _saved_table_nodes(graph):
+        if node_id in stores:
+            found[node_id] = stores[node_id]
+            continue
         for parent_id, node in enumerate(graph.nodes):
             if parent_id in layers and any(ref.node_id == node_id for ref in node.children):
                 found[node_id] = layers[parent_id]
                 break
     return found
+
+
+def _owner_name(checkpoint, target) -> Optional[str]:
+    """The name of the CachedEmbedding ``target`` is or whose store it is
+    (None for a store no layer of ``checkpoint`` owns)."""
+    from tf_sfctr.keras_layers.cached_embedding import CachedEmbedding
+
+    if isinstance(target, CachedEmbedding):
+        return target.name
+    for obj in tf.train.TrackableView(checkpoint).descendants():
+        if isinstance(obj, CachedEmbedding) and getattr(obj, "_store", None) is target:
+            return obj.name
+    return None
 
 
 def _saved_table_nodes(graph) -> list[int]:
@@ -485,17 +504,18 @@ def _check_tables_bound(checkpoint, graph, matched, directory: str, name: str) -
             (f"{saved_names[i]!r}" if i in saved_names else "a table") + f" (at "
             f"{_saved_path(graph, i)})" for i in unbound)
         raise CheckpointMismatchError(
-            f"{name} of {directory} holds the table of {what}, but this model has no "
-            f"CachedEmbedding at that place. TensorFlow matches saved objects by their place "
+            f"{name} of {directory} holds the table of {what}, but this checkpoint has no "
+            f"CachedEmbedding (or table) at that place. TensorFlow matches saved objects by their place "
             f"in the model (the order of its layers), not by name: the model is not built as "
             f"the saved one was (a layer added, removed or moved before it).")
-    live_names = {layer.name for layer in layers.values()}
-    for node_id, layer in sorted(layers.items()):
+    live_names = {node_id: _owner_name(checkpoint, target) for node_id, target in layers.items()}
+    for node_id, live_name in sorted(live_names.items()):
         saved_name = saved_names.get(node_id)
-        if saved_name is not None and saved_name != layer.name and saved_name in live_names:
+        if saved_name is not None and live_name is not None and saved_name != live_name \
+                and saved_name in live_names.values():
             raise CheckpointMismatchError(
                 f"{name} of {directory} would restore the table saved by layer "
-                f"{saved_name!r} into layer {layer.name!r}: TensorFlow matches saved objects "
+                f"{saved_name!r} into layer {live_name!r}: TensorFlow matches saved objects "
                 f"by their place in the model (the order of its layers), not by name, and "
                 f"this model's CachedEmbedding layers are not in the order of the saved one. "
                 f"Build the model as it was when saved.")

@@ -150,31 +150,37 @@ def test_a_save_of_a_step_that_has_a_complete_save_is_refused(tmp_path):
     np.testing.assert_array_equal(again_emb.lookup_rows(vocab), old_emb.lookup_rows(vocab))
 
 
-def test_resume_falls_back_to_an_older_save_when_the_newest_is_damaged(tmp_path):
-    """A crash while a save was written can leave it damaged (TF's files
-    are not synced); resume refused it and so could never restart the job.
-    It now restores the next older save, with a warning, and raises only
-    when no save restores."""
+def test_resume_of_a_damaged_newest_save_names_the_one_before(tmp_path):
+    """A crash while a save was written can leave it damaged (a review):
+    resume's error says so and names the next older save; moved out of
+    the directory, the job resumes from that one. (Falling back on its own
+    looped: the run then refused to replace the damaged save at its step.)"""
+    import shutil
+
     vocab, x, y = _data()
-    saves = SaveCheckpoints(None, str(tmp_path), keep=None)
+    saves = SaveCheckpoints(None, str(tmp_path / "ckpts"), keep=None)
     model, emb = _model()
     _fit(model, x, y, epochs=1, callbacks=[saves])
     one_epoch = emb.lookup_rows(vocab)
     _fit(model, x, y, epochs=2, initial_epoch=1, callbacks=[saves])
-    newest = tmp_path / f"ckpt-{2 * STEPS:012d}" / "shard-00000-of-00001"
-    data = next(newest.glob("ckpt.data*"))
+    newest = tmp_path / "ckpts" / f"ckpt-{2 * STEPS:012d}"
+    data = next((newest / "shard-00000-of-00001").glob("ckpt.data*"))
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
     again, again_emb = _model(seed=9)
-    with pytest.warns(UserWarning, match=f"the newest save in .* could not be restored .*"
-                                         f"damaged.*resumed from .*ckpt-{STEPS:012d}"):
-        assert resume(_ckpt(again), str(tmp_path)) == 1
-    np.testing.assert_array_equal(again_emb.lookup_rows(vocab), one_epoch)
-    older = tmp_path / f"ckpt-{STEPS:012d}" / "shard-00000-of-00001"
-    data = next(older.glob("ckpt.data*"))
-    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    before = again_emb.lookup_rows(vocab)
     with pytest.raises(tf_sfctr.store.CheckpointMismatchError,
-                       match=f"ckpt-{2 * STEPS:012d}.*damaged"):
-        resume(_ckpt(_model(seed=9)[0]), str(tmp_path))
+                       match=f"damaged.*resume restored nothing: if .*ckpt-{2 * STEPS:012d} is "
+                             f"damaged .*move it out of .* resume again, from "
+                             f".*ckpt-{STEPS:012d}"):
+        resume(_ckpt(again), str(tmp_path / "ckpts"))
+    np.testing.assert_array_equal(again_emb.lookup_rows(vocab), before)
+    shutil.move(str(newest), str(tmp_path / "damaged"))
+    assert resume(_ckpt(again), str(tmp_path / "ckpts")) == 1
+    np.testing.assert_array_equal(again_emb.lookup_rows(vocab), one_epoch)
+    # And it trains on and saves its step 10 again (the damaged one is gone).
+    _fit(again, x, y, epochs=2, initial_epoch=1, callbacks=[
+        SaveCheckpoints(None, str(tmp_path / "ckpts"))])
+    assert (tmp_path / "ckpts" / f"ckpt-{2 * STEPS:012d}" / "manifest.json").exists()
 
 
 def test_a_save_at_an_epochs_last_step_counts_the_epoch_on_data_of_unknown_size(tmp_path):

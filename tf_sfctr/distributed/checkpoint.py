@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import os
 import types
@@ -104,30 +105,43 @@ def _write_json(path: str, value: dict) -> None:
     tf.io.gfile.rename(tmp, path, overwrite=True)
 
 
-def _sync_local(directory: str, names=None) -> None:
-    """On a local file system, puts ``directory``'s files (or those of
-    ``names``) and its entries on the disk (``fsync``), so that a save is
-    durable before the manifest names it complete and before
-    ``SaveCheckpoints`` deletes older saves. Other file systems are left to
-    ``tf.io.gfile``."""
+def _local_path(path: str) -> Optional[str]:
+    """``path`` on the local file system (``file://`` stripped, made
+    absolute), or None for another file system (``gs://``, ``ram://``)."""
     from tf_sfctr.table_file import _is_local
 
-    if not _is_local(directory):
+    if not _is_local(path):
+        return None
+    return os.path.abspath(path[len("file://"):] if path.startswith("file://") else path)
+
+
+def _sync_local(directory: str, names=None, parent: bool = False) -> None:
+    """On a local file system, puts ``directory``'s files (or those of
+    ``names``) and its entries (with ``parent``, also its own entry in its
+    parent) on the disk (``fsync``), so that a save is durable before the
+    manifest names it complete and before ``SaveCheckpoints`` deletes older
+    saves. Other file systems are left to ``tf.io.gfile``."""
+    local = _local_path(directory)
+    if local is None:
         return
-    directory = directory[len("file://"):] if directory.startswith("file://") else directory
-    for name in sorted(os.listdir(directory)) if names is None else names:
-        path = os.path.join(directory, name)
+    for name in sorted(os.listdir(local)) if names is None else names:
+        path = os.path.join(local, name)
         if os.path.isfile(path):
             fd = os.open(path, os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    for folder in (local, os.path.dirname(local)) if parent else (local,):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        except OSError as err:
+            # Some file systems (FUSE mounts) cannot sync a directory.
+            if err.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+                raise
+        finally:
+            os.close(fd)
 
 
 def _read_json(path: str) -> dict:
@@ -160,6 +174,7 @@ def save(checkpoint: tf.train.Checkpoint, directory: str, *, table_files: bool =
     see the rows). ``metadata`` (JSON-serializable, from rank 0) is kept
     in ``manifest.json``; ``read_metadata`` returns it."""
     _check_checkpoint(checkpoint, "save")
+    directory = os.fspath(directory)
     if metadata is not None:
         try:
             json.dumps(metadata)
@@ -244,10 +259,8 @@ def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
             if metadata is not None:
                 manifest["metadata"] = metadata
             _write_json(os.path.join(directory, MANIFEST), manifest)
-            _sync_local(directory, names=[MANIFEST])
-            parent = os.path.dirname(directory.rstrip("/"))
-            if parent:  # the save's own entry (ckpts/ckpt-<step> of SaveCheckpoints)
-                _sync_local(parent, names=[])
+            # And the save's own entry (ckpts/ckpt-<step> of SaveCheckpoints).
+            _sync_local(directory, names=[MANIFEST], parent=True)
         except _FILE_ERRORS as err:
             error = err
     _agree_on_save(error, directory, "sfctr_checkpoint_manifest")
@@ -480,45 +493,67 @@ def _check_tables_bound(checkpoint, graph, matched, directory: str, name: str) -
     object graph (a Keras model's layers by their order), not by name, and
     restore reads with expect_partial(). So a checkpoint given to another
     structure restores nothing, or tables into the wrong layers, without an
-    error. Refused here: a checkpoint none of whose objects is in
-    ``checkpoint``, a saved table with no CachedEmbedding at its place, and
-    a table saved by one layer that would restore into another layer of the
-    model (the names ``save`` recorded in ``shard.json``)."""
-    root = graph.nodes[0]
-    if root.children and len(matched) == 1:
-        saved = sorted({ref.local_name for ref in root.children})
-        live = sorted(tf.train.TrackableView.children(checkpoint))
-        raise CheckpointMismatchError(
-            f"{name} of {directory} holds none of the objects of this tf.train.Checkpoint: it "
-            f"was saved with {saved}, this checkpoint has {live}. Name them as the save did "
-            f"(tf.train.Checkpoint({', '.join(f'{n}=...' for n in saved)})).")
+    error. Refused here:
+
+    * a ``tf.train.Checkpoint`` that lacks an attribute under which the save
+      has tables and has attributes the save had not (renamed: ``net=`` for
+      ``model=``); one with fewer attributes restores what it has, as TF's;
+    * a saved table whose layer's place holds another object (a layer added
+      or removed in front of it);
+    * tables that would restore into each other's layers: the layers the
+      save recorded in ``shard.json`` are the live ones, in another order
+      (names that differ otherwise, as Keras's automatic ``cached_embedding_1``
+      between processes, are not a mismatch)."""
+    matched_ids = {node_id for _, _, node_id in matched}
+    parents = {ref.node_id: parent_id
+               for parent_id, node in enumerate(graph.nodes) for ref in node.children}
+
+    def top_attribute(node_id: int) -> Optional[str]:
+        while parents.get(node_id, 0) != 0:
+            node_id = parents[node_id]
+        return next((ref.local_name for ref in graph.nodes[0].children
+                     if ref.node_id == node_id), None)
+
     layers = _table_layers(checkpoint, graph, matched)
     unbound = [node_id for node_id in _saved_table_nodes(graph) if node_id not in layers]
+    live_attributes = set(tf.train.TrackableView.children(checkpoint))
+    saved_attributes = {ref.local_name for ref in graph.nodes[0].children}
+    missing = sorted({top_attribute(i) for i in unbound} - live_attributes - {None})
+    if missing and (live_attributes - saved_attributes or len(matched) == 1):
+        raise CheckpointMismatchError(
+            f"{name} of {directory} has tables under {missing}, which this "
+            f"tf.train.Checkpoint lacks: it was saved with {sorted(saved_attributes)}, this "
+            f"checkpoint has {sorted(live_attributes)}. Name them as the save did "
+            f"(tf.train.Checkpoint({', '.join(f'{n}=...' for n in sorted(saved_attributes))})).")
     try:
         saved_names = {int(k): v for k, v in _read_json(
             os.path.join(directory, name, SHARD_INFO)).get("tables", {}).items()}
     except (*_FILE_ERRORS, ValueError, TypeError, AttributeError):
         saved_names = {}  # checked by _check_shards_present (format 1 has none)
-    if unbound:
+    # A table whose layer's place holds another object; one whose place is
+    # not in this checkpoint at all is left out, as TF leaves it.
+    displaced = [i for i in unbound if parents.get(i) in matched_ids]
+    if displaced:
         what = ", ".join(
-            (f"{saved_names[i]!r}" if i in saved_names else "a table") + f" (at "
-            f"{_saved_path(graph, i)})" for i in unbound)
+            (f"{saved_names[i]!r}" if i in saved_names else "a table")
+            + f" (at {_saved_path(graph, i)})" for i in displaced)
         raise CheckpointMismatchError(
-            f"{name} of {directory} holds the table of {what}, but this checkpoint has no "
-            f"CachedEmbedding (or table) at that place. TensorFlow matches saved objects by their place "
-            f"in the model (the order of its layers), not by name: the model is not built as "
-            f"the saved one was (a layer added, removed or moved before it).")
-    live_names = {node_id: _owner_name(checkpoint, target) for node_id, target in layers.items()}
-    for node_id, live_name in sorted(live_names.items()):
-        saved_name = saved_names.get(node_id)
-        if saved_name is not None and live_name is not None and saved_name != live_name \
-                and saved_name in live_names.values():
-            raise CheckpointMismatchError(
-                f"{name} of {directory} would restore the table saved by layer "
-                f"{saved_name!r} into layer {live_name!r}: TensorFlow matches saved objects "
-                f"by their place in the model (the order of its layers), not by name, and "
-                f"this model's CachedEmbedding layers are not in the order of the saved one. "
-                f"Build the model as it was when saved.")
+            f"{name} of {directory} holds the table of {what}, but this model has another "
+            f"layer at that place. TensorFlow matches saved objects by their place in the "
+            f"model (the order of its layers), not by name: the model is not built as the "
+            f"saved one was (a layer added, removed or moved before it).")
+    pairs = {node_id: (saved_names.get(node_id), _owner_name(checkpoint, target))
+             for node_id, target in layers.items()}
+    pairs = {k: v for k, v in pairs.items() if None not in v}
+    if {saved for saved, _ in pairs.values()} == {live for _, live in pairs.values()}:
+        for _, (saved_name, live_name) in sorted(pairs.items()):  # in the saved order
+            if saved_name != live_name:
+                raise CheckpointMismatchError(
+                    f"{name} of {directory} would restore the table saved by layer "
+                    f"{saved_name!r} into layer {live_name!r}: TensorFlow matches saved "
+                    f"objects by their place in the model (the order of its layers), not by "
+                    f"name, and this model's CachedEmbedding layers are not in the order of "
+                    f"the saved one. Build the model as it was when saved.")
 
 
 def _read_shard(checkpoint, directory: str, s: int, saved_size: int,
@@ -833,6 +868,7 @@ def restore(checkpoint: tf.train.Checkpoint, directory: str) -> None:
     is wrong on any rank, every rank raises the same
     ``CheckpointMismatchError`` and nothing was restored on any."""
     _check_checkpoint(checkpoint, "restore")
+    directory = os.fspath(directory)
     try:
         _restore(checkpoint, directory)
     except tf.errors.OpError as err:

@@ -94,29 +94,27 @@ def resume(checkpoint: tf.train.Checkpoint, directory: str) -> int:
     at the start of that epoch: its batches before the save are trained
     again. Collective under Horovod.
 
-    If the newest save cannot be restored (damaged by a crash while it was
-    written, say), the next older complete save is tried, with a warning
-    naming what was wrong; if none can be, the newest one's error is
-    raised. A failed restore changes nothing, so each try starts clean."""
+    If the newest save cannot be restored, its error is raised, with the
+    next older complete save named (a save damaged by a crash while it was
+    written: move it out of ``directory`` and resume again). No save is
+    skipped on its own: an error may as well mean that the model is not
+    the one saved, and an older save would silently drop training."""
     paths = _on_rank_0(lambda: [path for _, path, done in _saves(directory) if done],
                        "sfctr_resume_saves")
     if not paths:
         return 0
-    first_error = None
-    for path in reversed(paths):
-        try:
-            restore(checkpoint, path)
-        except CheckpointMismatchError as err:
-            # (Every rank gets the same error: restore agrees on it.)
-            first_error = first_error or err
-            continue
-        if first_error is not None:
-            warnings.warn(f"tf_sfctr.distributed.resume: the newest save in {directory} could "
-                          f"not be restored ({first_error}); resumed from {path} instead.",
-                          stacklevel=2)
-        return _on_rank_0(lambda: int((read_metadata(path) or {}).get("epochs", 0)),
-                          "sfctr_resume_epochs")
-    raise first_error
+    path = paths[-1]
+    try:
+        restore(checkpoint, path)
+    except CheckpointMismatchError as err:
+        if len(paths) > 1:
+            raise CheckpointMismatchError(
+                f"{err} tf_sfctr.distributed.resume restored nothing: if {path} is damaged "
+                f"(a crash while it was written), move it out of {directory} and resume "
+                f"again, from {paths[-2]}.") from err
+        raise
+    return _on_rank_0(lambda: int((read_metadata(path) or {}).get("epochs", 0)),
+                      "sfctr_resume_epochs")
 
 
 class SaveCheckpoints(keras.callbacks.Callback):
@@ -208,8 +206,8 @@ class SaveCheckpoints(keras.callbacks.Callback):
         # A complete save of this step is another run's (this run's steps
         # only grow): saving again would replace it (a run that did not
         # resume, into the directory of one that got further).
-        if _on_rank_0(lambda: tf.io.gfile.exists(os.path.join(path, MANIFEST)),
-                      "sfctr_save_exists"):
+        if path not in self.saved and _on_rank_0(
+                lambda: tf.io.gfile.exists(os.path.join(path, MANIFEST)), "sfctr_save_exists"):
             raise FileExistsError(
                 f"SaveCheckpoints: {path} already holds a complete save of step {step}, made "
                 f"by another run (this run started at step {self._begin_step}); it is not "

@@ -615,3 +615,28 @@ def test_a_custom_loop_trains_the_table_like_fit():
             np.testing.assert_allclose(emb.lookup_rows(ids), want, rtol=1e-6,
                                        err_msg=f"dense_only={dense_only}, traced={traced}")
             assert int(emb._table_step.numpy()) == 3
+
+
+def test_reads_of_many_tables_do_not_warn_of_retracing():
+    """Each layer's read function was keyed on the method's code by TF's
+    retracing detector: the first lookup_rows (or flush, or save) of the
+    fifth table of a model warned "5 out of the last 5 calls ... triggered
+    tf.function retracing" though each traced once (a review)."""
+    import logging
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Keep()
+    tf.get_logger().addHandler(handler)
+    try:
+        for k in range(7):
+            layer = CachedEmbedding(2, cache_capacity=4, seed=k, name=f"table_{k}")
+            layer.lookup_rows([1, 2])
+            layer.flush()
+    finally:
+        tf.get_logger().removeHandler(handler)
+    assert not [m for m in records if "retracing" in m], records

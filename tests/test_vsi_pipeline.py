@@ -107,8 +107,13 @@ def test_pipeline_vsi_trains_bit_identically_to_in_step_dedup(lookahead, run_eag
         assert stats["evictions"] > 0, (layer.name, stats)
     test_ds = _dataset(vsi=False).take(2)
     vsi_test = with_unique_ids(test_ds, keys=("sparse", "multi_hot_0"), lookahead=lookahead)
-    assert np.array_equal(model.predict(vsi_test, verbose=0),
-                          ref_model.predict(test_ds, verbose=0))
+    want = ref_model.predict(test_ds, verbose=0)
+    assert np.array_equal(model.predict(vsi_test, verbose=0), want)
+    # Features alone, as predict takes them (refused before, a review found).
+    for unlabeled in (test_ds.map(lambda f, y: f), test_ds.map(lambda f, y: (f,))):
+        vsi_test = with_unique_ids(unlabeled, keys=("sparse", "multi_hot_0"),
+                                   lookahead=lookahead)
+        assert np.array_equal(model.predict(vsi_test, verbose=0), want)
 
 
 def test_layer_uses_the_pipeline_unique_ids():
@@ -189,6 +194,8 @@ def test_with_unique_ids_errors_are_clear():
         with_unique_ids(ds)
     with pytest.raises(ValueError, match="dict of features"):
         with_unique_ids(tf.data.Dataset.from_tensors(tf.constant([1])))
+    with pytest.raises(ValueError, match="dict of features"):
+        with_unique_ids(tf.data.Dataset.from_tensors((tf.constant([1]),)))
     ok = tf.data.Dataset.from_tensors(({"sparse": tf.constant([[1]], tf.int64)}, tf.ones([1, 1])))
     with pytest.raises(ValueError, match="already a dict"):
         with_unique_ids(with_unique_ids(ok))

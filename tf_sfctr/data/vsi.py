@@ -116,7 +116,8 @@ def with_unique_ids(
 
     Args:
       dataset: batches of ``(features, label[, weights])`` with a dict
-        ``features``.
+        ``features``, or of ``features`` alone (or ``(features,)``), as
+        ``predict`` takes them.
       keys: the feature key(s) to de-duplicate; default ``("sparse",)``.
       num_parallel_calls: parallelism of the map.
       prefetch: add ``prefetch(AUTOTUNE)`` after the map.
@@ -157,10 +158,16 @@ def with_unique_ids(
     if not keys:
         raise ValueError("with_unique_ids: keys must name at least one feature")
     spec = dataset.element_spec
-    if not isinstance(spec, tuple) or not 2 <= len(spec) <= 3 or not isinstance(spec[0], Mapping):
+    # Features alone (a dataset for predict) go through as a 1-tuple.
+    bare = isinstance(spec, Mapping)
+    if bare:
+        dataset = dataset.map(lambda features: (features,))
+        spec = dataset.element_spec
+    if not isinstance(spec, tuple) or not 1 <= len(spec) <= 3 or not isinstance(spec[0], Mapping):
         raise ValueError(
-            "with_unique_ids expects batches (features, label) or (features, label, "
-            f"weights) with a dict of features, got element_spec {spec}")
+            "with_unique_ids expects batches of features (a dict), (features,), (features, "
+            f"label) or (features, label, weights) with a dict of features, got element_spec "
+            f"{spec}")
     for key in keys:
         if key not in spec[0]:
             raise ValueError(
@@ -200,6 +207,8 @@ def with_unique_ids(
         known = dataset.cardinality()
         if int(known) >= 0 or int(known) == tf.data.INFINITE_CARDINALITY:
             ds = ds.apply(tf.data.experimental.assert_cardinality(known))
+    if bare:
+        ds = ds.map(lambda features: features)
     return ds.prefetch(tf.data.AUTOTUNE) if prefetch else ds
 
 

@@ -95,6 +95,11 @@ def with_unique_ids(
     ids are supported; ragged and sparse ids stay ragged / sparse under
     ``"ids"``.
 
+    ``unique_ids`` and ``inverse`` change length from batch to batch: a
+    custom training step under ``tf.function`` needs
+    ``reduce_retracing=True`` (as ``model.fit`` uses) or an
+    ``input_signature``, or it traces again for every batch.
+
     The map runs with ``num_parallel_calls`` (AUTOTUNE) and is followed by
     ``prefetch(AUTOTUNE)`` unless ``prefetch=False``, so de-duplication of
     the next batches overlaps with the current training step. Apply it to a

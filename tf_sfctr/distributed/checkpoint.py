@@ -509,7 +509,9 @@ def _check_tables_bound(checkpoint, graph, matched, directory: str, name: str) -
                for parent_id, node in enumerate(graph.nodes) for ref in node.children}
 
     def top_attribute(node_id: int) -> Optional[str]:
-        while parents.get(node_id, 0) != 0:
+        seen = set()  # (object graphs may have cycles)
+        while parents.get(node_id, 0) != 0 and node_id not in seen:
+            seen.add(node_id)
             node_id = parents[node_id]
         return next((ref.local_name for ref in graph.nodes[0].children
                      if ref.node_id == node_id), None)

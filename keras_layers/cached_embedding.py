@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import random
+import stat
 import threading
 import warnings
 import weakref
@@ -306,11 +307,20 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         path = self.host_rows_dir
         if path is None:
             return ""
-        if not os.path.isdir(path):
+        try:
+            is_dir = stat.S_ISDIR(os.stat(path).st_mode)
+            why = "is not a directory"
+        except FileNotFoundError:
+            is_dir, why = False, "does not exist"
+        except OSError as err:  # permission denied on the way, say
+            is_dir, why = False, f"cannot be reached ({err.strerror or err})"
+        if not is_dir:
             raise ValueError(
-                f"CachedEmbedding {self.name!r}: host_rows_dir {path!r} is not an existing "
-                "directory; create it (on a local disk with room for the table's rows) or "
-                "pass host_rows_dir=None to keep the rows in memory")
+                f"CachedEmbedding {self.name!r}: host_rows_dir {path!r} {why}; it must be an "
+                "existing directory: create it (on a local disk with room for the table's "
+                "rows) or pass host_rows_dir=None to keep the rows in memory. (A model loaded "
+                "from a .keras file keeps the host_rows_dir it was saved with: create that "
+                "directory where you load it.)")
         return path
 
     def _reserved_row_bytes(self) -> int:

@@ -169,12 +169,16 @@ def test_host_rows_dir_must_be_a_local_path(bad, says):
 def test_host_rows_dir_must_exist_and_hold_a_file(tmp_path):
     missing = tmp_path / "missing"
     layer = CachedEmbedding(4, cache_capacity=8, host_rows_dir=missing)
-    with pytest.raises(ValueError, match="host_rows_dir .*missing.* is not an existing directory"):
+    with pytest.raises(ValueError, match="host_rows_dir .*missing.* does not exist; it must be "
+                                         "an existing directory.*saved with"):
         layer.build(None)
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
-    with pytest.raises(ValueError, match="is not an existing directory"):
+    with pytest.raises(ValueError, match="is not a directory; it must be an existing directory"):
         CachedEmbedding(4, cache_capacity=8, host_rows_dir=a_file).build(None)
+    # Under a file, the path cannot be reached (ENOTDIR), rather than "missing".
+    with pytest.raises(ValueError, match="cannot be reached"):
+        CachedEmbedding(4, cache_capacity=8, host_rows_dir=a_file / "sub").build(None)
     # A directory where no file can be created (/proc, also for root): the
     # store says why, naming the setting and the directory.
     with pytest.raises(tf.errors.InvalidArgumentError,
@@ -253,9 +257,37 @@ def test_a_restore_the_disk_cannot_hold_is_refused_before_anything_changes(rng, 
     kept = ids[:100]
     small.assign_rows(kept, np.ones((100, DIM), "float32"))
     with pytest.raises(tf.errors.ResourceExhaustedError,
-                       match=r"Restoring 20,000 rows needs about 10 MiB in host_rows_dir .*"
+                       match=r"Restoring 20,000 rows needs about 12 MiB in host_rows_dir .*"
                              r"The current table was left untouched"):
         tf.train.Checkpoint(table=small).read(path)
+    np.testing.assert_array_equal(small.lookup_rows(kept), np.ones((100, DIM)))
+    assert small.cache_stats()["host_rows"] == 100
+
+
+@pytest.mark.parametrize("how", ["tf.train.Checkpoint", "distributed"])
+def test_a_restore_is_checked_against_the_file_its_row_blocks_take(rng, small_disk, how):
+    """16,640 rows of 512 bytes are 8.1 MiB, but the host table's row blocks
+    take 10.9 MiB of file: the check counted the rows' bytes, passed on a
+    10 MiB disk, and the restore ran out of disk half way, after the table's
+    old rows were gone (a review). It is refused before anything changes."""
+    from tf_sfctr.distributed import restore, save
+
+    subprocess.run(["mount", "-o", "remount,size=10m", str(small_disk)], check=True)
+    big = CachedEmbedding(DIM, cache_capacity=64, seed=2, name="table")
+    ids = random_vocab(rng, 16_640)
+    big.assign_rows(ids, rng.normal(size=(ids.size, DIM)).astype("float32"))
+    small = CachedEmbedding(DIM, cache_capacity=64, seed=2, name="table",
+                            host_rows_dir=small_disk)
+    kept = random_vocab(np.random.default_rng(99), 100)
+    small.assign_rows(kept, np.ones((100, DIM), "float32"))
+    if how == "distributed":
+        save(tf.train.Checkpoint(table=big), str(small_disk.parent / "sharded"))
+        with pytest.raises(tf_sfctr.store.CheckpointMismatchError, match="MiB of file"):
+            restore(tf.train.Checkpoint(table=small), str(small_disk.parent / "sharded"))
+    else:
+        path = tf.train.Checkpoint(table=big).write(str(small_disk.parent / "ckpt"))
+        with pytest.raises(tf.errors.ResourceExhaustedError, match="left untouched"):
+            tf.train.Checkpoint(table=small).read(path)
     np.testing.assert_array_equal(small.lookup_rows(kept), np.ones((100, DIM)))
     assert small.cache_stats()["host_rows"] == 100
 
@@ -274,8 +306,9 @@ def test_a_distributed_restore_the_disk_cannot_hold_is_refused_in_its_checks(rng
     kept = ids[:100]
     small.assign_rows(kept, np.ones((100, DIM), "float32"))
     with pytest.raises(CheckpointMismatchError,
-                       match=r"would give rank 0 20000 rows, but the disk of its layer's "
-                             r"host_rows_dir '.*small_disk' has room for 4096 .*"
+                       match=r"would give rank 0 20000 rows, which take about 12.0 MiB of "
+                             r"file in its layer's host_rows_dir '.*small_disk', but that disk "
+                             r"has 2.0 MiB .*"
                              r"Nothing was restored"):
         restore(tf.train.Checkpoint(table=small), directory)
     np.testing.assert_array_equal(small.lookup_rows(kept), np.ones((100, DIM)))

@@ -20,6 +20,14 @@ import tensorflow as tf
 from tf_sfctr import _ops
 from tf_sfctr.initializers import InitSpec
 
+# The host table's row blocks (ops/core/host_table.cc, huge_pages.h): 64 lock
+# stripes (shards), each with blocks of 16 << min(k, 12) rows; blocks of
+# 64 KiB or more live in host_rows_dir's file.
+_HOST_SHARDS = 64
+_FIRST_BLOCK_ROWS = 16
+_LAST_GROWING_BLOCK = 12
+_FILE_BLOCK_BYTES = 64 << 10
+
 
 @dataclass(frozen=True)
 class StoreConfig:
@@ -529,6 +537,27 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
             return None  # the write says what went wrong
         return st.f_bavail * st.f_frsize, int(self.stats()[8])
 
+    def file_bytes_for(self, num_rows: int) -> int:
+        """Bytes of ``host_rows_dir``'s file that ``num_rows`` restored rows
+        take, taken high: each of the host table's 64 shards holds its rows
+        in blocks of 16, 32, ... 65,536 rows, then 65,536 at a time, and every
+        block of 64 KiB or more is mapped from the file whole
+        (ops/core/host_table.cc); a shard's share of the ids is taken above
+        the mean, as hashing spreads them unevenly. (Counting the rows' bytes
+        alone passed restores that then ran out of disk half way: 16,640 rows
+        of 512 bytes took 10.9 MiB of file, not 8.1.)"""
+        row_bytes = 4 * self.config.width
+        mean = num_rows / _HOST_SHARDS
+        share = int(mean + 4 * mean**0.5 + 16) if num_rows else 0
+        total = held = block = 0
+        while held < share:
+            rows = _FIRST_BLOCK_ROWS << min(block, _LAST_GROWING_BLOCK)
+            if rows * row_bytes >= _FILE_BLOCK_BYTES:
+                total += rows * row_bytes
+            held += rows
+            block += 1
+        return _HOST_SHARDS * total
+
     def disk_room_message(self, num_rows: int) -> Optional[str]:
         """Why ``num_rows`` restored rows would not fit on the disk of
         ``host_rows_dir`` (None if they fit, or without one)."""
@@ -536,7 +565,7 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         if room is None:
             return None
         free, held = room
-        need = num_rows * self.config.width * 4
+        need = self.file_bytes_for(num_rows)
         if need <= free + held:
             return None
         mib = 2**20

@@ -813,8 +813,8 @@ def _check(checkpoint, directory: str, stores, size: int, rank: int):
                     num_parts += n
             # Rows this rank's host_rows_dir disk can take (-1: no file).
             room = store.disk_room()
-            room_rows = -1 if room is None else sum(room) // (4 * store.config.width)
-            shares[k] = (counts, int(store.config.max_rows), room_rows, num_parts)
+            room_bytes = -1 if room is None else sum(room)
+            shares[k] = (counts, int(store.config.max_rows), room_bytes, num_parts)
     return saved_size, shares
 
 
@@ -837,13 +837,15 @@ def _check_shares(checkpoint, reports: list, stores, size: int) -> Optional[str]
         for r, (_, shares) in enumerate(reports):
             if k not in shares:
                 continue
-            max_rows, room_rows = shares[k][1], shares[k][2]
-            if room_rows >= 0 and counts[r] > room_rows:
+            max_rows, room_bytes = shares[k][1], shares[k][2]
+            need = stores[k].file_bytes_for(int(counts[r]))
+            if room_bytes >= 0 and need > room_bytes:
+                mib = 2**20
                 return (f"saved table of {_table_name(checkpoint, stores[k])} would give rank "
-                        f"{r} {int(counts[r])} rows, but the disk of its layer's host_rows_dir "
-                        f"{stores[k].config.host_rows_dir!r} has room for {room_rows} (free "
-                        "space besides the rows it holds); "
-                        "free space there or use another host_rows_dir.")
+                        f"{r} {int(counts[r])} rows, which take about {need / mib:,.1f} MiB of "
+                        f"file in its layer's host_rows_dir {stores[k].config.host_rows_dir!r}, "
+                        f"but that disk has {room_bytes / mib:,.1f} MiB (free space besides the "
+                        "rows it holds); free space there or use another host_rows_dir.")
             if max_rows and counts[r] > max_rows:
                 total = int(counts.sum())
                 if size == 1:

@@ -3,6 +3,7 @@
 import threading
 
 import numpy as np
+import tensorflow as tf
 
 from tf_sfctr.keras_layers import CachedEmbedding
 
@@ -163,3 +164,47 @@ def test_threads_first_using_an_unbuilt_layer_build_one_table():
         np.testing.assert_array_equal(rows, np.repeat(np.arange(1.0, 5.0), 10)[:, None]
                                       * np.ones((1, DIM)), err_msg=f"trial {trial}")
         assert layer.cache_stats()["host_rows"] == 40
+
+
+def test_two_saves_from_two_threads_each_write_their_own_rows(tmp_path):
+    """The table file a distributed.save writes to was kept on the store
+    for every thread: a plain tf.train.Checkpoint written meanwhile held
+    only a header naming the other save's file, and a second distributed
+    save found the target cleared half way, so checkpoints without rows
+    (a review). Each thread now has its own target."""
+    import threading
+
+    from tf_sfctr.distributed import restore, save
+
+    emb = CachedEmbedding(4, cache_capacity=16, seed=1, name="t")
+    ids = np.arange(20_000, dtype=np.int64)
+    emb.assign_rows(ids, np.random.default_rng(0).normal(size=(ids.size, 4)).astype("f4"))
+    errors = []
+
+    def saving(kind, k):
+        try:
+            for i in range(4):
+                ckpt = tf.train.Checkpoint(table=emb.store)
+                if kind == "dist":
+                    save(ckpt, str(tmp_path / f"{kind}{k}_{i}"))
+                else:
+                    ckpt.write(str(tmp_path / f"{kind}{k}_{i}" / "ckpt"))
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=saving, args=a)
+               for a in (("dist", 0), ("dist", 1), ("plain", 0))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    want = emb.lookup_rows(ids)
+    for path in sorted(tmp_path.iterdir()):
+        other = CachedEmbedding(4, cache_capacity=16, seed=2, name="t")
+        other.build(None)
+        if path.name.startswith("dist"):
+            restore(tf.train.Checkpoint(table=other.store), str(path))
+        else:
+            tf.train.Checkpoint(table=other.store).read(str(path / "ckpt")).expect_partial()
+        np.testing.assert_array_equal(other.lookup_rows(ids), want, err_msg=path.name)

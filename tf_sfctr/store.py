@@ -9,6 +9,7 @@ as methods. It does no math and holds no device data: the cache rows live in
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -181,10 +182,13 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         # (tf.train.Checkpoint outside tf_sfctr.distributed.restore) refuses
         # a table that is another shard than this one.
         self.shard = (1, 0)
-        # Set by tf_sfctr.distributed.save while it writes a checkpoint:
-        # (path, save id, table number) of the table file the rows go to,
-        # a part at a time, instead of the checkpoint's tensors.
-        self.table_file: Optional[tuple[str, int, int]] = None
+        # Set by tf_sfctr.distributed.save while it writes a checkpoint, per
+        # thread (``table_file``): the table file the rows go to, a part at a
+        # time, instead of the checkpoint's tensors. A save from another
+        # thread (a plain tf.train.Checkpoint, another distributed.save)
+        # must not take it: two saves at once wrote checkpoints without
+        # rows (a review).
+        self._table_file = threading.local()
         # Set by the owning layer when it is built, from PENDING_TABLE_DIRS:
         # (save id, shard directory) of the table file a deferred restore
         # loads (once).
@@ -370,6 +374,17 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         return {"header": tf.constant(self.header(), tf.int64), "ids": ids, "rows": rows,
                 "counts": counts, "counters": stats[:3]}
 
+    @property
+    def table_file(self) -> Optional[tuple[str, int, int]]:
+        """(path, save id, table number) of the table file this thread's
+        ``tf_sfctr.distributed.save`` writes the rows to (None: the rows go
+        into the checkpoint's tensors)."""
+        return getattr(self._table_file, "target", None)
+
+    @table_file.setter
+    def table_file(self, target: Optional[tuple[str, int, int]]) -> None:
+        self._table_file.target = target
+
     def write_table_file(self, path: str, save_id: int, table: int) -> int:
         """Writes every host row (after a flush of the cache) to the table
         file ``path``, a part at a time; returns the rows written."""
@@ -390,7 +405,8 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         if writer.rows != held or int(self.stats()[3]) != held:
             raise RuntimeError(
                 f"the table changed while it was saved ({held} rows when the save began, "
-                f"{writer.rows} saved): save between training steps, not during one.")
+                f"{writer.rows} saved): save between training steps, not during one, and "
+                "not while another thread prunes the table or assigns rows to it.")
         return writer.rows
 
     def _restore_from_tensors(self, restored_tensors):

@@ -49,6 +49,7 @@ from tf_sfctr import optimizers as _optimizers
 from tf_sfctr.distributed import _horovod
 from tf_sfctr.keras_layers._cache_plan import CachePlanMixin
 from tf_sfctr.keras_layers._combine import check_mask_zero, output_shape, zero_mask
+from tf_sfctr.keras_layers._loss_scale import LossScale, found_optimizer, loss_scale
 from tf_sfctr.keras_layers._layer_checks import (
     KERAS_EMBEDDING_ONLY,
     check_cache_memory,
@@ -194,10 +195,13 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
     eager code the first call's update is refused when it runs. Only
     calls with ``training=True`` train the table: a subclassed model's
     ``call`` needs a ``training`` argument (Keras passes the flag on from
-    it). Mixed precision: ``"mixed_bfloat16"`` works (the
-    table stays float32); ``"mixed_float16"`` is refused, and a
-    ``LossScaleOptimizer`` must not be used, since loss scaling would reach
-    the table's updates.
+    it). Mixed precision: ``"mixed_bfloat16"`` and ``"mixed_float16"``
+    work (the table stays float32). Loss scaling (the ``LossScaleOptimizer``
+    that ``compile`` makes under ``"mixed_float16"``, or an optimizer's
+    ``loss_scale_factor``) is taken from the optimizer of the model the
+    layer is called in: the table's update is divided by the same scale and
+    skipped in the steps that optimizer skips. Under Horovod compile with
+    ``DistributedOptimizer(LossScaleOptimizer(opt))``.
 
     Example:
 
@@ -354,7 +358,6 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                 "would give a fresh table in place of the checkpoint's. Make a new layer with "
                 "the checkpoint's options (output_dim, table optimizer) and restore the "
                 "checkpoint into it.") from self._failed_restore
-        self._check_dtype_policy()
         if tf.distribute.has_strategy():
             raise ValueError(
                 f"CachedEmbedding {self.name!r} was built under "
@@ -581,22 +584,32 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                 "copy of the table apart from the others. Call hvd.init() before building "
                 "the model (README, \"Scale out with Horovod\").")
 
-    def _check_dtype_policy(self) -> None:
-        """Refuses mixed_float16, at build and again when a training call is
-        traced (the policy may be set after the layer was built, and Keras
-        then compiles the model with a LossScaleOptimizer)."""
+    def _training_loss_scale(self) -> Optional[LossScale]:
+        """The loss scale this training call's gradient carries: that of the
+        optimizer of the model being called (see ``_loss_scale``). Under
+        ``mixed_float16`` (the layer's or the global policy) a model with an
+        optimizer is required, since the loss may be scaled by one the layer
+        cannot see otherwise."""
+        if keras_shape_inference():
+            return None
+        scale = loss_scale(self.name)
+        if scale is not None or found_optimizer() is not None:
+            return scale
         where = [w for w, policy in (("this layer's", self.dtype_policy),
                                      ("the global (keras.config.dtype_policy())",
                                       keras.config.dtype_policy()))
                  if policy.name == "mixed_float16"]
         if where:
             raise ValueError(
-                f"CachedEmbedding {self.name!r}: the 'mixed_float16' dtype policy "
-                f"({' and '.join(where)}) is not supported. Keras compiles a model made under "
-                "it with a scaled loss (LossScaleOptimizer), and the table's optimizer, which "
-                "updates rows in the backward pass, would get the scaled gradients. Use "
-                "'mixed_bfloat16' (no loss scaling) or float32; a model made under float32 "
-                "trains once the global policy is set back to it.")
+                f"CachedEmbedding {self.name!r}: a training call under the 'mixed_float16' "
+                f"dtype policy ({' and '.join(where)}) outside a compiled model. Its "
+                "gradient may carry a loss scale, and the table's update, which runs in the "
+                "backward pass, divides by the one of the model's optimizer (Keras's "
+                "LossScaleOptimizer, which compile makes under mixed_float16). Call the "
+                "layer inside a Keras model compiled with the optimizer that applies the "
+                "step's gradients (model.compile(optimizer=...), also for a custom "
+                "training loop), or train under 'mixed_bfloat16' or float32.")
+        return None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         weights = kwargs.get("weights")
@@ -621,9 +634,11 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                 f"or not), got {training!r}")
         # A frozen layer (trainable=False) serves its rows like inference.
         training = bool(flag) and self.trainable
+        scale = None
         if training:
-            self._check_dtype_policy()
             self._check_local_alone()
+            scale = self._training_loss_scale()
+            self._staged = None  # one the optimizer skipped (eager)
         update_graph = self._check_one_training_call() if training else None
         self._call_suffixes = {}
         if keras_shape_inference():
@@ -681,7 +696,8 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             num_unique = tf.size(unique_ids)
             rows = _ops.gather_tensor_rows(rows, inverse)
         if apply_update is not None:
-            rows = self._attach_update(rows, inverse, num_unique, apply_update, update_graph)
+            rows = self._attach_update(rows, inverse, num_unique, apply_update, update_graph,
+                                       scale)
         elif (flag is None and self.trainable and not tf.executing_eagerly()
               and not keras_shape_inference()):
             rows = self._warn_if_differentiated(rows)
@@ -728,7 +744,8 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         return self._mode
 
     # ------------------------------------------------------- table update
-    def _attach_update(self, rows, inverse, num_unique, apply_update, update_graph=None):
+    def _attach_update(self, rows, inverse, num_unique, apply_update, update_graph=None,
+                       scale: Optional[LossScale] = None):
         trigger = tf.convert_to_tensor(self._trigger.value)
         # Updates so far: a call's update must be the next one. Checked when
         # it runs (TF may trace a backward function more than once, e.g.
@@ -766,6 +783,9 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                         "training call feeds applies its update"))
                 with tf.control_dependencies([once]):
                     g_occ = tf.cast(tf.convert_to_tensor(d_rows), tf.float32)
+                if scale is not None:
+                    # As the Keras optimizer divides the gradients it applies.
+                    g_occ = g_occ / scale.value()
                 # Sum per unique id (and of squares for per-occurrence
                 # Adagrad) in one pass over the occurrences.
                 g, g_sq = _ops.segment_sums(
@@ -778,6 +798,19 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                 marker = _ops.non_finite_marker(g, squares=True)
                 if g_sq is not None:
                     marker = marker + _ops.non_finite_marker(g_sq)
+                if scale is not None and scale.dynamic:
+                    # Dynamic loss scaling: the LossScaleOptimizer skips a step
+                    # whose gradients are not finite (and lowers the scale),
+                    # often for a dense weight's gradient alone. So the table
+                    # updates only when that optimizer applies the step: the
+                    # trigger's constraint runs the update (see
+                    # _apply_staged_update), and a table gradient that is not
+                    # finite makes the trigger's NaN, which skips the step.
+                    self._stage_update(lambda: apply_update(g, g_sq))
+                    self._update_traced(update_graph)
+                    poison = tf.where(tf.math.is_finite(marker), 0.0, float("nan"))
+                    return None, tf.reshape(tf.cast(poison, trigger_in.dtype),
+                                            tf.shape(trigger_in))
                 finite = tf.debugging.check_numerics(
                     marker, f"CachedEmbedding {self.name}: the embedding gradient is not "
                     f"finite (NaN or Inf) or so large that its square overflows float32 "
@@ -800,6 +833,34 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             return tf.identity(rows_in), grad
 
         return with_update(rows, trigger)
+
+    def _stage_update(self, update) -> None:
+        """Holds a step's table update (``update()`` applies it) for the
+        trigger's constraint, which the Keras optimizer runs when it applies
+        the step (not when a LossScaleOptimizer skips it)."""
+        if not isinstance(self._trigger.constraint, _StagedUpdate):
+            self._trigger.constraint = _StagedUpdate(self)
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        self._staged = (graph, update)
+
+    def _apply_staged_update(self, trigger) -> tf.Tensor:
+        """The trigger's constraint: applies the staged update of the step
+        the optimizer applies (one traced in this graph, or an enclosing one
+        when the optimizer's cond traces it), and returns the trigger's
+        value, 0, depending on it."""
+        staged = getattr(self, "_staged", None)
+        if staged is None:
+            return tf.convert_to_tensor(trigger)
+        graph, update = staged
+        here = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        while here is not graph and here is not None:
+            here = getattr(here, "outer_graph", None)
+        if here is not graph:
+            return tf.convert_to_tensor(trigger)  # another function's step
+        self._staged = None
+        step = update()
+        return tf.zeros_like(tf.convert_to_tensor(trigger)) + tf.minimum(
+            tf.cast(step, trigger.dtype), 0.0)
 
     def _apply_update(self, slots, grad, grad_sq):
         """Table optimizer step on cached rows; returns the new step count."""
@@ -976,3 +1037,19 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         config = dict(config)
         config["optimizer"] = _optimizers.get(config.get("optimizer"))
         return cls(**config)
+
+
+class _StagedUpdate(keras.constraints.Constraint):
+    """Constraint of a layer's ``table_update_trigger`` under dynamic loss
+    scaling: the Keras optimizer applies constraints after it applied the
+    step's gradients, which a LossScaleOptimizer does only for a step whose
+    gradients are all finite; this runs the table's update then. Nothing is
+    changed in the optimizer: the trigger is the layer's own weight."""
+
+    def __init__(self, layer):
+        self._layer = weakref.ref(layer)
+
+    def __call__(self, w):
+        layer = self._layer()
+        return tf.convert_to_tensor(w) if layer is None else layer._apply_staged_update(w)
+

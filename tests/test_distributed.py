@@ -128,6 +128,15 @@ def _reference(name, trainer=None):
     return emb.lookup_rows(sc.vocab()), dense.kernel.numpy(), dense.bias.numpy(), emb, model
 
 
+def test_loss_scale_skips_a_step_on_every_rank(results):
+    """The worker checked each rank (run_loss_scale_skip): a step with a table
+    gradient that is not finite on rank 0 only skipped on both ranks, the
+    next trained both ranks' rows; the ranks' collective reads agree."""
+    for distribution in ("model_parallel", "data_parallel"):
+        a, b = (results(f"loss_scale_{distribution}", r)["rows"] for r in range(sc.WORLD))
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("name", list(sc.SCENARIOS))
 def test_two_ranks_equal_one_process(results, name):
     rows, kernel, bias, _, _ = _reference(name)

@@ -39,6 +39,12 @@ SCENARIOS = {
     # Adam reads the table step (bias correction): a deferred update must
     # use the step of the call it belongs to.
     "mp_adam_dense": ("adam", "dense", "model_parallel", "loop"),
+    # A LossScaleOptimizer (2**20, float32: no step overflows) under
+    # DistributedOptimizer: the table's update divides by the scale and runs
+    # from the trigger's constraint, in the optimizer's apply (model
+    # parallel: deferred from there; data parallel: its all-reduce there).
+    "mp_sgd_lso_fit": ("sgd_lso", "dense", "model_parallel", "fit"),
+    "dp_adagrad_lso_fit": ("adagrad_lso", "dense", "data_parallel", "fit"),
 }
 
 
@@ -86,6 +92,8 @@ def cache_capacity(kind: str) -> int:
 
 
 def build(opt_name: str, kind: str, distribution: str):
+    scaled = opt_name.endswith("_lso")
+    opt_name = opt_name.removesuffix("_lso")
     table_opt = {
         "sgd": lambda: tf_sfctr.optimizers.SGD(0.5),
         "adagrad": lambda: tf_sfctr.optimizers.Adagrad(0.3, initial_accumulator_value=0.05),
@@ -99,6 +107,8 @@ def build(opt_name: str, kind: str, distribution: str):
     dense = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(5))
     dense_opt = (keras.optimizers.SGD(0.2) if opt_name == "sgd"
                  else keras.optimizers.Adagrad(0.2))
+    if scaled:
+        dense_opt = keras.optimizers.LossScaleOptimizer(dense_opt, initial_scale=2.0**20)
     return emb, dense, dense_opt
 
 

@@ -5,6 +5,7 @@ no reference are made here (a failing rank exits non-zero)."""
 import os
 import re
 import sys
+import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -885,11 +886,51 @@ def run_empty_epoch(out_dir, rank):
     model.fit(ds, verbose=0, callbacks=callbacks())
 
 
+def run_loss_scale_skip(out_dir, rank):
+    """DistributedOptimizer(LossScaleOptimizer): a step whose table gradient
+    is not finite on rank 0 alone (its square overflows) is skipped on
+    every rank, table and dense weights, and the scale halves on both; the
+    next step trains both ranks' rows."""
+    v = sc.vocab()[:4]
+    for distribution in ("model_parallel", "data_parallel"):
+        inp = keras.Input((1,), dtype="int64")
+        emb = CachedEmbedding(2, cache_capacity=8, seed=0, distribution=distribution,
+                              optimizer=tf_sfctr.optimizers.Adagrad(0.1),
+                              name=f"scaled_{distribution}")
+        dense = keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")
+        model = keras.Model(inp, dense(keras.layers.Flatten()(emb(inp))))
+        model.compile(optimizer=DistributedOptimizer(keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(1e-40), initial_scale=1.0)), loss="mae")
+        x = v[[0, 1]][:, None] if rank == 0 else v[[2, 3]][:, None]
+        y = np.zeros((2, 1), np.float32)
+        before, kernel = emb.lookup_rows(v), dense.kernel.numpy()
+        weight = np.full(2, 2.0**70 if rank == 0 else 1.0, np.float32)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(x, y, sample_weight=weight, batch_size=2, verbose=0,
+                      callbacks=callbacks())
+        # The wrapped LossScaleOptimizer averages: no warning that it does not.
+        assert not [w for w in caught if "average" in str(w.message)], caught
+        assert int(model.optimizer.inner_optimizer.iterations.numpy()) == 0
+        assert float(model.optimizer.dynamic_scale.numpy()) == 0.5
+        assert int(emb._table_step.numpy()) == 0
+        np.testing.assert_array_equal(emb.lookup_rows(v), before)
+        np.testing.assert_array_equal(dense.kernel.numpy(), kernel)
+        model.fit(x, y, batch_size=2, verbose=0, callbacks=callbacks())
+        assert int(model.optimizer.inner_optimizer.iterations.numpy()) == 1
+        assert int(emb._table_step.numpy()) == 1
+        after = emb.lookup_rows(v)
+        assert np.all(np.abs(after - before) > 1e-3), (after, before)
+        np.savez(os.path.join(out_dir, f"loss_scale_{distribution}_rank{rank}.npz"),
+                 rows=after)
+
+
 def main():
     out_dir = sys.argv[1]
     only = sys.argv[2:] or list(sc.SCENARIOS) + ["routing", "extras", "broadcast", "checkpoint",
                                             "robustness", "resume", "deferred",
-                                            "restore_checks", "weighted", "metrics"]
+                                            "restore_checks", "weighted", "metrics",
+                                            "loss_scale_skip"]
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     assert size == sc.WORLD, size
@@ -916,6 +957,8 @@ def main():
             run_uneven_steps(out_dir, rank)
         elif name == "empty_epoch":
             run_empty_epoch(out_dir, rank)
+        elif name == "loss_scale_skip":
+            run_loss_scale_skip(out_dir, rank)
         elif name == "robustness":
             run_robustness(out_dir, rank, size)
         elif name == "resume":

@@ -157,9 +157,15 @@ class BroadcastInitialState(keras.callbacks.Callback):
 def _warn_unless_averaging(model):
     hvd = require()
     opt = getattr(model, "optimizer", None)
-    opt = getattr(opt, "inner_optimizer", opt)  # a LossScaleOptimizer's
-    if hvd.size() > 1 and opt is not None and not getattr(type(opt), "_sfctr_distributed",
-                                                           False):
+
+    def averages(o):
+        return getattr(type(o), "_sfctr_distributed", False)
+
+    # DistributedOptimizer(LossScaleOptimizer(...)) averages; so would the
+    # reverse order (which the layer refuses, see _loss_scale).
+    if not averages(opt) and isinstance(opt, keras.optimizers.LossScaleOptimizer):
+        opt = opt.inner_optimizer
+    if hvd.size() > 1 and opt is not None and not averages(opt):
         warnings.warn(
             f"The model's optimizer ({type(opt).__name__}) does not average gradients over "
             f"the {hvd.size()} Horovod ranks: each rank's dense weights would follow its own "

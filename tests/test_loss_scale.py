@@ -1,0 +1,267 @@
+"""Loss scaling (mixed_float16, LossScaleOptimizer, loss_scale_factor): the
+table trains as a keras.layers.Embedding does under the same optimizer.
+
+Keras scales the loss and unscales the gradients of the variables its
+optimizer applies; a LossScaleOptimizer skips a step whose gradients are not
+all finite. The table's update divides by the same scale and runs only in
+the steps that optimizer applies (tests below force skipped steps with a
+large initial scale)."""
+
+import contextlib
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sfctr
+from tf_sfctr.keras_layers import CachedEmbedding
+
+from conftest import powerlaw_ids, random_vocab
+
+VOCAB, CAPACITY, BATCH, FIELDS, DIM, STEPS = 300, 40, 16, 3, 4, 40
+
+
+@contextlib.contextmanager
+def _policy(name):
+    old = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(name)
+    try:
+        yield
+    finally:
+        keras.config.set_dtype_policy(old)
+
+
+def _data(rng, steps=STEPS):
+    vocab = random_vocab(rng, VOCAB)
+    ids = powerlaw_ids(rng, vocab, (BATCH * steps, FIELDS), alpha=1.1)
+    index = {int(v): i for i, v in enumerate(vocab)}
+    as_index = np.vectorize(index.__getitem__)(ids).astype("int64")
+    labels = rng.random((BATCH * steps, 1)).astype("float32")
+    return vocab, ids, as_index, labels
+
+
+def _head(x):
+    x = keras.layers.Flatten()(x)
+    x = keras.layers.Dense(8, activation="tanh",
+                           kernel_initializer=keras.initializers.GlorotUniform(3))(x)
+    return keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(4))(x)
+
+
+def _pair(vocab, table_opt, keras_opt, **layer_kwargs):
+    """(model, layer) and (reference model, its keras.layers.Embedding),
+    alike in every weight, each compiled with keras_opt()."""
+    inp = keras.Input((FIELDS,), dtype="int64")
+    emb = CachedEmbedding(DIM, cache_capacity=CAPACITY, optimizer=table_opt, seed=5,
+                          **layer_kwargs)
+    model = keras.Model(inp, _head(emb(inp)))
+    ref_inp = keras.Input((FIELDS,), dtype="int64")
+    ref_emb = keras.layers.Embedding(VOCAB, DIM)
+    ref = keras.Model(ref_inp, _head(ref_emb(ref_inp)))
+    ref_emb.embeddings.assign(emb.lookup_rows(vocab))
+    for a, b in zip(model.layers[2:], ref.layers[2:]):
+        b.set_weights(a.get_weights())
+    return model, emb, ref, ref_emb
+
+
+def _applied_steps(opt):
+    inner = getattr(opt, "inner_optimizer", opt)
+    return int(inner.iterations.numpy())
+
+
+def _assert_alike(vocab, model, emb, ref, ref_emb, atol=2e-4):
+    """Float16 rounds a row that differs in its last float32 bit (the table's
+    Adagrad and Keras's compute in another order) to another float16 now
+    and then, so the models drift apart slightly; a wrong scale or a step
+    applied by one side only moves rows by 1e-2 or more."""
+    rows = emb.lookup_rows(vocab)
+    np.testing.assert_allclose(rows, ref_emb.embeddings.numpy(), rtol=1e-3, atol=atol)
+    for a, b in zip(model.layers[2:], ref.layers[2:]):
+        for wa, wb in zip(a.get_weights(), b.get_weights()):
+            np.testing.assert_allclose(wa, wb, rtol=1e-3, atol=atol)
+
+
+@pytest.mark.parametrize("initial_scale,run_eagerly,table", [
+    (None, False, "adagrad"),      # compile's own LossScaleOptimizer (2**15)
+    (2.0**22, False, "adagrad"),   # the first steps overflow and are skipped
+    (2.0**22, True, "adagrad"),
+])
+def test_mixed_float16_trains_like_keras_embedding(rng, initial_scale, run_eagerly, table):
+    vocab, ids, as_index, labels = _data(rng)
+    table_opt = tf_sfctr.optimizers.Adagrad(0.2, initial_accumulator_value=0.05)
+    keras_opt = lambda: keras.optimizers.Adagrad(  # noqa: E731
+        0.2, initial_accumulator_value=0.05)
+    with _policy("mixed_float16"):
+        model, emb, ref, ref_emb = _pair(vocab, table_opt, keras_opt)
+        before = emb.lookup_rows(vocab)
+        for m in (model, ref):
+            opt = keras_opt()
+            if initial_scale is not None:
+                opt = keras.optimizers.LossScaleOptimizer(opt, initial_scale=initial_scale)
+            m.compile(optimizer=opt, loss="mse", run_eagerly=run_eagerly)
+            assert isinstance(m.optimizer, keras.optimizers.LossScaleOptimizer)
+        model.fit(ids, labels, batch_size=BATCH, shuffle=False, verbose=0)
+        ref.fit(as_index, labels, batch_size=BATCH, shuffle=False, verbose=0)
+        assert model.predict(ids[:4], verbose=0).dtype == np.float16
+    applied = _applied_steps(model.optimizer)
+    assert applied == _applied_steps(ref.optimizer)
+    if initial_scale is None:
+        assert applied == STEPS
+    else:
+        # Steps at 2**22 .. 2**17 overflowed float16 and were skipped, the
+        # dense weights' and the table's alike.
+        assert 20 < applied < STEPS, applied
+    assert int(emb._table_step.numpy()) == applied
+    assert float(model.optimizer.dynamic_scale.numpy()) == float(
+        ref.optimizer.dynamic_scale.numpy())
+    assert emb.cache_stats()["evictions"] > 0
+    _assert_alike(vocab, model, emb, ref, ref_emb)
+    assert np.abs(emb.lookup_rows(vocab) - before).max() > 1e-2
+
+
+def test_skipped_steps_leave_no_trace(rng):
+    """Lazy Adam (whose bias correction counts the table's steps) under a
+    LossScaleOptimizer whose first steps overflow trains as a run that
+    starts at the first applied batch: the skipped steps changed no row, no
+    optimizer state and no step count."""
+    vocab, ids, _, labels = _data(rng)
+    results = []
+    with _policy("mixed_float16"):
+        for skip_first in (False, True):
+            inp = keras.Input((FIELDS,), dtype="int64")
+            emb = CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=5,
+                                  optimizer=tf_sfctr.optimizers.Adam(0.01))
+            model = keras.Model(inp, _head(emb(inp)))
+            # 2**22 .. 2**16 overflow: 7 steps skipped, then 2**15.
+            scale = 2.0**15 if skip_first else 2.0**22
+            model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+                keras.optimizers.Adam(0.01), initial_scale=scale), loss="mse")
+            start = BATCH * results[0][3] if skip_first else 0
+            model.fit(ids[start:], labels[start:], batch_size=BATCH, shuffle=False, verbose=0)
+            steps = len(ids[start:]) // BATCH
+            results.append((emb.lookup_rows(vocab), model.get_weights(),
+                            int(emb._table_step.numpy()),
+                            steps - _applied_steps(model.optimizer)))
+    assert results[0][3] == 7 and results[1][3] == 0
+    assert results[0][2] == results[1][2] == STEPS - 7
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("how", ["LossScaleOptimizer", "loss_scale_factor"])
+def test_loss_scaling_under_float32(rng, how):
+    """An explicit loss scale without mixed precision: the table's steps
+    are as long as the Embedding's (they used to be 2**20 times longer).
+    (Keras's loss_scale_factor fails on an Embedding's sparse gradient, so
+    that reference trains unscaled: a power of 2 scales exactly.)"""
+    vocab, ids, as_index, labels = _data(rng, steps=12)
+
+    def keras_opt(scaled=True):
+        if how == "loss_scale_factor":
+            return keras.optimizers.SGD(0.1, loss_scale_factor=1024.0 if scaled else None)
+        return keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1),
+                                                   initial_scale=2.0**20)
+
+    model, emb, ref, ref_emb = _pair(vocab, tf_sfctr.optimizers.SGD(0.1), keras_opt)
+    before = emb.lookup_rows(vocab)
+    model.compile(optimizer=keras_opt(), loss="mse")
+    ref.compile(optimizer=keras_opt(scaled=False), loss="mse")
+    model.fit(ids, labels, batch_size=BATCH, shuffle=False, verbose=0)
+    ref.fit(as_index, labels, batch_size=BATCH, shuffle=False, verbose=0)
+    assert int(emb._table_step.numpy()) == 12
+    _assert_alike(vocab, model, emb, ref, ref_emb, atol=1e-6)
+    assert np.abs(emb.lookup_rows(vocab) - before).max() > 1e-3
+
+
+def test_a_table_gradient_too_large_skips_the_whole_step():
+    """Under a LossScaleOptimizer a table gradient that is not finite (here
+    one whose square overflows float32) skips the step, dense weights too,
+    and halves the scale; without loss scaling it is an error."""
+    inp = keras.Input((1,), dtype="int64")
+    emb = CachedEmbedding(2, cache_capacity=8, seed=0, optimizer=tf_sfctr.optimizers.Adagrad(0.1))
+    model = keras.Model(inp, keras.layers.Dense(1, use_bias=False, kernel_initializer="ones")(
+        keras.layers.Flatten()(emb(inp))))
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(1e-40), initial_scale=1.0), loss="mae")
+    x, huge = np.array([[3], [4]]), np.array([[0.0], [0.0]], np.float32)
+    rows, kernel = emb.lookup_rows([3, 4]), model.layers[-1].kernel.numpy()
+
+    # d(mae)/d(pred) is +-1/N: a loss weight of 2**70 makes the rows'
+    # gradient 2**69, whose square overflows, while the kernel's is finite.
+    model.fit(x, huge, sample_weight=np.full(2, 2.0**70, np.float32), batch_size=2, verbose=0)
+    assert _applied_steps(model.optimizer) == 0
+    assert float(model.optimizer.dynamic_scale.numpy()) == 0.5
+    np.testing.assert_array_equal(emb.lookup_rows([3, 4]), rows)
+    np.testing.assert_array_equal(model.layers[-1].kernel.numpy(), kernel)
+    assert int(emb._table_step.numpy()) == 0
+    # A normal step then trains both.
+    model.fit(x, huge, batch_size=2, verbose=0)
+    assert _applied_steps(model.optimizer) == 1
+    assert int(emb._table_step.numpy()) == 1
+    assert not np.array_equal(emb.lookup_rows([3, 4]), rows)
+
+
+def test_custom_loop_of_a_compiled_model(rng):
+    """A custom step that scales with the compiled model's optimizer and
+    applies it trains as fit does."""
+    vocab, ids, as_index, labels = _data(rng, steps=20)
+    with _policy("mixed_float16"):
+        table_opt = tf_sfctr.optimizers.Adagrad(0.2)
+        model, emb, ref, ref_emb = _pair(vocab, table_opt, None)
+        for m in (model, ref):
+            m.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+                keras.optimizers.Adagrad(0.2), initial_scale=2.0**20), loss="mse")
+
+        def step_of(m):
+            @tf.function
+            def step(x, y):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean(tf.square(tf.cast(m(x, training=True), tf.float32) - y))
+                    scaled = m.optimizer.scale_loss(loss)
+                grads = tape.gradient(scaled, m.trainable_variables)
+                m.optimizer.apply(grads, m.trainable_variables)
+            return step
+
+        for m, x in ((model, ids), (ref, as_index)):
+            m.optimizer.build(m.trainable_variables)
+            step = step_of(m)
+            for s in range(20):
+                step(x[s * BATCH:(s + 1) * BATCH], labels[s * BATCH:(s + 1) * BATCH])
+    applied = _applied_steps(model.optimizer)
+    assert 5 < applied < 20 and applied == _applied_steps(ref.optimizer)
+    assert int(emb._table_step.numpy()) == applied
+    _assert_alike(vocab, model, emb, ref, ref_emb)
+
+
+def test_mixed_float16_training_call_outside_a_compiled_model_is_refused():
+    """Outside a compiled model the layer cannot see a loss scale; under
+    mixed_float16 that is refused, and the table is unchanged."""
+    with _policy("mixed_float16"):
+        emb = CachedEmbedding(4, cache_capacity=8, seed=0)
+        before = emb.lookup_rows([1, 2])
+        with pytest.raises(ValueError, match=r"'mixed_float16' dtype policy \(this layer's "
+                                             r"and the global.*outside a compiled model.*"
+                                             r"model.compile\(optimizer=...\)"):
+            with tf.GradientTape() as tape:
+                out = emb(tf.constant([[1, 2]], tf.int64), training=True)
+            tape.gradient(out, emb.trainable_weights)
+        # Inference needs no optimizer.
+        assert emb(tf.constant([[1, 2]], tf.int64)).dtype == tf.float16
+    np.testing.assert_array_equal(emb.lookup_rows([1, 2]), before)
+
+
+def test_loss_scale_optimizer_around_distributed_optimizer_is_refused():
+    pytest.importorskip("horovod.tensorflow")
+    from tf_sfctr.distributed import DistributedOptimizer
+
+    inp = keras.Input((1,), dtype="int64")
+    emb = CachedEmbedding(2, cache_capacity=8, seed=0)
+    model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+        DistributedOptimizer(keras.optimizers.SGD(0.1))), loss="mse")
+    with pytest.raises(ValueError, match=r"Wrap the other way round: compile with "
+                                         r"DistributedOptimizer\(keras.optimizers."
+                                         r"LossScaleOptimizer\(opt\)\)"):
+        model.fit(np.array([[1]]), np.ones((1, 1)), verbose=0)
+    assert int(emb._table_step.numpy()) == 0

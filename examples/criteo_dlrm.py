@@ -106,6 +106,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vsi", action="store_true",
                    help="de-duplicate ids in the input pipeline and prepare the next "
                         "batch's cache during each step (with_unique_ids(lookahead=True))")
+    p.add_argument("--mixed-precision", choices=("mixed_float16", "mixed_bfloat16"),
+                   default=None,
+                   help="Keras dtype policy of the model (tables stay float32; "
+                        "mixed_float16 trains with dynamic loss scaling)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--export", metavar="DIR", default=None,
                    help="write a SavedModel for serving (stock TF ops only) to DIR")
@@ -230,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     keras.utils.set_random_seed(args.seed)
     start = time.perf_counter()
     train_ds, test_ds, steps, source, planted = datasets(args, world)
+    if args.mixed_precision:
+        keras.config.set_dtype_policy(args.mixed_precision)
     model = build_model(args)
     compile_ctr(model, dense_optimizer(args.optimizer, args.learning_rate), world)
     if world.chief:
@@ -253,6 +259,14 @@ def main(argv: list[str] | None = None) -> int:
                           f"(learning rate {opt_lr})"
                           f"{', VSI in the pipeline with lookahead' if args.vsi else ''})"),
             ("processes", str(world.size)),
+        ]
+        if args.mixed_precision:
+            precision = args.mixed_precision
+            if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
+                precision += (f" (loss scale {float(model.optimizer.dynamic_scale.numpy()):g} "
+                              f"at the end)")
+            lines.append(("precision", precision))
+        lines += [
             ("epochs", f"{args.epochs} ({steps} steps of batch {args.batch_size} per "
                        f"epoch and process"
                        f"{f'; {trained} trained here after a resume' if trained < args.epochs else ''})"),

@@ -110,7 +110,8 @@ def dlrm_output(bottom: Any, vectors: Any, top_units: Sequence[int], seed: int) 
     x = keras.layers.Concatenate(name="top_input")(
         [bottom, DotInteraction(name="interaction")(stacked)])
     x = mlp(x, top_units, "top", seed + 100)
-    return keras.layers.Dense(1, activation="sigmoid", name="click",
+    # float32 under mixed precision too: the loss reads a probability.
+    return keras.layers.Dense(1, activation="sigmoid", name="click", dtype="float32",
                               kernel_initializer=keras.initializers.GlorotUniform(seed + 200))(x)
 
 
@@ -150,7 +151,12 @@ def export(model: keras.Model, export_dir: str) -> None:
 
 def compile_ctr(model: keras.Model, optimizer: keras.optimizers.Optimizer,
                 world: World) -> None:
-    """Binary cross-entropy and AUC; gradients averaged over ranks under Horovod."""
+    """Binary cross-entropy and AUC; gradients averaged over ranks under
+    Horovod. Under the mixed_float16 policy the optimizer scales the loss
+    (LossScaleOptimizer, which compile would add itself), inside the
+    averaging so that every rank skips the same overflowing steps."""
+    if model.dtype_policy.name == "mixed_float16":
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     if world.size > 1:
         optimizer = tf_sfctr.distributed.DistributedOptimizer(optimizer)
     model.compile(optimizer=optimizer, loss="binary_crossentropy",

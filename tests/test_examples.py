@@ -157,6 +157,32 @@ def test_criteo_dlrm_trains_its_table_with_ftrl():
     _check_cached_summary(summary, {"categorical"}, min_auc=0.59)
 
 
+def test_criteo_dlrm_mixed_float16():
+    flags = ["--rows", "30000", "--vocab-size", "5000", "--batch-size", "512",
+             "--cache-capacity", "8192"]
+    summary = _summary(_example("criteo_dlrm.py", *flags, "--mixed-precision", "mixed_float16"))
+    assert re.fullmatch(r"mixed_float16 \(loss scale \d+ at the end\)", summary["precision"]), \
+        summary
+    _check_cached_summary(summary, {"categorical"}, min_auc=0.6)
+
+
+def test_ctr_compile_scales_the_loss_inside_the_averaging():
+    """Under mixed_float16 and Horovod the example compiles
+    DistributedOptimizer(LossScaleOptimizer(...)): compile's own wrapping
+    would put the loss scaling outside, which the layer refuses."""
+    pytest.importorskip("horovod.tensorflow")
+    criteo_dlrm = _import_example("criteo_dlrm")
+    old = keras.config.dtype_policy()
+    try:
+        keras.config.set_dtype_policy("mixed_float16")
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        criteo_dlrm.compile_ctr(model, keras.optimizers.Adam(), criteo_dlrm.World(2, 0))
+    finally:
+        keras.config.set_dtype_policy(old)
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert getattr(type(model.optimizer), "_sfctr_distributed", False)
+
+
 def _criteo_file(tmp_path, kind, n, seed):
     """A day_0.tsv / day_0.parquet file of n random Criteo rows."""
     rows = tf_sfctr.data.random_criteo_rows(n, seed=seed)

@@ -17,7 +17,7 @@ from tf_sfctr import _ops
 TESTS = Path(__file__).resolve().parent
 SUITES = ["test_lookahead.py", "test_numerics.py", "test_training.py", "test_vsi_pipeline.py",
           "test_shared_table.py", "test_checkpoint.py", "test_eviction_hints.py",
-          "test_input_kinds.py", "test_optimizers.py"]
+          "test_input_kinds.py", "test_optimizers.py", "test_loss_scale.py"]
 
 
 def test_the_switch_picks_the_stock_ops(monkeypatch):

@@ -36,9 +36,21 @@ class LossScale(NamedTuple):
             # What LossScaleOptimizer.scale_loss multiplied by: its variable
             # once built, before that its initial scale.
             if opt.built:
-                return tf.cast(tf.convert_to_tensor(opt.dynamic_scale), tf.float32)
+                return _float32_value(opt.dynamic_scale)
             return tf.constant(float(opt.initial_scale), tf.float32)
         return tf.constant(float(opt.loss_scale_factor), tf.float32)
+
+
+def _float32_value(variable) -> tf.Tensor:
+    """A float32 Keras variable's value, as stored. A layer's call under a
+    mixed policy reads float variables cast to its compute dtype (Keras's
+    autocast scope), where 2**22 would be float16's inf."""
+    try:
+        from keras.src.backend.common.variables import AutocastScope
+    except ImportError:  # pragma: no cover - another Keras layout
+        return tf.cast(tf.convert_to_tensor(variable.value), tf.float32)
+    with AutocastScope(None):
+        return tf.convert_to_tensor(variable.value)
 
 
 def entry_model() -> Optional[keras.layers.Layer]:

@@ -638,7 +638,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         if training:
             self._check_local_alone()
             scale = self._training_loss_scale()
-            self._staged = None  # one the optimizer skipped (eager)
+            self._check_staged_update()
         update_graph = self._check_one_training_call() if training else None
         self._call_suffixes = {}
         if keras_shape_inference():
@@ -757,21 +757,29 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         # (identity: an assign's value is read lazily, i.e. at the check.)
         call_number = tf.identity(self._training_calls.var.assign_add(1, read_value=True))
 
+        moved = (
+            f"CachedEmbedding {self.name!r}: the cache changed between this "
+            "training call and its table update. The layer was called again "
+            "for training before the update (as when one layer serves two "
+            "inputs of one step), or, after a lookahead step, it was used for "
+            "inference, lookup_rows, flush or a checkpoint, which put the next "
+            "batch's prepared rows in place. Rows this call updates may have "
+            "moved, so this update was not applied (another call's may have "
+            "been). Call the layer once per step (features that share the "
+            "table go in one call: `a, b = layer([ids_a, ids_b])`), and take "
+            "the step's gradient before other uses of the layer")
+
+        def still_latest():
+            return tf.debugging.assert_equal(
+                self._training_calls.var.read_value(), call_number, message=moved + (
+                    " (under a LossScaleOptimizer the update runs when the optimizer "
+                    "applies the gradients: use the layer after that)"
+                    if scale is not None and scale.dynamic else ""))
+
         @tf.custom_gradient
         def with_update(rows_in, trigger_in):
             def grad(d_rows):
-                latest = tf.debugging.assert_equal(
-                    self._training_calls.var.read_value(), call_number, message=(
-                        f"CachedEmbedding {self.name!r}: the cache changed between this "
-                        "training call and its table update. The layer was called again "
-                        "for training before the update (as when one layer serves two "
-                        "inputs of one step), or, after a lookahead step, it was used for "
-                        "inference, lookup_rows, flush or a checkpoint, which put the next "
-                        "batch's prepared rows in place. Rows this call updates may have "
-                        "moved, so this update was not applied (another call's may have "
-                        "been). Call the layer once per step (features that share the "
-                        "table go in one call: `a, b = layer([ids_a, ids_b])`), and take "
-                        "the step's gradient before other uses of the layer"))
+                latest = still_latest()
                 with tf.control_dependencies([latest]):
                     step_now = self._table_step.read_value()
                 once = tf.debugging.assert_equal(
@@ -806,7 +814,12 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                     # trigger's constraint runs the update (see
                     # _apply_staged_update), and a table gradient that is not
                     # finite makes the trigger's NaN, which skips the step.
-                    self._stage_update(lambda: apply_update(g, g_sq))
+                    def staged():
+                        # Checked again: the layer may have been used since.
+                        with tf.control_dependencies([still_latest()]):
+                            return apply_update(g, g_sq)
+
+                    self._stage_update(staged, scale)
                     self._update_traced(update_graph)
                     poison = tf.where(tf.math.is_finite(marker), 0.0, float("nan"))
                     return None, tf.reshape(tf.cast(poison, trigger_in.dtype),
@@ -834,29 +847,65 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
 
         return with_update(rows, trigger)
 
-    def _stage_update(self, update) -> None:
+    def _stage_update(self, update, scale: LossScale) -> None:
         """Holds a step's table update (``update()`` applies it) for the
         trigger's constraint, which the Keras optimizer runs when it applies
-        the step (not when a LossScaleOptimizer skips it)."""
+        the step (not when a LossScaleOptimizer skips it). An eager step
+        notes the scale, by which the next call tells a skipped step (the
+        optimizer halved the scale) from one not applied yet."""
         if not isinstance(self._trigger.constraint, _StagedUpdate):
             self._trigger.constraint = _StagedUpdate(self)
-        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-        self._staged = (graph, update)
+        if tf.executing_eagerly():
+            self._staged = (None, update, scale, float(scale.value()))
+        else:
+            self._staged = (tf.compat.v1.get_default_graph(), update, scale, None)
+
+    _SPLIT_STEP = (
+        "Under a LossScaleOptimizer the table's update runs when the optimizer "
+        "applies the step's gradients (from the constraint of this layer's "
+        "table_update_trigger weight), so take the gradient and apply it in one "
+        "tf.function, or both eagerly, and apply it before the next training call "
+        "(to all of the model's trainable variables, as fit does).")
+
+    def _check_staged_update(self) -> None:
+        """At a training call: an update staged by an eager step is dropped
+        if the optimizer skipped that step, and refused if it has not been
+        applied yet (this call could move its rows). One staged while a
+        function was traced is that trace's (the constraint checks where it
+        is applied)."""
+        staged = getattr(self, "_staged", None)
+        if staged is None:
+            return
+        graph, _, scale, at = staged
+        self._staged = None
+        if graph is not None:
+            return
+        with tf.init_scope():
+            now = float(scale.value())
+        if now < at:
+            return  # skipped: the LossScaleOptimizer lowered its scale
+        self._staged = staged
+        raise ValueError(
+            f"CachedEmbedding {self.name!r}: a training call while the table update of "
+            f"the previous one waits for the optimizer to apply its step. {self._SPLIT_STEP}")
 
     def _apply_staged_update(self, trigger) -> tf.Tensor:
         """The trigger's constraint: applies the staged update of the step
         the optimizer applies (one traced in this graph, or an enclosing one
-        when the optimizer's cond traces it), and returns the trigger's
-        value, 0, depending on it."""
+        when the optimizer's cond traces it; one staged eagerly, eagerly),
+        and returns the trigger's value, 0, depending on it."""
         staged = getattr(self, "_staged", None)
         if staged is None:
             return tf.convert_to_tensor(trigger)
-        graph, update = staged
+        graph, update = staged[:2]
         here = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
         while here is not graph and here is not None:
             here = getattr(here, "outer_graph", None)
-        if here is not graph:
-            return tf.convert_to_tensor(trigger)  # another function's step
+        if here is not graph or (graph is None and not tf.executing_eagerly()):
+            where = "eagerly" if graph is None else "in another tf.function"
+            raise ValueError(
+                f"CachedEmbedding {self.name!r}: the optimizer applies a step whose "
+                f"gradient was taken {where}. {self._SPLIT_STEP}")
         self._staged = None
         step = update()
         return tf.zeros_like(tf.convert_to_tensor(trigger)) + tf.minimum(

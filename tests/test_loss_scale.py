@@ -265,3 +265,121 @@ def test_loss_scale_optimizer_around_distributed_optimizer_is_refused():
                                          r"LossScaleOptimizer\(opt\)\)"):
         model.fit(np.array([[1]]), np.ones((1, 1)), verbose=0)
     assert int(emb._table_step.numpy()) == 0
+
+
+def _scaled_model(vocab, initial_scale=2.0**10, **layer_kwargs):
+    inp = keras.Input((FIELDS,), dtype="int64")
+    emb = CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=5,
+                          optimizer=tf_sfctr.optimizers.SGD(0.1), **layer_kwargs)
+    model = keras.Model(inp, _head(emb(inp)))
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=initial_scale), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    return model, emb
+
+
+@pytest.mark.parametrize("grad_traced,apply_traced", [(True, True), (True, False),
+                                                      (False, True)])
+def test_gradient_and_apply_apart_are_refused(rng, grad_traced, apply_traced):
+    """The table's update runs when the optimizer applies the step, so the
+    gradient and the apply must be in one function (or both eager): apart,
+    the update was dropped silently, or a traced apply replayed an eager
+    step's gradient (NaN rows after an overflow)."""
+    vocab, ids, _, labels = _data(rng, steps=2)
+    with _policy("mixed_float16"):
+        model, emb = _scaled_model(vocab)
+        before = emb.lookup_rows(vocab)
+
+        def grads_of(x, y):
+            with tf.GradientTape() as tape:
+                out = tf.cast(model(x, training=True), tf.float32)
+                loss = model.optimizer.scale_loss(tf.reduce_mean(tf.square(out - y)))
+            return tape.gradient(loss, model.trainable_variables)
+
+        def apply(grads):
+            model.optimizer.apply(grads, model.trainable_variables)
+
+        grads_of = tf.function(grads_of) if grad_traced else grads_of
+        apply = tf.function(apply) if apply_traced else apply
+        where = "in another tf.function" if grad_traced else "eagerly"
+        with pytest.raises(ValueError, match=rf"applies a step whose gradient was taken "
+                                             rf"{where}\. Under a LossScaleOptimizer.*one "
+                                             rf"tf.function, or both eagerly"):
+            apply(grads_of(tf.constant(ids[:BATCH]), tf.constant(labels[:BATCH])))
+    np.testing.assert_array_equal(emb.lookup_rows(vocab), before)
+    assert int(emb._table_step.numpy()) == 0
+
+
+def test_eager_training_call_before_the_previous_apply_is_refused(rng):
+    """Two eager gradients, then two applies: the second call used to drop
+    the first call's waiting update silently. A step the optimizer skipped
+    is no such case (test_mixed_float16_trains_like_keras_embedding, eager)."""
+    vocab, ids, _, labels = _data(rng, steps=2)
+    model, emb = _scaled_model(vocab)
+
+    def grads_of(s):
+        with tf.GradientTape() as tape:
+            out = model(ids[s * BATCH:(s + 1) * BATCH], training=True)
+            loss = model.optimizer.scale_loss(
+                tf.reduce_mean(tf.square(out - labels[s * BATCH:(s + 1) * BATCH])))
+        return tape.gradient(loss, model.trainable_variables)
+
+    first = grads_of(0)
+    with pytest.raises(ValueError, match=r"a training call while the table update of the "
+                                         r"previous one waits for the optimizer"):
+        grads_of(1)
+    # The waiting update is still applied by its step's apply.
+    model.optimizer.apply(first, model.trainable_variables)
+    assert int(emb._table_step.numpy()) == 1
+    model.optimizer.apply(grads_of(1), model.trainable_variables)
+    assert int(emb._table_step.numpy()) == 2
+
+
+def test_lookahead_read_between_gradient_and_apply_is_refused(rng):
+    """With lookahead, a read puts the next batch's rows in place; under loss
+    scaling the update runs later, in the apply, where it would have written
+    onto the moved slots (97 rows changed in a review's run). It is refused
+    there, and the table keeps its rows."""
+    from tf_sfctr.data import vsi_inputs, with_unique_ids
+
+    vocab, ids, _, labels = _data(rng, steps=3)
+    ds = with_unique_ids(tf.data.Dataset.from_tensor_slices(
+        ({"sparse": ids}, labels)).batch(BATCH), lookahead=True)
+    emb = CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=5,
+                          optimizer=tf_sfctr.optimizers.SGD(0.5))
+    inputs = {"sparse": vsi_inputs("sparse", (FIELDS,), lookahead=True)}
+    model = keras.Model(inputs, _head(emb(inputs["sparse"])))
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1), initial_scale=256.0), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    features, y = next(iter(ds))
+    with tf.GradientTape() as tape:
+        loss = model.optimizer.scale_loss(
+            tf.reduce_mean(tf.square(model(features, training=True) - y)))
+    grads = tape.gradient(loss, model.trainable_variables)
+    read = emb.lookup_rows(vocab)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"the cache changed between this training call and its table "
+                             r"update.*under a LossScaleOptimizer the update runs when the "
+                             r"optimizer applies the gradients"):
+        model.optimizer.apply(grads, model.trainable_variables)
+    assert int(emb._table_step.numpy()) == 0
+    np.testing.assert_array_equal(emb.lookup_rows(vocab), read)
+
+
+def test_step_callbacks_count_the_steps_applied(rng, tmp_path):
+    """SaveCheckpoints and PruneHostTable count steps by the optimizer's
+    counter; a LossScaleOptimizer's own never moves, so they counted 0 under
+    mixed_float16 (no save by steps, every epoch's save named step 0). The
+    wrapped optimizer's is read: skipped steps do not count."""
+    vocab, ids, _, labels = _data(rng, steps=24)
+    with _policy("mixed_float16"):
+        model, emb = _scaled_model(vocab, initial_scale=2.0**18)
+        saver = tf_sfctr.distributed.SaveCheckpoints(None, str(tmp_path / "saves"),
+                                                     every_steps=5, keep=None)
+        model.fit(ids, labels, batch_size=BATCH, shuffle=False, verbose=0, callbacks=[saver])
+    applied = _applied_steps(model.optimizer)
+    assert 12 < applied < 24, applied
+    assert int(emb._table_step.numpy()) == applied
+    steps = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "saves").iterdir())
+    assert steps == list(range(5, applied + 1, 5)), steps

@@ -98,7 +98,8 @@ class _Steps:
     Keras 3.5 adds one more iteration after the epoch's last batch, which ran
     no step. The optimizer's own counter is read (``_iterations``): with
     ``gradient_accumulation_steps=k`` its public ``iterations`` counts
-    updates, one per ``k`` steps."""
+    updates, one per ``k`` steps. Under a ``LossScaleOptimizer``, the
+    wrapped optimizer's: steps it skipped are not counted."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -107,6 +108,10 @@ class _Steps:
     @staticmethod
     def _iterations(model) -> Optional[int]:
         optimizer = getattr(model, "optimizer", None)
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            # Its own counter never moves (Keras 3.5); the wrapped one's
+            # counts the steps it applied, not those it skipped.
+            optimizer = optimizer.inner_optimizer
         iterations = getattr(optimizer, "_iterations", None)
         if iterations is None:
             iterations = getattr(optimizer, "iterations", None)

@@ -194,6 +194,27 @@ def test_crlf_and_gzip(rows, files, tmp_path):
     )
 
 
+@pytest.mark.parametrize("kind", ["GZIP", "ZLIB"])
+def test_find_bad_tsv_lines_names_a_compressed_file_cut_short(rows, files, tmp_path, kind):
+    """TF's line reader reads a compressed file cut short (an interrupted
+    download) without an error, the cut line as a row; find_bad_tsv_lines
+    names the file and where the stream ends (it raised a bare EOFError or
+    zlib.error)."""
+    import zlib
+
+    data = open(files["tsv"], "rb").read()
+    packed = gzip.compress(data) if kind == "GZIP" else zlib.compress(data)
+    path = tmp_path / "cut.tsv.gz"
+    path.write_bytes(packed[: len(packed) * 6 // 10])
+    read = batches(criteo_tsv(str(path), batch_size=BATCH, compression_type=kind))
+    assert 0 < sum(len(b[1]) for b in read) < data.count(b"\n")  # no error there
+    found = find_bad_tsv_lines(str(path), compression_type=kind)
+    assert len(found) == 1 and found[0].path == str(path), found
+    assert re.match(rf"the {kind} stream is cut short or damaged after line \d+ .*"
+                    r"interrupted download", found[0].reason), found
+    assert found[0].line > 1
+
+
 def test_writers_store_bytes_and_int_categoricals_as_the_text_encode_hashes(tmp_path):
     """Bytes are written as their UTF-8 text (not "b'..'") and integers in
     decimal, so the files read back to ``rows.encode()``; other values are

@@ -370,7 +370,10 @@ def _open_lines(path: str, compression_type: str | None) -> Iterator[bytes]:
             yield from f
     elif compression_type == "ZLIB":
         with open(path, "rb") as f:
-            yield from io.BytesIO(zlib.decompress(f.read())).readlines()
+            inflate = zlib.decompressobj()
+            yield from io.BytesIO(inflate.decompress(f.read())).readlines()
+            if not inflate.eof:  # the lines before the cut, then the error
+                raise EOFError("the zlib stream ends before its end marker")
     else:
         with open(path, "rb") as f:
             yield from f
@@ -441,44 +444,56 @@ def find_bad_tsv_lines(
     names = dense_column_names(num_dense)
     found: list[BadLine] = []
     for path in paths:
-        for number, raw in enumerate(_open_lines(path, compression_type), start=1):
-            ends_line = raw.endswith(b"\n")
-            # TF's line reader drops every carriage return, not only a
-            # trailing one ("5\r6" reads as 56), and yields no last line
-            # that held carriage returns alone.
-            line = (raw[:-1] if ends_line else raw).replace(b"\r", b"")
-            if not ends_line and not line:
-                continue
-            columns = line.split(b"\t")
-            label = columns[0].strip()
-            reason = None
-            if len(columns) > width:
-                reason = (f"{len(columns)} tab-separated columns, more than {width} "
-                          f"(label + {num_dense} integer + {num_sparse} categorical)")
-            elif not label:
-                reason = "empty label (a blank or whitespace-only line?)"
-            elif _number(label) is None:
-                reason = f"label {label.decode(errors='replace')!r} is not a number" + (
-                    _too_long(label))
-            elif _number(label, float32=False) not in (0.0, 1.0):
-                reason = f"label {label.decode(errors='replace')!r} is not 0 or 1"
-            else:
-                for name, field in zip(names, columns[1:1 + num_dense]):
-                    field = field.strip()
-                    if not field:
-                        continue
-                    value = _number(field)
-                    if value is None or not math.isfinite(value):
-                        reason = (f"dense column {name}: "
-                                  f"{field.decode(errors='replace')!r} is not a "
-                                  f"{'number' if value is None else 'finite number'}"
-                                  + _too_long(field))
-                        break
-            if reason is not None:
-                found.append(BadLine(path, number, reason))
-                if len(found) == limit:
-                    return found
+        number = 0
+        try:
+            for number, raw in enumerate(_open_lines(path, compression_type), start=1):
+                reason = _line_problem(raw, width, num_dense, names)
+                if reason is not None:
+                    found.append(BadLine(path, number, reason))
+                    if len(found) == limit:
+                        return found
+        except (EOFError, OSError, zlib.error) as err:
+            # TF's reader stops without an error where a compressed stream
+            # is cut short, and yields the cut line as a short one.
+            found.append(BadLine(path, number + 1, (
+                f"the {compression_type} stream is cut short or damaged after line "
+                f"{number} ({type(err).__name__}: {err}); criteo_tsv reads such a file "
+                f"without an error up to the cut, the line cut in two as a row (an "
+                f"interrupted download? check it with gzip -t, or fetch it again)")))
+            if len(found) == limit:
+                return found
     return found
+
+
+def _line_problem(raw: bytes, width: int, num_dense: int, names) -> str | None:
+    """Why criteo_tsv refuses ``raw`` (one line with its newline), or None."""
+    ends_line = raw.endswith(b"\n")
+    # TF's line reader drops every carriage return, not only a trailing one
+    # ("5\r6" reads as 56), and yields no last line that held carriage
+    # returns alone.
+    line = (raw[:-1] if ends_line else raw).replace(b"\r", b"")
+    if not ends_line and not line:
+        return None
+    columns = line.split(b"\t")
+    label = columns[0].strip()
+    if len(columns) > width:
+        return (f"{len(columns)} tab-separated columns, more than {width} "
+                f"(label + {num_dense} integer + {width - 1 - num_dense} categorical)")
+    if not label:
+        return "empty label (a blank or whitespace-only line?)"
+    if _number(label) is None:
+        return f"label {label.decode(errors='replace')!r} is not a number" + _too_long(label)
+    if _number(label, float32=False) not in (0.0, 1.0):
+        return f"label {label.decode(errors='replace')!r} is not 0 or 1"
+    for name, field in zip(names, columns[1:1 + num_dense]):
+        field = field.strip()
+        if not field:
+            continue
+        value = _number(field)
+        if value is None or not math.isfinite(value):
+            return (f"dense column {name}: {field.decode(errors='replace')!r} is not a "
+                    f"{'number' if value is None else 'finite number'}" + _too_long(field))
+    return None
 
 
 def _too_long(field: bytes) -> str:

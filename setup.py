@@ -25,6 +25,12 @@ OP_SOURCES = sorted(
 class BuildTfOps(build_ext):
     """Compiles the op library with TensorFlow's own flags."""
 
+    _in_place = False
+
+    def run(self):
+        self._in_place = bool(self.inplace)  # `setup.py build_ext --inplace`
+        super().run()
+
     def build_extensions(self):
         try:
             import tensorflow as tf
@@ -52,13 +58,17 @@ class BuildTfOps(build_ext):
         super().build_extensions()
         # Stamp the TensorFlow version next to the library; the loader refuses
         # to load it under another version.
-        # Written next to the built library and into the source package, which
-        # is where an editable install loads it from.
+        # Written next to the built library, and into the source package
+        # only by an in-place (editable) build, which loads it from there: a
+        # plain install from the checkout into another environment must not
+        # re-label the checkout's own library.
+        # (setuptools clears `inplace` while it builds; `editable_mode` stays.)
         out_dirs = {
             os.path.dirname(self.get_ext_fullpath("tf_sfctr._sfctr_ops")),
             os.path.join(self.build_lib, "tf_sfctr"),
-            os.path.join(HERE, "tf_sfctr"),
         }
+        if getattr(self, "editable_mode", False) or self._in_place:
+            out_dirs.add(os.path.join(HERE, "tf_sfctr"))
         for out_dir in out_dirs:
             os.makedirs(out_dir, exist_ok=True)
             with open(os.path.join(out_dir, "_build_info.json"), "w") as f:
@@ -97,7 +107,8 @@ setup(
         # data.parquet: pyarrow is its default engine and checks files for
         # the other engine, tensorflow-io's, which misreads nulls and
         # compressed string columns.
-        "data": ["tensorflow-io==0.37.1", "pyarrow==25.0.1"],
+        "data": ["tensorflow-io==0.37.1", 'pyarrow==25.0.1; python_version >= "3.10"',
+                 'pyarrow==21.0.0; python_version < "3.10"'],
         "bench": ["tensorflow-recommenders-addons==0.8.1", "setuptools<70"],
     },
     zip_safe=False,

@@ -531,6 +531,13 @@ def test_op_library_refuses_other_tensorflow_version(tmp_path, monkeypatch):
     monkeypatch.setattr(_ops, "_BUILD_INFO", str(info))
     with pytest.raises(_ops.OpLibraryError, match=r"built for TensorFlow 2\.99\.0.*rebuild"):
         _ops._check_build()
+    # Under a TensorFlow outside 2.16.x a rebuild cannot help: it says which to install.
+    monkeypatch.setattr(_ops.tf, "__version__", "2.17.1")
+    with pytest.raises(_ops.OpLibraryError, match=r"supports TensorFlow 2\.16\.x, and "
+                                                  r"TensorFlow 2\.17\.1 is running.*Install "
+                                                  r"tensorflow-cpu==2\.16\.2"):
+        _ops._check_build()
+    monkeypatch.undo()
     monkeypatch.setattr(_ops, "_LIBRARY", str(tmp_path / "missing.so"))
     with pytest.raises(_ops.OpLibraryError, match="missing"):
         _ops._check_build()

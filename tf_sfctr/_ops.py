@@ -77,6 +77,11 @@ def _check_build() -> None:
             f"{_BUILD_INFO} is missing or unreadable, so the TensorFlow version "
             f"the op library was built for is unknown; {_REBUILD}."
         ) from err
+    if not tf.__version__.startswith("2.16."):
+        raise OpLibraryError(
+            f"tf_sfctr supports TensorFlow 2.16.x, and TensorFlow {tf.__version__} is "
+            f"running (the op library was built for {built_for}). Install "
+            f"tensorflow-cpu==2.16.2 (or tensorflow==2.16.2 for GPUs).")
     if built_for != tf.__version__:
         raise OpLibraryError(
             f"tf_sfctr's op library was built for TensorFlow {built_for}, but "

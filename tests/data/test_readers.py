@@ -194,6 +194,21 @@ def test_crlf_and_gzip(rows, files, tmp_path):
     )
 
 
+def test_criteo_rows_refuse_values_they_would_change():
+    """CriteoRows stored labels [0.9, 1.0] as [0, 1] and dense 2.7 as 2."""
+    ok = CriteoRows([0.0, 1.0], np.array([[2.0], [np.nan]]), [[False], [True]],
+                    np.array([["a"], ["b"]], object))
+    assert ok.labels.tolist() == [0, 1] and ok.dense[0, 0] == 2
+    with pytest.raises(ValueError, match=r"labels must be integers, got float64 values "
+                                         r"such as \[0.9, 1.0\]"):
+        CriteoRows([0.9, 1.0], [[2], [3]], [[False], [False]], [["a"], ["b"]])
+    with pytest.raises(ValueError, match=r"dense must be integers"):
+        CriteoRows([0, 1], [[2.7], [3.0]], [[False], [False]], [["a"], ["b"]])
+    with pytest.raises(ValueError, match=r"labels must be 0 or 1 \(the readers refuse "
+                                         r"others\), got \[2\]"):
+        CriteoRows([0, 2], [[2], [3]], [[False], [False]], [["a"], ["b"]])
+
+
 @pytest.mark.parametrize("kind", ["GZIP", "ZLIB"])
 def test_find_bad_tsv_lines_names_a_compressed_file_cut_short(rows, files, tmp_path, kind):
     """TF's line reader reads a compressed file cut short (an interrupted
@@ -285,7 +300,9 @@ def test_find_bad_tsv_lines_drops_carriage_returns_as_the_reader_does(tmp_path):
         ("", "empty label"),
         (" ", "empty label"),                      # whitespace only: not a row of zeros
         (" \t", "empty label"),
-        ("yes\t1", "could not correctly convert string"),
+        ("yes\t1", r"a label is not a number \(a header line\?.*find_bad_tsv_lines.*yes"),
+        ("label\tI1\tC1", r"a label is not a number \(a header line\?.*label"),
+        ("+0x2\t1", r"labels must be 0 or 1"),  # a number to TF (2): the 0/1 check
         ("2\t1", r"labels must be 0 or 1.*\b2\b"),
         ("0.5\t1", r"labels must be 0 or 1.*0\.5"),
         ("nan\t1", r"labels must be 0 or 1.*nan"),

@@ -73,6 +73,18 @@ def sparse_column_names(num_sparse: int = NUM_SPARSE) -> tuple[str, ...]:
 # ---------------------------------------------------------------- rows in memory
 
 
+def _integral(name: str, values) -> np.ndarray:
+    """``values`` as int64, refusing what that would change (0.9 became 0)."""
+    array = np.asarray(values)
+    if array.dtype.kind in "iub":
+        return array.astype(np.int64)
+    if array.dtype.kind != "f" or not np.isfinite(array).all() or (
+            array != np.round(array)).any():
+        raise ValueError(f"CriteoRows: {name} must be integers, got {array.dtype} values such "
+                         f"as {array.ravel()[:3].tolist()}")
+    return array.astype(np.int64)
+
+
 @dataclasses.dataclass
 class CriteoRows:
     """Raw Criteo rows in memory, for writing test files and as a reference.
@@ -96,10 +108,16 @@ class CriteoRows:
     categorical: np.ndarray
 
     def __post_init__(self) -> None:
-        self.labels = np.asarray(self.labels, dtype=np.int64).reshape(-1)
+        self.labels = _integral("labels", self.labels).reshape(-1)
+        if not np.isin(self.labels, (0, 1)).all():
+            raise ValueError(f"labels must be 0 or 1 (the readers refuse others), got "
+                             f"{sorted(set(self.labels.tolist()) - {0, 1})[:5]}")
         n = self.labels.shape[0]
-        self.dense = np.asarray(self.dense, dtype=np.int64)
         self.dense_missing = np.asarray(self.dense_missing, dtype=bool)
+        dense = np.asarray(self.dense)
+        if dense.dtype.kind == "f" and dense.shape == self.dense_missing.shape:
+            dense = np.where(self.dense_missing, 0.0, dense)  # (ignored there: NaN is fine)
+        self.dense = _integral("dense", dense)
         self.categorical = np.asarray(self.categorical, dtype=object)
         for name in ("dense", "dense_missing", "categorical"):
             shape = getattr(self, name).shape
@@ -333,7 +351,14 @@ def _parse_tsv_lines(
         message="criteo_tsv: a line has an empty label (is there a blank or whitespace-only "
         "line?); tf_sfctr.data.find_bad_tsv_lines(paths) names the file and line",
     )
-    with tf.control_dependencies([no_label]):
+    # A label TF's StringToNumber refuses (a header line's "label", most
+    # often) gets a message that says so, not TF's bare one.
+    numeric = tf.strings.regex_full_match(label_str, _TF_NUMBER)
+    label_number = tf.debugging.Assert(tf.reduce_all(numeric), [
+        "criteo_tsv: a label is not a number (a header line? the readers take data lines "
+        "only: remove it, e.g. with tail -n +2); tf_sfctr.data.find_bad_tsv_lines(paths) "
+        "names the file and line. The label:", tf.boolean_mask(label_str, ~numeric)[:1]])
+    with tf.control_dependencies([no_label, label_number]):
         # Checked as float64 (encode_batch casts to float32 after): as
         # float32, "0.99999999" read as 1 and "1e-46" as 0.
         label = tf.strings.to_number(label_str, tf.float64)
@@ -379,6 +404,9 @@ def _open_lines(path: str, compression_type: str | None) -> Iterator[bytes]:
             yield from f
 
 
+#: What StringToNumber reads, as an RE2 pattern (the three below, joined).
+_TF_NUMBER = (r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
+              r"|[+-]?0[xX][0-9a-fA-F]+|[+-]?(?i:inf|nan)")
 _DECIMAL = re.compile(rb"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 _HEX = re.compile(rb"[+-]?0[xX][0-9a-fA-F]+")
 _SPECIAL = re.compile(rb"[+-]?(?:inf|nan)", re.IGNORECASE)
@@ -555,9 +583,10 @@ def criteo_tsv(
     ``1 + num_dense + num_sparse`` columns ("a line has more than 40
     tab-separated columns"), an empty label ("empty label"; also a blank or
     whitespace-only line), a label other than 0 or 1 ("labels must be 0 or
-    1", with the value), a label or dense field that is not a number
-    ("StringToNumberOp could not correctly convert string"; TF's rules: decimal
-    or hexadecimal ``0x1f`` numbers), or a dense field that is not finite in
+    1", with the value), a label that is not a number ("a label is not a
+    number (a header line? ...)", with the value), a dense field that is not
+    a number ("StringToNumberOp could not correctly convert string"; TF's
+    rules: decimal or hexadecimal ``0x1f`` numbers), or a dense field that is not finite in
     float32 ("dense values must be finite numbers": ``inf``, ``nan``, 1e39). The errors name
     the batch's offending value; :func:`find_bad_tsv_lines` names the file and
     line. (A refused label or dense field holding bytes that are not UTF-8

@@ -306,6 +306,11 @@ def load_movielens(
             or not 0.0 < test_fraction < 1.0):
         raise ValueError(f"test_fraction must be a number in (0, 1), got {test_fraction!r}")
     test_fraction = float(test_fraction)
+    if (isinstance(positive_threshold, (bool, np.bool_))
+            or not isinstance(positive_threshold, (int, float, np.integer, np.floating))
+            or not np.isfinite(positive_threshold)):
+        raise ValueError(f"positive_threshold must be a finite number (ratings at or above "
+                         f"it are positives), got {positive_threshold!r}")
     seed = check_int("seed", seed, minimum=0)
     history = check_int("history", history, minimum=0)
     directory = resolve_path(path)

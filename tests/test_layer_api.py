@@ -525,6 +525,21 @@ def test_flush_makes_host_table_current(rng):
         layer.store.host_read(tf.constant([5, 6], tf.int64)).numpy(), current)
 
 
+def test_import_without_tensorflow_names_it():
+    """Without TensorFlow the import failed on `No module named 'keras'`."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # -S: no site-packages, so no TensorFlow.
+    done = subprocess.run([sys.executable, "-I", "-S", "-c",
+                           f"import sys; sys.path.insert(0, {repo!r}); import tf_sfctr"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "tf_sfctr needs TensorFlow 2.16.x, and none is installed: pip install " \
+           "tensorflow-cpu==2.16.2" in done.stderr, done.stderr[-500:]
+
+
 def test_op_library_refuses_other_tensorflow_version(tmp_path, monkeypatch):
     info = tmp_path / "_build_info.json"
     info.write_text(json.dumps({"tensorflow_version": "2.99.0"}))

@@ -15,9 +15,15 @@ the one it was built for).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
-from tf_sfctr import optimizers
+if importlib.util.find_spec("tensorflow") is None:
+    raise ImportError(
+        "tf_sfctr needs TensorFlow 2.16.x, and none is installed: pip install "
+        "tensorflow-cpu==2.16.2 (or tensorflow==2.16.2 for GPUs)")
+
+from tf_sfctr import optimizers  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["CachedEmbedding", "export_for_serving", "optimizers", "keras_layers", "data",

@@ -55,6 +55,18 @@ class BuildTfOps(build_ext):
             ]
             ext.extra_link_args = list(link_flags)
         self.parallel = self.parallel or os.cpu_count() or 1
+        # A library left in the build directory by a build under another
+        # TensorFlow is compiled again: setuptools would reuse it (its
+        # sources are older), and the stamp below would then name a version
+        # it was not built for.
+        built_dir = os.path.dirname(self.get_ext_fullpath("tf_sfctr._sfctr_ops"))
+        try:
+            with open(os.path.join(built_dir, "_build_info.json")) as f:
+                built_for = json.load(f).get("tensorflow_version")
+        except (OSError, ValueError, AttributeError):
+            built_for = None
+        if built_for != version:
+            self.force = True
         super().build_extensions()
         # Stamp the TensorFlow version next to the library; the loader refuses
         # to load it under another version.

@@ -129,7 +129,8 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         reserve_rows: with ``expected_rows``, also allocate the host rows of
             that many ids at build and write to every page of them, as a
             full-table embedding does with its table (bytes per row:
-            ``4 * output_dim * (1 + optimizer state rows)``). Inserting those
+            ``4 * output_dim * (1 + optimizer state rows) + 2``, the 2 for
+            its use count). Inserting those
             ids later then never waits for the OS to hand out fresh memory,
             which on the VMs measured cost 2-13 us per 4 KiB page in the
             middle of a step. The memory is held even if fewer ids arrive.
@@ -140,7 +141,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             ends), mapped into memory: the kernel keeps recently used rows in
             its page cache and writes the others to the disk when memory is
             needed, so the table can hold more rows than the machine has
-            memory. The indexes and use counts (about 20-30 bytes per row)
+            memory. The indexes and use counts (about 20 bytes per row)
             stay in memory. Disk space is reserved as the table grows; a full
             disk fails the step like a full memory (nothing lost). Each
             process (each Horovod rank) has its own file.

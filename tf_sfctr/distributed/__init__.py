@@ -24,7 +24,9 @@ from tf_sfctr.distributed.checkpoints import SaveCheckpoints, latest_checkpoint,
 from tf_sfctr.distributed.exchange import owner_of
 from tf_sfctr.distributed.optimizer import DistributedOptimizer
 from tf_sfctr.distributed.polling import lower_gloo_polling_priority
+from tf_sfctr.store import CheckpointMismatchError
 
 __all__ = ["DistributedOptimizer", "callbacks", "BroadcastInitialState", "AverageMetrics",
            "owner_of", "world", "save", "restore", "read_metadata", "SaveCheckpoints",
-           "latest_checkpoint", "resume", "share_host_cores", "lower_gloo_polling_priority"]
+           "latest_checkpoint", "resume", "share_host_cores", "lower_gloo_polling_priority",
+           "CheckpointMismatchError"]

@@ -21,7 +21,8 @@ def require() -> ModuleType:
         raise ImportError(
             "tf_sfctr's distributed mode needs Horovod built with TensorFlow and Gloo: "
             "HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 "
-            "pip install --no-build-isolation horovod==0.28.1 (see the Makefile).")
+            "pip install --no-build-isolation horovod==0.28.1, with cmake < 4 (its bundled "
+            "Gloo fails to build with cmake 4; see the Makefile).")
     return hvd
 
 

@@ -157,13 +157,25 @@ def test_criteo_dlrm_trains_its_table_with_ftrl():
     _check_cached_summary(summary, {"categorical"}, min_auc=0.59)
 
 
-def test_criteo_dlrm_mixed_float16():
-    flags = ["--rows", "30000", "--vocab-size", "5000", "--batch-size", "512",
-             "--cache-capacity", "8192"]
-    summary = _summary(_example("criteo_dlrm.py", *flags, "--mixed-precision", "mixed_float16"))
+def test_criteo_dlrm_mixed_float16_on_one_and_two_ranks():
+    """Two ranks with batch B train like one process with 2B (loss scaling
+    inside the gradient averaging), up to float16 rounding and the printed
+    digits."""
+    flags = ["--rows", "30000", "--vocab-size", "5000", "--cache-capacity", "8192",
+             "--mixed-precision", "mixed_float16"]
+    summary = _summary(_example("criteo_dlrm.py", *flags, "--batch-size", "512"))
     assert re.fullmatch(r"mixed_float16 \(loss scale \d+ at the end\)", summary["precision"]), \
         summary
     _check_cached_summary(summary, {"categorical"}, min_auc=0.6)
+    if not HOROVODRUN.is_file():
+        pytest.skip(f"no horovodrun next to {sys.executable}")
+    out = _run([str(HOROVODRUN), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
+                str(EXAMPLES / "criteo_dlrm.py"), *flags, "--batch-size", "256"], timeout=400)
+    two = _summary("\n".join(line[len("[0]<stdout>:"):] for line in out.splitlines()
+                             if line.startswith("[0]<stdout>:")))
+    assert two["processes"] == "2" and two["precision"] == summary["precision"], two
+    for key in ("final train loss", "test AUC"):
+        assert abs(_number(two[key]) - _number(summary[key])) <= 2e-3, (key, summary, two)
 
 
 def test_ctr_compile_scales_the_loss_inside_the_averaging():

@@ -20,7 +20,6 @@ Encoding, shared by :func:`criteo_tsv` and :func:`tf_sfctr.data.parquet`:
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import io
 import math
 import os
@@ -389,10 +388,33 @@ class BadLine(NamedTuple):
     reason: str
 
 
+def _gzip_lines(path: str) -> Iterator[bytes]:
+    """The lines of a gzip file of one or more members, as TF's reader takes
+    it: bytes after a member that do not start another one (zero padding,
+    which Python's gzip and `gzip -t` skip) raise zlib.error, and a stream
+    cut short raises EOFError, after the lines before it."""
+    inflate, fed, rest = zlib.decompressobj(wbits=31), False, b""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            while chunk:
+                fed = True
+                out = inflate.decompress(chunk)
+                chunk = inflate.unused_data if inflate.eof else b""
+                if inflate.eof:
+                    inflate = zlib.decompressobj(wbits=31)
+                    fed = bool(chunk)
+                lines = (rest + out).split(b"\n")
+                rest = lines.pop()
+                yield from (line + b"\n" for line in lines)
+    if rest:
+        yield rest
+    if fed and not inflate.eof:
+        raise EOFError("the gzip stream ends before its end marker")
+
+
 def _open_lines(path: str, compression_type: str | None) -> Iterator[bytes]:
     if compression_type == "GZIP":
-        with gzip.open(path, "rb") as f:
-            yield from f
+        yield from _gzip_lines(path)
     elif compression_type == "ZLIB":
         with open(path, "rb") as f:
             inflate = zlib.decompressobj()
@@ -484,7 +506,8 @@ def find_bad_tsv_lines(
             # TF's reader stops without an error where a compressed stream
             # is cut short, and yields the cut line as a short one.
             found.append(BadLine(path, number + 1, (
-                f"the {compression_type} stream is cut short or damaged after line "
+                f"the {compression_type} stream is cut short or damaged (or followed by bytes "
+                f"that start no other stream, such as zero padding) after line "
                 f"{number} ({type(err).__name__}: {err}); criteo_tsv reads such a file "
                 f"without an error up to the cut, the line cut in two as a row (an "
                 f"interrupted download? check it with gzip -t, or fetch it again)")))

@@ -85,6 +85,19 @@ def loss_scale(layer_name: str) -> Optional[LossScale]:
                 "rank only, before they are averaged, so ranks can disagree on skipping a "
                 "step and wait for each other for ever. Wrap the other way round: "
                 "compile with DistributedOptimizer(keras.optimizers.LossScaleOptimizer(opt)).")
+        if not getattr(type(opt), "_sfctr_distributed", False):
+            from tf_sfctr.distributed import _horovod
+
+            size, _ = _horovod.world()
+            if size > 1:
+                raise ValueError(
+                    f"CachedEmbedding {layer_name!r}: the model's optimizer is a "
+                    f"LossScaleOptimizer that does not average gradients over the {size} "
+                    "Horovod ranks (compile makes one under mixed_float16). Each rank would "
+                    "decide alone to skip a step, and the table's update, which the ranks "
+                    "make together, would wait for ever. Compile with "
+                    "tf_sfctr.distributed.DistributedOptimizer("
+                    "keras.optimizers.LossScaleOptimizer(opt)).")
         if getattr(inner, "loss_scale_factor", None) is not None:
             raise ValueError(
                 f"CachedEmbedding {layer_name!r}: the model's LossScaleOptimizer wraps an "

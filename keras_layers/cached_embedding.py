@@ -425,6 +425,8 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         # Training calls so far: a call's update checks that no later call
         # prepared the cache in between (eager code can do that).
         self._training_calls = Counter()
+        # Training calls under dynamic loss scaling (see _attach_update).
+        self._steps_run = Counter()
         store = EmbeddingStore(StoreConfig(
             dim=self.output_dim,
             state_init=tuple(opt.state_initial_values()),
@@ -757,6 +759,10 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         # update runs: no later call may have prepared the cache since.
         # (identity: an assign's value is read lazily, i.e. at the check.)
         call_number = tf.identity(self._training_calls.var.assign_add(1, read_value=True))
+        if scale is not None and scale.dynamic:
+            # Steps run, skipped ones too (CacheMetrics' per-step rates: the
+            # optimizer counts the steps it applied).
+            self._steps_run.var.assign_add(1)
 
         moved = (
             f"CachedEmbedding {self.name!r}: the cache changed between this "
@@ -885,10 +891,12 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             now = float(scale.value())
         if now < at:
             return  # skipped: the LossScaleOptimizer lowered its scale
-        self._staged = staged
+        # Refused, and dropped: kept, it would refuse every later call.
         raise ValueError(
             f"CachedEmbedding {self.name!r}: a training call while the table update of "
-            f"the previous one waits for the optimizer to apply its step. {self._SPLIT_STEP}")
+            f"the previous one waits for the optimizer to apply its step. That update is "
+            f"dropped now (the table did not take that step; the next training call goes "
+            f"on). {self._SPLIT_STEP}")
 
     def _apply_staged_update(self, trigger) -> tf.Tensor:
         """The trigger's constraint: applies the staged update of the step

@@ -325,14 +325,18 @@ def test_eager_training_call_before_the_previous_apply_is_refused(rng):
         return tape.gradient(loss, model.trainable_variables)
 
     first = grads_of(0)
+    rows = emb.lookup_rows(vocab)
     with pytest.raises(ValueError, match=r"a training call while the table update of the "
-                                         r"previous one waits for the optimizer"):
+                                         r"previous one waits for the optimizer.*That update "
+                                         r"is dropped now"):
         grads_of(1)
-    # The waiting update is still applied by its step's apply.
+    # The waiting update was dropped: its step's apply leaves the table as it
+    # was, and training goes on (kept, it refused every later call).
     model.optimizer.apply(first, model.trainable_variables)
-    assert int(emb._table_step.numpy()) == 1
+    assert int(emb._table_step.numpy()) == 0
+    np.testing.assert_array_equal(emb.lookup_rows(vocab), rows)
     model.optimizer.apply(grads_of(1), model.trainable_variables)
-    assert int(emb._table_step.numpy()) == 2
+    assert int(emb._table_step.numpy()) == 1
 
 
 def test_lookahead_read_between_gradient_and_apply_is_refused(rng):
@@ -383,3 +387,18 @@ def test_step_callbacks_count_the_steps_applied(rng, tmp_path):
     assert int(emb._table_step.numpy()) == applied
     steps = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "saves").iterdir())
     assert steps == list(range(5, applied + 1, 5)), steps
+
+
+def test_cache_metrics_rates_count_skipped_steps(rng):
+    """Skipped steps miss rows too: CacheMetrics divides by the steps run
+    (it divided by the steps applied: 303 misses per step over 10 steps of
+    which 1 was applied, in a review's run)."""
+    vocab, ids, _, labels = _data(rng, steps=12)
+    with _policy("mixed_float16"):
+        model, emb = _scaled_model(vocab, initial_scale=2.0**24)
+        history = model.fit(ids, labels, batch_size=BATCH, shuffle=False, verbose=0,
+                            callbacks=[tf_sfctr.callbacks.CacheMetrics()]).history
+    assert _applied_steps(model.optimizer) < 12
+    name = [k for k in history if k.endswith("/misses_per_step")][0]
+    misses = emb.cache_stats()["misses"]
+    assert history[name][0] == pytest.approx(misses / 12), (history, misses)

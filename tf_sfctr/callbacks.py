@@ -101,9 +101,21 @@ class _Steps:
     updates, one per ``k`` steps. Under a ``LossScaleOptimizer``, the
     wrapped optimizer's: steps it skipped are not counted."""
 
-    def __init__(self) -> None:
+    def __init__(self, run: bool = False) -> None:
+        """``run``: count the steps run, also those a LossScaleOptimizer
+        skipped (as its tables count them), not only the ones it applied."""
         self.count = 0
         self._seen: Optional[int] = None
+        self.run = run
+
+    def _count(self, model) -> Optional[int]:
+        if self.run and isinstance(getattr(model, "optimizer", None),
+                                   keras.optimizers.LossScaleOptimizer):
+            runs = [int(layer._steps_run.var.numpy()) for layer in cached_embeddings(model)
+                    if getattr(layer, "_steps_run", None) is not None]
+            if runs:
+                return max(runs)
+        return self._iterations(model)
 
     @staticmethod
     def _iterations(model) -> Optional[int]:
@@ -119,10 +131,10 @@ class _Steps:
 
     def restart(self, model) -> None:
         """At the start of training or of an epoch."""
-        self._seen = self._iterations(model)
+        self._seen = self._count(model)
 
     def batch_end(self, model) -> int:
-        now = self._iterations(model)
+        now = self._count(model)
         if now is None or self._seen is None:
             self.count += 1
         else:
@@ -210,7 +222,7 @@ class CacheMetrics(keras.callbacks.Callback):
         self._layers: list = []  # (layer, log name)
         self._batch_start: dict[int, _Snapshot] = {}
         self._epoch_start: dict[int, _Snapshot] = {}
-        self._steps = _Steps()
+        self._steps = _Steps(run=True)
 
     # ---------------------------------------------------------- bookkeeping
     def _snapshots(self) -> dict[int, tuple[dict, _Snapshot]]:
@@ -248,7 +260,7 @@ class CacheMetrics(keras.callbacks.Callback):
     # ---------------------------------------------------------------- hooks
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
         self._layers = table_log_names(self.model)
-        self._steps = _Steps()
+        self._steps = _Steps(run=True)
         self._steps.restart(self.model)
         start = {key: snap for key, (_, snap) in self._snapshots().items()}
         self._batch_start = dict(start)

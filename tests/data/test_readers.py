@@ -222,9 +222,11 @@ def test_find_bad_tsv_lines_names_a_compressed_file_cut_short(rows, files, tmp_p
     path = tmp_path / "cut.tsv.gz"
     path.write_bytes(packed[: len(packed) * 6 // 10])
     read = batches(criteo_tsv(str(path), batch_size=BATCH, compression_type=kind))
-    assert 0 < sum(len(b[1]) for b in read) < data.count(b"\n")  # no error there
+    rows_read = sum(len(b[1]) for b in read)
+    assert 0 < rows_read < data.count(b"\n")  # no error there
     found = find_bad_tsv_lines(str(path), compression_type=kind)
     assert len(found) == 1 and found[0].path == str(path), found
+    assert found[0].line == rows_read, (found, rows_read)  # the row cut in two
     assert re.match(rf"the {kind} stream is cut short or damaged .*after line \d+ .*"
                     r"interrupted download", found[0].reason), found
     assert found[0].line > 1

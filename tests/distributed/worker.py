@@ -921,6 +921,19 @@ def run_loss_scale_skip(out_dir, rank):
         assert int(emb._table_step.numpy()) == 1
         after = emb.lookup_rows(v)
         assert np.all(np.abs(after - before) > 1e-3), (after, before)
+        # A LossScaleOptimizer that does not average (compile's own under
+        # mixed_float16): each rank would skip alone and the table's update
+        # wait for ever (data parallel) or fail on one rank (model parallel).
+        # Refused on every rank, before the step.
+        model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+            keras.optimizers.SGD(1e-40), initial_scale=1.0), loss="mae")
+        try:
+            model.fit(x, y, sample_weight=weight, batch_size=2, verbose=0)
+        except ValueError as err:
+            assert "does not average gradients over the 2 Horovod ranks" in str(err), err
+        else:
+            raise AssertionError("a LossScaleOptimizer without averaging trained")
+        np.testing.assert_array_equal(emb.lookup_rows(v), after)
         np.savez(os.path.join(out_dir, f"loss_scale_{distribution}_rank{rank}.npz"),
                  rows=after)
 

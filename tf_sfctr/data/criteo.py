@@ -406,10 +406,12 @@ def _gzip_lines(path: str) -> Iterator[bytes]:
                 lines = (rest + out).split(b"\n")
                 rest = lines.pop()
                 yield from (line + b"\n" for line in lines)
+    if fed and not inflate.eof:
+        # The whole lines before the cut were yielded; the cut one (TF's
+        # reader yields it as a row) is the bad line.
+        raise EOFError("the gzip stream ends before its end marker")
     if rest:
         yield rest
-    if fed and not inflate.eof:
-        raise EOFError("the gzip stream ends before its end marker")
 
 
 def _open_lines(path: str, compression_type: str | None) -> Iterator[bytes]:
@@ -418,9 +420,16 @@ def _open_lines(path: str, compression_type: str | None) -> Iterator[bytes]:
     elif compression_type == "ZLIB":
         with open(path, "rb") as f:
             inflate = zlib.decompressobj()
-            yield from io.BytesIO(inflate.decompress(f.read())).readlines()
-            if not inflate.eof:  # the lines before the cut, then the error
-                raise EOFError("the zlib stream ends before its end marker")
+            lines = io.BytesIO(inflate.decompress(f.read())).readlines()
+        if inflate.eof:
+            yield from lines
+            return
+        # Cut short: the whole lines before the cut, then the error (TF's
+        # reader yields the cut line as a row: that is the bad line).
+        if lines and not lines[-1].endswith(b"\n"):
+            lines.pop()
+        yield from lines
+        raise EOFError("the zlib stream ends before its end marker")
     else:
         with open(path, "rb") as f:
             yield from f

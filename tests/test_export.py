@@ -675,3 +675,20 @@ def test_max_rows_reads_the_table_a_part_at_a_time(monkeypatch, max_rows):
     assert sorted(frozen.keys.numpy()[:-1].tolist()) == sorted(want.tolist())
     served = frozen(tf.constant(want[:, None])).numpy()[:, 0]
     np.testing.assert_array_equal(served, emb.lookup_rows(want))
+
+
+def test_export_leaves_no_garbage_cycles(tmp_path):
+    """The functions traced for an export were left in reference cycles,
+    ~7 MiB per export held until Python's next full collection (a soak
+    review saw +185 MB over 25 exports of a 223k-row table)."""
+    inp = keras.Input((3,), dtype="int64")
+    emb = CachedEmbedding(4, cache_capacity=64, seed=0)
+    model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
+    model.compile("adam", "mse")
+    model.fit(np.arange(30).reshape(10, 3), np.ones((10, 1)), verbose=0)
+    tf_sfctr.export_for_serving(model, str(tmp_path / "a"))
+    gc.collect()
+    served = tf_sfctr.export_for_serving(model, str(tmp_path / "b"))
+    assert gc.collect() < 100
+    assert served is not None
+

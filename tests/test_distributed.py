@@ -353,6 +353,29 @@ def test_distributed_optimizer_keeps_a_built_optimizers_state():
     assert not DistributedOptimizer(keras.optimizers.Adam(0.01)).built
 
 
+def test_distributed_optimizer_keeps_a_built_loss_scale_optimizers_state():
+    """A built LossScaleOptimizer (a mixed_float16 model's, loaded or
+    trained) was copied with none of its state (its own variable list is
+    empty), and fit then failed on an unknown variable."""
+    import keras
+
+    from tf_sfctr.distributed import DistributedOptimizer
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.Adam(0.01), initial_scale=2.0**18), loss="mse")
+    x = np.arange(24, dtype=np.float32).reshape(8, 3)
+    model.fit(x, np.ones((8, 2)), batch_size=4, epochs=2, verbose=0)
+    opt = model.optimizer
+    before = [v.numpy().copy() for v in opt.variables]
+    wrapped = DistributedOptimizer(opt)
+    assert isinstance(wrapped, keras.optimizers.LossScaleOptimizer) and wrapped.built
+    assert len(wrapped.variables) == len(before) > 2
+    for got, want in zip(wrapped.variables, before):
+        np.testing.assert_array_equal(got.numpy(), want)
+    assert int(wrapped.inner_optimizer.iterations) == 4
+
+
 def test_owner_function_matches_the_routing_op():
     from tf_sfctr import _ops
     from tf_sfctr.distributed import owner_of

@@ -402,3 +402,62 @@ def test_cache_metrics_rates_count_skipped_steps(rng):
     name = [k for k in history if k.endswith("/misses_per_step")][0]
     misses = emb.cache_stats()["misses"]
     assert history[name][0] == pytest.approx(misses / 12), (history, misses)
+
+
+def _checkpointed_run(vocab, ids, labels, weight, directory, epochs, resume_from=None):
+    """fit under mixed_float16 with SaveCheckpoints (every step); returns
+    (rows, weights, scale, saves)."""
+    with _policy("mixed_float16"):
+        model, emb = _scaled_model(vocab, initial_scale=2.0**15)
+        start = 0
+        if resume_from is not None:
+            start = tf_sfctr.distributed.resume(
+                tf.train.Checkpoint(model=model, optimizer=model.optimizer), resume_from)
+        saver = tf_sfctr.distributed.SaveCheckpoints(None, str(directory), every_steps=1,
+                                                     keep=None)
+        model.fit(ids, labels, sample_weight=weight, batch_size=BATCH, shuffle=False,
+                  verbose=0, epochs=epochs, initial_epoch=start, callbacks=[saver])
+    return (emb.lookup_rows(vocab), model.get_weights(),
+            float(model.optimizer.dynamic_scale.numpy()),
+            sorted(p.name for p in directory.iterdir()))
+
+
+def test_resume_after_an_epoch_whose_last_steps_were_skipped(rng, tmp_path):
+    """SaveCheckpoints(every_steps) marked a save before the epoch's skipped
+    last step as taken after the epoch, so a resumed run started at twice the
+    scale and went another way (a review's 2-rank run); with epoch-end saves,
+    an epoch that applied no step saved under the name of the previous one,
+    in place or refused as another run's. The epoch's end is now saved beside
+    (ckpt-<step>.1), and a resumed run trains bit for bit as one that was
+    not stopped."""
+    vocab, ids, _, labels = _data(rng, steps=4)
+    weight = np.ones(len(labels), np.float32)
+    weight[3 * BATCH:] = 2.0**10  # each epoch's last step overflows float16
+    whole = _checkpointed_run(vocab, ids, labels, weight, tmp_path / "whole", 3)
+    _checkpointed_run(vocab, ids, labels, weight, tmp_path / "split", 1)
+    assert (tmp_path / "split" / "ckpt-000000000003.1").is_dir()
+    resumed = _checkpointed_run(vocab, ids, labels, weight, tmp_path / "split", 3,
+                                resume_from=str(tmp_path / "split"))
+    np.testing.assert_array_equal(resumed[0], whole[0])
+    for a, b in zip(resumed[1], whole[1]):
+        np.testing.assert_array_equal(a, b)
+    assert resumed[2] == whole[2]
+    assert resumed[3] == whole[3], (resumed[3], whole[3])
+
+
+def test_epochs_that_apply_no_step_save_beside(rng, tmp_path):
+    """Epoch-end saves of epochs whose steps were all skipped: one per epoch,
+    none rewritten in place, and a resume restores the last one's scale."""
+    vocab, ids, _, labels = _data(rng, steps=2)
+    with _policy("mixed_float16"):
+        model, _ = _scaled_model(vocab, initial_scale=2.0**40)
+        saver = tf_sfctr.distributed.SaveCheckpoints(None, str(tmp_path), keep=None)
+        model.fit(ids, labels, batch_size=BATCH, epochs=3, verbose=0, callbacks=[saver])
+        assert _applied_steps(model.optimizer) == 0
+        assert sorted(p.name for p in tmp_path.iterdir()) == [
+            "ckpt-000000000000", "ckpt-000000000000.1", "ckpt-000000000000.2"]
+        again, _ = _scaled_model(vocab, initial_scale=2.0**40)
+        epochs = tf_sfctr.distributed.resume(
+            tf.train.Checkpoint(model=again, optimizer=again.optimizer), str(tmp_path))
+    assert epochs == 3
+    assert float(again.optimizer.dynamic_scale.numpy()) == 2.0**34

@@ -34,7 +34,9 @@ from tf_sfctr.store import CheckpointMismatchError
 
 #: Each save's directory: the training step it was taken after.
 PREFIX = "ckpt-"
-_NAME = re.compile(re.escape(PREFIX) + r"(\d+)$")
+# ckpt-<step> and, for a later save of a step saved already, ckpt-<step>.<n>
+# (steps a LossScaleOptimizer skipped change the state but not the count).
+_NAME = re.compile(re.escape(PREFIX) + r"(\d+)(?:\.(\d+))?$")
 
 
 def _steps_done(model) -> int:
@@ -54,9 +56,19 @@ def _saves(directory: str) -> list[tuple[int, str, bool]]:
         match = _NAME.match(name.rstrip("/"))
         if match:
             path = os.path.join(directory, name.rstrip("/"))
-            found.append((int(match.group(1)), path,
+            found.append((int(match.group(1)), int(match.group(2) or 0), path,
                           tf.io.gfile.exists(os.path.join(path, MANIFEST))))
-    return sorted(found)
+    return [(step, path, done) for step, _, path, done in sorted(found)]
+
+
+def _next_name(directory: str, step: int) -> str:
+    """ckpt-<step>, or ckpt-<step>.<n> after the saves of that step there."""
+    base = os.path.join(directory, f"{PREFIX}{step:012d}")
+    taken = [path for s, path, _ in _saves(directory) if s == step]
+    if not taken:
+        return base
+    last = _NAME.match(os.path.basename(taken[-1])).group(2)
+    return f"{base}.{int(last or 0) + 1}"
 
 
 def latest_checkpoint(directory: str) -> Optional[str]:
@@ -121,7 +133,9 @@ class SaveCheckpoints(keras.callbacks.Callback):
     """Saves ``checkpoint`` with ``tf_sfctr.distributed.save`` while the
     model trains: at the end of every epoch, or with ``every_steps=n`` after
     every n-th training step (counted by the optimizer, so a resumed run
-    goes on counting), into ``directory/ckpt-<step>``. After each save, the
+    goes on counting), into ``directory/ckpt-<step>`` (``ckpt-<step>.<n>``
+    for a later save of a step saved already: the steps a LossScaleOptimizer
+    skipped are not counted, but they change its scale). After each save, the
     ``keep`` newest complete saves are kept and the older ones deleted
     (``keep=None`` keeps all), with any save older than the newest that
     did not finish. ``checkpoint`` defaults to the model and its
@@ -149,6 +163,7 @@ class SaveCheckpoints(keras.callbacks.Callback):
         self._last_step: Optional[int] = None
         self._begin_step: Optional[int] = None
         self._saved_step: Optional[int] = None
+        self._batches_after_save = 0
         self.saved: list[str] = []  # paths written by this callback, oldest first
 
     def on_train_begin(self, logs=None):
@@ -172,6 +187,7 @@ class SaveCheckpoints(keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
+        self._batches_after_save += 1
         if self.every_steps is None:
             return
         step = _steps_done(self.model)
@@ -182,6 +198,10 @@ class SaveCheckpoints(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         step = _steps_done(self.model)
         if self.every_steps is None:
+            self._save(step, epochs=epoch + 1)
+        elif self.saved and self._saved_step == self._last_step and self._batches_after_save:
+            # Steps after the save, all skipped by a LossScaleOptimizer: they
+            # changed its scale, so the epoch's end is saved again.
             self._save(step, epochs=epoch + 1)
         elif self.saved and self._saved_step == self._last_step:
             # Saved after this epoch's last step: it resumes after the epoch,
@@ -203,10 +223,16 @@ class SaveCheckpoints(keras.callbacks.Callback):
 
     def _save(self, step: int, epochs: int) -> None:
         path = os.path.join(self.directory, f"{PREFIX}{step:012d}")
+        if step in (self._saved_step, self._begin_step):
+            # A step this run saved or started from: only steps a
+            # LossScaleOptimizer skipped came since (they do not count), and
+            # they changed its state. Saved beside the earlier save, which
+            # stays complete until this one is.
+            path = _on_rank_0(lambda: _next_name(self.directory, step), "sfctr_save_name")
         # A complete save of this step is another run's (this run's steps
         # only grow): saving again would replace it (a run that did not
         # resume, into the directory of one that got further).
-        if path not in self.saved and _on_rank_0(
+        elif path not in self.saved and _on_rank_0(
                 lambda: tf.io.gfile.exists(os.path.join(path, MANIFEST)), "sfctr_save_exists"):
             raise FileExistsError(
                 f"SaveCheckpoints: {path} already holds a complete save of step {step}, made "
@@ -216,6 +242,7 @@ class SaveCheckpoints(keras.callbacks.Callback):
         save(self.checkpoint, path, metadata={"step": step, "epochs": epochs})
         self.saved.append(path)
         self._saved_step = step
+        self._batches_after_save = 0
         _, rank = world()
         if rank == 0 and self.keep is not None:
             try:

@@ -67,7 +67,10 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer) -> keras.optimiz
         _CLASSES[base] = cls
     copy = cls.from_config(optimizer.get_config())
     if optimizer.built:  # a resumed run: the state goes on (it started over)
-        copy.build(optimizer._trainable_variables)
+        # A LossScaleOptimizer keeps its variables' list in the wrapped one
+        # (its own is empty: a copy built on it lost every slot).
+        built_on = getattr(optimizer, "inner_optimizer", optimizer)._trainable_variables
+        copy.build(built_on)
         state = {}
         optimizer.save_own_variables(state)
         copy.load_own_variables(state)

@@ -540,6 +540,22 @@ def test_parquet_errors(files, tmp_path):
     for engine in ("tensorflow_io", "pyarrow"):
         with pytest.raises(ValueError, match="'C1' .* string column is required"):
             list(parquet(bad, dense_columns=["I1"], sparse_columns=["C1"], engine=engine))
+    # The engines take the same column types: tensorflow-io read a timestamp
+    # dense column (as microseconds) and a fixed-size binary categorical one,
+    # which the pyarrow engine refuses.
+    stamp = str(tmp_path / "timestamp.parquet")
+    pq.write_table(pa.table({"label": [1.0], "I1": pa.array([10**15], pa.timestamp("us")),
+                             "C1": ["a"]}), stamp, compression="none")
+    fixed = str(tmp_path / "fixed_binary.parquet")
+    pq.write_table(pa.table({"label": [1.0], "I1": [2.0],
+                             "C1": pa.array([b"ab"], pa.binary(2))}), fixed, compression="none")
+    for engine in ("tensorflow_io", "pyarrow"):
+        with pytest.raises(ValueError, match=r"'I1' of .* has type timestamp\[us\]; a "
+                                             r"numeric column is required"):
+            list(parquet(stamp, dense_columns=["I1"], sparse_columns=["C1"], engine=engine))
+        with pytest.raises(ValueError, match=r"'C1' of .* has type fixed_size_binary\[2\]; "
+                                             r"a string column is required"):
+            list(parquet(fixed, dense_columns=["I1"], sparse_columns=["C1"], engine=engine))
 
 
 

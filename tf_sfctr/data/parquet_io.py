@@ -278,6 +278,10 @@ def _tfio_dataset(
     for path in paths:
         _check_readable(path)
         _check_tfio_types(path, [label, *dense])
+        # The column types the pyarrow engine takes, no others: tensorflow-io
+        # also read a timestamp dense column (as microseconds) and a
+        # fixed-size binary categorical column.
+        _pyarrow_check_schema(path, label, dense, sparse)
         iot = tfio.IOTensor.from_parquet(path)
         found = {c.numpy().decode(): spec for c, spec in zip(iot.columns, iot.spec)}
         missing = [c for c in wanted if c not in found]

@@ -275,7 +275,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             raise ValueError(f"seed must be an int or None, got {seed!r}")
         if not -(2**63) <= int(seed) < 2**63:
             raise ValueError(f"seed must fit in 64 bits (-2**63 <= seed < 2**63), got {seed}")
-        self.seed = int(seed)
+        self._seed = int(seed)
         if distribution not in DISTRIBUTIONS:
             raise ValueError(
                 f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
@@ -614,6 +614,21 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                 "training loop), or train under 'mixed_bfloat16' or float32.")
         return None
 
+    @property
+    def seed(self) -> int:
+        """The seed of the per-id initializer: the one given (or rank 0's drawn
+        one) until a restored checkpoint brings its own."""
+        store = getattr(self, "_store", None)
+        return store.seed if store is not None else self._seed
+
+    @seed.setter
+    def seed(self, value: int) -> None:
+        if getattr(self, "_store", None) is not None:
+            raise AttributeError(
+                f"CachedEmbedding {self.name!r}: the seed is fixed once the layer is built "
+                "(rows of unseen ids already follow it); make a new layer with seed=...")
+        self._seed = int(value)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         weights = kwargs.get("weights")
         if not self.built and isinstance(weights, (list, tuple)) and any(
@@ -623,7 +638,27 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             # "'NoneType' object has no attribute 'shape'". The table needs
             # no shape.
             self.build(None)
+        if not keras_shape_inference():
+            self._check_raw_id_dtypes(args[0] if args else kwargs.get("inputs"))
         return super().__call__(*args, **kwargs)
+
+    _ID_KEYS = ("ids", "unique_ids", "inverse", "next_unique_ids", "next_hint_ids")
+
+    def _check_raw_id_dtypes(self, inputs: Any) -> None:
+        """Refuse floating ids in the dtype they were given: Keras casts
+        floating arguments to the layer's float32 before call() and
+        compute_output_spec() see them, so a float64 or float16 input would be
+        named float32 there."""
+        if isinstance(inputs, dict):
+            inputs = [v for k, v in inputs.items() if k in self._ID_KEYS]
+        for x in keras.tree.flatten(inputs):
+            dtype = getattr(x, "dtype", None)
+            try:
+                dtype = tf.as_dtype(dtype) if dtype is not None else None
+            except TypeError:  # a dtype TF has no name for (e.g. NumPy objects)
+                continue
+            if dtype is not None and dtype.is_floating and dtype != tf.float32:
+                check_id_dtype(dtype)
 
     def call(self, inputs: Any, training: Optional[bool] = None, weights: Any = None) -> tf.Tensor:
         flag = training
@@ -1076,7 +1111,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             "reserve_rows": self.reserve_rows,
             "host_rows_dir": self.host_rows_dir,
             # A restored checkpoint brings its own seed.
-            "seed": self._store.seed if self._store is not None else self.seed,
+            "seed": self.seed,
             "distribution": self.distribution,
             "mask_zero": self.mask_zero,
         })

@@ -54,6 +54,19 @@ def test_non_integer_ids(trained, bad, training):
     _assert_unchanged(trained, snap)
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float16", "bfloat16"])
+def test_floating_ids_are_named_in_their_own_dtype(trained, dtype):
+    # Keras casts floating arguments to the layer's float32 before call():
+    # the error named float32 (and, for keras.Input, blamed a Sequential model).
+    snap = _snapshot(trained)
+    with pytest.raises(TypeError, match=rf"int32 or int64\), got {dtype}\."):
+        trained(tf.constant([[1, 2]], dtype), training=True)
+    with pytest.raises(TypeError, match=rf"got {dtype}\.") as err:
+        CachedEmbedding(4, cache_capacity=8)(keras.Input((2,), dtype=dtype))
+    assert "Sequential" not in str(err.value)
+    _assert_unchanged(trained, snap)
+
+
 def test_string_python_ids(trained):
     snap = _snapshot(trained)
     with pytest.raises(TypeError, match="integer"):

@@ -52,6 +52,26 @@ def test_model_config_round_trip():
     assert clone.layers[1].get_config()["seed"] == 1
 
 
+def test_seed_reports_the_restored_tables_seed(tmp_path):
+    ids = np.array([5, -7, 2**40], np.int64)
+    saved = CachedEmbedding(4, cache_capacity=8, seed=111)
+    saved.lookup_rows(ids[:1])
+    tf.train.Checkpoint(e=saved).write(str(tmp_path / "ckpt"))
+    layer = CachedEmbedding(4, cache_capacity=8, seed=222)
+    layer.build(None)
+    assert layer.seed == 222
+    tf.train.Checkpoint(e=layer).read(str(tmp_path / "ckpt")).assert_consumed()
+    # Rows of ids the checkpoint never held follow its seed, and so does
+    # layer.seed (it kept 222): a layer made from it gives the same rows.
+    assert layer.seed == layer.get_config()["seed"] == 111
+    np.testing.assert_array_equal(
+        CachedEmbedding(4, cache_capacity=8, seed=layer.seed).lookup_rows(ids),
+        layer.lookup_rows(ids))
+    with pytest.raises(AttributeError, match="seed is fixed once the layer is built"):
+        layer.seed = 3
+    assert layer.seed == 111
+
+
 def test_initial_value_depends_only_on_seed_and_id(rng):
     vocab = random_vocab(rng, 50)
     a = CachedEmbedding(4, cache_capacity=20, seed=3, optimizer="sgd")

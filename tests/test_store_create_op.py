@@ -62,3 +62,20 @@ def test_set_seed_and_set_counters_refuse_other_shapes_and_negative_counts():
     np.testing.assert_array_equal(store.stats().numpy(), before)
     store.set_counters(tf.constant([4, 5, 6], tf.int64))
     assert store.stats().numpy()[:3].tolist() == [4, 5, 6]
+
+def test_a_store_first_used_in_a_tf_function_is_created_once():
+    # Created while the function traced, the create op ran at each call:
+    # every call started from a new, empty table, and eager use after it
+    # failed with "out of scope".
+    store = _store(InitSpec("uniform", -0.05, 0.05))
+
+    @tf.function
+    def assign_and_count(ids):
+        store.host_assign(ids, tf.ones([tf.size(ids), 4]))
+        return store.stats()[3]
+
+    assert int(assign_and_count(tf.constant([1, 2], tf.int64))) == 2
+    assert int(assign_and_count(tf.constant([3, 4], tf.int64))) == 4
+    assert int(assign_and_count(tf.constant([5], tf.int64))) == 5  # retraced
+    np.testing.assert_array_equal(store.host_read(tf.constant([3], tf.int64)).numpy()[:, :4],
+                                  np.ones((1, 4)))

@@ -195,6 +195,16 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         self.pending_table_dir: Optional[tuple[int, str]] = None
         super().__init__(device="/CPU:0")
 
+    @property
+    def resource_handle(self):
+        """The table's handle, created eagerly at its first use: created
+        while a tf.function traces, the create op would become part of that
+        function and give each of its calls a new, empty table."""
+        if self._resource_handle is None:
+            with tf.init_scope():
+                return super().resource_handle
+        return self._resource_handle
+
     def _create_resource(self):
         c = self.config
         return _ops.load().sfctr_store_create(

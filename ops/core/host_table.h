@@ -300,8 +300,8 @@ class HostTable {
   std::atomic<int64_t> size_{0};
   std::atomic<int64_t> reserved_{0};  // rows stored or reserved
   // Write counts the ids it will insert, reserves room for them and then
-  // inserts: Prune must not remove rows in between (shared: writers, unique:
-  // Prune).
+  // inserts: Prune and Clear must not remove rows in between (shared:
+  // writers, unique: Prune and Clear).
   mutable std::shared_mutex prune_mu_;
   // ExportRange's map from the arena rows of one shard to their ids, built
   // with one scan of the shard's index and kept for the shard's next parts

@@ -1792,6 +1792,34 @@ TEST_CASE(HostTablePruneDuringWritesKeepsMaxRows) {
   CHECK_EQ(t.size(), int64_t{6000});
 }
 
+TEST_CASE(HostTableClearDuringWritesKeepsTheCount) {
+  // Clear did not wait for writers: a write that reserved and inserted
+  // before the clear counted its rows after it, so the table claimed rows
+  // it no longer held and max_rows refused rows it had room for.
+  HostTable t(Options(1, 0, /*max_rows=*/30000));
+  std::vector<int64_t> ids(20000);
+  std::vector<float> values(ids.size(), 1.0f);
+  std::vector<int64_t> out_ids;
+  std::vector<float> out_rows;
+  std::vector<uint32_t> counts;
+  for (int round = 0; round < 60; ++round) {
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = 1000003LL * (round * 20000LL + i) + 5;
+    std::thread writer([&] { CHECK(t.Write(ids.data(), ids.size(), values.data()).ok()); });
+    // Clear at a different moment of the write each round.
+    std::this_thread::sleep_for(std::chrono::microseconds(50 * (round % 30)));
+    t.Clear();
+    writer.join();
+    t.Export(&out_ids, &out_rows, &counts);
+    CHECK_EQ(t.size(), static_cast<int64_t>(out_ids.size()));
+    t.Clear();
+  }
+  std::vector<int64_t> fresh(30000);
+  for (int i = 0; i < 30000; ++i) fresh[i] = -7LL * i - 1;
+  std::vector<float> rows(30000, 2.0f);
+  CHECK(t.Write(fresh.data(), fresh.size(), rows.data()).ok());  // all of max_rows fits
+  CHECK_EQ(t.size(), int64_t{30000});
+}
+
 TEST_CASE(StorePruneKeepsCachedAndPendingIds) {
   StoreOptions o;
   o.table = Options(2, 0);

@@ -104,3 +104,18 @@ def test_tf_fallback_gives_the_same_sums():
     for a, b in zip(ours, tfs):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     assert _ops.segment_sums(data, segments, 700, use_kernel=False)[1] is None
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_ids_outside_int32_are_refused_not_wrapped(use_kernel):
+    # A plain cast to int32 wrapped 2**32 + 1 onto segment 1, and
+    # num_segments 2**32 + 2 onto 2.
+    data = tf.ones([2, 2])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="segment_ids must fit in int32"):
+        _ops.segment_sums(data, tf.constant([0, 2**32 + 1], tf.int64), 2, use_kernel=use_kernel)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="num_segments must fit in int32"):
+        _ops.segment_sums(data, tf.constant([0, 1], tf.int64), 2**32 + 2, use_kernel=use_kernel)
+    with pytest.raises(TypeError, match="segment_ids must be int32 or int64, got float32"):
+        _ops.segment_sums(data, tf.constant([0.0, 1.7]), 2, use_kernel=use_kernel)
+    sums, _ = _ops.segment_sums(data, tf.constant([1, 1], tf.int64), 2, use_kernel=use_kernel)
+    np.testing.assert_array_equal(sums.numpy(), [[0, 0], [2, 2]])

@@ -223,3 +223,22 @@ def test_ftrl_refuses_the_hyperparameters_tfs_kernel_refuses(use_kernel, bad, ma
                                grad_sq=tf.ones([1, 3]), use_kernel=use_kernel)
     for v, s in zip((var, acc, lin), state0):
         np.testing.assert_array_equal(v.numpy(), s)
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_indices_outside_int32_are_refused_before_any_row_changes(use_kernel):
+    # A plain cast to int32 wrapped index 2**32 onto row 0, and 2**32 + 1
+    # onto row 1, which then took the update.
+    var, acc, lin = (tf.Variable(tf.fill([4, 2], v)) for v in (1.0, 0.1, 0.0))
+    idx = tf.constant([2, 2**32], tf.int64)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="indices must fit in int32"):
+        _ops.sparse_apply_adagrad(var, acc, 0.5, 1e-7, tf.ones([2, 2]), idx,
+                                  use_kernel=use_kernel)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="indices must fit in int32"):
+        _ops.sparse_apply_ftrl(var, acc, lin, 0.1, 0.0, 0.0, 0.0, -0.5, tf.ones([2, 2]),
+                               idx + 1, use_kernel=use_kernel)
+    np.testing.assert_array_equal(var.numpy(), np.ones((4, 2)))
+    np.testing.assert_array_equal(acc.numpy(), np.full((4, 2), 0.1, np.float32))
+    _ops.sparse_apply_adagrad(var, acc, 0.5, 1e-7, tf.ones([1, 2]),
+                              tf.constant([3], tf.int64), use_kernel=use_kernel)
+    assert var.numpy()[3, 0] < 1 and np.all(var.numpy()[:3] == 1)

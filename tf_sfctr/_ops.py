@@ -165,6 +165,21 @@ both threads made the step slower (docs/design.md, "Kernel shards"). The
 result does not depend on it. Ignored by the GPU path."""
 
 
+def _int32_indices(x, what: str) -> tf.Tensor:
+    """``x`` as int32 (the kernels' index type). int64 values are checked to
+    fit first: a plain cast wraps 2**32 onto 0, a valid row."""
+    x = tf.convert_to_tensor(x)
+    if x.dtype == tf.int32:
+        return x
+    if x.dtype != tf.int64:
+        raise TypeError(f"{what} must be int32 or int64, got {x.dtype.name}")
+    fits = tf.reduce_all((x >= -(2**31)) & (x < 2**31))
+    with tf.control_dependencies([tf.debugging.Assert(
+            fits, [f"{what} must fit in int32 (the kernels' index type); got a value outside "
+                   "[-2**31, 2**31)"])]):
+        return tf.cast(x, tf.int32)
+
+
 def segment_sums(data: tf.Tensor, segment_ids: tf.Tensor, num_segments,
                  squares: bool = False, use_kernel: bool | None = None,
                  max_shards: int = 0):
@@ -181,8 +196,8 @@ def segment_sums(data: tf.Tensor, segment_ids: tf.Tensor, num_segments,
     ``max_shards``: see :data:`MAX_SHARDS_DOC`.
     """
     data = tf.cast(data, tf.float32)
-    segment_ids = tf.cast(segment_ids, tf.int32)
-    num_segments = tf.cast(num_segments, tf.int32)
+    segment_ids = _int32_indices(segment_ids, "segment_ids")
+    num_segments = _int32_indices(num_segments, "num_segments")
     if not _use_kernel(use_kernel):
         sums = tf.math.unsorted_segment_sum(data, segment_ids, num_segments)
         if not squares:
@@ -279,7 +294,7 @@ def sparse_apply_adagrad(var: tf.Variable, accum: tf.Variable, lr, epsilon, grad
     ``scatter_add`` for ``grad_sq``). ``use_kernel`` forces one or the other.
     ``max_shards``: see :data:`MAX_SHARDS_DOC`.
     """
-    indices = tf.cast(indices, tf.int32)
+    indices = _int32_indices(indices, "indices")
     lr = tf.cast(lr, tf.float32)
     epsilon = tf.cast(epsilon, tf.float32)
     if not _use_kernel(use_kernel):
@@ -311,7 +326,7 @@ def sparse_apply_ftrl(var: tf.Variable, accum: tf.Variable, linear: tf.Variable,
     ``grad_sq``, the same formula in stock ops with it. ``use_kernel`` forces
     one or the other. ``max_shards``: see :data:`MAX_SHARDS_DOC`.
     """
-    indices = tf.cast(indices, tf.int32)
+    indices = _int32_indices(indices, "indices")
     lr, l1, l2, l2_shrinkage, lr_power = (tf.cast(x, tf.float32)
                                           for x in (lr, l1, l2, l2_shrinkage, lr_power))
     if _use_kernel(use_kernel):

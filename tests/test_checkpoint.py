@@ -260,6 +260,14 @@ def test_future_format_version_is_refused(rng):
     with pytest.raises(CheckpointMismatchError, match="format version 99"):
         emb.store.load_table(header, np.array([1]), np.zeros((1, 3 * DIM), np.float32),
                              np.zeros(1, np.int64), np.zeros(3, np.int64))
+    # A known version with the wrong number of entries is a damaged header,
+    # not an unknown version (the message named the version it reads).
+    with pytest.raises(CheckpointMismatchError,
+                       match="header is corrupt: a format-3 header has 8 entries, this one 5"):
+        emb.store.load_table(np.array([3, DIM, 2, 0, 1], np.int64), np.array([1]),
+                             np.zeros((1, 3 * DIM), np.float32), np.zeros(1, np.int64),
+                             np.zeros(3, np.int64))
+    np.testing.assert_array_equal(emb.lookup_rows([1]).shape, (1, DIM))
     bad_rows = np.full((1, 3 * DIM), np.nan, np.float32)
     with pytest.raises(CheckpointMismatchError, match="non-finite"):
         emb.store.load_table(np.array([1, DIM, 2, 0]), np.array([1]), bad_rows,

@@ -500,7 +500,12 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         c = self.config
         header = np.asarray(header).ravel()
         version = int(header[0]) if header.size else None
-        if _READABLE_VERSIONS.get(version) != header.size:
+        if version in _READABLE_VERSIONS and _READABLE_VERSIONS[version] != header.size:
+            raise CheckpointMismatchError(
+                f"saved table's header is corrupt: a format-{version} header has "
+                f"{_READABLE_VERSIONS[version]} entries, this one {header.size}. The current "
+                "table was left untouched.")
+        if version not in _READABLE_VERSIONS:
             raise CheckpointMismatchError(
                 f"saved table has format version {version}; this tf_sfctr reads "
                 f"versions {sorted(_READABLE_VERSIONS)}. The current table was left untouched.")

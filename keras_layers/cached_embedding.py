@@ -359,14 +359,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                 "would give a fresh table in place of the checkpoint's. Make a new layer with "
                 "the checkpoint's options (output_dim, table optimizer) and restore the "
                 "checkpoint into it.") from self._failed_restore
-        if tf.distribute.has_strategy():
-            raise ValueError(
-                f"CachedEmbedding {self.name!r} was built under "
-                f"{type(tf.distribute.get_strategy()).__name__}; tf.distribute strategies "
-                "are not supported (the table lives in this process's host memory and "
-                "its update runs in the backward pass). Build and train it outside the "
-                "strategy's scope, and scale out with Horovod (horovodrun; README, "
-                "\"Scale out with Horovod\").")
+        self._check_no_strategy("built")
         size, _ = _horovod.world()
         if size > 1:
             self._mode = "data_parallel" if self.distribution == "data_parallel" \
@@ -574,6 +567,16 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             self._call_suffixes[base] = f"{base}_{k}" if k else base
         return self._call_suffixes[base]
 
+    def _check_no_strategy(self, what: str) -> None:
+        if tf.distribute.has_strategy():
+            raise ValueError(
+                f"CachedEmbedding {self.name!r} was {what} under "
+                f"{type(tf.distribute.get_strategy()).__name__}; tf.distribute strategies "
+                "are not supported (the table lives in this process's host memory and "
+                "its update runs in the backward pass: each replica would apply its own). "
+                "Build and train it outside the strategy's scope, and scale out with Horovod "
+                "(horovodrun; README, \"Scale out with Horovod\").")
+
     def _check_local_alone(self) -> None:
         """Refuses to train a local table (built before ``hvd.init()``) once
         Horovod runs several ranks: each rank would train its own copy."""
@@ -613,6 +616,26 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                 "step's gradients (model.compile(optimizer=...), also for a custom "
                 "training loop), or train under 'mixed_bfloat16' or float32.")
         return None
+
+    @property
+    def table_optimizer(self) -> _optimizers.TableOptimizer:
+        """The table's own optimizer (``optimizer=``). Its learning rate may
+        be set again at any time; the optimizer itself only until the layer
+        is built, when its state is laid out next to each row."""
+        return self._table_optimizer
+
+    @table_optimizer.setter
+    def table_optimizer(self, value: Any) -> None:
+        if getattr(self, "_store", None) is not None and \
+                value is not getattr(self, "_table_optimizer", None):
+            raise AttributeError(
+                f"CachedEmbedding {self.name!r}: table_optimizer cannot be replaced once the "
+                "layer is built: each row keeps the optimizer state of "
+                f"{type(self._table_optimizer).__name__} (another optimizer would read it as "
+                "its own). Set layer.table_optimizer.learning_rate to change the rate; for "
+                "another optimizer make a new layer and copy the rows with "
+                "lookup_rows / assign_rows (its state then starts fresh).")
+        self._table_optimizer = _optimizers.get(value)
 
     @property
     def seed(self) -> int:
@@ -674,6 +697,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         training = bool(flag) and self.trainable
         scale = None
         if training:
+            self._check_no_strategy("trained")
             self._check_local_alone()
             scale = self._training_loss_scale()
             self._check_staged_update()

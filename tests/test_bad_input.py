@@ -517,6 +517,32 @@ def test_tf_distribute_strategy_is_refused_with_the_way_out():
     assert layer(tf.constant([1, 2], tf.int64)).shape == (2, 3)
 
 
+@pytest.mark.parametrize("traced", [False, True])
+def test_a_layer_built_outside_a_strategy_is_not_trained_under_it(traced):
+    # Only the build was checked: under strategy.run each replica applied its
+    # own table update (twice the steps on 2 replicas, rows off a 1-process run).
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    layer = CachedEmbedding(3, cache_capacity=8, seed=0)
+    ids = tf.constant([1, 2], tf.int64)
+    before = layer.lookup_rows([1, 2])
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(ids, training=True))
+        return tape.gradient(loss, layer.trainable_variables)
+
+    run = tf.function(lambda: strategy.run(step)) if traced else (lambda: strategy.run(step))
+    with pytest.raises(ValueError, match="trained under MirroredStrategy; tf.distribute "
+                       "strategies are not supported.*each replica would apply its own"):
+        run()
+    np.testing.assert_array_equal(layer.lookup_rows([1, 2]), before)
+    assert int(layer._table_step.numpy()) == 0
+    # Inference under a strategy is allowed (it changes nothing).
+    np.testing.assert_array_equal(strategy.run(lambda: layer(ids)).numpy(), before)
+    step()  # and training outside it works
+    assert int(layer._table_step.numpy()) == 1
+
+
 def test_sequential_without_input_says_to_add_an_int64_input():
     model = keras.Sequential([CachedEmbedding(4, cache_capacity=32, seed=0),
                               keras.layers.Flatten(), keras.layers.Dense(1)])

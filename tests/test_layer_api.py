@@ -673,3 +673,27 @@ def test_reads_of_many_tables_do_not_warn_of_retracing():
     finally:
         tf.get_logger().removeHandler(handler)
     assert not [m for m in records if "retracing" in m], records
+
+
+def test_the_table_optimizer_cannot_be_replaced_once_built():
+    # Accepted before: a new optimizer read the old one's state as its own
+    # (Adam -> Ftrl wrote NaN rows), or failed later with an unpacking error.
+    layer = CachedEmbedding(4, cache_capacity=8, seed=0, optimizer="sgd")
+    layer.table_optimizer = tf_sfctr.optimizers.Adam(0.01)  # not built: fine
+    assert isinstance(layer.table_optimizer, tf_sfctr.optimizers.Adam)
+    layer.table_optimizer = "ftrl"
+    assert isinstance(layer.table_optimizer, tf_sfctr.optimizers.Ftrl)
+    ids = np.array([1, 2], np.int64)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(ids, training=True))
+    tape.gradient(loss, layer.trainable_variables)
+    rows = layer.lookup_rows(ids)
+    opt = layer.table_optimizer
+    with pytest.raises(AttributeError, match="table_optimizer cannot be replaced once the layer "
+                                             "is built.*state of Ftrl"):
+        layer.table_optimizer = tf_sfctr.optimizers.Adagrad(0.1)
+    assert layer.table_optimizer is opt
+    layer.table_optimizer = opt  # the same one: a no-op
+    layer.table_optimizer.learning_rate = 0.5  # what may change
+    assert float(layer.table_optimizer.learning_rate) == 0.5
+    np.testing.assert_array_equal(layer.lookup_rows(ids), rows)

@@ -1114,6 +1114,19 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         # not).
         return super().compute_output_spec(inputs, training=training)
 
+    def set_weights(self, weights: Any) -> None:
+        """Keras weights only (the update trigger): the table is not a Keras
+        weight. A table given here is refused with the way to set rows."""
+        if any(np.ndim(w) >= 2 for w in weights):
+            shapes = ", ".join(str(np.shape(w)) for w in weights)
+            raise ValueError(
+                f"CachedEmbedding {self.name!r}: set_weights sets the layer's Keras weights "
+                f"only (one scalar, the update trigger), got arrays of shapes {shapes}. The "
+                "table is keyed by raw ids, not a Keras weight: set rows with "
+                "layer.assign_rows(ids, rows), and copy a whole table with a checkpoint "
+                "(tf.train.Checkpoint, save_weights / load_weights).")
+        super().set_weights(weights)
+
     def get_config(self) -> dict[str, Any]:
         if in_legacy_h5_format():
             raise ValueError(

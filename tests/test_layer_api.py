@@ -697,3 +697,13 @@ def test_the_table_optimizer_cannot_be_replaced_once_built():
     layer.table_optimizer.learning_rate = 0.5  # what may change
     assert float(layer.table_optimizer.learning_rate) == 0.5
     np.testing.assert_array_equal(layer.lookup_rows(ids), rows)
+
+
+def test_set_weights_with_a_table_says_how_to_set_rows():
+    layer = CachedEmbedding(4, cache_capacity=8, seed=0)
+    layer.build(None)
+    rows = layer.lookup_rows([1, 2])
+    with pytest.raises(ValueError, match=r"shapes \(100, 4\).*layer.assign_rows\(ids, rows\)"):
+        layer.set_weights([np.ones((100, 4), np.float32)])
+    layer.set_weights(layer.get_weights())  # its own Keras weights: fine
+    np.testing.assert_array_equal(layer.lookup_rows([1, 2]), rows)

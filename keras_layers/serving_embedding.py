@@ -32,6 +32,25 @@ from tf_sfctr.keras_layers._combine import (
 class ServingEmbedding(keras.layers.Layer):
     """Read-only embedding over known ids, unknown ids -> a zero vector.
 
+    :func:`tf_sfctr.export_for_serving` makes these from trained
+    ``CachedEmbedding`` layers; they can also be made by hand.
+
+    Args:
+        keys: int64 ids, ``[n]``, distinct (any order).
+        rows: float32 rows of those ids, ``[n, output_dim]``.
+        output_dim, num_keys: the table's shape when there are no ``keys``
+            and ``rows`` (``from_config`` and SavedModel loading make the
+            layer this way, then restore its variables).
+        combiner: None (one row per id) or "sum", "mean", "sqrtn" over the
+            last axis of dense ``[batch, L]`` ids, or of ragged / sparse ids,
+            as ``CachedEmbedding`` combines them.
+        pad_id: with a combiner, dense ids equal to it are left out of the
+            combination (default 0, what ``RaggedTensor.to_tensor()`` pads
+            with); None leaves none out. A list call (features sharing the
+            table) may give a list, one per feature.
+        mask_zero: without a combiner, give Keras a mask of ``ids != 0``, as
+            ``keras.layers.Embedding(mask_zero=True)`` does.
+
     Example:
 
     >>> import numpy as np

@@ -387,6 +387,9 @@ def test_owner_function_matches_the_routing_op():
         np.testing.assert_array_equal(owners, owner_of(routed.numpy(), n))
     counts = np.bincount(owner_of(np.arange(100_000), 4), minlength=4)
     assert counts.min() > 24_000  # sequential ids spread evenly
+    for bad in (0, -2, 2.0, True):  # 0 gave all 0, -2 gave ranks in the billions
+        with pytest.raises(ValueError, match="world_size must be a positive int"):
+            owner_of(np.arange(3), bad)
 
 
 def test_sharded_checkpoint_restores_on_one_rank(results):

@@ -468,3 +468,19 @@ def test_a_fixed_rate_stays_on_its_thread():
     thread.join()
     assert seen["rate"] == 0.5
     assert float(opt.rate_at(step)) == 0.5
+
+
+def test_get_takes_keras_style_dicts_and_names_what_is_wrong_with_others():
+    adam = tf_sfctr.optimizers.Adam(0.5, beta_1=0.8)
+    for given in ({"class_name": "Adam", "config": adam.get_config()},
+                  {"class_name": "adam", "config": {"learning_rate": 0.5, "beta_1": 0.8}},
+                  keras.saving.serialize_keras_object(adam)):
+        got = tf_sfctr.optimizers.get(given)
+        assert isinstance(got, tf_sfctr.optimizers.Adam) and got.get_config() == adam.get_config()
+    assert isinstance(tf_sfctr.optimizers.get({"class_name": "SGD"}), tf_sfctr.optimizers.SGD)
+    # A bare config named no class; an unknown class gave Keras's TypeError
+    # about register_keras_serializable.
+    with pytest.raises(ValueError, match="dict without 'class_name'.*'Adagrad'"):
+        tf_sfctr.optimizers.get(adam.get_config())
+    with pytest.raises(ValueError, match="is not a table optimizer"):
+        tf_sfctr.optimizers.get({"class_name": "Lion", "config": {}})

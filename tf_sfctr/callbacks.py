@@ -161,9 +161,6 @@ class CacheMetrics(keras.callbacks.Callback):
 
     At the end of each training batch and of each epoch it adds, per layer:
 
-    Each key starts with the table's name (``table_log_names``: the layer's
-    name, or its path when two tables share one).
-
     * ``<layer name>/hit_rate``: hits / (hits + misses) over the interval since
       the previous report of the same kind (the batch for batch logs, the
       epoch for epoch logs); 0.0 when the interval looked nothing up;
@@ -172,6 +169,9 @@ class CacheMetrics(keras.callbacks.Callback):
       steps in it;
     * ``<layer name>/host_rows``: rows in the host table at the end of the
       interval (this rank's shard under Horovod model parallelism).
+
+    Each key starts with the table's name (``table_log_names``: the layer's
+    name, or its path when two tables share one).
 
     The counters come from ``layer.cache_stats()`` and count distinct ids per
     training step when the step's cache is prepared; ``predict``, ``evaluate``

@@ -522,11 +522,16 @@ _BY_NAME: dict[str, Callable[..., TableOptimizer]] = {
 
 
 def get(identifier: Any) -> TableOptimizer:
-    """An optimizer from an instance, a name ("sgd", "adagrad", "adam", "ftrl") or a config.
+    """An optimizer from an instance, a name ("sgd", "adagrad", "adam", "ftrl") or a dict.
 
     ``None`` gives the default: ``Adagrad(learning_rate=0.01)``. A name gives
     that class with its own defaults, as Keras does (``"adagrad"``:
-    ``Adagrad(learning_rate=0.001)``).
+    ``Adagrad(learning_rate=0.001)``). A dict is ``{"class_name": name,
+    "config": optimizer.get_config()}`` (as ``keras.optimizers.get`` takes
+    one), or what ``keras.saving.serialize_keras_object`` gives.
+
+    >>> get({"class_name": "Adam", "config": {"learning_rate": 0.5}}).learning_rate
+    0.5
     """
     if identifier is None:
         return Adagrad(learning_rate=0.01)
@@ -535,7 +540,18 @@ def get(identifier: Any) -> TableOptimizer:
     if isinstance(identifier, str) and identifier.lower() in _BY_NAME:
         return _BY_NAME[identifier.lower()]()
     if isinstance(identifier, dict):
-        obj = keras.saving.deserialize_keras_object(identifier)
+        name = identifier.get("class_name")
+        if isinstance(name, str) and name.lower() in _BY_NAME and "module" not in identifier:
+            return _BY_NAME[name.lower()].from_config(dict(identifier.get("config") or {}))
+        if name is None:
+            raise ValueError(
+                f"optimizer={identifier!r} is a dict without 'class_name'; a table optimizer "
+                "dict is {'class_name': 'Adagrad', 'config': {...}} (class names "
+                f"{sorted(c.__name__ for c in _BY_NAME.values())}).")
+        try:
+            obj = keras.saving.deserialize_keras_object(identifier)
+        except (TypeError, ValueError):
+            obj = None
         if isinstance(obj, TableOptimizer):
             return obj
     if isinstance(identifier, keras.optimizers.Optimizer):

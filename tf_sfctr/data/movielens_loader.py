@@ -66,7 +66,7 @@ class MovieLensData:
     """The train and test examples of :func:`load_movielens`, in NumPy.
 
     ``*_features`` are dicts with ``"dense"`` float32 ``[N, 1]``, ``"sparse"``
-    int64 ``[N, 3]`` (fields :data:`SPARSE_FIELDS`), ``"genres"``
+    int64 ``[N, 3]`` (the fields ``sparse_fields`` names), ``"genres"``
     (:class:`tf_sfctr.data.Ragged` of int64) and, when asked for, ``"history"``
     (Ragged of int64); ``*_label`` is float32 ``[N, 1]``.
     Use :func:`tf_sfctr.data.dataset_from_arrays` to batch them.

@@ -27,6 +27,10 @@ from tf_sfctr.distributed._horovod import require
 def owner_of(ids: np.ndarray, world_size: int) -> np.ndarray:
     """Owner rank of each id, Mix64(id) mod world_size: the grouping
     ``SfctrUnique(ids, num_groups=world_size)`` routes by, in NumPy."""
+    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) \
+            or world_size < 1:
+        raise ValueError(f"world_size must be a positive int (the number of ranks), "
+                         f"got {world_size!r}")
     x = np.asarray(ids, np.int64).astype(np.uint64)
     with np.errstate(over="ignore"):
         x = x ^ (x >> np.uint64(30))

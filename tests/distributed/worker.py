@@ -849,6 +849,26 @@ def run_uneven_steps(out_dir, rank):
                   "fit's validation would run 2 to 3 steps on the 2 Horovod ranks")
     model.fit(even, validation_data=ds.take(2), verbose=0, callbacks=callbacks())
     assert int(model.optimizer.iterations) == 8
+    # Data of unknown size on rank 1 only (2 batches on both): Keras counts
+    # one more iteration after rank 1's epoch, and the ranks' Adam steps,
+    # checkpoint names and SaveCheckpoints triggers drifted apart (a review).
+    mixed = even if rank == 0 else even.filter(lambda *_: True)
+    for call in (lambda: model.fit(mixed, epochs=2, verbose=0, callbacks=callbacks()),
+                 lambda: model.evaluate(mixed, verbose=0, callbacks=callbacks())):
+        _expect_error(call, "Keras knows the number of batches on some of the 2 Horovod ranks")
+    # Different epochs (or initial_epoch): the rank that finished first
+    # waited in its next collective.
+    _expect_error(lambda: model.fit(even, epochs=2 if rank == 0 else 1, verbose=0,
+                                    callbacks=callbacks()),
+                  "fit (epochs - initial_epoch) would run 1 to 2 epochs")
+    _expect_error(lambda: model.fit(even, epochs=3, initial_epoch=rank, verbose=0,
+                                    callbacks=callbacks()),
+                  "fit (epochs - initial_epoch) would run 2 to 3 epochs")
+    assert int(model.optimizer.iterations) == 8
+    # Unknown size on both: trains, and the iteration counts agree.
+    both = even.filter(lambda *_: True)
+    model.fit(both, epochs=2, verbose=0, callbacks=callbacks())
+    assert int(model.optimizer.iterations) == 14  # 2 x (2 + Keras's extra one)
     # Two threads of each rank reading a model-parallel table at once: each
     # call's collectives are one thread's at a time (they interleaved and
     # failed on Horovod's "same name as another tensor").
@@ -884,6 +904,30 @@ def run_empty_epoch(out_dir, rank):
     x, y = np.arange(2 * rows, dtype=np.int64).reshape(rows, 2), np.ones((rows, 1))
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(4).filter(lambda *_: True)
     model.fit(ds, verbose=0, callbacks=callbacks())
+
+
+def run_short_data(mode, rank):
+    """Rank 1's data ends a step before the 3 Keras expects on every rank
+    (steps_per_epoch / steps=, no repeat): Keras only warns, and rank 1
+    entered the epoch's (or evaluation's) collectives while rank 0 waited
+    in its third step, forever; predict returned 2 batches of 3. Rank 1
+    now raises before any collective, and horovodrun ends the job."""
+    model = _small_model("short")
+    rows = 12 if rank == 0 else 8
+    x, y = np.arange(2 * rows, dtype=np.int64).reshape(rows, 2), np.ones((rows, 1))
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)  # 3 or 2 batches
+    full = tf.data.Dataset.from_tensor_slices((x[:8], y[:8])).batch(4).repeat()
+    if mode == "fit":  # with validation: checked before validation starts
+        model.fit(ds, steps_per_epoch=3, validation_data=full, validation_steps=2,
+                  verbose=0, callbacks=callbacks())
+    elif mode == "validation":
+        model.fit(full, steps_per_epoch=2, validation_data=ds, validation_steps=3,
+                  verbose=0, callbacks=callbacks())
+    elif mode == "evaluate":
+        model.evaluate(ds, steps=3, verbose=0, callbacks=callbacks())
+    else:
+        model.predict(ds.map(lambda a, b: a), steps=3, verbose=0, callbacks=callbacks())
+    hvd.allreduce(tf.constant(1.0), name="short_data_done")  # what a script does next
 
 
 def run_loss_scale_skip(out_dir, rank):
@@ -970,6 +1014,8 @@ def main():
             run_uneven_steps(out_dir, rank)
         elif name == "empty_epoch":
             run_empty_epoch(out_dir, rank)
+        elif name.startswith("short_"):
+            run_short_data(name[len("short_"):], rank)
         elif name == "loss_scale_skip":
             run_loss_scale_skip(out_dir, rank)
         elif name == "robustness":

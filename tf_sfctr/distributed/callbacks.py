@@ -229,15 +229,27 @@ class AverageMetrics(keras.callbacks.Callback):
     ``predict`` starts and Keras knows each rank's number of batches (arrays,
     datasets of known cardinality, ``steps_per_epoch``), ranks with different
     numbers raise on every rank before the first step (and before each of
-    ``fit``'s validations, for the validation batches); a rank that ran no
-    training step in an epoch raises at its end. (Other ranks would wait in
-    their steps forever.)
+    ``fit``'s validations, for the validation batches), as do ranks of which
+    some know the number and others do not, and ranks given different numbers
+    of epochs. A rank whose data ends before the steps Keras expected (Keras
+    only warns "Your input ran out of data"), or that ran no training step in
+    an epoch, raises at the end of that epoch, evaluation or prediction,
+    before any collective; ``horovodrun`` then ends the job. (Other ranks
+    would wait in their steps forever.) At the end of each epoch the ranks
+    also compare the optimizer's iteration counts, and raise on every rank
+    when they differ.
     """
 
     def __init__(self):
         super().__init__()
         self._in_fit = False
         self._trained = False
+        self._epochs_checked = False
+        # Steps run in this epoch / evaluation / prediction, and how many
+        # Keras said it would run (None: not known).
+        self._train_done = 0
+        self._test_done, self._test_steps = 0, None
+        self._predict_done, self._predict_steps = 0, None
         # The epoch's global training results, taken before validation.
         self._train_results, self._train_results_taken = None, False
 
@@ -282,37 +294,75 @@ class AverageMetrics(keras.callbacks.Callback):
         self._average(rest)
         logs.update(rest)
 
-    def _check_steps(self, call, steps):
+    def _check_steps(self, call, steps, unit="steps"):
         """Collective: raises on every rank when the ranks would run
-        different numbers of steps (None: not known on this rank)."""
+        different numbers of steps (None: not known on this rank), or of
+        ``unit``."""
         hvd = require()
         mine = -1.0 if steps is None else float(steps)  # -1: not known here
         most = hvd.allreduce(tf.constant([mine, -mine], tf.float64), op=hvd.Max,
                              name="sfctr_steps").numpy()
         largest, smallest = most[0], -most[1]
-        if smallest >= 0 and largest != smallest:
+        if smallest < 0 <= largest:
             raise ValueError(
-                f"{call} would run {int(smallest)} to {int(largest)} steps on the "
+                f"{call}: Keras knows the number of batches on some of the {hvd.size()} "
+                f"Horovod ranks ({int(largest)}) but not on others (data of unknown size, "
+                f"e.g. after filter() or from files; this rank: "
+                f"{'unknown' if mine < 0 else int(mine)}). The ranks could run different "
+                "numbers of steps, and Keras counts one more optimizer iteration after an "
+                "epoch over data of unknown size, so the ranks' optimizers would drift apart. "
+                "Give every rank as many batches of the same kind: steps_per_epoch (or "
+                "steps=) with dataset.repeat() on every rank, or dataset.take(n) on every "
+                "rank.")
+        if smallest >= 0 and largest != smallest:
+            fix = ("Give every rank the same epochs and initial_epoch." if unit == "epochs" else
+                   "Give every rank as many batches: steps_per_epoch (or steps=) with "
+                   "dataset.repeat(), or dataset.take(n) on every rank.")
+            raise ValueError(
+                f"{call} would run {int(smallest)} to {int(largest)} {unit} on the "
                 f"{hvd.size()} Horovod ranks (this rank: {int(mine)}); every rank must run as "
-                "many (each step is collective: the ranks with more would wait forever). "
-                "Give every rank as many batches: steps_per_epoch (or steps=) with "
-                "dataset.repeat(), or dataset.take(n) on every rank.")
+                f"many (each step is collective: the ranks with more would wait forever). {fix}")
 
     def _params_steps(self):
         return (self.params or {}).get("steps")
 
+    def _steps_after(self, batch):
+        """Steps run once the batch (or execution) starting at ``batch`` is
+        done: Keras reports the first step of each execution of
+        ``steps_per_execution`` steps when it knows the count."""
+        per = int(getattr(self.model, "steps_per_execution", 1) or 1)
+        return batch + per
+
+    def _check_ran(self, call, done, steps):
+        """Local, before any collective: raises when this rank's data ended
+        before the ``steps`` Keras said it would run (Keras only warns "Your
+        input ran out of data"). The other ranks wait in their next step, so
+        a collective here would wait forever; raising ends the job."""
+        if steps is None or done >= steps or getattr(self.model, "stop_training", False):
+            return  # (a stop at a batch's end is not agreed on: see above)
+        raise ValueError(
+            f"This Horovod rank ({require().rank()}) ran {done} of the {steps} steps of "
+            f"{call}: its data ended first (Keras warned \"Your input ran out of data\"). "
+            "Every rank must run as many steps (each step is collective, and the other "
+            "ranks wait in theirs); give every rank enough batches: dataset.repeat() with "
+            "steps_per_epoch (or steps=), or dataset.take(n) on every rank.")
+
     def on_train_begin(self, logs=None):
         self._in_fit = True
+        self._epochs_checked = False
         self._check_steps("fit", self._params_steps())
 
     def on_train_end(self, logs=None):
         self._in_fit = False
 
     def on_test_begin(self, logs=None):
+        self._test_done = 0
         if not self._in_fit:  # fit's validation shares fit's params
             _check_same_tables(self.model)
-            self._check_steps("evaluate", self._params_steps())
+            self._test_steps = self._params_steps()
+            self._check_steps("evaluate", self._test_steps)
         else:
+            self._check_ran("fit's epoch", self._train_done, self._params_steps())
             # The epoch's training states, before validation resets them.
             self._train_results = self._global_results()
             self._train_results_taken = True
@@ -321,19 +371,40 @@ class AverageMetrics(keras.callbacks.Callback):
             # a review). Keras keeps fit's validation data in this iterator
             # (None when Keras does not know the count).
             validation = getattr(self.model, "_eval_epoch_iterator", None)
-            self._check_steps("fit's validation",
-                              steps=getattr(validation, "num_batches", None))
+            self._test_steps = getattr(validation, "num_batches", None)
+            self._check_steps("fit's validation", steps=self._test_steps)
+
+    def on_test_batch_end(self, batch, logs=None):
+        self._test_done = self._steps_after(batch)
 
     def on_predict_begin(self, logs=None):
         _check_same_tables(self.model)
-        self._check_steps("predict", self._params_steps())
+        self._predict_done, self._predict_steps = 0, self._params_steps()
+        self._check_steps("predict", self._predict_steps)
+
+    def on_predict_batch_end(self, batch, logs=None):
+        self._predict_done = self._steps_after(batch)
+
+    def on_predict_end(self, logs=None):
+        # predict has no collective of its own at its end: without this,
+        # the rank returned fewer predictions and the others waited.
+        self._check_ran("predict", self._predict_done, self._predict_steps)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._trained = False
+        self._train_done = 0
         self._train_results, self._train_results_taken = None, False
+        if not self._epochs_checked:
+            # fit's epochs left (epochs - initial_epoch, known only now):
+            # a rank that finished first waited in its next collective.
+            self._epochs_checked = True
+            epochs = (self.params or {}).get("epochs")
+            self._check_steps("fit (epochs - initial_epoch)",
+                              None if epochs is None else epochs - epoch, unit="epochs")
 
     def on_train_batch_end(self, batch, logs=None):
         self._trained = True
+        self._train_done = self._steps_after(batch)
 
     def _average(self, logs):
         if not logs:
@@ -353,6 +424,8 @@ class AverageMetrics(keras.callbacks.Callback):
                 f"{epoch + 1}: its data ended. Every rank must run as many steps (each step is "
                 "collective); give every rank as many batches: steps_per_epoch with "
                 "dataset.repeat(), or dataset.take(n) on every rank.")
+        if not self._train_results_taken:  # (else checked when validation began)
+            self._check_ran("fit's epoch", self._train_done, self._params_steps())
         results = (self._train_results if self._train_results_taken
                    else self._global_results())
         # Validation results (val_...) were made global when they were
@@ -367,14 +440,24 @@ class AverageMetrics(keras.callbacks.Callback):
         hvd = require()
         model = self.model
         stop = 1.0 if getattr(model, "stop_training", False) else 0.0
-        lr = 0.0
+        lr = it = 0.0
         if getattr(model, "optimizer", None) is not None:
             lr = float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
-        # One max-reduction: any rank stopping, and the largest and smallest rate.
-        most = hvd.allreduce(tf.constant([stop, lr, -lr], tf.float64), op=hvd.Max,
+            it = float(keras.ops.convert_to_numpy(model.optimizer.iterations))
+        # One max-reduction: any rank stopping, and the largest and smallest
+        # rate and optimizer iteration count.
+        most = hvd.allreduce(tf.constant([stop, lr, -lr, it, -it], tf.float64), op=hvd.Max,
                              name="sfctr_epoch_end").numpy()
         if most[0] > 0:
             model.stop_training = True
+        if most[3] != -most[4]:
+            raise ValueError(
+                f"The optimizer's iteration count differs between Horovod ranks at the end of "
+                f"this epoch (from {int(-most[4])} to {int(most[3])}; this rank: {int(it)}), "
+                "so its steps (Adam's bias correction, learning-rate schedules) differ too and "
+                "the replicas would drift apart. Keras counts one more iteration after an "
+                "epoch over data of unknown size; give every rank as many batches of the same "
+                "kind (steps_per_epoch with dataset.repeat(), or dataset.take(n)).")
         if most[1] != -most[2]:
             raise ValueError(
                 f"The learning rate differs between Horovod ranks at the end of this epoch "
@@ -384,6 +467,8 @@ class AverageMetrics(keras.callbacks.Callback):
                 "tf_sfctr.distributed.callbacks() first in the callbacks list.")
 
     def on_test_end(self, logs=None):
+        self._check_ran("fit's validation" if self._in_fit else "evaluate",
+                        self._test_done, self._test_steps)
         self._globalize(logs, self._global_results())
 
 

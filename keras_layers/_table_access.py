@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import tensorflow as tf
@@ -257,6 +257,54 @@ class TableAccessMixin:
             ids, [_ops.gather_rows(v, slots) for v in self._device_variables])
         with tf.control_dependencies([written]):
             return tf.size(ids)
+
+    def export_rows(self, part_rows: int = 1 << 20) -> Iterator[tuple[np.ndarray, np.ndarray,
+                                                                     np.ndarray]]:
+        """Every row of the table as NumPy ``(ids, rows, use_counts)`` parts
+        of at most ``part_rows`` rows each (int64 ``[n]``, float32
+        ``[n, output_dim]``, int64 ``[n]``): for analysis, an
+        approximate-nearest-neighbour index, or a copy into another system.
+        A table larger than memory (``host_rows_dir``) is read a part at a
+        time. ``use_counts`` are the training steps that used each id
+        (saturating at 65535), as ``prune`` and checkpoints count them.
+
+        Flushes the cache first, at the call (not at the first part): in
+        model-parallel mode that is collective (every rank calls it), and
+        each rank then reads the rows of the ids it owns; a data-parallel
+        table gives every rank the whole table. The parts add up to the
+        table when nothing trains, prunes or assigns rows while they are
+        read (rows changed in between come as they are when their part is
+        read; ids added or removed in between can be missed or come twice).
+
+        Example:
+
+        >>> from tf_sfctr.keras_layers import CachedEmbedding
+        >>> emb = CachedEmbedding(2, cache_capacity=4, seed=0)
+        >>> emb.assign_rows([7, 8, 9], [[0.5, 0.5], [1.0, 1.0], [1.5, 1.5]])
+        >>> parts = list(emb.export_rows(part_rows=2))
+        >>> [len(ids) for ids, rows, counts in parts], sorted(np.concatenate([p[0] for p in parts]))
+        ([2, 1], [7, 8, 9])
+        """
+        if (isinstance(part_rows, bool) or not isinstance(part_rows, (int, np.integer))
+                or part_rows < 1):
+            raise ValueError(f"part_rows must be a positive int, got {part_rows!r}")
+        self._require_built()
+        self.flush()
+        ahead = self._counted_ahead()
+        ahead = None if ahead is None else np.asarray(ahead).ravel()
+        return self._export_parts(int(part_rows), ahead)
+
+    def _export_parts(self, part_rows: int, ahead: Optional[np.ndarray]):
+        dim, cursor = self.output_dim, 0
+        while cursor != -1:
+            ids, rows, counts, cursor = self._store.host_export_range(cursor, part_rows)
+            ids, counts, cursor = ids.numpy(), counts.numpy().astype(np.int64), int(cursor)
+            if ahead is not None and ahead.size:
+                # A lookahead plan counted the next batch's step before it
+                # ran: count as a checkpoint saves them.
+                counts -= np.isin(ids, ahead) & (counts < 65535)
+            if ids.size:
+                yield ids, np.ascontiguousarray(rows.numpy()[:, :dim]), counts
 
     def prune(self, min_uses: int) -> int:
         """Removes from the host table every id used in fewer than

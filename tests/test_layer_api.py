@@ -707,3 +707,29 @@ def test_set_weights_with_a_table_says_how_to_set_rows():
         layer.set_weights([np.ones((100, 4), np.float32)])
     layer.set_weights(layer.get_weights())  # its own Keras weights: fine
     np.testing.assert_array_equal(layer.lookup_rows([1, 2]), rows)
+
+
+def test_export_rows_gives_every_current_row_and_its_uses(rng):
+    vocab = random_vocab(rng, 300)
+    layer = CachedEmbedding(4, cache_capacity=64, seed=1, optimizer=tf_sfctr.optimizers.SGD(0.5))
+    uses = {}
+    for step in range(12):
+        batch = rng.choice(vocab[: 48 + 20 * step], 48, replace=False)
+        for i in batch:
+            uses[int(i)] = uses.get(int(i), 0) + 1
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(layer(batch, training=True) - 1.0))
+        tape.gradient(loss, layer.trainable_variables)
+    layer.assign_rows([vocab[-1]], [[9.0] * 4])  # in the host table, 0 uses
+    assert layer.cache_stats()["cached_rows"] > 0  # trained rows the host table lacks
+    parts = list(layer.export_rows(part_rows=100))
+    assert [len(p[0]) for p in parts[:-1]] == [100] * (len(parts) - 1)
+    ids, rows, counts = (np.concatenate([p[k] for p in parts]) for k in range(3))
+    assert rows.shape == (len(ids), 4) and rows.dtype == np.float32
+    assert set(ids.tolist()) == set(uses) | {int(vocab[-1])}
+    assert len(set(ids.tolist())) == len(ids) == len(uses) + 1
+    np.testing.assert_array_equal(rows, layer.lookup_rows(ids))
+    got = dict(zip(ids.tolist(), counts.tolist()))
+    assert got.pop(int(vocab[-1])) == 0 and got == uses
+    with pytest.raises(ValueError, match="part_rows must be a positive int, got 0"):
+        layer.export_rows(part_rows=0)

@@ -333,6 +333,13 @@ def test_use_counts_resume_exactly_from_a_checkpoint_between_lookahead_steps(tmp
     # tf_sfctr.distributed.save writes the table to a table file a part at a
     # time; it takes the same counts off.
     tf_sfctr.distributed.save(tf.train.Checkpoint(table=whole), str(tmp_path / "files"))
+    # export_rows counts the same way: the plain run's uses after 4 steps
+    # (and the next batch's new ids, fetched by the plan, at 0).
+    exported = {i: c for ids, _, cs in whole.export_rows(part_rows=7)
+                for i, c in zip(ids.tolist(), cs.tolist())}
+    plain4 = counts(_train_plain(batches[:4]))
+    assert {i: c for i, c in exported.items() if i in plain4} == plain4
+    assert {c for i, c in exported.items() if i not in plain4} <= {0}
     run(whole, 4, 8)
     for restore in ("checkpoint", "keras", "table_files"):
         resumed = _layer()

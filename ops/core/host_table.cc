@@ -396,7 +396,8 @@ CoreStatus HostTable::Reserve(int64_t rows) {
           " rows, max_rows=" + std::to_string(limit) + ", and this call needs " +
           std::to_string(rows) +
           " new rows; raise max_rows (or leave it None for an unbounded "
-          "table). Nothing was changed.");
+          "table), or remove rarely used rows first (layer.prune, or the "
+          "tf_sfctr.callbacks.PruneHostTable callback). Nothing was changed.");
     }
   } while (!reserved_.compare_exchange_weak(cur, cur + rows));
   return CoreStatus::Ok();

@@ -780,6 +780,13 @@ def test_hash_numpy_and_tensor_agree_and_fields_are_distinct():
     np.testing.assert_array_equal(hash_categorical(4, tf.constant(values)).numpy(), ids)
     rag = hash_categorical("tags", tf.ragged.constant([["a", "b"], []]))
     assert rag.to_list() == [hash_categorical("tags", ["a", "b"]).tolist(), []]
+    # A tf.SparseTensor (tf.io.VarLenFeature's) keeps its indices and shape.
+    sparse = tf.sparse.from_dense(tf.constant([["a", ""], ["", "b"]]))
+    hashed = hash_categorical("tags", sparse)
+    assert isinstance(hashed, tf.SparseTensor) and hashed.dtype == tf.int64
+    np.testing.assert_array_equal(hashed.indices, sparse.indices)
+    np.testing.assert_array_equal(hashed.dense_shape, [2, 2])
+    assert hashed.values.numpy().tolist() == hash_categorical("tags", ["a", "b"]).tolist()
     assert ids[0, 0] == ids[1, 1]
     assert hash_categorical(4, "a") != hash_categorical(5, "a")
     assert hash_categorical("user", 7) == hash_categorical("user", "7")

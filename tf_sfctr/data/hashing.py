@@ -78,7 +78,8 @@ def hash_categorical_tensor(field: FieldKey, values: tf.Tensor) -> tf.Tensor:
     """``hash_categorical`` for a string or integer ``tf.Tensor``; works in graphs.
 
     Integer tensors are hashed as their decimal strings. Returns int64 of the same
-    shape (a ``tf.RaggedTensor`` in gives a ``tf.RaggedTensor`` out).
+    shape (a ``tf.RaggedTensor`` or ``tf.SparseTensor`` in, such as
+    ``tf.io.VarLenFeature`` parses, gives one of the same structure out).
 
     Example:
       >>> ids = hash_categorical_tensor("genre", tf.constant(["Drama", ""]))
@@ -88,6 +89,8 @@ def hash_categorical_tensor(field: FieldKey, values: tf.Tensor) -> tf.Tensor:
     prefix = field_prefix(field)
     if isinstance(values, tf.RaggedTensor):
         return values.with_flat_values(hash_categorical_tensor(field, values.flat_values))
+    if isinstance(values, tf.SparseTensor):
+        return values.with_values(hash_categorical_tensor(field, values.values))
     values = tf.convert_to_tensor(values)
     if values.dtype.is_integer:
         values = tf.strings.as_string(values)
@@ -148,7 +151,7 @@ def hash_categorical(field: FieldKey, values: Any) -> Any:
     """Stable int64 id of each categorical value of one field.
 
     ``values`` may be a str / bytes / int, a (nested) sequence or a NumPy array of
-    them, or a ``tf.Tensor`` / ``tf.RaggedTensor``. NumPy-like input gives a NumPy
+    them, or a ``tf.Tensor`` / ``tf.RaggedTensor`` / ``tf.SparseTensor``. NumPy-like input gives a NumPy
     int64 array of the same shape (0-d for a scalar); a tensor gives a tensor, so
     the same function serves Python code and ``tf.data`` pipelines with identical
     ids. Integers are hashed as their decimal strings
@@ -172,7 +175,7 @@ def hash_categorical(field: FieldKey, values: Any) -> Any:
       >>> hash_categorical("genre", ["Drama", "Comedy"]).dtype
       dtype('int64')
     """
-    if isinstance(values, (tf.Tensor, tf.RaggedTensor, tf.Variable)):
+    if isinstance(values, (tf.Tensor, tf.RaggedTensor, tf.SparseTensor, tf.Variable)):
         return hash_categorical_tensor(field, values)
     field_prefix(field)  # validates the field before any TF work
     arr = _as_string_array(values)

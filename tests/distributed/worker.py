@@ -543,6 +543,14 @@ def run_restore_checks(out_dir, rank, size):
     save(tf.train.Checkpoint(model=model, optimizer=model.optimizer),
          os.path.join(base, "b_tensors"), table_files=False)
     saved_b = state(emb, dense, model)
+    # Each rank given its own directory: each wrote a part of the save, and
+    # rank 0 a manifest beside its shard alone. Refused on every rank first.
+    _expect_error(lambda: save(tf.train.Checkpoint(model=model, optimizer=model.optimizer),
+                               os.path.join(base, f"dir_of_rank{rank}")),
+                  "given different directories on the 2 Horovod ranks")
+    assert not os.path.exists(os.path.join(base, f"dir_of_rank{rank}"))
+    save(tf.train.Checkpoint(model=model), os.path.join(base, ".", "b_again") + "/")  # same
+    assert "manifest.json" in os.listdir(os.path.join(base, "b_again"))
     shard1 = "shard-00001-of-00002"
     if rank == 0:
         for name in ("missing", "mixed", "truncated"):
@@ -865,6 +873,17 @@ def run_uneven_steps(out_dir, rank):
                                     callbacks=callbacks()),
                   "fit (epochs - initial_epoch) would run 2 to 3 epochs")
     assert int(model.optimizer.iterations) == 8
+    # steps_per_execution that does not divide the batches (10 by 4): Keras
+    # 3.5 runs a last partial execution that the data ends in, and reports
+    # the batches of the full ones only. Not a rank whose data ended early.
+    spe = _small_model("uneven_spe")
+    spe.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse",
+                steps_per_execution=4)
+    ten = tf.data.Dataset.from_tensor_slices((np.arange(80).reshape(40, 2) + rank,
+                                              np.ones((40, 1)))).batch(4)
+    spe.fit(ten, validation_data=ten, verbose=0, callbacks=callbacks())
+    spe.evaluate(ten, verbose=0, callbacks=callbacks())
+    assert spe.predict(ten.map(lambda a, b: a), verbose=0, callbacks=callbacks()).shape[0] >= 32
     # Unknown size on both: trains, and the iteration counts agree.
     both = even.filter(lambda *_: True)
     model.fit(both, epochs=2, verbose=0, callbacks=callbacks())
@@ -892,6 +911,14 @@ def run_uneven_steps(out_dir, rank):
     for t in threads:
         t.join()
     assert not errors, errors
+    # export_rows: after its collective flush each rank reads the ids it
+    # owns; together they are every id both ranks trained.
+    parts = list(emb.export_rows(part_rows=5))
+    mine = np.concatenate([p[0] for p in parts])
+    assert mine.size == emb.cache_stats()["host_rows"] and np.all(owner_of(mine, 2) == rank)
+    np.testing.assert_array_equal(np.concatenate([p[1] for p in parts]), emb.lookup_rows(mine))
+    every = np.sort(hvd.allgather(tf.constant(mine)).numpy())
+    np.testing.assert_array_equal(every, np.arange(24))  # rank 0's ids 0..23, rank 1's 0..15
     np.savez(os.path.join(out_dir, f"uneven_steps_rank{rank}.npz"), ok=np.array(1))
 
 

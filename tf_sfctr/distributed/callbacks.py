@@ -338,7 +338,13 @@ class AverageMetrics(keras.callbacks.Callback):
         before the ``steps`` Keras said it would run (Keras only warns "Your
         input ran out of data"). The other ranks wait in their next step, so
         a collective here would wait forever; raising ends the job."""
-        if steps is None or done >= steps or getattr(self.model, "stop_training", False):
+        # With steps_per_execution, an execution that data ran out of is not
+        # reported: Keras 3.5 runs a last partial one of steps % per, which
+        # fails when the data ends (after its steps ran), warns, and ends the
+        # epoch as expected. Only the full executions are certain.
+        per = int(getattr(self.model, "steps_per_execution", 1) or 1)
+        certain = steps if per == 1 else steps - steps % per
+        if steps is None or done >= certain or getattr(self.model, "stop_training", False):
             return  # (a stop at a batch's end is not agreed on: see above)
         raise ValueError(
             f"This Horovod rank ({require().rank()}) ran {done} of the {steps} steps of "

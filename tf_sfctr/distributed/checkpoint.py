@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import hashlib
 import json
 import os
 import types
@@ -204,8 +205,20 @@ def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
     size, rank = world()
     save_id = _draw_save_id() if rank == 0 else 0
     if size > 1:
-        save_id = int(require().broadcast(tf.constant(save_id, tf.int64), 0,
-                                          name="sfctr_checkpoint_save_id").numpy())
+        # Rank 0's save id, and every rank's directory: ranks given different
+        # directories each wrote a part of the save, and rank 0 a manifest
+        # for a save its directory did not hold.
+        where = int.from_bytes(hashlib.sha256(
+            os.path.normpath(directory).encode()).digest()[:8], "little", signed=True)
+        both = require().allgather(tf.constant([[save_id, where]], tf.int64),
+                                   name="sfctr_checkpoint_save_id").numpy()
+        save_id = int(both[0, 0])
+        if np.any(both[:, 1] != both[0, 1]):
+            raise ValueError(
+                f"tf_sfctr.distributed.save was given different directories on the {size} "
+                f"Horovod ranks (this rank, {rank}: {directory!r}); a save is one directory "
+                "that every rank writes its shard into, so give every rank the same one "
+                "(on a file system they all reach). Nothing was written.")
     # The collective part of writing a table (a model-parallel layer's flush
     # delivers the last step's update to the owners) happens here, on every
     # rank: the write below then has none left, and a rank whose write fails

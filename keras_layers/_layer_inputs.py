@@ -84,6 +84,18 @@ def is_ids_and_values(a: Any, b: Any) -> bool:
         return False
 
 
+def check_feature_list_entries(inputs: Any) -> None:
+    """Refuses a list call whose entries are not tensors or arrays of ids
+    (a list of the input pipeline's de-duplicated dicts, say)."""
+    if not all(hasattr(x, "dtype") and hasattr(x, "shape") for x in inputs):
+        raise ValueError(
+            "CachedEmbedding takes ids, or a list of features that share the table, "
+            "each a tensor or array of ids (dense, tf.RaggedTensor or "
+            "tf.SparseTensor; one output each; a list call does not take the "
+            "input pipeline's de-duplicated dicts); got a list of "
+            f"{[type(x).__name__ for x in inputs]}")
+
+
 def is_feature_list(inputs: Any) -> bool:
     """A list call (features sharing the table): a list or tuple holding a
     tensor or array of rank >= 1, or a dict. (A list of scalars is ids.)"""
@@ -160,13 +172,7 @@ class InputsMixin:
             raise ValueError("CachedEmbedding got an empty list: pass ids, or a list of "
                              "features that share the table")
         if is_feature_list(inputs):
-            if not all(hasattr(x, "dtype") and hasattr(x, "shape") for x in inputs):
-                raise ValueError(
-                    "CachedEmbedding takes ids, or a list of features that share the table, "
-                    "each a tensor or array of ids (dense, tf.RaggedTensor or "
-                    "tf.SparseTensor; one output each; a list call does not take the "
-                    "input pipeline's de-duplicated dicts); got a list of "
-                    f"{[type(x).__name__ for x in inputs]}")
+            check_feature_list_entries(inputs)
             if len(inputs) == 2 and is_ids_and_values(*inputs):
                 # (ids, weights) as one input, as a Sequential model passes them.
                 raise TypeError(

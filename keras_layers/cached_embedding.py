@@ -62,6 +62,7 @@ from tf_sfctr.keras_layers._layer_checks import (
 )
 from tf_sfctr.keras_layers._layer_inputs import (
     InputsMixin,
+    check_feature_list_entries,
     check_vsi_keys,
     eviction_hints,
     float_as_ids,
@@ -1062,6 +1063,8 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                             weights: Any = None) -> Any:
         # A functional model is wired here, before any data: refuse ids of
         # another dtype now rather than at the first fit.
+        if is_feature_list(inputs):
+            check_feature_list_entries(inputs)
         ids = inputs["ids"] if isinstance(inputs, dict) and "ids" in inputs else inputs
         for x in keras.tree.flatten(ids):
             if isinstance(x, keras.KerasTensor):

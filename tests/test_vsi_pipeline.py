@@ -213,6 +213,15 @@ def test_vsi_inputs():
             vsi_inputs("bag", (None,), ragged=True)
     with pytest.raises(ValueError, match="not both"):
         vsi_inputs("bag", (None,), ragged=True, sparse=True)
+    # A list call of de-duplicated features is refused while the model is
+    # wired, as in eager calls (it said "Cannot convert '4' to a shape").
+    for call in (lambda: CachedEmbedding(4, cache_capacity=8)(
+                     [vsi_inputs("a", (1,)), vsi_inputs("b", (2,))]),
+                 lambda: CachedEmbedding(4, cache_capacity=8)(
+                     [deduplicate(tf.constant([[1]], tf.int64))] * 2)):
+        with pytest.raises(ValueError, match=r"does not take the input pipeline's de-duplicated "
+                                             r"dicts\); got a list of \['dict', 'dict'\]"):
+            call()
 
 
 @pytest.mark.parametrize("kw", [{"lookahead": True}, {"eviction_hints": 2}],

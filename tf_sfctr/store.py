@@ -8,6 +8,7 @@ as methods. It does no math and holds no device data: the cache rows live in
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
@@ -143,6 +144,23 @@ def _isin(values: tf.Tensor, candidates: tf.Tensor) -> tf.Tensor:
     padded = tf.concat([keys, tf.zeros([1], keys.dtype)], 0)
     return tf.logical_and(pos < tf.size(keys, out_type=pos.dtype),
                           tf.equal(tf.gather(padded, pos), values))
+
+
+def _naming_the_table(check):
+    """Puts the table's (layer's) name in front of a refusal: a model of
+    several tables said what was wrong, not with which table."""
+
+    @functools.wraps(check)
+    def named(self, *args):
+        try:
+            return check(self, *args)
+        except CheckpointMismatchError as err:
+            name = getattr(self.config, "name", "")
+            if not name:
+                raise
+            raise CheckpointMismatchError(f"CachedEmbedding {name!r}: {err}") from None
+
+    return named
 
 
 class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
@@ -456,6 +474,7 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
                          state_kind_code(c.state_kind), int(self.replicated), shards, shard],
                         np.int64)
 
+    @_naming_the_table
     def check_shard(self, header, ids) -> None:
         """Raises CheckpointMismatchError if a table restored by a plain
         ``tf.train.Checkpoint`` (not ``tf_sfctr.distributed.restore``, which
@@ -495,6 +514,7 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
                 f"saved table is a complete table (every id) but {mine}, which holds only "
                 f"the ids it owns: every rank would hold every row. {how}")
 
+    @_naming_the_table
     def check_table(self, header, ids, rows) -> None:
         """Raises CheckpointMismatchError if a saved table cannot be loaded."""
         c = self.config

@@ -17,6 +17,23 @@ from tf_sfctr.distributed import _horovod
 from tf_sfctr.keras_layers._layer_checks import check_id_dtype
 
 
+def check_prune_bound(min_uses: Any, to_rows: Any) -> None:
+    """Exactly one of a prune's bounds, each in its range."""
+    if (min_uses is None) == (to_rows is None):
+        raise ValueError("prune takes one of min_uses (remove ids used in fewer steps) and "
+                         f"to_rows (keep the most used ids), got min_uses={min_uses!r} and "
+                         f"to_rows={to_rows!r}")
+    if min_uses is not None and (isinstance(min_uses, (bool, np.bool_))
+                                 or not isinstance(min_uses, (int, np.integer))
+                                 or not 1 <= min_uses <= 65536):
+        raise ValueError(
+            f"min_uses must be an int in [1, 65536] (use counters saturate at 65535), "
+            f"got {min_uses!r}")
+    if to_rows is not None and (isinstance(to_rows, (bool, np.bool_))
+                                or not isinstance(to_rows, (int, np.integer)) or to_rows < 0):
+        raise ValueError(f"to_rows must be an int >= 0, got {to_rows!r}")
+
+
 class TableAccessMixin:
     """Reads and writes of the table outside training steps."""
 
@@ -306,10 +323,19 @@ class TableAccessMixin:
             if ids.size:
                 yield ids, np.ascontiguousarray(rows.numpy()[:, :dim]), counts
 
-    def prune(self, min_uses: int) -> int:
-        """Removes from the host table every id used in fewer than
-        ``min_uses`` training steps, except the ids the cache holds now;
-        returns how many were removed.
+    def prune(self, min_uses: Optional[int] = None, *, to_rows: Optional[int] = None) -> int:
+        """Removes rarely used ids from the host table, except the ids the
+        cache holds now; returns how many were removed. Give one of:
+
+        * ``min_uses``: every id used in fewer than ``min_uses`` training
+          steps goes;
+        * ``to_rows``: the least used ids go until at most ``to_rows`` rows
+          remain (ids of one use count in the order of their values, so
+          data-parallel replicas remove the same ones), as a bounded table
+          of the most used ids (TFRA's ``restrict``). A model-parallel table
+          bounds each rank's shard to ``ceil(to_rows / ranks)`` rows. Cached
+          ids stay, so a table can stay above ``to_rows`` by up to
+          ``cache_capacity``.
 
         Uses are counted over the table's whole history (checkpoints keep
         them; they saturate at 65535); rows written by ``assign_rows`` start
@@ -326,16 +352,18 @@ class TableAccessMixin:
         >>> from tf_sfctr.keras_layers import CachedEmbedding
         >>> emb = CachedEmbedding(2, cache_capacity=4, seed=0)
         >>> emb.assign_rows([1, 2, 3, 4, 5, 6], [[0.5, 0.5]] * 6)
+        >>> emb.prune(to_rows=4), emb.cache_stats()["host_rows"]
+        (2, 4)
         >>> emb.prune(min_uses=1), emb.cache_stats()["host_rows"]
-        (6, 0)
+        (4, 0)
         """
-        if (isinstance(min_uses, bool) or not isinstance(min_uses, (int, np.integer))
-                or not 1 <= min_uses <= 65536):
-            raise ValueError(
-                f"min_uses must be an int in [1, 65536] (use counters saturate at 65535), "
-                f"got {min_uses!r}")
+        check_prune_bound(min_uses, to_rows)
         self._require_built()
-        return int(self._store.host_prune(int(min_uses)))
+        if min_uses is not None:
+            return int(self._store.host_prune(int(min_uses)))
+        shard = -(-int(to_rows) // self._world_size) if self.mode == "model_parallel" \
+            else int(to_rows)
+        return int(self._store.host_prune_to_size(shard)[0])
 
     def cache_stats(self) -> dict[str, float]:
         """Counters of this layer's cache and host table.

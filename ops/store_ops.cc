@@ -287,6 +287,27 @@ except ids in the cache and evictions whose write-back is pending; returns how
 many were removed. Their rows are reused by later inserts.
 )doc");
 
+REGISTER_OP("SfctrHostPruneToSize")
+    .Input("store: resource")
+    .Input("max_rows: int64")
+    .Output("removed: int64")
+    .Output("min_uses: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &unused));
+      c->set_output(0, c->Scalar());
+      c->set_output(1, c->Scalar());
+      return OkStatus();
+    })
+    .Doc(R"doc(
+Removes from the host table the least used ids until at most max_rows rows
+remain, never ids in the cache or evictions whose write-back is pending (so
+more may remain). Ids of one use count go in the order of their values.
+Returns how many were removed, and min_uses: the use count of the most used
+id removed, plus one (0 if none was).
+)doc");
+
 REGISTER_OP("SfctrHostSetSeed")
     .Input("store: resource")
     .Input("seed: int64")

@@ -48,6 +48,7 @@ def _cases(store):
         "SfctrHostAddCounts": (lambda x: m.sfctr_host_add_counts(h, tf.zeros([2], I64), x),
                                S([3], I64)),
         "SfctrHostPrune": (lambda x: m.sfctr_host_prune(h, x), S([1], I64)),
+        "SfctrHostPruneToSize": (lambda x: m.sfctr_host_prune_to_size(h, x), S([1], I64)),
         "SfctrFrame": (lambda x: m.sfctr_frame([x], [tf.ones([1], tf.int32)]),
                        S([1, 1], tf.float64)),
         "SfctrUnframe": (lambda x: m.sfctr_unframe(x, tf.ones([1], tf.int32), N=1),
@@ -57,7 +58,8 @@ def _cases(store):
 
 @pytest.mark.parametrize("case", ["SfctrHostRead", "SfctrCacheProbe", "SfctrHostWrite",
                                   "SfctrHostWrite rows", "SfctrHostAssign",
-                                  "SfctrHostAddCounts", "SfctrHostPrune", "SfctrFrame",
+                                  "SfctrHostAddCounts", "SfctrHostPrune",
+                                  "SfctrHostPruneToSize", "SfctrFrame",
                                   "SfctrUnframe"])
 def test_a_wrong_static_shape_fails_the_trace_naming_the_op(store, case):
     fn, spec = _cases(store)[case]

@@ -127,6 +127,89 @@ def test_the_callback_bounds_the_table_during_fit(rng):
     assert np.isfinite(history.history["loss"]).all()
 
 
+def _uses(layer):
+    return {i: c for ids, _, counts in layer.export_rows()
+            for i, c in zip(ids.tolist(), counts.tolist())}
+
+
+def test_to_rows_keeps_the_most_used_ids(rng):
+    vocab = random_vocab(rng, 2000)
+    layer, twin = _layer(), _layer()
+    step, step_t = _trainer(layer), _trainer(twin)
+    for _ in range(40):
+        ids = tf.constant(powerlaw_ids(rng, vocab, (16, 3), alpha=1.1))
+        step(ids), step_t(ids)
+    before = _uses(layer)
+    cached = set(layer.store.cache_entries()[0].numpy().tolist())
+    assert len(before) > 300
+    removed = layer.prune(to_rows=200)
+    after = _uses(layer)
+    assert removed == len(before) - len(after) and len(after) == 200
+    assert cached <= set(after)  # cached ids stay
+    gone = set(before) - set(after)
+    # Every removed id was used no more than any uncached survivor; among
+    # ids of the boundary count, the smallest ids went.
+    boundary = max(before[i] for i in gone)
+    assert boundary <= min(before[i] for i in set(after) - cached)
+    tied_kept = [i for i in set(after) - cached if before[i] == boundary]
+    assert not tied_kept or max(i for i in gone if before[i] == boundary) < min(tied_kept)
+    # The survivors keep their rows; the pruned ids read as never seen.
+    keep = np.array(sorted(after), np.int64)
+    np.testing.assert_array_equal(layer.lookup_rows(keep), twin.lookup_rows(keep))
+    fresh = _layer()
+    fresh.build(None)
+    gone = np.array(sorted(gone), np.int64)
+    np.testing.assert_array_equal(layer.lookup_rows(gone), fresh.lookup_rows(gone))
+    assert layer.prune(to_rows=200) == 0  # already there
+    # Below what the cache holds: every uncached id goes, the cached stay.
+    assert layer.prune(to_rows=0) == 200 - len(cached)
+    assert set(_uses(layer)) == cached
+
+
+def test_to_rows_removes_the_same_ids_whatever_the_insertion_order():
+    """Data-parallel replicas hold the same ids and counts, perhaps in other
+    slots: ties between equal counts go by id, so they prune alike."""
+    ids = np.arange(1, 201, dtype=np.int64) * 7919
+    uses = (np.arange(200) % 3).astype(np.int64)  # many ties
+    layers = []
+    for order in (np.arange(200), np.arange(200)[::-1], np.random.default_rng(3).permutation(200)):
+        layer = _layer()
+        layer.assign_rows(ids[order], np.ones((200, DIM), np.float32))
+        layer.store.host_add_counts(tf.constant(ids[order]), tf.constant(uses[order]))
+        assert layer.prune(to_rows=111) == 89
+        layers.append(set(_uses(layer)))
+    assert layers[0] == layers[1] == layers[2]
+    # The 67 ids of 0 uses and the 22 smallest of 1 use went.
+    ones = sorted(ids[uses == 1].tolist())
+    assert layers[0] == set(ids[uses == 2].tolist()) | set(ones[22:])
+
+
+def test_the_callback_bounds_the_table_to_rows_during_fit(rng):
+    vocab = random_vocab(rng, 4000)
+    x = powerlaw_ids(rng, vocab, (640, 3), alpha=1.05)
+    inp = keras.Input((3,), dtype="int64")
+    emb = _layer()
+    model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
+    model.compile(optimizer="sgd", loss="mse")
+    sizes = []
+
+    class Size(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            sizes.append(emb.cache_stats()["host_rows"])
+
+    prune = PruneHostTable(to_rows=100, every_steps=5)
+    model.fit(x, np.ones((640, 1)), batch_size=16, verbose=0, callbacks=[prune, Size()])
+    assert prune.pruned_rows[emb.name] > 200
+    assert max(sizes[4::5]) <= 100 < max(sizes)  # bounded after each prune
+    with pytest.raises(ValueError, match="one of min_uses .* and to_rows"):
+        PruneHostTable(min_uses=2, to_rows=10)
+    with pytest.raises(ValueError, match="one of min_uses .* and to_rows"):
+        emb.prune()
+    for bad in (-1, 1.5, True, "10"):
+        with pytest.raises(ValueError, match="to_rows must be an int >= 0"):
+            emb.prune(to_rows=bad)
+
+
 class _CountingPrune(PruneHostTable):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

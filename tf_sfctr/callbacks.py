@@ -284,8 +284,9 @@ class CacheMetrics(keras.callbacks.Callback):
 
 class PruneHostTable(keras.callbacks.Callback):
     """Prunes the host table of every ``CachedEmbedding`` of the model while
-    it trains: ids used in fewer than ``min_uses`` training steps are removed
-    (``CachedEmbedding.prune``), at the end of each epoch, or every
+    it trains: ids used in fewer than ``min_uses`` training steps are removed,
+    or (``to_rows``) the least used ids until each table holds at most
+    ``to_rows`` rows (``CachedEmbedding.prune``), at the end of each epoch, or every
     ``every_steps`` training steps when given: after the steps whose count
     reaches a multiple of ``every_steps`` (counted with the optimizer's
     iteration counter, so ``steps_per_execution > 1`` prunes as often, the
@@ -325,18 +326,19 @@ class PruneHostTable(keras.callbacks.Callback):
     True
     """
 
-    def __init__(self, min_uses: int, every_steps: Optional[int] = None):
+    def __init__(self, min_uses: Optional[int] = None, every_steps: Optional[int] = None, *,
+                 to_rows: Optional[int] = None):
+        from tf_sfctr.keras_layers._table_access import check_prune_bound
+
         super().__init__()
         # NumPy integers are ints here, as in CachedEmbedding.prune.
-        if isinstance(min_uses, (bool, np.bool_)) or \
-                not isinstance(min_uses, (int, np.integer)) or not 1 <= min_uses <= 65536:
-            raise ValueError(f"min_uses must be an int in [1, 65536] (use counters saturate "
-                             f"at 65535), got {min_uses!r}")
+        check_prune_bound(min_uses, to_rows)
         if every_steps is not None and (isinstance(every_steps, (bool, np.bool_))
                                         or not isinstance(every_steps, (int, np.integer))
                                         or every_steps < 1):
             raise ValueError(f"every_steps must be None or an int >= 1, got {every_steps!r}")
-        self.min_uses = int(min_uses)
+        self.min_uses = None if min_uses is None else int(min_uses)
+        self.to_rows = None if to_rows is None else int(to_rows)
         self.every_steps = None if every_steps is None else int(every_steps)
         self.pruned_rows: dict = {}
         self._epoch_rows: dict = {}
@@ -350,7 +352,7 @@ class PruneHostTable(keras.callbacks.Callback):
                 # A frozen table serves its rows like inference and counts
                 # no uses: every row it does not cache would go.
                 continue
-            removed = layer.prune(self.min_uses)
+            removed = layer.prune(self.min_uses, to_rows=self.to_rows)
             self.pruned_rows[name] = self.pruned_rows.get(name, 0) + removed
             self._epoch_rows[name] = self._epoch_rows.get(name, 0) + removed
 

@@ -335,6 +335,13 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         return _ops.load().sfctr_host_prune(self.resource_handle,
                                             tf.constant(min_uses, tf.int64))
 
+    def host_prune_to_size(self, max_rows: int) -> tuple[tf.Tensor, tf.Tensor]:
+        """Removes the least used uncached ids until at most ``max_rows``
+        rows remain; returns (how many went, the use count of the most used
+        one plus one, 0 if none went)."""
+        return _ops.load().sfctr_host_prune_to_size(self.resource_handle,
+                                                    tf.constant(max_rows, tf.int64))
+
     # Counters ----------------------------------------------------------------
     def stats(self) -> tf.Tensor:
         """[hits, misses, evictions, host_rows, cache_capacity, cached_rows,

@@ -235,8 +235,7 @@ void EmbeddingStore::ClearHost() {
   pending_handles_.clear();
 }
 
-int64_t EmbeddingStore::PruneHost(uint32_t min_count) {
-  std::lock_guard<std::mutex> lock(mu_);
+std::unordered_set<int64_t> EmbeddingStore::PruneKeepLocked() {
   // Cached ids: their host rows are stale copies the cache will write back
   // (and their counts there lack the cached uses). Pending evictions: their
   // write-back goes by handle into these rows.
@@ -244,7 +243,17 @@ int64_t EmbeddingStore::PruneHost(uint32_t min_count) {
   std::vector<CacheDirectory::Eviction> cached;
   directory_.Entries(&cached, /*reset_uses=*/false);
   for (const auto& e : cached) keep.insert(e.id);
-  return table_.Prune(min_count, keep);
+  return keep;
+}
+
+int64_t EmbeddingStore::PruneHost(uint32_t min_count) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return table_.Prune(min_count, PruneKeepLocked());
+}
+
+int64_t EmbeddingStore::PruneHostToSize(int64_t max_rows, uint32_t* min_count) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return table_.PruneToSize(max_rows, PruneKeepLocked(), min_count);
 }
 
 void EmbeddingStore::Probe(const int64_t* ids, int64_t n,

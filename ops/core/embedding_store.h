@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <unordered_set>
 #include <vector>
 
 #include "cache_directory.h"
@@ -82,6 +83,10 @@ class EmbeddingStore {
   // evictions (their write-back may be pending). Returns how many went.
   int64_t PruneHost(uint32_t min_count);
 
+  // The same for the least used ids until at most `max_rows` rows remain
+  // (HostTable::PruneToSize); `*min_count` as there.
+  int64_t PruneHostToSize(int64_t max_rows, uint32_t* min_count);
+
   // Write-backs that took the by-handle path (for tests).
   int64_t write_backs_by_handle() const {
     std::lock_guard<std::mutex> lock(mu_);
@@ -109,6 +114,8 @@ class EmbeddingStore {
   void SetCounters(int64_t hits, int64_t misses, int64_t evictions);
 
  private:
+  // The ids a prune must keep (cached ones, pending evictions); mu_ held.
+  std::unordered_set<int64_t> PruneKeepLocked();
   CoreStatus PrepareLocked(const int64_t* ids, int64_t n, PrepareResult* result,
                            const Scheduler* schedule, const EvictionHints& hints,
                            bool require_distinct);

@@ -690,6 +690,66 @@ void HostTable::ExportRange(uint64_t* cursor, int64_t max_rows, std::vector<int6
 
 int64_t HostTable::Prune(uint32_t min_count, const std::unordered_set<int64_t>& keep) {
   std::unique_lock<std::shared_mutex> no_writes(prune_mu_);
+  return PruneLocked([min_count](uint32_t count, int64_t) { return count < min_count; }, keep);
+}
+
+int64_t HostTable::PruneToSize(int64_t max_rows, const std::unordered_set<int64_t>& keep,
+                               uint32_t* min_count) {
+  std::unique_lock<std::shared_mutex> no_writes(prune_mu_);
+  *min_count = 0;
+  // Rows per use count, of the ids that may go.
+  std::vector<int64_t> per_count(size_t{kMaxCount} + 1, 0);
+  int64_t held = 0;
+  for (uint64_t k = 0; k <= shard_mask_; ++k) {
+    Shard& s = shards_[k];
+    std::lock_guard<std::mutex> lock(s.mu);
+    for (const Entry& e : s.entries) {
+      if (e.row == kEmptyRow) continue;
+      ++held;
+      if (keep.count(int64_t{e.id}) == 0) ++per_count[CountOf(s, e.row)];
+    }
+  }
+  int64_t excess = held - std::max<int64_t>(max_rows, 0);
+  if (excess <= 0) return 0;
+  // Every id used fewer than `below` times goes, and `ties` of those used
+  // exactly `below` times: the ones with the smallest ids.
+  uint32_t below = 0;
+  while (below <= kMaxCount && per_count[below] <= excess) {
+    excess -= per_count[below];
+    ++below;
+  }
+  if (below > kMaxCount || excess == 0) {
+    *min_count = below;
+    return PruneLocked([below](uint32_t count, int64_t) { return count < below; }, keep);
+  }
+  std::vector<int64_t> tied;
+  tied.reserve(static_cast<size_t>(per_count[below]));
+  for (uint64_t k = 0; k <= shard_mask_; ++k) {
+    Shard& s = shards_[k];
+    std::lock_guard<std::mutex> lock(s.mu);
+    for (const Entry& e : s.entries) {
+      if (e.row != kEmptyRow && CountOf(s, e.row) == below && keep.count(int64_t{e.id}) == 0)
+        tied.push_back(int64_t{e.id});  // a copy: Entry is packed
+    }
+  }
+  // (Counts added meanwhile, by a restore's HostAddCounts, can leave fewer.)
+  if (tied.empty()) {
+    *min_count = below;
+    return PruneLocked([below](uint32_t count, int64_t) { return count < below; }, keep);
+  }
+  const size_t nth = std::min(tied.size(), static_cast<size_t>(excess)) - 1;
+  std::nth_element(tied.begin(), tied.begin() + nth, tied.end());
+  const int64_t last = tied[nth];
+  *min_count = below + 1;
+  return PruneLocked(
+      [below, last](uint32_t count, int64_t id) {
+        return count < below || (count == below && id <= last);
+      },
+      keep);
+}
+
+template <typename Remove>
+int64_t HostTable::PruneLocked(Remove remove, const std::unordered_set<int64_t>& keep) {
   int64_t removed = 0;
   std::vector<Entry> kept;
   std::vector<uint32_t> freed;
@@ -705,7 +765,7 @@ int64_t HostTable::Prune(uint32_t min_count, const std::unordered_set<int64_t>& 
     freed.reserve(s.used);
     for (const Entry& e : s.entries) {
       if (e.row == kEmptyRow) continue;
-      if (CountOf(s, e.row) < min_count && keep.count(int64_t{e.id}) == 0) {
+      if (remove(CountOf(s, e.row), int64_t{e.id}) && keep.count(int64_t{e.id}) == 0) {
         freed.push_back(e.row);
       } else {
         kept.push_back(e);

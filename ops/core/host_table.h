@@ -167,6 +167,15 @@ class HostTable {
   // starts from its initial row, as if never seen.
   int64_t Prune(uint32_t min_count, const std::unordered_set<int64_t>& keep);
 
+  // Removes the least used ids, except those in `keep`, until at most
+  // `max_rows` rows remain (or only kept ones); returns how many were
+  // removed. Ids of equal use count go in the order of their values, so
+  // tables holding the same ids and counts (data-parallel replicas) remove
+  // the same ids. `*min_count` gets the use count of the most used id
+  // removed plus one (0 if none was).
+  int64_t PruneToSize(int64_t max_rows, const std::unordered_set<int64_t>& keep,
+                      uint32_t* min_count);
+
   // Removes every row.
   void Clear();
 
@@ -249,6 +258,10 @@ class HostTable {
     return static_cast<uint64_t>((static_cast<unsigned __int128>(hash) * size) >> 64);
   }
   uint16_t& CountOf(const Shard& s, uint32_t row) const;
+  // Prune's work, prune_mu_ held by the caller: removes the ids, not in
+  // `keep`, for which remove(use count, id) is true.
+  template <typename Remove>
+  int64_t PruneLocked(Remove remove, const std::unordered_set<int64_t>& keep);
   void AddSaturating(const Shard& s, uint32_t row, uint32_t count) const;
   // With a row file, while rows_on_disk_: asks the kernel to start reading
   // the pages of the rows of `ids` that the table holds (RowFile::WillNeed),

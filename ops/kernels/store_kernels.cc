@@ -679,6 +679,27 @@ class HostPruneOp : public StoreOpKernel {
   }
 };
 
+class HostPruneToSizeOp : public StoreOpKernel {
+ public:
+  using StoreOpKernel::StoreOpKernel;
+
+ protected:
+  void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
+    const Tensor& max_rows = ctx->input(1);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(max_rows.shape()),
+                errors::InvalidArgument("max_rows must be a scalar"));
+    const int64_t m = max_rows.scalar<int64_t>()();
+    OP_REQUIRES(ctx, m >= 0, errors::InvalidArgument("max_rows must be >= 0, got ", m));
+    Tensor* removed = nullptr;
+    Tensor* min_uses = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &removed));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &min_uses));
+    uint32_t threshold = 0;
+    removed->scalar<int64_t>()() = store.PruneHostToSize(m, &threshold);
+    min_uses->scalar<int64_t>()() = threshold;
+  }
+};
+
 class StoreStatsOp : public StoreOpKernel {
  public:
   using StoreOpKernel::StoreOpKernel;
@@ -740,6 +761,7 @@ SFCTR_CPU_KERNEL("SfctrHostExportRange", HostExportRangeOp);
 SFCTR_CPU_KERNEL("SfctrHostAddCounts", HostAddCountsOp);
 SFCTR_CPU_KERNEL("SfctrHostClear", HostClearOp);
 SFCTR_CPU_KERNEL("SfctrHostPrune", HostPruneOp);
+SFCTR_CPU_KERNEL("SfctrHostPruneToSize", HostPruneToSizeOp);
 SFCTR_CPU_KERNEL("SfctrHostSetSeed", HostSetSeedOp);
 SFCTR_CPU_KERNEL("SfctrStoreStats", StoreStatsOp);
 SFCTR_CPU_KERNEL("SfctrStoreSetCounters", StoreSetCountersOp);

@@ -1764,6 +1764,49 @@ TEST_CASE(HostTablePruneRemovesRarelyUsedRowsAndReusesThem) {
   CHECK_EQ(t.Prune(0, {}), int64_t{0});  // nothing is below 0 uses
 }
 
+TEST_CASE(HostTablePruneToSizeRemovesTheLeastUsedAndBreaksTiesById) {
+  HostTable t(Options(2, 0));
+  std::vector<int64_t> ids;
+  std::vector<uint32_t> counts;
+  std::mt19937_64 rng(9);
+  for (int i = 0; i < 3000; ++i) {
+    ids.push_back(static_cast<int64_t>(rng()));
+    counts.push_back(i < 100 ? 70000 : static_cast<uint32_t>(i % 5));  // 0..4; some saturate
+  }
+  std::vector<float> rows(ids.size() * 2, 1.0f);
+  CHECK(t.Write(ids.data(), ids.size(), rows.data(), counts.data()).ok());
+  uint32_t min_count = 99;
+  CHECK_EQ(t.PruneToSize(5000, {}, &min_count), int64_t{0});  // already below
+  CHECK_EQ(min_count, uint32_t{0});
+  // 2900 ids have 0..4 uses, 580 each; keep 1500 rows: all with 0 or 1
+  // use go (1159: one 0-use id is kept), and of the 2-use ones the 341 with
+  // the smallest ids.
+  const int64_t kept_id = ids[100];  // 0 uses, but asked to be kept
+  CHECK_EQ(t.PruneToSize(1500, {kept_id}, &min_count), int64_t{1500});
+  CHECK_EQ(min_count, uint32_t{3});
+  CHECK_EQ(t.size(), int64_t{1500});
+  std::vector<int64_t> out_ids, two_uses;
+  std::vector<float> out_rows;
+  std::vector<uint32_t> out_counts;
+  t.Export(&out_ids, &out_rows, &out_counts);
+  std::set<int64_t> left(out_ids.begin(), out_ids.end());
+  CHECK(left.count(kept_id) == 1);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const uint32_t c = counts[i];
+    if (ids[i] == kept_id || c >= 3) CHECK(left.count(ids[i]) == 1);
+    if (c < 2 && ids[i] != kept_id) CHECK(left.count(ids[i]) == 0);
+    if (c == 2) two_uses.push_back(ids[i]);
+  }
+  std::sort(two_uses.begin(), two_uses.end());
+  for (size_t k = 0; k < two_uses.size(); ++k) {
+    CHECK_EQ(left.count(two_uses[k]), size_t{k >= 341});  // the smallest ids went
+  }
+  // To 0 rows: everything not kept goes, saturated counts too.
+  CHECK_EQ(t.PruneToSize(0, {kept_id}, &min_count), int64_t{1499});
+  CHECK_EQ(min_count, uint32_t{0x10000});
+  CHECK_EQ(t.size(), int64_t{1});
+}
+
 TEST_CASE(HostTablePruneDuringWritesKeepsMaxRows) {
   // Write counts missing ids, reserves, then inserts; a prune in between
   // used to let inserts go unreserved, and max_rows drifted upwards.

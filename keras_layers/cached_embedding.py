@@ -67,6 +67,7 @@ from tf_sfctr.keras_layers._layer_inputs import (
     eviction_hints,
     float_as_ids,
     is_feature_list,
+    is_ids_and_values,
 )
 from tf_sfctr.keras_layers._sharded_rows import ShardedRowsMixin
 from tf_sfctr.keras_layers._step_state import Counter, DeferredUpdate, DeviceCache, Plan
@@ -272,11 +273,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         self._seed_drawn = seed is None
         if seed is None:
             seed = random.SystemRandom().randrange(2**31)
-        if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
-            raise ValueError(f"seed must be an int or None, got {seed!r}")
-        if not -(2**63) <= int(seed) < 2**63:
-            raise ValueError(f"seed must fit in 64 bits (-2**63 <= seed < 2**63), got {seed}")
-        self._seed = int(seed)
+        self._seed = self._checked_seed(seed)
         if distribution not in DISTRIBUTIONS:
             raise ValueError(
                 f"distribution must be one of {DISTRIBUTIONS}, got {distribution!r}")
@@ -651,7 +648,15 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             raise AttributeError(
                 f"CachedEmbedding {self.name!r}: the seed is fixed once the layer is built "
                 "(rows of unseen ids already follow it); make a new layer with seed=...")
-        self._seed = int(value)
+        self._seed = self._checked_seed(value)
+
+    @staticmethod
+    def _checked_seed(seed: Any) -> int:
+        if not isinstance(seed, (int, np.integer)) or isinstance(seed, (bool, np.bool_)):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
+        if not -(2**63) <= int(seed) < 2**63:
+            raise ValueError(f"seed must fit in 64 bits (-2**63 <= seed < 2**63), got {seed}")
+        return int(seed)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         weights = kwargs.get("weights")
@@ -675,6 +680,9 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         named float32 there."""
         if isinstance(inputs, dict):
             inputs = [v for k, v in inputs.items() if k in self._ID_KEYS]
+        elif isinstance(inputs, (list, tuple)) and len(inputs) == 2 \
+                and is_ids_and_values(*inputs):
+            return  # (ids, weights) as one input: call() says where weights go
         for x in keras.tree.flatten(inputs):
             dtype = getattr(x, "dtype", None)
             try:

@@ -70,6 +70,14 @@ def test_seed_reports_the_restored_tables_seed(tmp_path):
     with pytest.raises(AttributeError, match="seed is fixed once the layer is built"):
         layer.seed = 3
     assert layer.seed == 111
+    unbuilt = CachedEmbedding(4, cache_capacity=8, seed=1)
+    unbuilt.seed = np.int64(-5)
+    assert unbuilt.seed == -5
+    for bad, match in ((3.9, "must be an int"), (True, "must be an int"), ("17", "must be an int"),
+                       (2**64, "must fit in 64 bits")):
+        with pytest.raises(ValueError, match=match):
+            unbuilt.seed = bad
+    assert unbuilt.seed == -5
 
 
 def test_initial_value_depends_only_on_seed_and_id(rng):

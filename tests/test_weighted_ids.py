@@ -356,8 +356,9 @@ def test_ids_and_weights_given_as_one_list_say_where_weights_go(rng):
     not a list call of two features: the error says to use weights=."""
     vocab = random_vocab(rng, 6)
     layer = _layer("sum")
-    with pytest.raises(TypeError, match="per-id weights go in weights="):
-        layer([vocab[:6].reshape(2, 3), np.ones((2, 3), "float32")])
+    for dtype in ("float32", "float64"):  # float64 weights were named as float ids
+        with pytest.raises(TypeError, match="per-id weights go in weights="):
+            layer([vocab[:6].reshape(2, 3), np.ones((2, 3), dtype)])
 
 
 def test_symbolic_weights_of_another_shape_are_refused_when_wired():

@@ -484,3 +484,7 @@ def test_get_takes_keras_style_dicts_and_names_what_is_wrong_with_others():
         tf_sfctr.optimizers.get(adam.get_config())
     with pytest.raises(ValueError, match="is not a table optimizer"):
         tf_sfctr.optimizers.get({"class_name": "Lion", "config": {}})
+    with pytest.raises(ValueError, match="unexpected keyword argument 'name'.*a Keras "
+                                         "optimizer's config is not a table optimizer's"):
+        tf_sfctr.optimizers.get({"class_name": "Adam",
+                                 "config": keras.optimizers.Adam().get_config()})

@@ -54,6 +54,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import threading
 from typing import Any, Callable, Union
@@ -542,7 +543,14 @@ def get(identifier: Any) -> TableOptimizer:
     if isinstance(identifier, dict):
         name = identifier.get("class_name")
         if isinstance(name, str) and name.lower() in _BY_NAME and "module" not in identifier:
-            return _BY_NAME[name.lower()].from_config(dict(identifier.get("config") or {}))
+            cls = _BY_NAME[name.lower()]
+            try:
+                return cls.from_config(dict(identifier.get("config") or {}))
+            except TypeError as err:  # a Keras optimizer's config has more keys
+                raise ValueError(
+                    f"optimizer={identifier!r}: {err}. tf_sfctr.optimizers.{cls.__name__} "
+                    f"takes {inspect.signature(cls)} (a Keras optimizer's config is not a "
+                    "table optimizer's)") from None
         if name is None:
             raise ValueError(
                 f"optimizer={identifier!r} is a dict without 'class_name'; a table optimizer "

@@ -302,14 +302,22 @@ class TableAccessMixin:
         >>> [len(ids) for ids, rows, counts in parts], sorted(np.concatenate([p[0] for p in parts]))
         ([2, 1], [7, 8, 9])
         """
-        if (isinstance(part_rows, bool) or not isinstance(part_rows, (int, np.integer))
-                or part_rows < 1):
-            raise ValueError(f"part_rows must be a positive int, got {part_rows!r}")
         self._require_built()
+        error = None
+        if (isinstance(part_rows, (bool, np.bool_)) or not isinstance(part_rows, (int, np.integer))
+                or part_rows < 1):
+            error = ValueError(f"part_rows must be a positive int, got {part_rows!r}")
+        if self._mode == "model_parallel":
+            # The flush is collective: every rank goes on, or none.
+            with self._one_collective_call():
+                error = self._agree(error, "export_rows")
+        if error is not None:
+            raise error
+        part_rows = min(int(part_rows), 2**62)
         self.flush()
         ahead = self._counted_ahead()
         ahead = None if ahead is None else np.asarray(ahead).ravel()
-        return self._export_parts(int(part_rows), ahead)
+        return self._export_parts(part_rows, ahead)
 
     def _export_parts(self, part_rows: int, ahead: Optional[np.ndarray]):
         dim, cursor = self.output_dim, 0
@@ -335,7 +343,8 @@ class TableAccessMixin:
           of the most used ids (TFRA's ``restrict``). A model-parallel table
           bounds each rank's shard to ``ceil(to_rows / ranks)`` rows. Cached
           ids stay, so a table can stay above ``to_rows`` by up to
-          ``cache_capacity``.
+          ``cache_capacity`` (twice that between lookahead steps, whose
+          prepared plan's evictions wait to be written back).
 
         Uses are counted over the table's whole history (checkpoints keep
         them; they saturate at 65535); rows written by ``assign_rows`` start
@@ -363,7 +372,7 @@ class TableAccessMixin:
             return int(self._store.host_prune(int(min_uses)))
         shard = -(-int(to_rows) // self._world_size) if self.mode == "model_parallel" \
             else int(to_rows)
-        return int(self._store.host_prune_to_size(shard)[0])
+        return int(self._store.host_prune_to_size(min(shard, 2**63 - 1))[0])
 
     def cache_stats(self) -> dict[str, float]:
         """Counters of this layer's cache and host table.

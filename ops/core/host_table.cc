@@ -718,8 +718,15 @@ int64_t HostTable::PruneToSize(int64_t max_rows, const std::unordered_set<int64_
     excess -= per_count[below];
     ++below;
   }
+  // The most used count that goes, plus one (0 if none does).
+  const auto most_used_below = [&per_count](uint32_t limit) -> uint32_t {
+    for (uint32_t c = limit; c > 0; --c) {
+      if (per_count[c - 1] > 0) return c;
+    }
+    return 0;
+  };
   if (below > kMaxCount || excess == 0) {
-    *min_count = below;
+    *min_count = most_used_below(below);
     return PruneLocked([below](uint32_t count, int64_t) { return count < below; }, keep);
   }
   std::vector<int64_t> tied;
@@ -734,7 +741,7 @@ int64_t HostTable::PruneToSize(int64_t max_rows, const std::unordered_set<int64_
   }
   // (Counts added meanwhile, by a restore's HostAddCounts, can leave fewer.)
   if (tied.empty()) {
-    *min_count = below;
+    *min_count = most_used_below(below);
     return PruneLocked([below](uint32_t count, int64_t) { return count < below; }, keep);
   }
   const size_t nth = std::min(tied.size(), static_cast<size_t>(excess)) - 1;

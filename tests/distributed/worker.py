@@ -549,8 +549,21 @@ def run_restore_checks(out_dir, rank, size):
                                os.path.join(base, f"dir_of_rank{rank}")),
                   "given different directories on the 2 Horovod ranks")
     assert not os.path.exists(os.path.join(base, f"dir_of_rank{rank}"))
-    save(tf.train.Checkpoint(model=model), os.path.join(base, ".", "b_again") + "/")  # same
-    assert "manifest.json" in os.listdir(os.path.join(base, "b_again"))
+    # The same directory spelled two ways is one (absolute on rank 0,
+    # relative on rank 1: it was refused) ...
+    again = os.path.join(base, "b_again")
+    save(tf.train.Checkpoint(model=model), again if rank == 0 else os.path.relpath(again) + "/")
+    assert "manifest.json" in os.listdir(again)
+    # ... and one relative path from two working directories is two (each
+    # rank wrote its shard into its own).
+    cwd = os.getcwd()
+    os.makedirs(os.path.join(base, f"cwd{rank}"), exist_ok=True)
+    os.chdir(os.path.join(base, f"cwd{rank}"))
+    try:
+        _expect_error(lambda: save(tf.train.Checkpoint(model=model), "split"),
+                      "given different directories on the 2 Horovod ranks")
+    finally:
+        os.chdir(cwd)
     shard1 = "shard-00001-of-00002"
     if rank == 0:
         for name in ("missing", "mixed", "truncated"):
@@ -884,10 +897,48 @@ def run_uneven_steps(out_dir, rank):
     spe.fit(ten, validation_data=ten, verbose=0, callbacks=callbacks())
     spe.evaluate(ten, verbose=0, callbacks=callbacks())
     assert spe.predict(ten.map(lambda a, b: a), verbose=0, callbacks=callbacks()).shape[0] >= 32
+    # No epoch at all on rank 0 (initial_epoch == epochs): its fit returned
+    # while rank 1 trained, and its next collective paired with rank 1's.
+    _expect_error(lambda: model.fit(even, epochs=2, initial_epoch=2 if rank == 0 else 0,
+                                    verbose=0, callbacks=callbacks()),
+                  "fit (epochs - initial_epoch) would run 0 to 2 epochs")
+    # An evaluate and a predict of 5 batches run from a callback with fit's
+    # own callbacks list (2 training batches): their params replaced fit's,
+    # and fit was refused as a short epoch.
+    cbs = callbacks()
+    five = tf.data.Dataset.from_tensor_slices((np.arange(40).reshape(20, 2),
+                                               np.ones((20, 1)))).batch(4)
+
+    class Nested(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            self.model.evaluate(five, verbose=0, callbacks=cbs)
+            self.model.predict(five.map(lambda a, b: a), verbose=0, callbacks=cbs)
+
+    model.fit(even, epochs=2, verbose=0, callbacks=[*cbs, Nested()])
+    # Validation data of unknown size on both ranks: from the second
+    # validation on, Keras's guess of its size (one too many) was taken
+    # for a count it was given, and every rank was refused.
+    model.fit(even, validation_data=even.filter(lambda *_: True), epochs=3, verbose=0,
+              callbacks=callbacks())
+    # A LossScaleOptimizer's own iteration count never moves (Keras 3.5):
+    # the agreement reads the wrapped optimizer's.
+    scaled = _small_model("uneven_lso")
+    scaled.compile(optimizer=DistributedOptimizer(keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1))), loss="mse")
+
+    class Drift(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1 and rank == 0:
+                self.model.optimizer.inner_optimizer.iterations.assign_add(7)
+
+    _expect_error(lambda: scaled.fit(even, epochs=2, verbose=0,
+                                     callbacks=[*callbacks(), Drift()]),
+                  "iteration count differs between Horovod ranks")
     # Unknown size on both: trains, and the iteration counts agree.
     both = even.filter(lambda *_: True)
+    start = int(model.optimizer.iterations)
     model.fit(both, epochs=2, verbose=0, callbacks=callbacks())
-    assert int(model.optimizer.iterations) == 14  # 2 x (2 + Keras's extra one)
+    assert int(model.optimizer.iterations) == start + 6  # 2 x (2 + Keras's extra one)
     # Two threads of each rank reading a model-parallel table at once: each
     # call's collectives are one thread's at a time (they interleaved and
     # failed on Horovod's "same name as another tensor").
@@ -919,6 +970,14 @@ def run_uneven_steps(out_dir, rank):
     np.testing.assert_array_equal(np.concatenate([p[1] for p in parts]), emb.lookup_rows(mine))
     every = np.sort(hvd.allgather(tf.constant(mine)).numpy())
     np.testing.assert_array_equal(every, np.arange(24))  # rank 0's ids 0..23, rank 1's 0..15
+    # A bad argument on one rank raises on both, before the collective flush
+    # (rank 0 waited in it after a step).
+    model.fit(even, verbose=0, callbacks=callbacks())
+    _expect_error(lambda: emb.export_rows(part_rows=4 if rank == 0 else 0),
+                  "export_rows failed on another rank" if rank == 0
+                  else "part_rows must be a positive int, got 0")
+    ids, rows, _ = (np.concatenate(c) for c in zip(*emb.export_rows()))
+    np.testing.assert_array_equal(rows, emb.lookup_rows(ids))
     np.savez(os.path.join(out_dir, f"uneven_steps_rank{rank}.npz"), ok=np.array(1))
 
 
@@ -953,6 +1012,14 @@ def run_short_data(mode, rank):
     elif mode == "evaluate":
         model.evaluate(ds, steps=3, verbose=0, callbacks=callbacks())
     else:
+        # After a fit that a callback stopped: the check was off while Keras
+        # left model.stop_training set.
+        class Stop(keras.callbacks.Callback):
+            def on_epoch_end(self, epoch, logs=None):
+                self.model.stop_training = True
+
+        model.fit(full, steps_per_epoch=2, epochs=3, verbose=0, callbacks=[*callbacks(), Stop()])
+        assert model.stop_training
         model.predict(ds.map(lambda a, b: a), steps=3, verbose=0, callbacks=callbacks())
     hvd.allreduce(tf.constant(1.0), name="short_data_done")  # what a script does next
 

@@ -245,6 +245,10 @@ class AverageMetrics(keras.callbacks.Callback):
         self._in_fit = False
         self._trained = False
         self._epochs_checked = False
+        # fit's params: an evaluate or predict run from a callback with the
+        # same callbacks list replaces self.params with its own meanwhile.
+        self._fit_params = None
+        self._validating = False
         # Steps run in this epoch / evaluation / prediction, and how many
         # Keras said it would run (None: not known).
         self._train_done = 0
@@ -333,19 +337,25 @@ class AverageMetrics(keras.callbacks.Callback):
         per = int(getattr(self.model, "steps_per_execution", 1) or 1)
         return batch + per
 
-    def _check_ran(self, call, done, steps):
+    def _fit_steps(self):
+        return (self._fit_params or {}).get("steps")
+
+    def _check_ran(self, call, done, steps, stop_ok=False):
         """Local, before any collective: raises when this rank's data ended
         before the ``steps`` Keras said it would run (Keras only warns "Your
         input ran out of data"). The other ranks wait in their next step, so
-        a collective here would wait forever; raising ends the job."""
+        a collective here would wait forever; raising ends the job.
+        ``stop_ok``: fit's epoch, which a callback may end early (a stop
+        set at a batch's end is not agreed on: see above)."""
         # With steps_per_execution, an execution that data ran out of is not
         # reported: Keras 3.5 runs a last partial one of steps % per, which
         # fails when the data ends (after its steps ran), warns, and ends the
         # epoch as expected. Only the full executions are certain.
+        if steps is None or (stop_ok and getattr(self.model, "stop_training", False)):
+            return
         per = int(getattr(self.model, "steps_per_execution", 1) or 1)
-        certain = steps if per == 1 else steps - steps % per
-        if steps is None or done >= certain or getattr(self.model, "stop_training", False):
-            return  # (a stop at a batch's end is not agreed on: see above)
+        if done >= (steps if per == 1 else steps - steps % per):
+            return
         raise ValueError(
             f"This Horovod rank ({require().rank()}) ran {done} of the {steps} steps of "
             f"{call}: its data ended first (Keras warned \"Your input ran out of data\"). "
@@ -356,19 +366,33 @@ class AverageMetrics(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._in_fit = True
         self._epochs_checked = False
-        self._check_steps("fit", self._params_steps())
+        self._fit_params = self.params
+        self._check_steps("fit", self._fit_steps())
 
     def on_train_end(self, logs=None):
+        if not self._epochs_checked:
+            # No epoch ran here (initial_epoch >= epochs): the other ranks'
+            # first epoch asks how many epochs every rank runs.
+            self._check_epochs(0)
         self._in_fit = False
+        self._fit_params = None
+
+    def _check_epochs(self, left):
+        """Collective, at fit's first epoch (or its end when it ran none)."""
+        self._epochs_checked = True
+        self._check_steps("fit (epochs - initial_epoch)", left, unit="epochs")
 
     def on_test_begin(self, logs=None):
         self._test_done = 0
-        if not self._in_fit:  # fit's validation shares fit's params
+        # fit's validation runs with fit's callbacks list, and so fit's params
+        # (an evaluate run from a callback with this list sets its own).
+        self._validating = self._in_fit and self.params is self._fit_params
+        if not self._validating:
             _check_same_tables(self.model)
             self._test_steps = self._params_steps()
             self._check_steps("evaluate", self._test_steps)
         else:
-            self._check_ran("fit's epoch", self._train_done, self._params_steps())
+            self._check_ran("fit's epoch", self._train_done, self._fit_steps(), stop_ok=True)
             # The epoch's training states, before validation resets them.
             self._train_results = self._global_results()
             self._train_results_taken = True
@@ -376,8 +400,12 @@ class AverageMetrics(keras.callbacks.Callback):
             # validation batches waited forever in its extra one (found by
             # a review). Keras keeps fit's validation data in this iterator
             # (None when Keras does not know the count).
+            # Only a count Keras was given: after a first pass over data of
+            # unknown size it guesses one (num_batches), one too many.
             validation = getattr(self.model, "_eval_epoch_iterator", None)
-            self._test_steps = getattr(validation, "num_batches", None)
+            self._test_steps = (
+                getattr(validation, "steps_per_epoch", None)
+                or getattr(getattr(validation, "data_adapter", None), "num_batches", None))
             self._check_steps("fit's validation", steps=self._test_steps)
 
     def on_test_batch_end(self, batch, logs=None):
@@ -401,12 +429,11 @@ class AverageMetrics(keras.callbacks.Callback):
         self._train_done = 0
         self._train_results, self._train_results_taken = None, False
         if not self._epochs_checked:
-            # fit's epochs left (epochs - initial_epoch, known only now):
-            # a rank that finished first waited in its next collective.
-            self._epochs_checked = True
-            epochs = (self.params or {}).get("epochs")
-            self._check_steps("fit (epochs - initial_epoch)",
-                              None if epochs is None else epochs - epoch, unit="epochs")
+            # fit's epochs left (epochs - initial_epoch, known only now, as
+            # BackupAndRestore may set it): a rank that finished first waited
+            # in its next collective.
+            epochs = (self._fit_params or {}).get("epochs")
+            self._check_epochs(None if epochs is None else epochs - epoch)
 
     def on_train_batch_end(self, batch, logs=None):
         self._trained = True
@@ -431,7 +458,7 @@ class AverageMetrics(keras.callbacks.Callback):
                 "collective); give every rank as many batches: steps_per_epoch with "
                 "dataset.repeat(), or dataset.take(n) on every rank.")
         if not self._train_results_taken:  # (else checked when validation began)
-            self._check_ran("fit's epoch", self._train_done, self._params_steps())
+            self._check_ran("fit's epoch", self._train_done, self._fit_steps(), stop_ok=True)
         results = (self._train_results if self._train_results_taken
                    else self._global_results())
         # Validation results (val_...) were made global when they were
@@ -448,8 +475,11 @@ class AverageMetrics(keras.callbacks.Callback):
         stop = 1.0 if getattr(model, "stop_training", False) else 0.0
         lr = it = 0.0
         if getattr(model, "optimizer", None) is not None:
+            from tf_sfctr.callbacks import _Steps
+
             lr = float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
-            it = float(keras.ops.convert_to_numpy(model.optimizer.iterations))
+            # (A LossScaleOptimizer's own count never moves: its inner one's.)
+            it = float(_Steps._iterations(model) or 0)
         # One max-reduction: any rank stopping, and the largest and smallest
         # rate and optimizer iteration count.
         most = hvd.allreduce(tf.constant([stop, lr, -lr, it, -it], tf.float64), op=hvd.Max,
@@ -473,7 +503,7 @@ class AverageMetrics(keras.callbacks.Callback):
                 "tf_sfctr.distributed.callbacks() first in the callbacks list.")
 
     def on_test_end(self, logs=None):
-        self._check_ran("fit's validation" if self._in_fit else "evaluate",
+        self._check_ran("fit's validation" if self._validating else "evaluate",
                         self._test_done, self._test_steps)
         self._globalize(logs, self._global_results())
 

@@ -208,8 +208,11 @@ def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
         # Rank 0's save id, and every rank's directory: ranks given different
         # directories each wrote a part of the save, and rank 0 a manifest
         # for a save its directory did not hold.
-        where = int.from_bytes(hashlib.sha256(
-            os.path.normpath(directory).encode()).digest()[:8], "little", signed=True)
+        # Local paths resolved (relative ones from each rank's own working
+        # directory, symbolic links followed); URLs (gs://...) as written.
+        place = directory if "://" in directory else os.path.realpath(directory)
+        where = int.from_bytes(hashlib.sha256(place.encode()).digest()[:8], "little",
+                               signed=True)
         both = require().allgather(tf.constant([[save_id, where]], tf.int64),
                                    name="sfctr_checkpoint_save_id").numpy()
         save_id = int(both[0, 0])

@@ -1805,6 +1805,16 @@ TEST_CASE(HostTablePruneToSizeRemovesTheLeastUsedAndBreaksTiesById) {
   CHECK_EQ(t.PruneToSize(0, {kept_id}, &min_count), int64_t{1499});
   CHECK_EQ(min_count, uint32_t{0x10000});
   CHECK_EQ(t.size(), int64_t{1});
+  CHECK_EQ(t.PruneToSize(0, {kept_id}, &min_count), int64_t{0});  // only the kept id is left
+  CHECK_EQ(min_count, uint32_t{0});
+  // Gaps between counts: the most used id that went had 5 uses, not 6-1.
+  HostTable g(Options(2, 0));
+  std::vector<int64_t> gids = {1, 2, 3, 4};
+  std::vector<uint32_t> gcounts = {0, 5, 9, 9};
+  std::vector<float> grows(8, 1.0f);
+  CHECK(g.Write(gids.data(), 4, grows.data(), gcounts.data()).ok());
+  CHECK_EQ(g.PruneToSize(2, {}, &min_count), int64_t{2});
+  CHECK_EQ(min_count, uint32_t{6});
 }
 
 TEST_CASE(HostTablePruneDuringWritesKeepsMaxRows) {

@@ -289,11 +289,13 @@ def test_a_rank_without_data_ends_the_job_with_a_message(tmp_path):
 
 @pytest.mark.parametrize("mode,call", [("fit", "fit's epoch"),
                                        ("validation", "fit's validation"),
-                                       ("evaluate", "evaluate"), ("predict", "predict")])
+                                       ("evaluate", "evaluate"), ("predict", "predict"),
+                                       ("predict_spe", "predict")])
 def test_a_rank_whose_data_ends_early_ends_the_job_with_a_message(tmp_path, mode, call):
     proc = _run_worker(tmp_path, f"short_{mode}")
     assert proc.returncode != 0
-    assert f"This Horovod rank (1) ran 2 of the 3 steps of {call}" in proc.stdout + proc.stderr
+    ran = "4 of the 5" if mode == "predict_spe" else "2 of the 3"
+    assert f"This Horovod rank (1) ran {ran} steps of {call}" in proc.stdout + proc.stderr
 
 
 BUILT_BEFORE_INIT = """

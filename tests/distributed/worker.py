@@ -895,6 +895,10 @@ def run_uneven_steps(out_dir, rank):
     ten = tf.data.Dataset.from_tensor_slices((np.arange(80).reshape(40, 2) + rank,
                                               np.ones((40, 1)))).batch(4)
     spe.fit(ten, validation_data=ten, verbose=0, callbacks=callbacks())
+    # Fewer batches than one execution (3 < 4): Keras reports none of them.
+    three = ten.take(3)
+    spe.fit(three, epochs=2, verbose=0, callbacks=callbacks())
+    spe.fit(three.filter(lambda *_: True), epochs=2, verbose=0, callbacks=callbacks())
     spe.evaluate(ten, verbose=0, callbacks=callbacks())
     assert spe.predict(ten.map(lambda a, b: a), verbose=0, callbacks=callbacks()).shape[0] >= 32
     # No epoch at all on rank 0 (initial_epoch == epochs): its fit returned
@@ -915,6 +919,25 @@ def run_uneven_steps(out_dir, rank):
             self.model.predict(five.map(lambda a, b: a), verbose=0, callbacks=cbs)
 
     model.fit(even, epochs=2, verbose=0, callbacks=[*cbs, Nested()])
+    # ... also with validation, and evaluating another model: fit's params
+    # and model came back for neither (later validations were taken for
+    # evaluates, and the training loss was logged from the other call's
+    # metrics).
+    other = _small_model("uneven_other")
+
+    class NestedOther(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            other.evaluate(five, verbose=0, callbacks=cbs)
+
+    history = model.fit(even, validation_data=even, epochs=3, verbose=0,
+                        callbacks=[*cbs, NestedOther()])
+    assert cbs[1].model is model and cbs[0]._sent_for() is model
+    losses = history.history
+    assert all(a != b for a, b in zip(losses["loss"], losses["val_loss"])), losses
+    # validation_steps over finite data: Keras 3.5 keeps the exhausted
+    # iterator and skips later validations (warning) on every rank alike.
+    model.fit(even, validation_data=even, validation_steps=2, epochs=3, verbose=0,
+              callbacks=callbacks())
     # Validation data of unknown size on both ranks: from the second
     # validation on, Keras's guess of its size (one too many) was taken
     # for a count it was given, and every rank was refused.
@@ -1011,6 +1034,14 @@ def run_short_data(mode, rank):
                   verbose=0, callbacks=callbacks())
     elif mode == "evaluate":
         model.evaluate(ds, steps=3, verbose=0, callbacks=callbacks())
+    elif mode == "predict_spe":
+        # Keras reports predict's last, partial execution (unlike fit's):
+        # rank 1 returned 4 of 5 batches and rank 0 waited for ever.
+        model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse",
+                      steps_per_execution=2)
+        five = tf.data.Dataset.from_tensor_slices(
+            np.arange(40 if rank == 0 else 32).reshape(-1, 2)).batch(4)  # 5 or 4 batches
+        model.predict(five, steps=5, verbose=0, callbacks=callbacks())
     else:
         # After a fit that a callback stopped: the check was off while Keras
         # left model.stop_training set.

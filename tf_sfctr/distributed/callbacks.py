@@ -125,14 +125,15 @@ class BroadcastInitialState(keras.callbacks.Callback):
         super().__init__()
         self.root_rank = root_rank
         self._sent_for = None  # weak reference to the model whose state was sent
+        # The model fit trains (an evaluate or predict run from a callback
+        # with fit's callbacks list sets another as self.model).
+        self._training = None
 
-    @property
-    def _done(self) -> bool:
-        return self._sent_for is not None and self._sent_for() is self.model
+    def _done(self, model) -> bool:
+        return self._sent_for is not None and self._sent_for() is model
 
-    def _broadcast(self):
+    def _broadcast(self, model):
         hvd = require()
-        model = self.model
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
         variables = [v.value if hasattr(v, "value") else v for v in model.variables]
@@ -143,15 +144,20 @@ class BroadcastInitialState(keras.callbacks.Callback):
         self._sent_for = weakref.ref(model)
 
     def on_train_begin(self, logs=None):
+        self._training = weakref.ref(self.model)
         _warn_unless_averaging(self.model)
         _check_same_tables(self.model)  # before the broadcast, which would hang
-        if self._done or not (self.model.built and self.model.trainable_variables):
+        if self._done(self.model) or not (self.model.built and self.model.trainable_variables):
             return  # not built yet: after the first step
-        self._broadcast()
+        self._broadcast(self.model)
 
     def on_train_batch_end(self, batch, logs=None):
-        if not self._done:
-            self._broadcast()
+        model = self._training() if self._training is not None else self.model
+        if not self._done(model):
+            self._broadcast(model)
+
+    def on_train_end(self, logs=None):
+        self._training = None
 
 
 def _warn_unless_averaging(model):
@@ -247,7 +253,7 @@ class AverageMetrics(keras.callbacks.Callback):
         self._epochs_checked = False
         # fit's params: an evaluate or predict run from a callback with the
         # same callbacks list replaces self.params with its own meanwhile.
-        self._fit_params = None
+        self._fit_params = self._fit_model = None
         self._validating = False
         # Steps run in this epoch / evaluation / prediction, and how many
         # Keras said it would run (None: not known).
@@ -340,7 +346,7 @@ class AverageMetrics(keras.callbacks.Callback):
     def _fit_steps(self):
         return (self._fit_params or {}).get("steps")
 
-    def _check_ran(self, call, done, steps, stop_ok=False):
+    def _check_ran(self, call, done, steps, stop_ok=False, partial_reported=False):
         """Local, before any collective: raises when this rank's data ended
         before the ``steps`` Keras said it would run (Keras only warns "Your
         input ran out of data"). The other ranks wait in their next step, so
@@ -354,20 +360,31 @@ class AverageMetrics(keras.callbacks.Callback):
         if steps is None or (stop_ok and getattr(self.model, "stop_training", False)):
             return
         per = int(getattr(self.model, "steps_per_execution", 1) or 1)
-        if done >= (steps if per == 1 else steps - steps % per):
+        if done >= (steps if per == 1 or partial_reported else steps - steps % per):
             return
         raise ValueError(
             f"This Horovod rank ({require().rank()}) ran {done} of the {steps} steps of "
             f"{call}: its data ended first (Keras warned \"Your input ran out of data\"). "
-            "Every rank must run as many steps (each step is collective, and the other "
-            "ranks wait in theirs); give every rank enough batches: dataset.repeat() with "
-            "steps_per_epoch (or steps=), or dataset.take(n) on every rank.")
+            "Under Horovod every rank must run as many steps (each step is collective, and "
+            "ranks with data left wait in theirs), so this is an error even if every "
+            "rank's data ended alike. Give every rank enough batches: dataset.repeat() "
+            "with steps_per_epoch (or steps= / validation_steps=), or dataset.take(n) on "
+            "every rank.")
 
     def on_train_begin(self, logs=None):
         self._in_fit = True
         self._epochs_checked = False
-        self._fit_params = self.params
+        self._fit_params, self._fit_model = self.params, self.model
         self._check_steps("fit", self._fit_steps())
+
+    def _back_to_fit(self):
+        """After an evaluate or predict run from a callback with fit's own
+        callbacks list, which set its params and model on every callback:
+        fit's again (its later validations were taken for evaluates, its
+        training logs read from the other call's metrics)."""
+        if self._in_fit:
+            self.set_params(self._fit_params)
+            self.set_model(self._fit_model)
 
     def on_train_end(self, logs=None):
         if not self._epochs_checked:
@@ -375,7 +392,7 @@ class AverageMetrics(keras.callbacks.Callback):
             # first epoch asks how many epochs every rank runs.
             self._check_epochs(0)
         self._in_fit = False
-        self._fit_params = None
+        self._fit_params = self._fit_model = None
 
     def _check_epochs(self, left):
         """Collective, at fit's first epoch (or its end when it ran none)."""
@@ -421,8 +438,11 @@ class AverageMetrics(keras.callbacks.Callback):
 
     def on_predict_end(self, logs=None):
         # predict has no collective of its own at its end: without this,
-        # the rank returned fewer predictions and the others waited.
-        self._check_ran("predict", self._predict_done, self._predict_steps)
+        # the rank returned fewer predictions and the others waited. (Keras
+        # reports predict's last, partial execution, unlike fit's.)
+        self._check_ran("predict", self._predict_done, self._predict_steps,
+                        partial_reported=True)
+        self._back_to_fit()
 
     def on_epoch_begin(self, epoch, logs=None):
         self._trained = False
@@ -450,7 +470,12 @@ class AverageMetrics(keras.callbacks.Callback):
             logs[k] = float(v)
 
     def on_epoch_end(self, epoch, logs=None):
-        if not self._trained:
+        per = int(getattr(self.model, "steps_per_execution", 1) or 1)
+        steps = self._fit_steps()
+        # Keras reports no batch of an epoch shorter than one execution of
+        # steps_per_execution (its only, partial execution): only with a
+        # count of at least one execution is "no batch" "no step".
+        if not self._trained and (per == 1 or (steps is not None and steps >= per)):
             # Before any collective: the others are waiting in a step.
             raise ValueError(
                 f"This Horovod rank ({require().rank()}) ran no training step in epoch "
@@ -503,9 +528,15 @@ class AverageMetrics(keras.callbacks.Callback):
                 "tf_sfctr.distributed.callbacks() first in the callbacks list.")
 
     def on_test_end(self, logs=None):
-        self._check_ran("fit's validation" if self._validating else "evaluate",
-                        self._test_done, self._test_steps)
+        # Keras 3.5 keeps fit's exhausted validation iterator when given
+        # validation_steps over finite data, and skips later validations
+        # (with a warning) on every rank: 0 steps, not a short rank.
+        if not (self._validating and self._test_done == 0):
+            self._check_ran("fit's validation" if self._validating else "evaluate",
+                            self._test_done, self._test_steps)
         self._globalize(logs, self._global_results())
+        if not self._validating:
+            self._back_to_fit()
 
 
 def callbacks(root_rank: int = 0) -> list[keras.callbacks.Callback]:

@@ -78,6 +78,8 @@ def check_vsi_keys(name: str, inputs: dict) -> None:
 
 def is_ids_and_values(a: Any, b: Any) -> bool:
     """Whether ``a`` holds integers and ``b`` floats (ids and their weights)."""
+    if not (hasattr(a, "dtype") and hasattr(b, "dtype")):  # dicts, Python lists
+        return False
     try:
         return tf.as_dtype(a.dtype).is_integer and tf.as_dtype(b.dtype).is_floating
     except TypeError:  # a dtype TF does not know (NumPy objects, strings)

@@ -288,7 +288,6 @@ def test_a_rank_without_data_ends_the_job_with_a_message(tmp_path):
 
 
 @pytest.mark.parametrize("mode,call", [("fit", "fit's epoch"),
-                                       ("validation", "fit's validation"),
                                        ("evaluate", "evaluate"), ("predict", "predict"),
                                        ("predict_spe", "predict")])
 def test_a_rank_whose_data_ends_early_ends_the_job_with_a_message(tmp_path, mode, call):

@@ -912,6 +912,7 @@ def run_uneven_steps(out_dir, rank):
     cbs = callbacks()
     five = tf.data.Dataset.from_tensor_slices((np.arange(40).reshape(20, 2),
                                                np.ones((20, 1)))).batch(4)
+    ten_rows_in_3 = five.take(3)  # 3 batches: validation_steps=2 leaves 1 then none
 
     class Nested(keras.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):
@@ -935,9 +936,32 @@ def run_uneven_steps(out_dir, rank):
     losses = history.history
     assert all(a != b for a, b in zip(losses["loss"], losses["val_loss"])), losses
     # validation_steps over finite data: Keras 3.5 keeps the exhausted
-    # iterator and skips later validations (warning) on every rank alike.
+    # iterator, shortens the validation the data ends in and skips the later
+    # ones (warning), on every rank alike.
     model.fit(even, validation_data=even, validation_steps=2, epochs=3, verbose=0,
               callbacks=callbacks())
+    model.fit(even, validation_data=ten_rows_in_3, validation_steps=2, epochs=3, verbose=0,
+              callbacks=callbacks())
+    # An evaluate run before fit's own on_train_begin (a callback listed
+    # first) with fit's list: fit took its params (7 steps) for its own.
+    cbs = callbacks()
+
+    class Baseline(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.model.evaluate(five, verbose=0, callbacks=cbs)
+
+    model.fit(even, epochs=2, verbose=0, callbacks=[Baseline(), *cbs])
+    # A callback stopping evaluate or predict early (on every rank).
+    class StopAt(keras.callbacks.Callback):
+        def on_test_batch_end(self, batch, logs=None):
+            self.model.stop_evaluating = batch >= 1
+
+        def on_predict_batch_end(self, batch, logs=None):
+            self.model.stop_predicting = batch >= 1
+
+    model.evaluate(five, verbose=0, callbacks=[*callbacks(), StopAt()])
+    assert model.predict(five.map(lambda a, b: a), verbose=0,
+                         callbacks=[*callbacks(), StopAt()]).shape[0] == 8
     # Validation data of unknown size on both ranks: from the second
     # validation on, Keras's guess of its size (one too many) was taken
     # for a count it was given, and every rank was refused.
@@ -1028,9 +1052,6 @@ def run_short_data(mode, rank):
     full = tf.data.Dataset.from_tensor_slices((x[:8], y[:8])).batch(4).repeat()
     if mode == "fit":  # with validation: checked before validation starts
         model.fit(ds, steps_per_epoch=3, validation_data=full, validation_steps=2,
-                  verbose=0, callbacks=callbacks())
-    elif mode == "validation":
-        model.fit(full, steps_per_epoch=2, validation_data=ds, validation_steps=3,
                   verbose=0, callbacks=callbacks())
     elif mode == "evaluate":
         model.evaluate(ds, steps=3, verbose=0, callbacks=callbacks())

@@ -351,13 +351,14 @@ class AverageMetrics(keras.callbacks.Callback):
         before the ``steps`` Keras said it would run (Keras only warns "Your
         input ran out of data"). The other ranks wait in their next step, so
         a collective here would wait forever; raising ends the job.
-        ``stop_ok``: fit's epoch, which a callback may end early (a stop
-        set at a batch's end is not agreed on: see above)."""
+        ``stop_ok``: a callback ended the call early (``stop_training``,
+        ``stop_evaluating``, ``stop_predicting``; not agreed on between
+        ranks: see above)."""
         # With steps_per_execution, an execution that data ran out of is not
         # reported: Keras 3.5 runs a last partial one of steps % per, which
         # fails when the data ends (after its steps ran), warns, and ends the
         # epoch as expected. Only the full executions are certain.
-        if steps is None or (stop_ok and getattr(self.model, "stop_training", False)):
+        if steps is None or stop_ok:
             return
         per = int(getattr(self.model, "steps_per_execution", 1) or 1)
         if done >= (steps if per == 1 or partial_reported else steps - steps % per):
@@ -371,20 +372,42 @@ class AverageMetrics(keras.callbacks.Callback):
             "with steps_per_epoch (or steps= / validation_steps=), or dataset.take(n) on "
             "every rank.")
 
+    def set_params(self, params):
+        # Keras sets a call's params and model on every callback of its list
+        # before the call begins; what they were is set back when an
+        # evaluate or predict run from a callback with this list ends.
+        self._params_before = getattr(self, "params", None)
+        super().set_params(params)
+
+    def set_model(self, model):
+        self._model_before = getattr(self, "_model", None)
+        super().set_model(model)
+
     def on_train_begin(self, logs=None):
+        # (A fit run from a callback needs a callbacks() list of its own:
+        # README. A fit that raised never ended, so being in one cannot
+        # tell a nested fit apart.)
         self._in_fit = True
         self._epochs_checked = False
         self._fit_params, self._fit_model = self.params, self.model
         self._check_steps("fit", self._fit_steps())
 
-    def _back_to_fit(self):
-        """After an evaluate or predict run from a callback with fit's own
-        callbacks list, which set its params and model on every callback:
-        fit's again (its later validations were taken for evaluates, its
-        training logs read from the other call's metrics)."""
-        if self._in_fit:
-            self.set_params(self._fit_params)
-            self.set_model(self._fit_model)
+    def _note_caller(self):
+        """At the start of an evaluate or predict: the params and model to
+        set back at its end."""
+        self._caller = (self._params_before, self._model_before)
+
+    def _back_to_caller(self):
+        """After an evaluate or predict, which set its params and model on
+        every callback of its list: the ones before it, when it ran from a
+        callback of a fit or evaluate with this list (its later validations
+        were taken for evaluates, its training logs read from the other
+        call's metrics, its step count taken for fit's)."""
+        params, model = getattr(self, "_caller", (None, None))
+        if params is not None:
+            super().set_params(params)
+        if model is not None:
+            super().set_model(model)
 
     def on_train_end(self, logs=None):
         if not self._epochs_checked:
@@ -405,11 +428,13 @@ class AverageMetrics(keras.callbacks.Callback):
         # (an evaluate run from a callback with this list sets its own).
         self._validating = self._in_fit and self.params is self._fit_params
         if not self._validating:
+            self._note_caller()
             _check_same_tables(self.model)
             self._test_steps = self._params_steps()
             self._check_steps("evaluate", self._test_steps)
         else:
-            self._check_ran("fit's epoch", self._train_done, self._fit_steps(), stop_ok=True)
+            self._check_ran("fit's epoch", self._train_done, self._fit_steps(),
+                            stop_ok=getattr(self.model, "stop_training", False))
             # The epoch's training states, before validation resets them.
             self._train_results = self._global_results()
             self._train_results_taken = True
@@ -429,6 +454,7 @@ class AverageMetrics(keras.callbacks.Callback):
         self._test_done = self._steps_after(batch)
 
     def on_predict_begin(self, logs=None):
+        self._note_caller()
         _check_same_tables(self.model)
         self._predict_done, self._predict_steps = 0, self._params_steps()
         self._check_steps("predict", self._predict_steps)
@@ -441,8 +467,9 @@ class AverageMetrics(keras.callbacks.Callback):
         # the rank returned fewer predictions and the others waited. (Keras
         # reports predict's last, partial execution, unlike fit's.)
         self._check_ran("predict", self._predict_done, self._predict_steps,
-                        partial_reported=True)
-        self._back_to_fit()
+                        partial_reported=True,
+                        stop_ok=getattr(self.model, "stop_predicting", False))
+        self._back_to_caller()
 
     def on_epoch_begin(self, epoch, logs=None):
         self._trained = False
@@ -483,7 +510,8 @@ class AverageMetrics(keras.callbacks.Callback):
                 "collective); give every rank as many batches: steps_per_epoch with "
                 "dataset.repeat(), or dataset.take(n) on every rank.")
         if not self._train_results_taken:  # (else checked when validation began)
-            self._check_ran("fit's epoch", self._train_done, self._fit_steps(), stop_ok=True)
+            self._check_ran("fit's epoch", self._train_done, self._fit_steps(),
+                            stop_ok=getattr(self.model, "stop_training", False))
         results = (self._train_results if self._train_results_taken
                    else self._global_results())
         # Validation results (val_...) were made global when they were
@@ -528,15 +556,15 @@ class AverageMetrics(keras.callbacks.Callback):
                 "tf_sfctr.distributed.callbacks() first in the callbacks list.")
 
     def on_test_end(self, logs=None):
-        # Keras 3.5 keeps fit's exhausted validation iterator when given
-        # validation_steps over finite data, and skips later validations
-        # (with a warning) on every rank: 0 steps, not a short rank.
-        if not (self._validating and self._test_done == 0):
-            self._check_ran("fit's validation" if self._validating else "evaluate",
-                            self._test_done, self._test_steps)
+        # Not fit's validation: given validation_steps over finite data,
+        # Keras 3.5 shortens the validation the data runs out in and skips
+        # the later ones (with a warning), on every rank alike.
+        if not self._validating:
+            self._check_ran("evaluate", self._test_done, self._test_steps,
+                            stop_ok=getattr(self.model, "stop_evaluating", False))
         self._globalize(logs, self._global_results())
         if not self._validating:
-            self._back_to_fit()
+            self._back_to_caller()
 
 
 def callbacks(root_rank: int = 0) -> list[keras.callbacks.Callback]:

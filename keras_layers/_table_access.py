@@ -1,7 +1,7 @@
 """``CachedEmbedding``'s methods for reading and changing its table between
-steps: ``lookup_rows``, ``assign_rows``, ``flush``, ``prune`` and
-``cache_stats``. In a model-parallel table the reads and writes are
-collective (every rank calls them)."""
+steps: ``lookup_rows``, ``assign_rows``, ``flush``, ``export_rows``,
+``prune``, ``remove_rows`` and ``cache_stats``. In a model-parallel table
+the reads and writes are collective (every rank calls them)."""
 
 from __future__ import annotations
 
@@ -81,17 +81,24 @@ class TableAccessMixin:
         """
         self._require_built()
         with self._one_collective_call():
-            error = None
-            try:
-                ids = self._ids_vector(ids)
-            except (TypeError, ValueError) as err:
-                error = err
-            if self._mode == "model_parallel":  # collective: all ranks go on, or none
-                error = self._agree(error, "lookup_rows")
-            if error is not None:
-                raise error
+            ids = self._agreed_ids(ids, "lookup_rows", self._mode == "model_parallel")
             return self._read_function("lookup_rows", self._lookup_graph,
                                        tf.TensorSpec([None], tf.int64))(ids).numpy()
+
+    def _agreed_ids(self, ids: Any, what: str, collective: bool):
+        """``_ids_vector(ids)``; when ``collective``, every rank raises if
+        any rank's ids are bad (none waits in a collective for a rank that
+        gave up)."""
+        error = None
+        try:
+            ids = self._ids_vector(ids)
+        except (TypeError, ValueError) as err:
+            error = err
+        if collective:
+            error = self._agree(error, what)
+        if error is not None:
+            raise error
+        return ids
 
     def _one_collective_call(self):
         """Held for the whole of a ``lookup_rows``, ``assign_rows`` or
@@ -373,6 +380,81 @@ class TableAccessMixin:
         shard = -(-int(to_rows) // self._world_size) if self.mode == "model_parallel" \
             else int(to_rows)
         return int(self._store.host_prune_to_size(min(shard, 2**63 - 1))[0])
+
+    def remove_rows(self, ids: Sequence[int] | np.ndarray | tf.Tensor) -> int:
+        """Removes ``ids`` from the table, cache and host table alike; returns
+        how many of them it held (ids it did not hold, and repeats, are
+        skipped). For ids that must go: a deleted item, a user who asked to
+        be forgotten. A removed id that comes back starts from its initial
+        row and a fresh optimizer state, with no uses, as if never seen;
+        its freed host row is reused by later ids.
+
+        Collective under Horovod (every rank calls it, with its own ids,
+        maybe none): a data-parallel table removes every rank's ids on every
+        replica, a model-parallel one sends each id to its owner (after
+        delivering the last step's update), and every rank gets the total.
+        If the next batch a lookahead step prepared holds a removed id, that
+        preparation is dropped and the batch's own step prepares it again
+        (its other ids then count one use more). Not while another thread
+        trains the layer. On a bad argument nothing is removed.
+
+        Example:
+
+        >>> from tf_sfctr.keras_layers import CachedEmbedding
+        >>> emb = CachedEmbedding(2, cache_capacity=4, seed=0)
+        >>> emb.assign_rows([7, 8, 9], [[0.5, 0.5], [1.0, 1.0], [1.5, 1.5]])
+        >>> emb.remove_rows([8, 9, 10])
+        2
+        >>> bool(np.all(emb.lookup_rows([7]) == 0.5)), emb.cache_stats()["host_rows"]
+        (True, 1)
+        """
+        self._require_built()
+        with self._one_collective_call():
+            ids = tf.convert_to_tensor(
+                self._agreed_ids(ids, "remove_rows", self._mode != "local"), tf.int64)
+            if self._mode == "model_parallel":
+                from tf_sfctr.distributed import exchange
+
+                # The last step's deferred update first, so that the
+                # removal comes after it (as for assign_rows).
+                self._deliver_deferred()
+                ids = exchange.send_ids(tf.unique(ids)[0], self._world_size,
+                                        f"sfctr_{self.name}_remove").recv_ids
+            elif self._mode == "data_parallel":
+                ids = _horovod.require().allgather(
+                    ids, name=f"sfctr_{self.name}_remove_ids", ignore_name_scope=True)
+            error, removed = None, 0
+            try:
+                removed = self._remove_local(tf.unique(ids)[0])
+            except tf.errors.ResourceExhaustedError as err:  # nothing was removed
+                error = ValueError(err.message)
+            if self._mode != "local":
+                error = self._agree(error, "remove_rows", changed=True)
+            if error is not None:
+                raise error
+            if self._mode == "model_parallel":
+                removed = int(_horovod.require().allreduce(
+                    tf.constant(removed, tf.int64), op=_horovod.require().Sum,
+                    name=f"sfctr_{self.name}_removed", ignore_name_scope=True))
+            return removed
+
+    def _remove_local(self, ids: tf.Tensor) -> int:
+        with self._assign_lock:
+            # The cache must match the directory (a pending plan's evictions
+            # written back) before rows leave both.
+            self._settle()
+            ahead = self._counted_ahead()
+            if ahead is not None and int(tf.size(ahead)) and bool(
+                    np.isin(ids.numpy(), ahead.numpy()).any()):
+                # The prepared next batch holds a removed id: its slot is
+                # freed below, so the plan must not be used.
+                self._plan.usable.assign(False)
+            removed, cached = (int(v) for v in self._store.remove(ids))
+            if cached:
+                # Slots were freed: a training call whose update is still
+                # to come must not apply it (see _attach_update).
+                self._training_calls.var.assign_add(1)
+            return removed
 
     def cache_stats(self) -> dict[str, float]:
         """Counters of this layer's cache and host table.

@@ -287,6 +287,27 @@ except ids in the cache and evictions whose write-back is pending; returns how
 many were removed. Their rows are reused by later inserts.
 )doc");
 
+REGISTER_OP("SfctrStoreRemove")
+    .Input("store: resource")
+    .Input("ids: int64")
+    .Output("removed: int64")
+    .Output("cached: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &unused));
+      c->set_output(0, c->Scalar());
+      c->set_output(1, c->Scalar());
+      return OkStatus();
+    })
+    .Doc(R"doc(
+Removes ids from the cache (dropping their cached rows, not writing them back)
+and from the host table. Returns how many of them the host table held, and how
+many of those were cached. A removed id that comes back starts from its initial
+row. The caller makes sure no write-back is pending and drops a prepared plan
+holding any of the ids.
+)doc");
+
 REGISTER_OP("SfctrHostPruneToSize")
     .Input("store: resource")
     .Input("max_rows: int64")

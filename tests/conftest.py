@@ -48,3 +48,16 @@ def assert_same_state(a, b):
     assert len(a) == len(b)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(x, y)
+
+
+def squared_error_trainer(layer, target=0.5):
+    """A traced training step of ``layer`` alone on ids: loss sum((row -
+    target)^2), the table updated by its own optimizer; returns the loss."""
+    @tf.function
+    def step(ids):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(layer(ids, training=True) - target))
+        tape.gradient(loss, layer.trainable_weights)
+        return loss
+
+    return step

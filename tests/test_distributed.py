@@ -254,6 +254,13 @@ def _run_worker(tmp_path, scenario):
          str(tmp_path), scenario], capture_output=True, text=True, timeout=300, env=env)
 
 
+def test_remove_rows_on_two_ranks_forgets_ids_as_a_reset_twin(results):
+    # The checks run on the ranks (tests/distributed/worker.py, run_remove):
+    # model- and data-parallel, ids of both owners, right after a step.
+    for rank in range(sc.WORLD):
+        assert int(results("remove", rank)["ok"]) == 1
+
+
 def test_callbacks_before_ours_cannot_split_the_ranks(tmp_path):
     """A rank stopping alone (a callback listed before callbacks(), on its own
     metrics) stops every rank; a learning rate changed on one rank raises on

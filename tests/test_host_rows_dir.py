@@ -17,7 +17,7 @@ import tensorflow as tf
 import tf_sfctr
 from tf_sfctr.keras_layers import CachedEmbedding
 
-from conftest import random_vocab
+from conftest import random_vocab, squared_error_trainer
 
 # 64 floats + Adagrad's 64 per row: a shard's row blocks reach the file's
 # 64 KiB minimum after its first 112 rows, so most of these rows are on file.
@@ -186,17 +186,6 @@ def test_host_rows_dir_must_exist_and_hold_a_file(tmp_path):
         CachedEmbedding(4, cache_capacity=8, host_rows_dir="/proc").build(None)
 
 
-def _trainer(layer):
-    @tf.function
-    def step(ids):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(tf.square(layer(ids, training=True) - 0.5))
-        tape.gradient(loss, layer.trainable_weights)
-        return loss
-
-    return step
-
-
 @pytest.fixture
 def small_disk(tmp_path):
     """A 2 MiB tmpfs: a disk that fills up (needs root, as CI has)."""
@@ -220,7 +209,7 @@ def test_a_full_disk_fails_the_step_and_loses_nothing(rng, small_disk):
                                optimizer=tf_sfctr.optimizers.Adagrad(0.2))
 
     ours, ref = layer(str(small_disk)), layer(None)
-    step, ref_step = _trainer(ours), _trainer(ref)
+    step, ref_step = squared_error_trainer(ours), squared_error_trainer(ref)
     failed_at = None
     for i, b in enumerate(batches):
         try:

@@ -363,3 +363,39 @@ def test_use_counts_resume_exactly_from_a_checkpoint_between_lookahead_steps(tmp
     again(tf.constant(batches[0]))
     tf.train.Checkpoint(table=again).restore(saved)
     assert counts(again) == counts(plain)
+
+
+@pytest.mark.parametrize("in_plan", [True, False])
+def test_remove_rows_between_lookahead_steps(in_plan):
+    """remove_rows while the next batch's plan is pending: the plan is put
+    in place first (its evictions written back), and dropped only when it
+    holds a removed id; the removed ids then train from their initial rows
+    and state, as a twin whose rows are reset with assign_rows."""
+    batches = _batches(8, 20)
+    layer, ref, fresh = _layer(), _layer(), _layer()
+    fresh.build(None)
+    for t in range(10):
+        _step(layer, batches[t], _unique(batches[t + 1]))
+        _step(ref, batches[t])
+    plan = layer._plan
+    assert bool(plan.pending.numpy())
+    planned = set(plan.ids.numpy()[:int(plan.count.numpy())].tolist())
+    cached = set(layer.store.cache_entries()[0].numpy().tolist())
+    evicted = plan.evict_ids.numpy()
+    targets = [int(v) for v in evicted[~np.isin(evicted, list(planned))][:2]]
+    targets += sorted(cached - planned)[:2]
+    if in_plan:
+        loaded = plan.ids.numpy()[np.isin(plan.slots.numpy(), plan.miss_slots.numpy())]
+        targets += [int(loaded[0]), sorted(cached & planned)[0]]
+    targets = np.array(targets, np.int64)
+    assert len(set(targets.tolist())) == (6 if in_plan else 4)
+    assert layer.remove_rows(targets) == len(targets)
+    ref.assign_rows(targets, fresh.lookup_rows(targets))
+    np.testing.assert_array_equal(layer.lookup_rows(VOCAB), ref.lookup_rows(VOCAB))
+    for t in range(10, 20):
+        nxt = _unique(batches[t + 1]) if t + 1 < 20 else None
+        _step(layer, batches[t], nxt)
+        _step(ref, batches[t])
+    np.testing.assert_array_equal(layer.lookup_rows(VOCAB), ref.lookup_rows(VOCAB))
+    # Steps 1..19 had a plan; batch 10's was dropped when it held a removed id.
+    assert layer.cache_stats()["prepared_ahead"] == (18 if in_plan else 19)

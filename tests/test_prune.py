@@ -14,7 +14,7 @@ import tf_sfctr
 from tf_sfctr.callbacks import PruneHostTable
 from tf_sfctr.keras_layers import CachedEmbedding
 
-from conftest import powerlaw_ids, random_vocab
+from conftest import powerlaw_ids, random_vocab, squared_error_trainer
 
 DIM, CAPACITY = 4, 48
 
@@ -22,17 +22,6 @@ DIM, CAPACITY = 4, 48
 def _layer(max_rows=None):
     return CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=9, max_rows=max_rows,
                            optimizer=tf_sfctr.optimizers.Adagrad(0.3))
-
-
-def _trainer(layer):
-    @tf.function
-    def step(ids):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_sum(tf.square(layer(ids, training=True) - 0.5))
-        tape.gradient(loss, layer.trainable_weights)
-        return loss
-
-    return step
 
 
 def _host_ids(layer):
@@ -43,7 +32,7 @@ def test_a_pruned_id_trains_as_if_never_seen(rng):
     vocab = random_vocab(rng, 500)
     batches = [tf.constant(powerlaw_ids(rng, vocab, (16, 3), alpha=1.1)) for _ in range(60)]
     pruned, twin = _layer(), _layer()
-    step_p, step_t = _trainer(pruned), _trainer(twin)
+    step_p, step_t = squared_error_trainer(pruned), squared_error_trainer(twin)
     for ids in batches[:30]:
         step_p(ids), step_t(ids)
     assert pruned.cache_stats()["evictions"] > 0
@@ -71,7 +60,7 @@ def test_a_pruned_id_trains_as_if_never_seen(rng):
 
 def test_prune_frees_room_under_max_rows_and_survives_a_checkpoint(rng, tmp_path):
     layer = _layer(max_rows=60)
-    step = _trainer(layer)
+    step = squared_error_trainer(layer)
     step(tf.constant(np.arange(30).reshape(10, 3), tf.int64))
     step(tf.constant(np.arange(30).reshape(10, 3), tf.int64))  # ids 0..29: 2 uses each
     layer.assign_rows(np.arange(100, 130), np.zeros((30, DIM), np.float32))  # 0 uses
@@ -135,7 +124,7 @@ def _uses(layer):
 def test_to_rows_keeps_the_most_used_ids(rng):
     vocab = random_vocab(rng, 2000)
     layer, twin = _layer(), _layer()
-    step, step_t = _trainer(layer), _trainer(twin)
+    step, step_t = squared_error_trainer(layer), squared_error_trainer(twin)
     for _ in range(40):
         ids = tf.constant(powerlaw_ids(rng, vocab, (16, 3), alpha=1.1))
         step(ids), step_t(ids)

@@ -38,6 +38,7 @@ _OP_TYPES = (
     "SfctrHostAddCounts",
     "SfctrHostClear",
     "SfctrHostPrune",
+    "SfctrStoreRemove",
     "SfctrHostSetSeed",
     "SfctrStoreStats",
     "SfctrStoreSetCounters",

@@ -335,6 +335,13 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         return _ops.load().sfctr_host_prune(self.resource_handle,
                                             tf.constant(min_uses, tf.int64))
 
+    def remove(self, ids: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        """Removes ``ids`` (int64 vector) from the cache, dropping their
+        cached rows, and from the host table; returns (how many the host
+        table held, how many of those were cached). No write-back may be
+        pending, and a prepared plan holding any of them must be dropped."""
+        return _ops.load().sfctr_store_remove(self.resource_handle, ids)
+
     def host_prune_to_size(self, max_rows: int) -> tuple[tf.Tensor, tf.Tensor]:
         """Removes the least used uncached ids until at most ``max_rows``
         rows remain; returns (how many went, the use count of the most used

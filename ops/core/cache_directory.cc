@@ -135,7 +135,8 @@ int32_t CacheDirectory::ChooseSlot() {
   int64_t passed = 0;
   for (;;) {
     const int at_max = evict_max_level_ + 1;  // scan key of a slot at the max level
-    const int below = at_max + (budget_at_max_ > 0 ? 1 : 0);  // take keys below this
+    // Take keys below this; empty slots (key 0) always.
+    const int below = std::max(1, at_max + (budget_at_max_ > 0 ? 1 : 0));
     // One turn of the hand at most, in straight runs up to the array's end.
     const int64_t end = std::min(capacity_, hand_ + (capacity_ - passed));
     const int64_t k = FindKeyBelow(scan_keys_.data(), hand_, end, below);
@@ -152,7 +153,7 @@ int32_t CacheDirectory::ChooseSlot() {
       continue;
     }
     hand_ = k + 1 == capacity_ ? 0 : k + 1;
-    if (scan_keys_[k] == at_max) --budget_at_max_;
+    if (scan_keys_[k] == at_max && at_max > 0) --budget_at_max_;
     scan_keys_[k] = kInUse;  // chosen: not again in this Commit
     return static_cast<int32_t>(k);  // empty (key 0) or a victim
   }
@@ -305,14 +306,19 @@ void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
     ++stats_.hits;
     ++hits_since_halving_;
   }
-  const int64_t never_used = capacity_ - never_used_;
-  if (num_misses > never_used) {
+  // Empty slots: never used, or freed (Remove, a repeated id). The hand
+  // takes every empty slot it passes; victims only make up the rest.
+  const int64_t empty = capacity_ - size_;
+  if (num_misses <= empty) {
+    evict_max_level_ = -1;
+    budget_at_max_ = 0;
+  } else {
     // in_use_per_freq becomes "kept per counter value": used or hinted.
     int64_t hinted_per_distance[kHintLevels + 1] = {};
     if (hints.n > 0) {
       MarkHints(hints, &hint_found, &hinted, in_use_per_freq, hinted_per_distance);
     }
-    SetEvictionThreshold(num_misses - never_used, in_use_per_freq, hinted_per_distance);
+    SetEvictionThreshold(num_misses - empty, in_use_per_freq, hinted_per_distance);
   }
   // Passes over the misses, so that the random accesses of each can be
   // prefetched: choose a slot for each (the clock reads only scan_keys_),
@@ -462,6 +468,19 @@ void CacheDirectory::Entries(std::vector<Eviction>* out, bool reset_uses) {
 
 void CacheDirectory::ResetUses() {
   for (Slot& s : slots_) s.uses = 0;
+}
+
+int32_t CacheDirectory::Remove(int64_t id) {
+  const int32_t slot = Probe(id);
+  if (slot < 0) return -1;
+  MapErase(id);
+  Slot& s = slots_[slot];
+  --freq_count_[s.freq];
+  --size_;
+  s = Slot();
+  // Key 0: the hand takes an empty slot before any victim.
+  scan_keys_[slot] = 0;
+  return slot;
 }
 
 void CacheDirectory::Clear() {

@@ -144,6 +144,12 @@ class CacheDirectory {
   // Sets every cached id's use counter to 0.
   void ResetUses();
 
+  // Forgets `id` (its row is dropped, not written back): its slot becomes
+  // empty, for a later miss to take. Returns the slot, or -1 if `id` was not
+  // cached. Not during a Commit whose slots are still to be used (a
+  // prepared lookahead plan holding the id must be dropped by the caller).
+  int32_t Remove(int64_t id);
+
   // Forgets every id (the rows are assumed to be flushed already).
   void Clear();
 

@@ -256,6 +256,24 @@ int64_t EmbeddingStore::PruneHostToSize(int64_t max_rows, uint32_t* min_count) {
   return table_.PruneToSize(max_rows, PruneKeepLocked(), min_count);
 }
 
+int64_t EmbeddingStore::Remove(const int64_t* ids, int64_t n, int64_t* cached) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // Every cached id has a host row (admitting an id inserts it), so the host
+  // table's count is the count of distinct ids removed. The host rows go
+  // first: out of memory (std::bad_alloc) that removes nothing, and the
+  // directory's part below allocates nothing.
+  const int64_t removed = table_.Remove(ids, n);
+  *cached = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (directory_.Remove(ids[i]) >= 0) ++*cached;
+  }
+  // Handles of removed rows are invalid now (the free list hands the rows to
+  // new ids): the next write-back goes by id.
+  pending_ids_.clear();
+  pending_handles_.clear();
+  return removed;
+}
+
 void EmbeddingStore::Probe(const int64_t* ids, int64_t n,
                            int32_t* slots) const {
   std::lock_guard<std::mutex> lock(mu_);

@@ -87,6 +87,16 @@ class EmbeddingStore {
   // (HostTable::PruneToSize); `*min_count` as there.
   int64_t PruneHostToSize(int64_t max_rows, uint32_t* min_count);
 
+  // Removes `ids` from the cache (their rows are dropped, not written back)
+  // and from the host table; returns how many of them the host table held
+  // (every cached id has a host row). Out of memory (std::bad_alloc) it
+  // removes nothing.
+  // A removed id that comes back starts from its initial row. The caller
+  // makes sure no write-back of a Prepare is pending and drops a prepared
+  // plan that holds any of the ids. On return `*cached` holds how many of
+  // them were cached.
+  int64_t Remove(const int64_t* ids, int64_t n, int64_t* cached);
+
   // Write-backs that took the by-handle path (for tests).
   int64_t write_backs_by_handle() const {
     std::lock_guard<std::mutex> lock(mu_);

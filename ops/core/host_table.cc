@@ -755,8 +755,59 @@ int64_t HostTable::PruneToSize(int64_t max_rows, const std::unordered_set<int64_
       keep);
 }
 
-template <typename Remove>
-int64_t HostTable::PruneLocked(Remove remove, const std::unordered_set<int64_t>& keep) {
+bool HostTable::EraseLocked(Shard& s, int64_t id, uint64_t hash) {
+  const uint64_t size = s.entries.size();
+  if (size == 0) return false;
+  const auto next = [size](uint64_t pos) { return pos + 1 == size ? 0 : pos + 1; };
+  uint64_t hole = HomeOf(hash, size);
+  for (;; hole = next(hole)) {
+    const Entry& e = s.entries[hole];
+    if (e.row == kEmptyRow) return false;
+    if (e.id == id) break;
+  }
+  const uint32_t row = s.entries[hole].row;
+  // An entry after the hole in the same run moves into it unless its home
+  // lies cyclically in (hole, j]: it would then be found before the hole.
+  for (uint64_t j = next(hole);; j = next(j)) {
+    const Entry e = s.entries[j];
+    if (e.row == kEmptyRow) break;
+    const uint64_t home = HomeOf(HashId(e.id), size);
+    const bool reachable = hole <= j ? (hole < home && home <= j) : (hole < home || home <= j);
+    if (!reachable) {
+      s.entries[hole] = e;
+      hole = j;
+    }
+  }
+  s.entries[hole] = Entry{0, kEmptyRow};
+  s.free_rows.push_back(row);  // the caller reserved room
+  --s.used;
+  return true;
+}
+
+int64_t HostTable::Remove(const int64_t* ids, int64_t n) {
+  std::unique_lock<std::shared_mutex> no_writes(prune_mu_);
+  int64_t removed = 0;
+  // Room on every shard's free list first, for each of its ids: the pass
+  // that removes then allocates nothing but ForEachByShard's own scratch,
+  // which comes before it visits any shard.
+  ForEachByShard(
+      ids, n, [](int64_t, Shard&, uint64_t) {},
+      [](Shard& s, uint32_t count) { s.free_rows.reserve(s.free_rows.size() + count); });
+  ForEachByShard(
+      ids, n,
+      [this, ids, &removed](int64_t i, Shard& s, uint64_t hash) {
+        if (EraseLocked(s, ids[i], hash)) {
+          ++removed;
+          ++s.generation;
+        }
+      });
+  size_.fetch_sub(removed);
+  reserved_.fetch_sub(removed);
+  return removed;
+}
+
+template <typename ShouldGo>
+int64_t HostTable::PruneLocked(ShouldGo remove, const std::unordered_set<int64_t>& keep) {
   int64_t removed = 0;
   std::vector<Entry> kept;
   std::vector<uint32_t> freed;

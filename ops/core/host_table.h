@@ -167,6 +167,14 @@ class HostTable {
   // starts from its initial row, as if never seen.
   int64_t Prune(uint32_t min_count, const std::unordered_set<int64_t>& keep);
 
+  // Removes the given ids (those stored; repeats and absent ids are
+  // skipped); returns how many were removed. Like Prune, their rows go to
+  // the free list and their handles become invalid; unlike it, only the
+  // shards of `ids` are visited and their indexes are not rebuilt (each
+  // entry is deleted in place). Out of memory (std::bad_alloc, before any
+  // shard changed) it removes nothing.
+  int64_t Remove(const int64_t* ids, int64_t n);
+
   // Removes the least used ids, except those in `keep`, until at most
   // `max_rows` rows remain (or only kept ones); returns how many were
   // removed. Ids of equal use count go in the order of their values, so
@@ -260,8 +268,8 @@ class HostTable {
   uint16_t& CountOf(const Shard& s, uint32_t row) const;
   // Prune's work, prune_mu_ held by the caller: removes the ids, not in
   // `keep`, for which remove(use count, id) is true.
-  template <typename Remove>
-  int64_t PruneLocked(Remove remove, const std::unordered_set<int64_t>& keep);
+  template <typename ShouldGo>
+  int64_t PruneLocked(ShouldGo remove, const std::unordered_set<int64_t>& keep);
   void AddSaturating(const Shard& s, uint32_t row, uint32_t count) const;
   // With a row file, while rows_on_disk_: asks the kernel to start reading
   // the pages of the rows of `ids` that the table holds (RowFile::WillNeed),
@@ -272,6 +280,10 @@ class HostTable {
   // After a batch read of n rows that took `seconds`: were its rows read
   // from the disk (far slower per row than from memory)? Sets rows_on_disk_.
   void NoteReadTime(int64_t n, double seconds) const;
+  // Deletes `id`'s index entry (backward shift: later entries of its probe
+  // run move back, so lookups need no tombstones) and puts its row on the
+  // free list, which must have room for it. Caller holds the shard lock.
+  bool EraseLocked(Shard& s, int64_t id, uint64_t hash);
   // Returns the entry of `id` or nullptr. Caller holds the shard lock.
   Entry* Locate(Shard& s, int64_t id, uint64_t hash) const;
   // Inserts `id` (must be absent) with a fresh arena row; returns its entry.

@@ -700,6 +700,25 @@ class HostPruneToSizeOp : public StoreOpKernel {
   }
 };
 
+class StoreRemoveOp : public StoreOpKernel {
+ public:
+  using StoreOpKernel::StoreOpKernel;
+
+ protected:
+  void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
+    const Tensor& ids = ctx->input(1);
+    OP_REQUIRES_OK(ctx, CheckIds(ids));
+    Tensor* removed = nullptr;
+    Tensor* cached = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &removed));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &cached));
+    int64_t num_cached = 0;
+    removed->scalar<int64_t>()() =
+        store.Remove(ids.flat<int64_t>().data(), ids.NumElements(), &num_cached);
+    cached->scalar<int64_t>()() = num_cached;
+  }
+};
+
 class StoreStatsOp : public StoreOpKernel {
  public:
   using StoreOpKernel::StoreOpKernel;
@@ -761,6 +780,7 @@ SFCTR_CPU_KERNEL("SfctrHostExportRange", HostExportRangeOp);
 SFCTR_CPU_KERNEL("SfctrHostAddCounts", HostAddCountsOp);
 SFCTR_CPU_KERNEL("SfctrHostClear", HostClearOp);
 SFCTR_CPU_KERNEL("SfctrHostPrune", HostPruneOp);
+SFCTR_CPU_KERNEL("SfctrStoreRemove", StoreRemoveOp);
 SFCTR_CPU_KERNEL("SfctrHostPruneToSize", HostPruneToSizeOp);
 SFCTR_CPU_KERNEL("SfctrHostSetSeed", HostSetSeedOp);
 SFCTR_CPU_KERNEL("SfctrStoreStats", StoreStatsOp);

@@ -195,6 +195,77 @@ def run_deferred(out_dir, rank, size):
     np.savez(os.path.join(out_dir, f"deferred_rank{rank}.npz"), ok=np.array(1))
 
 
+def run_remove(out_dir, rank, size):
+    """remove_rows is collective, each rank naming its own ids (maybe none):
+    a model-parallel table removes each id at its owner, after delivering
+    the last step's deferred update; a data-parallel one removes every
+    rank's ids on every replica. Removed ids then read and train as never
+    seen: a twin whose copies are reset with assign_rows holds the same
+    rows, before and after more steps (SGD: exact)."""
+    v = sc.vocab()[:48]
+    rng = np.random.default_rng(20 + rank)
+    batches = [tf.constant(v[np.minimum(rng.zipf(1.3, size=(2, 3)) - 1, 47)])
+               for _ in range(8)]
+    w = tf.constant(np.arange(12, dtype=np.float32).reshape(2, 3, 2) * (rank + 1) / 10)
+    for distribution in ("model_parallel", "data_parallel"):
+        def layer(name):
+            return CachedEmbedding(2, cache_capacity=12,
+                                   optimizer=tf_sfctr.optimizers.SGD(1.0),
+                                   seed=3, name=f"remove_{distribution}_{name}",
+                                   distribution=distribution)
+
+        a, b, fresh = layer("a"), layer("b"), layer("fresh")
+        fresh.build(None)
+
+        def trainer(emb):
+            def step(x):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(emb(x, training=True) * w)
+                return tape.gradient(loss, emb.trainable_weights)
+            return step
+
+        step_a, step_b = trainer(a), trainer(b)
+        for x in batches[:4]:
+            step_a(x), step_b(x)
+        # Right after a step. Ids of both owners, cached or not, one never
+        # seen, one named by both ranks; rank 1's list is empty once.
+        def held(emb):
+            ids = np.concatenate([p[0] for p in emb.export_rows()])
+            if distribution == "model_parallel":
+                ids = hvd.allgather(tf.constant(ids)).numpy()
+            return set(ids.tolist())
+
+        for round_, gone in enumerate(([v[0], v[1], v[2], v[47] + 1] if rank == 0
+                                       else [v[1], v[5], v[30]],
+                                       [v[3], v[4]] if rank == 0 else [])):
+            gone = np.array(gone, np.int64)
+            every = set(hvd.allgather(tf.constant(gone, tf.int64)).numpy().tolist())
+            expected = len(every & held(b))
+            initial = fresh.lookup_rows(gone)
+            assert a.remove_rows(gone) == expected, (distribution, round_, expected)
+            b.assign_rows(gone, initial)
+            if round_ == 0:  # (round 1 trains first: the next step's
+                # prepare must not hand a freed slot to a new id before the
+                # deferred update is applied)
+                np.testing.assert_array_equal(a.lookup_rows(v), b.lookup_rows(v),
+                                              err_msg=f"{distribution} round {round_}")
+                assert not every & held(a), (distribution, every & held(a))
+            for x in batches[4 + 2 * round_: 6 + 2 * round_]:
+                step_a(x), step_b(x)
+            np.testing.assert_array_equal(a.lookup_rows(v), b.lookup_rows(v),
+                                          err_msg=f"{distribution} round {round_}, trained")
+        if distribution == "data_parallel":  # the replicas stayed identical
+            both = hvd.allgather(tf.constant(a.lookup_rows(v))[None]).numpy()
+            np.testing.assert_array_equal(both[0], both[1])
+        # A bad argument on one rank raises on every rank; nothing is removed.
+        rows = a.cache_stats()["host_rows"]
+        _expect_error(lambda: a.remove_rows([v[6]] if rank == 0 else [1.5]),
+                      "remove_rows failed on another rank" if rank == 0
+                      else "ids must be integers")
+        assert a.cache_stats()["host_rows"] == rows
+    np.savez(os.path.join(out_dir, f"remove_rank{rank}.npz"), ok=np.array(1))
+
+
 def run_extras(out_dir, rank, size):
     """exchange.send_ids_with_extras: every section reaches the owners."""
     from tf_sfctr.distributed import exchange
@@ -1131,7 +1202,7 @@ def run_loss_scale_skip(out_dir, rank):
 def main():
     out_dir = sys.argv[1]
     only = sys.argv[2:] or list(sc.SCENARIOS) + ["routing", "extras", "broadcast", "checkpoint",
-                                            "robustness", "resume", "deferred",
+                                            "robustness", "resume", "deferred", "remove",
                                             "restore_checks", "weighted", "metrics",
                                             "loss_scale_skip"]
     hvd.init()
@@ -1170,6 +1241,8 @@ def main():
             run_resume(out_dir, rank)
         elif name == "deferred":
             run_deferred(out_dir, rank, size)
+        elif name == "remove":
+            run_remove(out_dir, rank, size)
         elif name == "checkpoint":
             run_checkpoint_and_export(out_dir, rank, size)
         elif name == "restore_checks":

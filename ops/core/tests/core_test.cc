@@ -852,8 +852,12 @@ TEST_CASE(DirectoryNeverEvictsCurrentStep) {
     CHECK(d.Classify(ids.data(), ids.size(), slots.data(), &misses).ok());
     std::vector<int64_t> miss_pos;
     std::vector<CacheDirectory::Eviction> evicted;
+    const int64_t empty = cap - d.size();
     d.Commit(ids.data(), ids.size(), slots.data(), &miss_pos, &evicted);
     CHECK_EQ(static_cast<int64_t>(miss_pos.size()), misses);
+    // Empty slots (never used, or freed by Remove below) are taken first:
+    // only the misses beyond them evict.
+    CHECK_EQ(static_cast<int64_t>(evicted.size()), std::max<int64_t>(0, misses - empty));
     for (const auto& e : evicted) {
       CHECK(step_ids.count(e.id) == 0);
       CHECK_EQ(model[e.id], e.slot);
@@ -868,6 +872,17 @@ TEST_CASE(DirectoryNeverEvictsCurrentStep) {
       model[ids[i]] = slots[i];
     }
     CHECK_EQ(d.size(), static_cast<int64_t>(model.size()));
+    if (step % 7 == 3) {  // free a few slots between steps
+      for (int k = 0; k < 5 && !model.empty(); ++k) {
+        auto it = model.begin();
+        std::advance(it, rng() % model.size());
+        CHECK_EQ(d.Remove(it->first), it->second);
+        CHECK_EQ(d.Probe(it->first), -1);
+        model.erase(it);
+      }
+      CHECK_EQ(d.Remove(-1), -1);  // never cached
+      CHECK_EQ(d.size(), static_cast<int64_t>(model.size()));
+    }
   }
   for (const auto& kv : model) CHECK_EQ(d.Probe(kv.first), kv.second);
   CHECK(d.stats().evictions > 0);
@@ -1193,6 +1208,35 @@ void RunStoreAgainstModel(const Scheduler* schedule) {
       for (int j = 0; j < 2; ++j) row[j] += 1.0f;
       for (int j = 2; j < 4; ++j) row[j] += 10.0f;
       std::copy(row, row + w, want.begin());
+    }
+    if (step % 13 == 6) {
+      // Between steps, remove a few ids, cached or not, held or never seen
+      // (and one twice): each comes back later from its initial row, with
+      // its uses counted from 0, and the slots of the cached ones are
+      // filled again by later misses.
+      std::vector<int64_t> gone;
+      for (int k = 0; k < 6; ++k) gone.push_back(static_cast<int64_t>(rng() % 320) - 160);
+      gone.push_back(gone[0]);
+      std::set<int64_t> distinct(gone.begin(), gone.end());
+      int64_t held = 0, cached_before = 0;
+      for (int64_t id : distinct) {
+        held += model.count(id);
+        int32_t slot;
+        store.Probe(&id, 1, &slot);
+        cached_before += slot >= 0;
+      }
+      int64_t cached = -1;
+      const int64_t cached_rows = store.Stats().cached_rows;
+      CHECK_EQ(store.Remove(gone.data(), gone.size(), &cached), held);
+      CHECK_EQ(cached, cached_before);
+      for (int64_t id : distinct) {
+        model.erase(id);
+        uses.erase(id);
+        int32_t slot;
+        store.Probe(&id, 1, &slot);
+        CHECK_EQ(slot, -1);
+      }
+      CHECK_EQ(store.Stats().cached_rows, cached_rows - cached);
     }
     if (step % 97 == 0) {
       // A read outside training: cached values from the cache, the others
@@ -1815,6 +1859,77 @@ TEST_CASE(HostTablePruneToSizeRemovesTheLeastUsedAndBreaksTiesById) {
   CHECK(g.Write(gids.data(), 4, grows.data(), gcounts.data()).ok());
   CHECK_EQ(g.PruneToSize(2, {}, &min_count), int64_t{2});
   CHECK_EQ(min_count, uint32_t{6});
+}
+
+TEST_CASE(HostTableRemoveDeletesInPlaceAndReusesRows) {
+  // Many ids in few shards, so that probe runs are long and the backward
+  // shift of later entries is exercised; checked against a map model.
+  HostTableOptions o = Options(3, 1);
+  o.num_shards = 2;
+  HostTable t(o);
+  std::mt19937_64 rng(21);
+  std::map<int64_t, float> model;  // id -> first value
+  std::vector<int64_t> ids;
+  for (int i = 0; i < 20000; ++i) ids.push_back(static_cast<int64_t>(rng() % 60000) - 30000);
+  std::vector<float> rows(ids.size() * 6);
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(i / 6);
+  std::vector<uint32_t> counts(ids.size(), 3);
+  CHECK(t.Write(ids.data(), ids.size(), rows.data(), counts.data()).ok());
+  for (size_t i = 0; i < ids.size(); ++i) model[ids[i]] = static_cast<float>(i);  // last wins
+  const size_t bytes = t.AllocatedBytes();
+  for (int round = 0; round < 4; ++round) {
+    // Held ids, absent ones and repeats.
+    std::vector<int64_t> gone;
+    for (int k = 0; k < 3000; ++k) gone.push_back(static_cast<int64_t>(rng() % 64000) - 32000);
+    gone.insert(gone.end(), gone.begin(), gone.begin() + 100);
+    int64_t held = 0;
+    for (int64_t id : std::set<int64_t>(gone.begin(), gone.end())) held += model.count(id);
+    CHECK_EQ(t.Remove(gone.data(), gone.size()), held);
+    for (int64_t id : gone) model.erase(id);
+    CHECK_EQ(t.size(), static_cast<int64_t>(model.size()));
+    std::vector<int64_t> all;
+    for (int64_t id = -32000; id < 32000; ++id) all.push_back(id);
+    std::vector<float> got(all.size() * 6);
+    t.Find(all.data(), all.size(), got.data());
+    for (size_t i = 0; i < all.size(); ++i) {
+      auto it = model.find(all[i]);
+      if (it != model.end()) {
+        CHECK_EQ(got[i * 6], it->second);
+      } else {
+        std::vector<float> init(6);
+        t.InitialRow(all[i], init.data());
+        CHECK_EQ(got[i * 6], init[0]);
+      }
+    }
+    CHECK_EQ(t.CountMissing(all.data(), all.size()),
+             static_cast<int64_t>(all.size() - model.size()));
+    // Removed ids come back from their initial row with no uses, in the
+    // rows the removal freed (no new memory).
+    std::vector<int64_t> back(gone.begin(), gone.begin() + 500);
+    std::sort(back.begin(), back.end());
+    back.erase(std::unique(back.begin(), back.end()), back.end());
+    std::vector<float> fresh(back.size() * 6);
+    CHECK(t.Reserve(back.size()).ok());
+    std::vector<uint32_t> uses(back.size(), 99);
+    CHECK(t.FindOrInsertReserved(back.data(), back.size(), fresh.data(), back.size(),
+                                 uses.data()).ok());
+    for (size_t i = 0; i < back.size(); ++i) {
+      std::vector<float> init(6);
+      t.InitialRow(back[i], init.data());
+      CHECK_EQ(fresh[i * 6], init[0]);
+      CHECK_EQ(uses[i], uint32_t{0});
+      model[back[i]] = init[0];
+    }
+    CHECK_EQ(t.size(), static_cast<int64_t>(model.size()));
+    CHECK_EQ(t.AllocatedBytes(), bytes);
+  }
+  std::vector<int64_t> out_ids;
+  std::vector<float> out_rows;
+  std::vector<uint32_t> out_counts;
+  t.Export(&out_ids, &out_rows, &out_counts);
+  CHECK_EQ(out_ids.size(), model.size());
+  for (size_t i = 0; i < out_ids.size(); ++i) CHECK_EQ(out_rows[i * 6], model[out_ids[i]]);
+  CHECK_EQ(t.Remove(nullptr, 0), int64_t{0});
 }
 
 TEST_CASE(HostTablePruneDuringWritesKeepsMaxRows) {

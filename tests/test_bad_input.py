@@ -205,8 +205,8 @@ def test_traced_step_with_a_bad_gradient_changes_nothing(monkeypatch, opt, kerne
     must hold back each tensor an update reads: the gradient sums and the
     sums of squares (per-occurrence Adagrad on the stock-op path and FTRL
     accumulate those alone). A finite gradient whose square overflows float32
-    would store an infinite accumulator (Adagrad, Adam, FTRL), or an
-    infinite row (SGD at 1e30 x 10): refused as well."""
+    would store an infinite accumulator (Adagrad, Adam, FTRL): refused as
+    well, for SGD too (README: a table must stay finite)."""
     monkeypatch.setenv("TF_SFCTR_CPU_KERNELS", kernels)  # read when the step is traced
     layer = CachedEmbedding(4, cache_capacity=6, seed=0, optimizer=_GATED_OPTIMIZERS[opt]())
     ids = np.array([3, 1, 4, 1], np.int64)

@@ -4,6 +4,8 @@ and returns the epoch to continue from: a run stopped and resumed trains
 exactly as one that never stopped. (Under Horovod the callback calls the
 collective save every rank makes; tests/test_distributed.py covers that.)"""
 
+import shutil
+
 import keras
 import numpy as np
 import pytest
@@ -73,13 +75,19 @@ def test_a_run_resumed_from_its_epoch_saves_equals_one_that_never_stopped(tmp_pa
 def test_every_steps_saves_after_each_nth_step_and_keeps_the_newest(tmp_path):
     vocab, x, y = _data()
     model, emb = _model()
-    saver = SaveCheckpoints(None, str(tmp_path), every_steps=3, keep=1)
+    saver = SaveCheckpoints(None, str(tmp_path), every_steps=3, keep=2)
     _fit(model, x, y, epochs=2, callbacks=[saver])
     steps = [int(p.rsplit("-", 1)[1]) for p in saver.saved]
-    assert steps == [3, 6, 9]  # 10 steps in all
-    assert [p.name for p in tmp_path.iterdir()] == ["ckpt-000000000009"]
-    # Step 9 is in the second epoch: resuming starts that epoch again.
-    assert read_metadata(saver.saved[-1]) == {"step": 9, "epochs": 1}
+    assert steps == [3, 6, 9, 10]  # 10 steps in all: the end of fit is saved too
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000000000009",
+                                                          "ckpt-000000000010"]
+    assert read_metadata(saver.saved[-1]) == {"step": 10, "epochs": 2}
+    other, _ = _model(seed=9)
+    assert resume(_ckpt(other), str(tmp_path)) == 2
+    # Step 9 is in the second epoch: resuming from it (as after a crash
+    # before the end) starts that epoch again.
+    assert read_metadata(saver.saved[-2]) == {"step": 9, "epochs": 1}
+    shutil.rmtree(saver.saved[-1])
     other, other_emb = _model(seed=9)
     assert resume(_ckpt(other), str(tmp_path)) == 1
     assert int(other.optimizer.iterations) == 9
@@ -195,3 +203,53 @@ def test_a_save_at_an_epochs_last_step_counts_the_epoch_on_data_of_unknown_size(
     model.fit(data, epochs=1, verbose=0, callbacks=[saver])
     assert int(model.optimizer.iterations) == STEPS + 1  # (Keras's extra count)
     assert [read_metadata(p) for p in saver.saved] == [{"step": STEPS, "epochs": 1}]
+
+
+def test_every_steps_saves_the_end_of_each_fit_for_one_fit_per_day(tmp_path):
+    """A run of one fit per day of data (resume, fit one more epoch): with
+    every_steps that does not divide a day's steps, the end of each day was
+    never saved, and the next day resumed from inside the day before,
+    training its last steps again and losing them from the save."""
+    vocab, x, y = _data()
+    whole, whole_emb = _model()
+    _fit(whole, x, y, epochs=3)
+    for day in range(3):
+        model, emb = _model()
+        start = resume(_ckpt(model), str(tmp_path))
+        assert start == day
+        saver = SaveCheckpoints(None, str(tmp_path), every_steps=3, keep=2)
+        _fit(model, x, y, epochs=day + 1, initial_epoch=start, callbacks=[saver])
+        assert read_metadata(saver.saved[-1]) == {"step": (day + 1) * STEPS, "epochs": day + 1}
+    np.testing.assert_array_equal(emb.lookup_rows(vocab), whole_emb.lookup_rows(vocab))
+    for a, b in zip(model.get_weights(), whole.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_steps_of_a_last_partial_execution_are_saved(tmp_path):
+    """With steps_per_execution, Keras reports no batch of an epoch's last,
+    partial execution. A save at the last reported batch was marked as after
+    the epoch (resuming skipped the unreported steps), and the steps were
+    never saved; now the save stays inside the epoch and fit's end is saved."""
+    vocab, x, y = _data()
+    x, y = np.concatenate([x] * 4), np.concatenate([y] * 4)  # 20 batches
+
+    def model_spe3():
+        model, emb = _model()
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", steps_per_execution=3)
+        return model, emb
+
+    whole, whole_emb = model_spe3()
+    _fit(whole, x, y, epochs=1)
+    model, _ = model_spe3()
+    saver = SaveCheckpoints(None, str(tmp_path), every_steps=6, keep=None)
+    _fit(model, x, y, epochs=1, callbacks=[saver])
+    # Keras counts 21 iterations for 20 batches: 6 executions of 3, one of
+    # 2 (unreported), and one more count once the data ran out.
+    assert [read_metadata(p) for p in saver.saved] == [
+        {"step": 6, "epochs": 0}, {"step": 12, "epochs": 0}, {"step": 18, "epochs": 0},
+        {"step": 21, "epochs": 1}]
+    again, again_emb = model_spe3()
+    assert resume(_ckpt(again), str(tmp_path)) == 1
+    np.testing.assert_array_equal(again_emb.lookup_rows(vocab), whole_emb.lookup_rows(vocab))
+    for a, b in zip(again.get_weights(), whole.get_weights()):
+        np.testing.assert_array_equal(a, b)

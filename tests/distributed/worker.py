@@ -432,7 +432,9 @@ def run_robustness(out_dir, rank, size):
     before4 = emb4.lookup_rows(v)
     _expect_error(lambda: restore(tf.train.Checkpoint(model=model4),
                                   os.path.join(out_dir, "ckpt_2ranks")),
-                  "restore it with the distribution it was saved with")
+                  "restore it with the distribution it was saved with (on any number of "
+                  "ranks), or in one process, which reads either: to switch distributions, "
+                  "restore it there and save it again.")
     np.testing.assert_array_equal(emb4.lookup_rows(v), before4)
     # Restoring on another number of ranks into layers not built yet: refused.
     emb2, dense2, _ = sc.build(opt_name, kind, "model_parallel")

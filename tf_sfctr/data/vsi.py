@@ -117,7 +117,8 @@ def with_unique_ids(
     use counts and hit/miss counters, and their new ids get host rows
     (which count towards ``max_rows``). ``repeat`` and ``take`` after it
     are fine. ``cache_stats()["prepared_ahead"]`` counts the steps that
-    used their plan (all but the first of each pass).
+    used their plan: all but the first of each pass, less a batch with no
+    ids (no plan is made for it) and the batch after it.
 
     Args:
       dataset: batches of ``(features, label[, weights])`` with a dict

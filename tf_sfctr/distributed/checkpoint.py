@@ -711,8 +711,11 @@ def _table_mode(store: EmbeddingStore, headers: list, size: int, saved_size: int
                     else "data-parallel (replicated) table") +
                 " but the layer is " + ("data parallel" if store.replicated
                                         else "model parallel") +
-                "; restore it with the distribution it was saved with, on as many ranks "
-                "as saved it (or on one process, which reads either).")
+                "; restore it with the distribution it was saved with (on any number of "
+                "ranks" + (", or, for format 1, on as many ranks as saved it" if format1
+                           else "") +
+                "), or in one process, which reads either: to switch distributions, "
+                "restore it there and save it again.")
         return "whole"
     return "shards"
 

@@ -133,7 +133,8 @@ class SaveCheckpoints(keras.callbacks.Callback):
     """Saves ``checkpoint`` with ``tf_sfctr.distributed.save`` while the
     model trains: at the end of every epoch, or with ``every_steps=n`` after
     every n-th training step (counted by the optimizer, so a resumed run
-    goes on counting), into ``directory/ckpt-<step>`` (``ckpt-<step>.<n>``
+    goes on counting) and when ``fit`` ends after steps not saved yet (so
+    that a run of one ``fit`` per day of data saves each day's end), into ``directory/ckpt-<step>`` (``ckpt-<step>.<n>``
     for a later save of a step saved already: the steps a LossScaleOptimizer
     skipped are not counted, but they change its scale). After each save, the
     ``keep`` newest complete saves are kept and the older ones deleted
@@ -164,6 +165,7 @@ class SaveCheckpoints(keras.callbacks.Callback):
         self._begin_step: Optional[int] = None
         self._saved_step: Optional[int] = None
         self._batches_after_save = 0
+        self._unreported_after_save = False  # see _unreported_steps
         self.saved: list[str] = []  # paths written by this callback, oldest first
 
     def on_train_begin(self, logs=None):
@@ -186,6 +188,27 @@ class SaveCheckpoints(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
 
+    def on_train_end(self, logs=None):
+        # Keras ends every epoch it began (also one a callback stopped
+        # early) before fit ends: this save resumes after that epoch.
+        if self.every_steps is None or self._last_step is None:
+            return
+        step = _steps_done(self.model)
+        if self._batches_after_save or self._unreported_steps(step):
+            self._save(step, epochs=self._epoch + 1)
+
+    def _unreported_steps(self, step: int) -> bool:
+        """Whether steps ran after the last batch Keras reported: a last
+        execution of fewer than ``steps_per_execution`` batches is not
+        reported, and once data runs out the optimizer counts one more
+        iteration, which is not a step. So the count at an epoch's end
+        exceeds the last batch's by one for a run-out, and by more only
+        after unreported steps."""
+        if self._unreported_after_save:
+            return True
+        self._unreported_after_save = step - self._last_step >= 2
+        return self._unreported_after_save
+
     def on_train_batch_end(self, batch, logs=None):
         self._batches_after_save += 1
         if self.every_steps is None:
@@ -203,6 +226,8 @@ class SaveCheckpoints(keras.callbacks.Callback):
             # Steps after the save, all skipped by a LossScaleOptimizer: they
             # changed its scale, so the epoch's end is saved again.
             self._save(step, epochs=epoch + 1)
+        elif self._unreported_steps(step):
+            pass  # steps came after the save: it stays a save inside the epoch
         elif self.saved and self._saved_step == self._last_step:
             # Saved after this epoch's last step: it resumes after the epoch,
             # not at its start (which would train its steps twice). (Compared
@@ -243,6 +268,7 @@ class SaveCheckpoints(keras.callbacks.Callback):
         self.saved.append(path)
         self._saved_step = step
         self._batches_after_save = 0
+        self._unreported_after_save = False
         _, rank = world()
         if rank == 0 and self.keep is not None:
             try:

@@ -275,15 +275,20 @@ class TableAccessMixin:
         self._call_suffixes = {}  # this graph's collectives (see _collective_name)
         with tf.control_dependencies([self._deliver_deferred()]):
             settled = self._settle()
+        ahead = self._counted_ahead()
         with tf.control_dependencies([settled]):
-            ids, slots = self._store.cache_entries()
+            # Credits the cached uses to the host table (flagging the rows
+            # used since the last flush changed), except a lookahead plan's
+            # early count, which stays cached until its step has trained.
+            ids, slots = self._store.cache_entries(ahead)
         written = self._store.host_write(
-            ids, [_ops.gather_rows(v, slots) for v in self._device_variables])
+            ids, [_ops.gather_rows(v, slots) for v in self._device_variables],
+            mark_changed=False)
         with tf.control_dependencies([written]):
             return tf.size(ids)
 
-    def export_rows(self, part_rows: int = 1 << 20) -> Iterator[tuple[np.ndarray, np.ndarray,
-                                                                     np.ndarray]]:
+    def export_rows(self, part_rows: int = 1 << 20, *, changed_only: bool = False
+                    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Every row of the table as NumPy ``(ids, rows, use_counts)`` parts
         of at most ``part_rows`` rows each (int64 ``[n]``, float32
         ``[n, output_dim]``, int64 ``[n]``): for analysis, an
@@ -300,6 +305,15 @@ class TableAccessMixin:
         read (rows changed in between come as they are when their part is
         read; ids added or removed in between can be missed or come twice).
 
+        ``changed_only=True`` exports only the rows changed since the
+        previous ``changed_only`` export (or since the table was built or
+        restored): rows trained, assigned or new since then, for pushing a
+        delta to a serving store during online training. A row counts as
+        exported once its part is read (rows changed later come in the next
+        delta; rows of parts not read stay for it). Ids removed since
+        (``prune``, ``remove_rows``) are not reported: a serving store that
+        must drop them needs its own expiry or a full export.
+
         Example:
 
         >>> from tf_sfctr.keras_layers import CachedEmbedding
@@ -308,12 +322,19 @@ class TableAccessMixin:
         >>> parts = list(emb.export_rows(part_rows=2))
         >>> [len(ids) for ids, rows, counts in parts], sorted(np.concatenate([p[0] for p in parts]))
         ([2, 1], [7, 8, 9])
+        >>> sorted(i for ids, _, _ in emb.export_rows(changed_only=True) for i in ids)  # new
+        [7, 8, 9]
+        >>> emb.assign_rows([8], [[2.0, 2.0]])
+        >>> [ids.tolist() for ids, _, _ in emb.export_rows(changed_only=True)]
+        [[8]]
         """
         self._require_built()
         error = None
         if (isinstance(part_rows, (bool, np.bool_)) or not isinstance(part_rows, (int, np.integer))
                 or part_rows < 1):
             error = ValueError(f"part_rows must be a positive int, got {part_rows!r}")
+        elif not isinstance(changed_only, (bool, np.bool_)):
+            error = TypeError(f"changed_only must be True or False, got {changed_only!r}")
         if self._mode == "model_parallel":
             # The flush is collective: every rank goes on, or none.
             with self._one_collective_call():
@@ -322,19 +343,14 @@ class TableAccessMixin:
             raise error
         part_rows = min(int(part_rows), 2**62)
         self.flush()
-        ahead = self._counted_ahead()
-        ahead = None if ahead is None else np.asarray(ahead).ravel()
-        return self._export_parts(part_rows, ahead)
+        return self._export_parts(part_rows, bool(changed_only))
 
-    def _export_parts(self, part_rows: int, ahead: Optional[np.ndarray]):
+    def _export_parts(self, part_rows: int, changed_only: bool):
         dim, cursor = self.output_dim, 0
         while cursor != -1:
-            ids, rows, counts, cursor = self._store.host_export_range(cursor, part_rows)
+            ids, rows, counts, cursor = self._store.host_export_range(cursor, part_rows,
+                                                                      changed_only)
             ids, counts, cursor = ids.numpy(), counts.numpy().astype(np.int64), int(cursor)
-            if ahead is not None and ahead.size:
-                # A lookahead plan counted the next batch's step before it
-                # ran: count as a checkpoint saves them.
-                counts -= np.isin(ids, ahead) & (counts < 65535)
             if ids.size:
                 yield ids, np.ascontiguousarray(rows.numpy()[:, :dim]), counts
 

@@ -453,7 +453,6 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             self._failed_restore = kind(str(err))
             raise
         self._store.before_save = self.flush
-        self._store.counted_ahead = self._counted_ahead
         # A restored table replaces the cache: a prepared plan and a
         # deferred update are void.
         self._store.before_load = self._void_cache_work
@@ -483,9 +482,11 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
 
     def _counted_ahead(self) -> Optional[tf.Tensor]:
         """The ids of a lookahead plan whose step the directory has already
-        counted (prepared, not trained yet), for a checkpoint to save their
-        use counts one lower: a restore discards the plan, and the restored
-        run prepares and counts that batch again."""
+        counted (prepared, not trained yet): a flush leaves that count in the
+        cache (``SfctrCacheEntries``' hold_ids), so the host table, and the
+        checkpoints and exports read from it, count only steps that trained
+        (a restore discards the plan, and the restored run prepares and
+        counts that batch again)."""
         plan = getattr(self, "_plan", None)
         if plan is None:
             return None

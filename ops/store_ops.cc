@@ -114,6 +114,7 @@ REGISTER_OP("SfctrHostWrite")
     .Attr("num_parts: int >= 1 = 1")
     .Input("rows: num_parts * float")
     .Input("counts: int64")
+    .Attr("mark_changed: bool = true")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle ids, unused;
@@ -132,7 +133,10 @@ REGISTER_OP("SfctrHostWrite")
 Stores full-width rows (value and optimizer state) in the host table, given
 as `num_parts` column blocks whose widths add up to the row width (e.g. the
 gathered value and state rows, without concatenating them first). `counts` is
-empty or holds one use count per id, added to the id's counter.
+empty or holds one use count per id, added to the id's counter. Rows are
+flagged changed (for a changed_only export) when `mark_changed`, except those
+whose count is 0; a flush writes the cache back without flagging (the cache
+entries op flagged the rows used since the last flush).
 )doc");
 
 REGISTER_OP("SfctrHostAssign")
@@ -198,6 +202,7 @@ REGISTER_OP("SfctrCacheProbe")
 
 REGISTER_OP("SfctrCacheEntries")
     .Input("store: resource")
+    .Input("hold_ids: int64")
     .Output("ids: int64")
     .Output("slots: int32")
     .SetIsStateful()
@@ -205,7 +210,10 @@ REGISTER_OP("SfctrCacheEntries")
       TF_RETURN_IF_ERROR(VectorOfUnknown(c, 0));
       return VectorOfUnknown(c, 1);
     })
-    .Doc("Every cached id and its slot (for flushing the cache to the host).");
+    .Doc("Every cached id and its slot (for flushing the cache to the host); credits "
+         "their uses to the host table and flags the rows used since the last call "
+         "changed. The ids of hold_ids (a lookahead plan's, counted before their step "
+         "trains them) keep one use in the cache, credited after that step.");
 
 REGISTER_OP("SfctrCacheClear")
     .Input("store: resource")
@@ -238,6 +246,7 @@ REGISTER_OP("SfctrHostExportRange")
     .Output("rows: float")
     .Output("counts: int64")
     .Output("next_cursor: int64")
+    .Attr("changed_only: bool = false")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       TF_RETURN_IF_ERROR(VectorOfUnknown(c, 0));
@@ -250,7 +259,9 @@ REGISTER_OP("SfctrHostExportRange")
     .Doc("A part of the host table for saving it a part at a time: up to max_rows whole "
          "rows (with their ids and use counts) from `cursor` on (0 at the start), and the "
          "cursor of the next part (-1 once every row was returned). The parts add up to "
-         "the table when nothing changes its ids between the calls.");
+         "the table when nothing changes its ids between the calls. With changed_only, "
+         "only the rows flagged changed (written since the previous such export), whose "
+         "flags it clears.");
 
 REGISTER_OP("SfctrHostAddCounts")
     .Input("store: resource")

@@ -254,9 +254,10 @@ def _run_worker(tmp_path, scenario):
          str(tmp_path), scenario], capture_output=True, text=True, timeout=300, env=env)
 
 
-def test_remove_rows_on_two_ranks_forgets_ids_as_a_reset_twin(results):
+def test_remove_rows_and_deltas_on_two_ranks(results):
     # The checks run on the ranks (tests/distributed/worker.py, run_remove):
-    # model- and data-parallel, ids of both owners, right after a step.
+    # model- and data-parallel, ids of both owners, right after a step; and
+    # export_rows(changed_only=True) gives the rows both ranks trained.
     for rank in range(sc.WORLD):
         assert int(results("remove", rank)["ok"]) == 1
 

@@ -152,8 +152,9 @@ def test_cache_stats_counts(rng):
     assert s["hit_rate"] == pytest.approx(1 / 6)
     # Each host-table shard holding one of the 5 rows has a 16-entry index
     # (12 bytes each) and a first block of 16 rows (value + Adagrad state,
-    # 2 x 2 floats, and a 2-byte use count each): 480 bytes per shard.
-    assert s["host_bytes"] % 480 == 0 and 480 <= s["host_bytes"] <= 5 * 480, s["host_bytes"]
+    # 2 x 2 floats, and a 4-byte use count and changed flag each): 512
+    # bytes per shard.
+    assert s["host_bytes"] % 512 == 0 and 512 <= s["host_bytes"] <= 5 * 512, s["host_bytes"]
 
 
 def _train_side_by_side(a, b, rng) -> None:
@@ -199,9 +200,10 @@ def test_reserve_rows_holds_the_expected_rows_memory_from_build_and_trains_the_s
     sized = CachedEmbedding(8, cache_capacity=64, seed=3, optimizer=opt, expected_rows=20_000)
     for layer in (reserved, sized):
         layer.build(None)
-    # Value + Adagrad state (2 x 8 floats) and a 2-byte use count per row,
-    # for 20k rows (and a margin per shard), before any id arrives.
-    payload = 20_000 * (2 * 8 * 4 + 2)
+    # Value + Adagrad state (2 x 8 floats) and a 4-byte use count and
+    # changed flag per row, for 20k rows (and a margin per shard), before
+    # any id arrives.
+    payload = 20_000 * (2 * 8 * 4 + 4)
     held = reserved.cache_stats()["host_bytes"]
     assert held - sized.cache_stats()["host_bytes"] >= payload
     _train_side_by_side(reserved, sized, rng)

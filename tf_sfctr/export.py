@@ -22,26 +22,19 @@ import tensorflow as tf
 from tf_sfctr.distributed import _horovod
 from tf_sfctr.keras_layers.cached_embedding import CachedEmbedding
 from tf_sfctr.keras_layers.serving_embedding import ServingEmbedding
-from tf_sfctr.store import _isin
 
 
 def _frozen_rows(layer: CachedEmbedding, max_rows: Optional[int]):
+    # (The flush leaves a lookahead plan's early count in the cache: the
+    # host table's counts are the steps that trained each id.)
     layer.flush()
-    ahead = layer._counted_ahead()
     if max_rows is not None:
         # Read a part at a time, keeping the most used rows only: a table
         # larger than memory (host_rows_dir) exports its max_rows most used.
-        ids, rows, counts, saturated, held = _most_used_parts(
-            layer, max_rows, None if ahead is None else ahead.numpy())
+        ids, rows, counts, saturated, held = _most_used_parts(layer, max_rows)
     else:
         # The embedding columns only: each host row also holds its optimizer state.
         ids, rows, counts = layer.store.host_export(columns=layer.output_dim)
-        if ahead is not None:
-            # A lookahead plan counted the next batch's step for its ids before
-            # that step trained them: count uses as a checkpoint saves them
-            # (capped counts stay at the cap, which they had reached anyway).
-            ahead = tf.logical_and(_isin(ids, ahead), counts < MAX_USE_COUNT)
-            counts = counts - tf.cast(ahead, counts.dtype)
         held = None
     if layer.mode == "model_parallel":
         # Every rank holds a shard (of the most used rows with max_rows, which
@@ -73,7 +66,7 @@ def _frozen_rows(layer: CachedEmbedding, max_rows: Optional[int]):
     return ids, rows
 
 
-def _most_used_parts(layer: CachedEmbedding, max_rows: int, ahead: Optional[np.ndarray]):
+def _most_used_parts(layer: CachedEmbedding, max_rows: int):
     """(ids, embedding rows, use counts, rows whose count reached its cap,
     rows read) of the ``max_rows`` most used rows of this process's table (ties by id,
     as ``_most_used``), read a part at a time (``host_export_range``): what
@@ -97,8 +90,6 @@ def _most_used_parts(layer: CachedEmbedding, max_rows: int, ahead: Optional[np.n
     while cursor != -1:
         ids, rows, counts, cursor = store.host_export_range(cursor, limit)
         ids, counts, cursor = ids.numpy(), counts.numpy(), int(cursor)
-        if ahead is not None and ahead.size:
-            counts = counts - (np.isin(ids, ahead) & (counts < MAX_USE_COUNT))
         saturated += int(np.count_nonzero(counts >= MAX_USE_COUNT))
         pending.append((ids, np.ascontiguousarray(rows.numpy()[:, :dim]), counts))
         held += ids.size

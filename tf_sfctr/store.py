@@ -136,16 +136,6 @@ class CheckpointMismatchError(ValueError):
     """A saved table does not fit this layer (format, width or size)."""
 
 
-def _isin(values: tf.Tensor, candidates: tf.Tensor) -> tf.Tensor:
-    """Whether each of ``values`` is among ``candidates`` (both int64; any
-    sizes, also empty, in eager and traced code)."""
-    keys = tf.sort(candidates)
-    pos = tf.searchsorted(keys, values)  # in [0, size]
-    padded = tf.concat([keys, tf.zeros([1], keys.dtype)], 0)
-    return tf.logical_and(pos < tf.size(keys, out_type=pos.dtype),
-                          tf.equal(tf.gather(padded, pos), values))
-
-
 def _naming_the_table(check):
     """Puts the table's (layer's) name in front of a refusal: a model of
     several tables said what was wrong, not with which table."""
@@ -182,7 +172,6 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         # Ids whose use count a checkpoint saves one lower (or None): a
         # lookahead plan counted its batch's step when it was prepared, and a
         # run restored from this checkpoint prepares and counts it again.
-        self.counted_ahead: Optional[Callable[[], Optional[tf.Tensor]]] = None
         # Called by load_table after its checks, before the table is replaced.
         self.before_load: Optional[Callable[[], object]] = None
         self.seed = config.seed  # changes when a checkpoint is restored
@@ -276,8 +265,12 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
     def cache_probe(self, ids: tf.Tensor) -> tf.Tensor:
         return _ops.load().sfctr_cache_probe(self.resource_handle, ids)
 
-    def cache_entries(self):
-        return _ops.load().sfctr_cache_entries(self.resource_handle)
+    def cache_entries(self, hold_ids: tf.Tensor | None = None):
+        """(ids, slots) of every cached id, crediting their uses to the host
+        table (see SfctrCacheEntries); ``hold_ids`` keep one use cached."""
+        if hold_ids is None:
+            hold_ids = tf.zeros([0], tf.int64)
+        return _ops.load().sfctr_cache_entries(self.resource_handle, hold_ids)
 
     def cache_clear(self):
         return _ops.load().sfctr_cache_clear(self.resource_handle)
@@ -293,14 +286,18 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         rows = _ops.load().sfctr_lookup_values(self.resource_handle, cache_rows.handle, ids)
         return tf.ensure_shape(rows, [None, self.config.dim])
 
-    def host_write(self, ids: tf.Tensor, rows, counts: tf.Tensor | None = None):
+    def host_write(self, ids: tf.Tensor, rows, counts: tf.Tensor | None = None,
+                   mark_changed: bool = True):
         """Stores full-width rows, given as one ``[n, width]`` tensor or a list
         of column blocks; ``counts`` (one per id) are added to the ids' use
-        counters."""
+        counters. Rows are flagged changed (``host_export_range``'s
+        ``changed_only``) unless their count is 0 or not ``mark_changed``
+        (a flush: ``cache_entries`` flagged the rows used since the last)."""
         if counts is None:
             counts = tf.zeros([0], tf.int64)
         parts = list(rows) if isinstance(rows, (list, tuple)) else [rows]
-        return _ops.load().sfctr_host_write(self.resource_handle, ids, parts, counts)
+        return _ops.load().sfctr_host_write(self.resource_handle, ids, parts, counts,
+                                            mark_changed=mark_changed)
 
     def host_assign(self, ids: tf.Tensor, values: tf.Tensor):
         return _ops.load().sfctr_host_assign(self.resource_handle, ids, values)
@@ -311,13 +308,15 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         optimizer state)."""
         return _ops.load().sfctr_host_export(self.resource_handle, columns=columns)
 
-    def host_export_range(self, cursor: int, max_rows: int):
+    def host_export_range(self, cursor: int, max_rows: int, changed_only: bool = False):
         """(ids, rows, use counts, next cursor) of up to ``max_rows`` whole
         host rows from ``cursor`` (0 at the start; the next cursor is -1
-        once every row was returned): the table a part at a time."""
+        once every row was returned): the table a part at a time. With
+        ``changed_only``, only the rows written since the previous such
+        export (of the ``max_rows`` it passes), whose flags it clears."""
         return _ops.load().sfctr_host_export_range(
             self.resource_handle, tf.constant(cursor, tf.int64),
-            tf.constant(max_rows, tf.int64))
+            tf.constant(max_rows, tf.int64), changed_only=changed_only)
 
     def host_add_counts(self, ids: tf.Tensor, counts: tf.Tensor):
         return _ops.load().sfctr_host_add_counts(self.resource_handle, ids, counts)
@@ -409,9 +408,6 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         if flush and self.before_save is not None:
             self.before_save()
         ids, rows, counts = self.host_export()
-        ahead = self.counted_ahead() if self.counted_ahead is not None else None
-        if ahead is not None:
-            counts = counts - tf.cast(_isin(ids, ahead), counts.dtype)
         stats = self.stats()
         return {"header": tf.constant(self.header(), tf.int64), "ids": ids, "rows": rows,
                 "counts": counts, "counters": stats[:3]}
@@ -432,8 +428,6 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         file ``path``, a part at a time; returns the rows written."""
         from tf_sfctr import table_file
 
-        ahead = self.counted_ahead() if self.counted_ahead is not None else None
-        ahead = None if ahead is None else np.asarray(ahead).ravel()
         held = int(self.stats()[3])
         limit = table_file.part_rows(self.config.width)
         cursor = 0
@@ -441,8 +435,6 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
             while cursor != -1:
                 ids, rows, counts, cursor = self.host_export_range(cursor, limit)
                 ids, counts, cursor = ids.numpy(), counts.numpy(), int(cursor)
-                if ahead is not None and ahead.size:
-                    counts = counts - np.isin(ids, ahead)
                 writer.write(ids, rows.numpy(), counts)
         if writer.rows != held or int(self.stats()[3]) != held:
             raise RuntimeError(

@@ -144,6 +144,9 @@ class CacheDirectory {
   // Sets every cached id's use counter to 0.
   void ResetUses();
 
+  // Sets the use counter of the id in `slot` (occupied).
+  void SetUses(int32_t slot, uint32_t uses) { slots_[slot].uses = uses; }
+
   // Forgets `id` (its row is dropped, not written back): its slot becomes
   // empty, for a later miss to take. Returns the slot, or -1 if `id` was not
   // cached. Not during a Commit whose slots are still to be used (a

@@ -200,21 +200,21 @@ CoreStatus EmbeddingStore::CheckDistinct(const int64_t* ids, int64_t n,
 }
 
 CoreStatus EmbeddingStore::WriteBack(const int64_t* ids, int64_t n, const float* rows,
-                                     const uint32_t* counts) {
+                                     const uint32_t* counts, bool mark_changed) {
   std::lock_guard<std::mutex> lock(mu_);
   try {
-    return WriteBackLocked(ids, n, rows, counts);
+    return WriteBackLocked(ids, n, rows, counts, mark_changed);
   } catch (const std::bad_alloc&) {  // WriteRows' scratch, before any row changed
     return table_.OutOfMemory("Nothing was written back.");
   }
 }
 
 CoreStatus EmbeddingStore::WriteBackLocked(const int64_t* ids, int64_t n, const float* rows,
-                                           const uint32_t* counts) {
+                                           const uint32_t* counts, bool mark_changed) {
   // A handle is valid until the host table is cleared (ClearHost forgets
   // them), and it belongs to the id it was recorded with: matching the ids
   // one by one is what makes the shortcut safe.
-  bool known = n > 0 && static_cast<size_t>(n) == pending_ids_.size() &&
+  bool known = mark_changed && n > 0 && static_cast<size_t>(n) == pending_ids_.size() &&
                std::equal(ids, ids + n, pending_ids_.begin());
   for (int64_t i = 0; known && i < n; ++i) known = pending_handles_[i] != 0;
   if (known) {
@@ -224,7 +224,7 @@ CoreStatus EmbeddingStore::WriteBackLocked(const int64_t* ids, int64_t n, const 
     pending_handles_.clear();
     return CoreStatus::Ok();
   }
-  return table_.Write(ids, n, rows, counts);
+  return table_.Write(ids, n, rows, counts, mark_changed);
 }
 
 void EmbeddingStore::ClearHost() {
@@ -316,8 +316,11 @@ void EmbeddingStore::LookupValues(const int64_t* ids, int64_t n, const float* ca
 }
 
 void EmbeddingStore::CachedEntries(std::vector<int64_t>* ids,
-                                   std::vector<int32_t>* slots) {
+                                   std::vector<int32_t>* slots, const int64_t* hold,
+                                   int64_t n_hold) {
   std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int32_t> held(n_hold);
+  directory_.ProbeMany(hold, n_hold, held.data());
   // The cached uses move to the host table: reset in the cache only once
   // they are there (out of memory, std::bad_alloc, no count is lost).
   std::vector<CacheDirectory::Eviction> entries;
@@ -328,13 +331,30 @@ void EmbeddingStore::CachedEntries(std::vector<int64_t>* ids,
   slots->reserve(entries.size());
   std::vector<uint32_t> uses;
   uses.reserve(entries.size());
+  // The held slots whose count stays cached (entries come in slot order).
+  std::vector<int32_t> kept;
+  kept.reserve(n_hold);
   for (const auto& e : entries) {
     ids->push_back(e.id);
     slots->push_back(e.slot);
     uses.push_back(e.uses);
   }
-  table_.AddUseCounts(ids->data(), ids->size(), uses.data());
+  for (int32_t slot : held) {
+    if (slot < 0) continue;
+    const auto at = std::lower_bound(
+        entries.begin(), entries.end(), slot,
+        [](const CacheDirectory::Eviction& e, int32_t s) { return e.slot < s; });
+    const size_t k = static_cast<size_t>(at - entries.begin());
+    if (at != entries.end() && at->slot == slot && uses[k] > 0) {
+      --uses[k];
+      kept.push_back(slot);
+    }
+  }
+  // Rows used since the last flush are flagged changed here; the caller's
+  // write-back of every cached row flags none (HostTable::Write).
+  table_.AddUseCounts(ids->data(), ids->size(), uses.data(), /*mark_changed=*/true);
   directory_.ResetUses();
+  for (int32_t slot : kept) directory_.SetUses(slot, 1);
 }
 
 void EmbeddingStore::ClearCache() {

@@ -72,8 +72,9 @@ class EmbeddingStore {
   // evictions, the rows go straight to where the cache remembered them
   // (HostTable::WriteRows: no hashing, no index probe); any other ids take
   // HostTable::Write (see there for running out of memory).
+  // `mark_changed` as for HostTable::Write (false: a flush's write-back).
   CoreStatus WriteBack(const int64_t* ids, int64_t n, const float* rows,
-                       const uint32_t* counts);
+                       const uint32_t* counts, bool mark_changed = true);
 
   // Removes every host row (the cache must be cleared or flushed first).
   void ClearHost();
@@ -114,8 +115,13 @@ class EmbeddingStore {
   void LookupValues(const int64_t* ids, int64_t n, const float* cache_rows,
                     float* out) const;
 
-  // Every cached id and its slot; credits their use counts to the host table.
-  void CachedEntries(std::vector<int64_t>* ids, std::vector<int32_t>* slots);
+  // Every cached id and its slot; credits their use counts to the host table
+  // and flags the rows used since the last call changed (HostTable). The
+  // ids of `hold` (n_hold of them: a lookahead plan's, counted when the
+  // next batch was prepared, before its step trains them) keep one use in
+  // the cache, credited (and flagged) after that step.
+  void CachedEntries(std::vector<int64_t>* ids, std::vector<int32_t>* slots,
+                     const int64_t* hold = nullptr, int64_t n_hold = 0);
 
   // Forgets the cache directory (rows must have been flushed).
   void ClearCache();
@@ -130,7 +136,7 @@ class EmbeddingStore {
                            const Scheduler* schedule, const EvictionHints& hints,
                            bool require_distinct);
   CoreStatus WriteBackLocked(const int64_t* ids, int64_t n, const float* rows,
-                             const uint32_t* counts);
+                             const uint32_t* counts, bool mark_changed);
   // Fails naming an id of `ids` that repeats. `slots` are Classify's
   // (equal slots >= 0 are a repeated cached id); the misses (`miss_ids`)
   // are checked with a small hash set.

@@ -103,10 +103,10 @@ float* HostTable::RowPtr(const Shard& s, uint32_t row) const {
   return s.blocks[block].get() + offset * width_;
 }
 
-uint16_t& HostTable::CountOf(const Shard& s, uint32_t row) const {
+HostTable::RowMeta& HostTable::MetaOf(const Shard& s, uint32_t row) const {
   uint64_t block, offset;
   BlockOf(row, &block, &offset);
-  return s.count_blocks[block][offset];
+  return s.meta_blocks[block][offset];
 }
 
 void HostTable::AddBlockLocked(Shard& s) const {
@@ -115,11 +115,11 @@ void HostTable::AddBlockLocked(Shard& s) const {
   const uint64_t block = s.blocks.size();
   const size_t rows = BlockRows(block);
   s.blocks.reserve(block + 1);
-  s.count_blocks.reserve(block + 1);
-  const size_t count_bytes = sizeof(uint16_t) * rows;
-  std::unique_ptr<uint16_t[], BlockDeleter> counts(
-      static_cast<uint16_t*>(AllocateHeap(count_bytes)),
-      BlockDeleter{count_bytes, false, nullptr, 0});
+  s.meta_blocks.reserve(block + 1);
+  const size_t meta_bytes = sizeof(RowMeta) * rows;
+  std::unique_ptr<RowMeta[], BlockDeleter> meta(
+      static_cast<RowMeta*>(AllocateHeap(meta_bytes)),
+      BlockDeleter{meta_bytes, false, nullptr, 0});
   // A shard this large (over 2^17 rows) reads and writes its rows at random
   // over GBs: huge pages save a page-table walk per access. Rows fill a
   // block in order, so at most one huge page per shard is resident but not
@@ -139,7 +139,7 @@ void HostTable::AddBlockLocked(Shard& s) const {
         BlockDeleter{bytes, large, nullptr, 0});
   }
   s.blocks.push_back(std::move(values));
-  s.count_blocks.push_back(std::move(counts));
+  s.meta_blocks.push_back(std::move(meta));
 }
 
 float* HostTable::AllocateRowLocked(Shard& s) const {
@@ -189,8 +189,8 @@ void HostTable::ReserveRowsLocked(Shard& s, uint64_t rows) const {
     const size_t bytes = sizeof(float) * used * width_;
     // A write, not a read: a read would map the shared zero page.
     for (size_t off = 0; off < bytes; off += kPage) p[off] = 0;
-    volatile char* c = reinterpret_cast<char*>(s.count_blocks[b].get());
-    for (size_t off = 0; off < sizeof(uint16_t) * used; off += kPage) c[off] = 0;
+    volatile char* c = reinterpret_cast<char*>(s.meta_blocks[b].get());
+    for (size_t off = 0; off < sizeof(RowMeta) * used; off += kPage) c[off] = 0;
   }
 }
 
@@ -298,7 +298,7 @@ HostTable::Entry* HostTable::InsertLocked(Shard& s, int64_t id,
     row = s.rows;
     AllocateRowLocked(s);
   }
-  CountOf(s, row) = 0;
+  MetaOf(s, row) = RowMeta{0, 1};  // a new row is a change
   s.entries[pos] = Entry{id, row};
   ++s.used;
   ++s.generation;
@@ -449,7 +449,7 @@ CoreStatus HostTable::FindOrInsertReserved(const int64_t* ids, int64_t n, float*
 }
 
 CoreStatus HostTable::Write(const int64_t* ids, int64_t n, const float* rows,
-                            const uint32_t* add_counts) {
+                            const uint32_t* add_counts, bool mark_changed) {
   int64_t inserted = 0, stored = 0;
   try {
     std::shared_lock<std::shared_mutex> no_prune(prune_mu_);
@@ -481,6 +481,9 @@ CoreStatus HostTable::Write(const int64_t* ids, int64_t n, const float* rows,
       }
       std::memcpy(RowPtr(s, e->row), rows + i * width_, sizeof(float) * width_);
       if (add_counts != nullptr) AddSaturating(s, e->row, add_counts[i]);
+      if (mark_changed && (add_counts == nullptr || add_counts[i] > 0)) {
+        MetaOf(s, e->row).changed = 1;
+      }
       ++stored;
     }, presize);
   } catch (const std::bad_alloc&) {
@@ -559,7 +562,12 @@ void HostTable::WriteRows(const uint64_t* handles, int64_t n, const float* rows,
       const uint32_t row = static_cast<uint32_t>(handles[i] - 1);
       std::memcpy(RowPtr(s, row), rows + static_cast<int64_t>(i) * width_,
                   sizeof(float) * width_);
-      if (add_counts != nullptr) AddSaturating(s, row, add_counts[i]);
+      if (add_counts != nullptr) {
+        AddSaturating(s, row, add_counts[i]);
+        if (add_counts[i] > 0) MetaOf(s, row).changed = 1;
+      } else {
+        MetaOf(s, row).changed = 1;
+      }
     }
   }
 }
@@ -596,10 +604,12 @@ void HostTable::AddUseCount(int64_t id, uint32_t count) {
 }
 
 void HostTable::AddUseCounts(const int64_t* ids, int64_t n,
-                             const uint32_t* counts) {
+                             const uint32_t* counts, bool mark_changed) {
   ForEachByShard(ids, n, [&](int64_t i, Shard& s, uint64_t h) {
     Entry* e = Locate(s, ids[i], h);
-    if (e != nullptr) AddSaturating(s, e->row, counts[i]);
+    if (e == nullptr) return;
+    AddSaturating(s, e->row, counts[i]);
+    if (mark_changed && counts[i] > 0) MetaOf(s, e->row).changed = 1;
   });
 }
 
@@ -622,7 +632,8 @@ void HostTable::Export(std::vector<int64_t>* ids, std::vector<float>* rows,
 }
 
 void HostTable::ExportRange(uint64_t* cursor, int64_t max_rows, std::vector<int64_t>* ids,
-                            std::vector<float>* rows, std::vector<int64_t>* counts) const {
+                            std::vector<float>* rows, std::vector<int64_t>* counts,
+                            bool changed_only) const {
   // The cursor is (shard << 40 | arena row): parts follow each shard's arena
   // in row order, which is the order of its blocks in memory and, with a row
   // file, on the disk, so a table on file is read sequentially.
@@ -673,8 +684,13 @@ void HostTable::ExportRange(uint64_t* cursor, int64_t max_rows, std::vector<int6
     }
     for (uint64_t r = r0; r < r1; ++r) {
       if (!m.held[r]) continue;
+      RowMeta& meta = MetaOf(s, static_cast<uint32_t>(r));
+      if (changed_only) {
+        if (!meta.changed) continue;
+        meta.changed = 0;  // (the shard's lock is held)
+      }
       ids->push_back(m.ids[r]);
-      counts->push_back(CountOf(s, static_cast<uint32_t>(r)));
+      counts->push_back(meta.count);
       const float* src = RowPtr(s, static_cast<uint32_t>(r));
       rows->insert(rows->end(), src, src + width_);
     }
@@ -859,7 +875,7 @@ void HostTable::Clear() {
     std::lock_guard<std::mutex> lock(s.mu);
     decltype(s.entries)().swap(s.entries);
     s.blocks.clear();
-    s.count_blocks.clear();
+    s.meta_blocks.clear();
     s.free_rows.clear();
     s.used = 0;
     s.rows = 0;
@@ -877,7 +893,7 @@ void HostTable::Clear() {
     } catch (const std::bad_alloc&) {
       decltype(s.entries)().swap(s.entries);
       s.blocks.clear();
-      s.count_blocks.clear();
+      s.meta_blocks.clear();
       s.rows = 0;
     }
   }
@@ -902,7 +918,7 @@ size_t HostTable::AllocatedBytes() const {
     std::lock_guard<std::mutex> lock(s.mu);
     bytes += s.entries.capacity() * sizeof(Entry);
     for (size_t b = 0; b < s.blocks.size(); ++b) {
-      bytes += BlockRows(b) * (width_ * sizeof(float) + sizeof(uint16_t));
+      bytes += BlockRows(b) * (width_ * sizeof(float) + sizeof(RowMeta));
     }
   }
   return bytes;

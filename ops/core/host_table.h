@@ -6,7 +6,8 @@
 // open-addressing index of 12-byte entries {id, row number}, grown by 3/2
 // while small and by about 5/4 past 4096 entries (so it is at least 54%, once
 // large about 65%, full), and an arena of row blocks whose size
-// grows geometrically, with a 16-bit use counter per row beside them, so rows
+// grows geometrically, with 4 bytes per row beside them (a 16-bit use
+// counter and a "changed" flag, RowMeta), so rows
 // never move when the index grows and a small table stays small. TF-free.
 #ifndef TF_SFCTR_OPS_CORE_HOST_TABLE_H_
 #define TF_SFCTR_OPS_CORE_HOST_TABLE_H_
@@ -109,20 +110,30 @@ class HostTable {
   static uint64_t MakeHandle(uint64_t shard, uint32_t row) {
     return (shard << 32 | row) + 1;
   }
+  // Changed flags: a row is flagged when it is inserted and whenever it is
+  // written with new values (see each writer), and ExportRange with
+  // `changed_only` returns the flagged rows and clears their flags: the
+  // rows changed since the previous such export.
+  //
   // Stores full-width rows at handles from FindOrInsertReserved, adding
-  // add_counts (if given) to their use counters.
+  // add_counts (if given) to their use counters. A row is flagged changed
+  // unless its add_count is 0 (an evicted row no step used since it was
+  // last written back holds what the host row holds).
   void WriteRows(const uint64_t* handles, int64_t n, const float* rows,
                  const uint32_t* add_counts = nullptr);
 
   // Stores full-width rows (value and state), inserting missing ids. If
   // given, add_counts[i] is added to the use counter of ids[i] on the way
   // (the cache hands back the uses of evicted rows with their values).
+  // Rows are flagged changed when `mark_changed`, except those whose
+  // add_count is 0; a flush writes the cache back with `mark_changed`
+  // false, as AddUseCounts has flagged the rows used since the last one.
   // Fails (ResourceExhausted), changing nothing, past max_rows. Out of host
   // memory, fails part-way: each row is then either stored whole or
   // unchanged, size() counts exactly the ids inserted, and repeating the
   // call stores the rest.
   CoreStatus Write(const int64_t* ids, int64_t n, const float* rows,
-                   const uint32_t* add_counts = nullptr);
+                   const uint32_t* add_counts = nullptr, bool mark_changed = true);
 
   // Sets the value part of rows (n x dim) and resets their optimizer state to
   // state_init, inserting missing ids.
@@ -131,8 +142,10 @@ class HostTable {
   // Adds `count` to the use counter of a stored id (no-op if absent). Use
   // counters saturate at 65535.
   void AddUseCount(int64_t id, uint32_t count);
-  // Same for n ids at once.
-  void AddUseCounts(const int64_t* ids, int64_t n, const uint32_t* counts);
+  // Same for n ids at once; with `mark_changed`, the rows whose count is
+  // above 0 are flagged changed too.
+  void AddUseCounts(const int64_t* ids, int64_t n, const uint32_t* counts,
+                    bool mark_changed = false);
 
   // Snapshot of every stored row, in no particular order.
   void Export(std::vector<int64_t>* ids, std::vector<float>* rows,
@@ -153,10 +166,13 @@ class HostTable {
   // parts add up to the table only if nothing inserts, removes or clears
   // rows between the calls (rows written in between are returned as they
   // are when their part is read). Keeps a map of one shard's row ids
-  // between calls (8 bytes per row of that shard).
+  // between calls (8 bytes per row of that shard). With `changed_only`,
+  // returns only the rows flagged changed, of the `max_rows` it passes, and
+  // clears their flags (a row written again later is flagged again).
   static constexpr uint64_t kNoMoreRows = ~uint64_t{0};
   void ExportRange(uint64_t* cursor, int64_t max_rows, std::vector<int64_t>* ids,
-                   std::vector<float>* rows, std::vector<int64_t>* counts) const;
+                   std::vector<float>* rows, std::vector<int64_t>* counts,
+                   bool changed_only = false) const;
 
   // Removes every stored id whose use counter is below `min_count`, except
   // the ids in `keep`; returns how many were removed. Out of memory
@@ -230,6 +246,12 @@ class HostTable {
   static constexpr uint32_t kEmptyRow = 0xffffffffu;
   static constexpr uint32_t kMaxCount = 0xffffu;
 
+  // What a row has beside its floats.
+  struct RowMeta {
+    uint16_t count;    // steps that used the id (saturating)
+    uint16_t changed;  // 1: written since the last changed_only export
+  };
+
   // Row blocks: the largest (capped) blocks are mapped on huge pages, see
   // AddBlockLocked; the others, and the use counts, come from the heap.
   struct BlockDeleter {
@@ -253,7 +275,7 @@ class HostTable {
     std::vector<Entry, LargeAllocator<Entry>> entries;  // any size
     uint32_t used = 0;                          // occupied entries
     std::vector<std::unique_ptr<float[], BlockDeleter>> blocks;
-    std::vector<std::unique_ptr<uint16_t[], BlockDeleter>> count_blocks;  // one per row block
+    std::vector<std::unique_ptr<RowMeta[], BlockDeleter>> meta_blocks;  // one per row block
     uint32_t rows = 0;                          // rows handed out from arena
     std::vector<uint32_t> free_rows;            // arena rows of pruned ids
     uint64_t generation = 0;  // bumped by every insert, prune and clear
@@ -265,7 +287,8 @@ class HostTable {
   static uint64_t HomeOf(uint64_t hash, uint64_t size) {
     return static_cast<uint64_t>((static_cast<unsigned __int128>(hash) * size) >> 64);
   }
-  uint16_t& CountOf(const Shard& s, uint32_t row) const;
+  RowMeta& MetaOf(const Shard& s, uint32_t row) const;
+  uint16_t& CountOf(const Shard& s, uint32_t row) const { return MetaOf(s, row).count; }
   // Prune's work, prune_mu_ held by the caller: removes the ids, not in
   // `keep`, for which remove(use count, id) is true.
   template <typename ShouldGo>

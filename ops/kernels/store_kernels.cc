@@ -369,7 +369,9 @@ class CachePrepareOp : public StoreOpKernel {
 
 class HostWriteOp : public StoreOpKernel {
  public:
-  using StoreOpKernel::StoreOpKernel;
+  explicit HostWriteOp(OpKernelConstruction* ctx) : StoreOpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("mark_changed", &mark_changed_));
+  }
 
  protected:
   void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
@@ -418,9 +420,13 @@ class HostWriteOp : public StoreOpKernel {
       rows = joined.data();
     }
     OP_REQUIRES_OK(ctx, ToTf(store.WriteBack(ids.flat<int64_t>().data(), n, rows,
-                                             add.empty() ? nullptr : add.data()),
+                                             add.empty() ? nullptr : add.data(),
+                                             mark_changed_),
                              ctx));
   }
+
+ private:
+  bool mark_changed_ = true;
 };
 
 class HostAssignOp : public StoreOpKernel {
@@ -519,9 +525,13 @@ class CacheEntriesOp : public StoreOpKernel {
 
  protected:
   void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
+    const Tensor& hold = ctx->input(1);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(hold.shape()),
+                errors::InvalidArgument("hold_ids must be a vector, got shape ",
+                                        hold.shape().DebugString()));
     std::vector<int64_t> ids;
     std::vector<int32_t> slots;
-    store.CachedEntries(&ids, &slots);
+    store.CachedEntries(&ids, &slots, hold.flat<int64_t>().data(), hold.NumElements());
     OutputVector(ctx, 0, ids);
     OutputVector(ctx, 1, slots);
   }
@@ -585,7 +595,9 @@ class HostExportOp : public StoreOpKernel {
 
 class HostExportRangeOp : public StoreOpKernel {
  public:
-  using StoreOpKernel::StoreOpKernel;
+  explicit HostExportRangeOp(OpKernelConstruction* ctx) : StoreOpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("changed_only", &changed_only_));
+  }
 
  protected:
   void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
@@ -602,7 +614,7 @@ class HostExportRangeOp : public StoreOpKernel {
     uint64_t at = static_cast<uint64_t>(cursor.scalar<int64_t>()());
     std::vector<int64_t> ids, counts;
     std::vector<float> rows;
-    store.table().ExportRange(&at, limit, &ids, &rows, &counts);
+    store.table().ExportRange(&at, limit, &ids, &rows, &counts, changed_only_);
     const int64_t n = static_cast<int64_t>(ids.size());
     const int64_t width = store.table().width();
     OutputVector(ctx, 0, ids);
@@ -616,6 +628,9 @@ class HostExportRangeOp : public StoreOpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({}), &next));
     next->scalar<int64_t>()() = static_cast<int64_t>(at);  // -1: no more rows
   }
+
+ private:
+  bool changed_only_ = false;
 };
 
 class HostAddCountsOp : public StoreOpKernel {

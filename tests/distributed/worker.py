@@ -201,7 +201,8 @@ def run_remove(out_dir, rank, size):
     the last step's deferred update; a data-parallel one removes every
     rank's ids on every replica. Removed ids then read and train as never
     seen: a twin whose copies are reset with assign_rows holds the same
-    rows, before and after more steps (SGD: exact)."""
+    rows, before and after more steps (SGD: exact). Then deltas
+    (export_rows(changed_only=True)) on both distributions."""
     v = sc.vocab()[:48]
     rng = np.random.default_rng(20 + rank)
     batches = [tf.constant(v[np.minimum(rng.zipf(1.3, size=(2, 3)) - 1, 47)])
@@ -257,6 +258,25 @@ def run_remove(out_dir, rank, size):
         if distribution == "data_parallel":  # the replicas stayed identical
             both = hvd.allgather(tf.constant(a.lookup_rows(v))[None]).numpy()
             np.testing.assert_array_equal(both[0], both[1])
+        # Deltas (export_rows(changed_only=True), collective flush): after
+        # two steps, the rows of every id either rank used, each from its
+        # owner (model parallel) or from every replica.
+        for _ in a.export_rows(changed_only=True):
+            pass
+        for x in batches[:2]:
+            step_a(x)
+        parts = list(a.export_rows(changed_only=True))
+        mine = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
+        used = np.unique(hvd.allgather(tf.reshape(tf.concat(batches[:2], 0), [-1])).numpy())
+        if distribution == "model_parallel":
+            assert np.all(owner_of(mine, size) == rank), mine
+            mine = hvd.allgather(tf.constant(mine)).numpy()
+        np.testing.assert_array_equal(np.sort(mine), used, err_msg=distribution)
+        if parts:
+            np.testing.assert_array_equal(np.concatenate([p[1] for p in parts]),
+                                          a.lookup_rows(np.concatenate([p[0] for p in parts])))
+        else:
+            a.lookup_rows(np.zeros(0, np.int64))  # (collective)
         # A bad argument on one rank raises on every rank; nothing is removed.
         rows = a.cache_stats()["host_rows"]
         _expect_error(lambda: a.remove_rows([v[6]] if rank == 0 else [1.5]),

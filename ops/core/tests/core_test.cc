@@ -1932,6 +1932,90 @@ TEST_CASE(HostTableRemoveDeletesInPlaceAndReusesRows) {
   CHECK_EQ(t.Remove(nullptr, 0), int64_t{0});
 }
 
+namespace {
+// The ids a changed_only export returns (all parts), sorted.
+std::vector<int64_t> ChangedIds(const HostTable& t, int64_t part_rows = 3) {
+  std::vector<int64_t> ids, counts;
+  std::vector<float> rows;
+  uint64_t cursor = 0;
+  while (cursor != HostTable::kNoMoreRows) {
+    t.ExportRange(&cursor, part_rows, &ids, &rows, &counts, /*changed_only=*/true);
+  }
+  std::sort(ids.begin(), ids.end());
+  return ids;
+}
+}  // namespace
+
+TEST_CASE(HostTableFlagsChangedRowsUntilAChangedOnlyExport) {
+  HostTable t(Options(2, 1));
+  const int w = t.width();
+  std::vector<int64_t> ids = {5, 6, 7, 8};
+  std::vector<float> rows(4 * w, 1.0f);
+  CHECK(t.Write(ids.data(), 4, rows.data()).ok());
+  CHECK(ChangedIds(t) == ids);  // new rows
+  CHECK(ChangedIds(t).empty());  // flags cleared
+  // Written with no uses (an evicted row no step used since it was last
+  // written back) or without flagging (a flush): not changed.
+  std::vector<uint32_t> zero(4, 0), some = {0, 2, 0, 1};
+  CHECK(t.Write(ids.data(), 4, rows.data(), zero.data()).ok());
+  CHECK(t.Write(ids.data(), 4, rows.data(), nullptr, /*mark_changed=*/false).ok());
+  t.AddUseCounts(ids.data(), 4, some.data());  // counts alone flag nothing
+  CHECK(ChangedIds(t).empty());
+  CHECK(t.Write(ids.data(), 4, rows.data(), some.data()).ok());
+  CHECK((ChangedIds(t) == std::vector<int64_t>{6, 8}));
+  t.AddUseCounts(ids.data(), 4, some.data(), /*mark_changed=*/true);  // a flush's credit
+  CHECK((ChangedIds(t) == std::vector<int64_t>{6, 8}));
+  CHECK(t.AssignValues(&ids[0], 1, rows.data()).ok());
+  // By handle (write-backs of evictions), and new ids of a fetch.
+  std::vector<int64_t> fetch = {7, 9};
+  std::vector<float> out(2 * w);
+  std::vector<uint64_t> handles(2);
+  CHECK(t.Reserve(2).ok());
+  CHECK(t.FindOrInsertReserved(fetch.data(), 2, out.data(), 2, nullptr, handles.data()).ok());
+  CHECK((ChangedIds(t) == std::vector<int64_t>{5, 9}));
+  std::vector<uint32_t> uses = {3, 0};
+  t.WriteRows(handles.data(), 2, out.data(), uses.data());
+  CHECK((ChangedIds(t) == std::vector<int64_t>{7}));
+  // Every row of a part is read with its count; plain exports clear nothing.
+  CHECK(t.Write(ids.data(), 4, rows.data()).ok());
+  std::vector<int64_t> all_ids;
+  std::vector<float> all_rows;
+  std::vector<uint32_t> all_counts;
+  t.Export(&all_ids, &all_rows, &all_counts);
+  CHECK(ChangedIds(t, 1) == ids);
+}
+
+TEST_CASE(StoreFlushKeepsAHeldCountCached) {
+  // A lookahead plan's ids were counted when they were prepared: a flush
+  // before their step credits the other uses and keeps that one cached;
+  // the flush after the step credits it and flags the row.
+  StoreOptions o;
+  o.table = Options(2, 0);
+  o.cache_capacity = 8;
+  EmbeddingStore store(o);
+  std::vector<int64_t> step1 = {1, 2, 3}, plan = {3, 4};
+  PrepareResult r;
+  CHECK(store.Prepare(step1.data(), 3, &r).ok());
+  CHECK(store.Prepare(plan.data(), 2, &r).ok());  // counted ahead
+  std::vector<int64_t> ids;
+  std::vector<int32_t> slots;
+  store.CachedEntries(&ids, &slots, plan.data(), 2);
+  CHECK_EQ(ids.size(), size_t{4});
+  std::vector<int64_t> all_ids;
+  std::vector<float> rows;
+  std::vector<uint32_t> counts;
+  store.table().Export(&all_ids, &rows, &counts);
+  std::map<int64_t, uint32_t> got;
+  for (size_t i = 0; i < all_ids.size(); ++i) got[all_ids[i]] = counts[i];
+  CHECK((got == std::map<int64_t, uint32_t>{{1, 1}, {2, 1}, {3, 1}, {4, 0}}));
+  (void)ChangedIds(store.table());  // a delta now
+  store.CachedEntries(&ids, &slots);  // the step trained them; the next flush
+  store.table().Export(&all_ids, &rows, &counts);
+  for (size_t i = 0; i < all_ids.size(); ++i) got[all_ids[i]] = counts[i];
+  CHECK((got == std::map<int64_t, uint32_t>{{1, 1}, {2, 1}, {3, 2}, {4, 1}}));
+  CHECK((ChangedIds(store.table()) == std::vector<int64_t>{3, 4}));
+}
+
 TEST_CASE(HostTablePruneDuringWritesKeepsMaxRows) {
   // Write counts missing ids, reserves, then inserts; a prune in between
   // used to let inserts go unreserved, and max_rows drifted upwards.

@@ -1,0 +1,133 @@
+"""``export_rows(changed_only=True)``: the rows changed since the previous
+such export, for pushing deltas to a serving store during online training.
+
+The reference is the table itself read whole before and after: a delta must
+hold every id whose row changed or that is new, with its current row, and
+(without lookahead) nothing else: rows a step trained, rows assigned, new
+ids. A cached row no step used since the last delta must not come again
+just because a flush wrote the cache back."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_sfctr
+from tf_sfctr.data import deduplicate
+from tf_sfctr.keras_layers import CachedEmbedding
+
+from conftest import powerlaw_ids, random_vocab
+
+DIM = 3
+
+
+def _layer(**kwargs):
+    return CachedEmbedding(DIM, cache_capacity=40, seed=4,
+                           optimizer=tf_sfctr.optimizers.SGD(0.01), **kwargs)
+
+
+def _step(layer, ids, next_ids=None):
+    feature = deduplicate(tf.constant(ids))
+    if next_ids is not None:
+        feature["next_unique_ids"] = deduplicate(tf.constant(next_ids))["unique_ids"]
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.square(layer(feature, training=True) - 2.0))
+    tape.gradient(loss, layer.trainable_weights)
+
+
+def _delta(layer, part_rows=1 << 20):
+    parts = list(layer.export_rows(part_rows=part_rows, changed_only=True))
+    if not parts:
+        return np.zeros([0], np.int64), np.zeros([0, DIM], np.float32)
+    ids, rows, _ = (np.concatenate([p[k] for p in parts]) for k in range(3))
+    assert len(set(ids.tolist())) == len(ids)
+    return ids, rows
+
+
+def _held(layer):
+    return {int(i) for ids, _, _ in layer.export_rows() for i in ids}
+
+
+@pytest.mark.parametrize("part_rows", [7, 1 << 20])
+def test_a_delta_holds_exactly_the_rows_changed_since_the_last(rng, part_rows):
+    vocab = random_vocab(rng, 400)
+    layer = _layer()
+    ids, rows = _delta(layer)
+    assert ids.size == 0  # an empty table
+    for round_ in range(6):
+        before = layer.lookup_rows(vocab)
+        held_before = _held(layer)
+        used, assigned = set(), set()
+        for _ in range(5):
+            batch = powerlaw_ids(rng, vocab, (8, 3), alpha=1.1)
+            _step(layer, batch)
+            used |= set(batch.ravel().tolist())
+        if round_ % 2:
+            targets = rng.choice(vocab, 6, replace=False)
+            layer.assign_rows(targets, np.full((6, DIM), float(round_), np.float32))
+            assigned |= set(targets.tolist())
+        if round_ == 3:
+            layer.lookup_rows(vocab)  # reads change nothing
+            layer.flush()  # nor does a flush between deltas
+        assert layer.cache_stats()["evictions"] > 0 or round_ == 0
+        ids, rows = _delta(layer, part_rows)
+        held = _held(layer)
+        after = layer.lookup_rows(vocab)
+        changed = {int(v) for v, a, b in zip(vocab, before, after) if not np.array_equal(a, b)}
+        # SGD moves every row a step uses: what changed is what was used,
+        # assigned or added, and the delta is exactly that.
+        assert changed | (held - held_before) <= set(ids.tolist())
+        assert set(ids.tolist()) == (used | assigned) & held, round_
+        np.testing.assert_array_equal(rows, layer.lookup_rows(ids))
+        assert _delta(layer)[0].size == 0  # nothing since
+
+
+def test_a_restore_or_a_prune_and_the_cache_in_between(rng, tmp_path):
+    vocab = random_vocab(rng, 300)
+    layer = _layer()
+    for _ in range(8):
+        _step(layer, powerlaw_ids(rng, vocab, (8, 3), alpha=1.1))
+    _delta(layer)
+    # Cached rows no step used since the last delta stay out of the next,
+    # however often the cache is written back in between (checkpoints).
+    path = tf.train.Checkpoint(emb=layer).save(str(tmp_path / "c"))
+    assert layer.cache_stats()["cached_rows"] > 0
+    assert _delta(layer)[0].size == 0
+    _step(layer, np.array([[vocab[0], vocab[1]]]))
+    assert sorted(_delta(layer)[0].tolist()) == sorted([int(vocab[0]), int(vocab[1])])
+    # A restored table is new: its first delta is every row.
+    again = _layer()
+    tf.train.Checkpoint(emb=again).restore(path)
+    ids, rows = _delta(again)
+    assert set(ids.tolist()) == _held(again) and ids.size > 40
+    np.testing.assert_array_equal(rows, again.lookup_rows(ids))
+    # Removed ids are not reported; the survivors' flags are untouched.
+    _step(again, np.array([[vocab[2], vocab[3]]]))
+    assert again.prune(min_uses=10**4) > 0
+    assert again.remove_rows([vocab[2]]) == 1
+    assert _delta(again)[0].tolist() == [int(vocab[3])]
+
+
+def test_lookahead_deltas_are_complete(rng):
+    """A lookahead step prepares the next batch (its rows may be fetched,
+    not yet trained): a delta may then hold a few ids of that batch early,
+    and must hold every id that changed."""
+    vocab = random_vocab(rng, 300)
+    batches = [powerlaw_ids(rng, vocab, (8, 3), alpha=1.1) for _ in range(30)]
+    layer = _layer()
+    last = set()
+    for t, batch in enumerate(batches[:-1]):
+        before = layer.lookup_rows(vocab) if t % 5 == 0 else None
+        _step(layer, batch, batches[t + 1])
+        if t % 5 == 4:
+            ids, rows = _delta(layer)
+            used = set(np.concatenate(batches[t - 4:t + 1]).ravel().tolist())
+            assert used <= set(ids.tolist()) <= used | set(batches[t + 1].ravel().tolist()) | last
+            np.testing.assert_array_equal(rows, layer.lookup_rows(ids))
+            last = set(batches[t + 1].ravel().tolist())
+        del before
+
+
+def test_changed_only_must_be_a_bool():
+    layer = _layer()
+    with pytest.raises(TypeError, match="changed_only must be True or False, got 'yes'"):
+        layer.export_rows(changed_only="yes")

@@ -420,3 +420,33 @@ def test_movielens_export_serves_multi_hot_features_like_keras(tmp_path, history
     (probability,) = signature(dense=batch["dense"], sparse=batch["sparse"],
                                **inputs).values()
     np.testing.assert_allclose(probability.numpy(), expected, atol=1e-5)
+
+
+ONLINE_FLAGS = ("--rows-per-day", "24000", "--vocab-size", "50000", "--cache-capacity",
+                "20000", "--table-rows", "40000", "--prune-every", "10", "--push-every",
+                "7", "--save-every", "9", "--remove", "50")
+
+
+def test_online_training_pushes_deltas_that_keep_the_store_current_and_resumes(tmp_path):
+    """Days of a stream: progressive AUC above chance, the table bounded by
+    its prunes, every id of the table served with its current row after
+    each day's deltas; a second run in the same directory resumes after the
+    last day saved and its first push (a restore: every row) keeps the store
+    current too."""
+    work = str(tmp_path / "online")
+    out = _example("online_training.py", "--days", "2", "--workdir", work, *ONLINE_FLAGS)
+    days = [line for line in out.splitlines() if line.startswith("day ")]
+    assert len(days) == 2 and all("store matches table: yes" in d for d in days), out
+    summary = _summary(out)
+    assert summary["store matches table"] == "yes", summary
+    out = _example("online_training.py", "--days", "3", "--workdir", work, *ONLINE_FLAGS)
+    assert "resumed after day 2" in out, out
+    summary = _summary(out)
+    assert summary["days trained"] == "1 (of 3)", summary
+    assert summary["store matches table"] == "yes", summary
+    assert _number(summary["next-day AUC"]) > 0.55, summary
+    held = int(summary["table rows"].split()[0].replace(",", ""))
+    # At most to_rows + the cache after a prune, plus the new ids of the
+    # steps since the last one (fewer than 10 x 1024 x 26 ids).
+    assert held < 40_000 + 20_000 + 10 * 1024 * 26, summary
+    assert _number(summary["delta pushes"]) >= 4, summary

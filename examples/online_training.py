@@ -1,0 +1,221 @@
+"""Online training: a CTR model trained on a stream of days, pushing deltas to serving.
+
+Each "day" is a new sample of Criteo-shaped synthetic data
+(``tf_sfctr.data.synthetic_criteo``: power-law ids over the int64 range, so
+every day brings ids never seen before). For each day the script:
+
+1. measures the AUC of the model trained so far on the day's rows before it
+   trains on them (progressive validation: how the served model did that day);
+2. trains one pass over the day with ``model.fit`` (one epoch per day) and
+   * ``tf_sfctr.callbacks.PruneHostTable(to_rows=..., every_steps=...)``: the
+     table keeps the most used ids, however many new ones arrive;
+   * ``tf_sfctr.distributed.SaveCheckpoints(every_steps=...)``: a restarted
+     run resumes from the last save (the end of each day is saved too);
+   * a callback that pushes the rows changed since its last push every
+     ``--push-every`` steps (``layer.export_rows(changed_only=True)``) into
+     the serving store;
+3. removes ``--remove`` ids "deleted" that day (``layer.remove_rows``) and
+   drops them from the store.
+
+The serving store here is a dict ``id -> row`` standing in for a key-value
+store. At each day's end the script checks that it holds the table's
+current row for every id the table holds. Deltas do not report the ids a
+prune removed: they stay in the store, stale, until the store's own expiry
+drops them (counted as "stale in store"). A restarted run's first push is
+the whole table: a restore counts as a change of every row.
+
+Run::
+
+    python examples/online_training.py                      # 4 days of 100k rows, ~30 s
+    python examples/online_training.py --days 6 --workdir /tmp/online   # resumes there
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+from ctr_common import World, compile_ctr, dense_optimizer, dlrm_output, mlp, print_summary
+
+import keras  # noqa: E402  (ctr_common quiets TensorFlow's logs first)
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tf_sfctr  # noqa: E402
+from tf_sfctr.data import synthetic_criteo  # noqa: E402
+from tf_sfctr.keras_layers import CachedEmbedding  # noqa: E402
+
+NUM_DENSE, NUM_SPARSE = 13, 26
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--days", type=int, default=4, help="days of data to train on in all")
+    p.add_argument("--rows-per-day", type=int, default=100_000)
+    p.add_argument("--batch-size", type=int, default=1024)
+    p.add_argument("--vocab-size", type=int, default=200_000,
+                   help="distinct ids per field in the synthetic world")
+    p.add_argument("--embedding-dim", type=int, default=16)
+    p.add_argument("--cache-capacity", type=int, default=30_000)
+    p.add_argument("--table-rows", type=int, default=150_000,
+                   help="PruneHostTable(to_rows=...): the table keeps this many most used ids")
+    p.add_argument("--prune-every", type=int, default=40, help="steps between prunes")
+    p.add_argument("--push-every", type=int, default=25, help="steps between delta pushes")
+    p.add_argument("--save-every", type=int, default=60, help="steps between checkpoints")
+    p.add_argument("--remove", type=int, default=100,
+                   help="ids deleted at the end of each day (remove_rows)")
+    p.add_argument("--learning-rate", type=float, default=2e-3)
+    p.add_argument("--workdir", default=None,
+                   help="checkpoints and the serving store (default: a new temporary "
+                        "directory); give the same one again to resume")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    for name in ("days", "rows_per_day", "batch_size", "vocab_size", "embedding_dim",
+                 "cache_capacity", "table_rows", "prune_every", "push_every", "save_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.remove < 0:
+        p.error("--remove must be at least 0")
+    return args
+
+
+def day_data(args: argparse.Namespace, day: int) -> tf.data.Dataset:
+    """Day ``day``'s rows: another sample (seed) of the same synthetic world."""
+    return synthetic_criteo(args.rows_per_day, batch_size=args.batch_size,
+                            vocab_sizes=args.vocab_size, alpha=1.1, seed=day + 1,
+                            model_seed=args.seed)
+
+
+def build_model(args: argparse.Namespace) -> tuple[keras.Model, CachedEmbedding]:
+    dense = keras.Input(shape=(NUM_DENSE,), name="dense")
+    sparse = keras.Input(shape=(NUM_SPARSE,), dtype="int64", name="sparse")
+    table = CachedEmbedding(args.embedding_dim, cache_capacity=args.cache_capacity,
+                            seed=args.seed + 1, name="categorical",
+                            optimizer=tf_sfctr.optimizers.Adagrad(args.learning_rate * 10))
+    bottom = mlp(dense, [64, args.embedding_dim], "bottom", seed=args.seed)
+    out = dlrm_output(bottom, table(sparse), [64, 32], seed=args.seed)
+    model = keras.Model({"dense": dense, "sparse": sparse}, out, name="online_dlrm")
+    compile_ctr(model, dense_optimizer("adam", args.learning_rate), World(size=1, rank=0))
+    return model, table
+
+
+class ServingStore:
+    """A stand-in for a key-value store of rows, kept in one .npz file."""
+
+    def __init__(self, path: str, dim: int):
+        self.path, self.rows = path, {}
+        self.pushes = self.pushed_rows = 0
+        if os.path.exists(path):
+            saved = np.load(path)
+            self.rows = dict(zip(saved["ids"].tolist(), saved["rows"]))
+        self.dim = dim
+
+    def push(self, table: CachedEmbedding) -> int:
+        """Writes the rows changed since the last push; returns how many."""
+        n = 0
+        for ids, rows, _ in table.export_rows(changed_only=True):
+            self.rows.update(zip(ids.tolist(), rows))
+            n += len(ids)
+        self.pushes += 1
+        self.pushed_rows += n
+        return n
+
+    def delete(self, ids: np.ndarray) -> None:
+        for i in ids.tolist():
+            self.rows.pop(i, None)
+
+    def save(self) -> None:
+        ids = np.fromiter(self.rows, np.int64, len(self.rows))
+        rows = (np.stack(list(self.rows.values())) if self.rows
+                else np.zeros((0, self.dim), np.float32))
+        np.savez(self.path, ids=ids, rows=rows)
+
+
+class PushDeltas(keras.callbacks.Callback):
+    """Pushes the table's changed rows every ``every`` training steps."""
+
+    def __init__(self, table: CachedEmbedding, store: ServingStore, every: int):
+        super().__init__()
+        self.table, self.store, self.every = table, store, every
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (batch + 1) % self.every == 0:
+            self.store.push(self.table)
+
+
+def check_store(table: CachedEmbedding, store: ServingStore) -> tuple[bool, int]:
+    """(every id the table holds has its current row in the store, ids in the
+    store the table no longer holds)."""
+    held = np.concatenate([ids for ids, _, _ in table.export_rows()] or [np.zeros(0, np.int64)])
+    if held.size == 0:
+        return True, len(store.rows)
+    missing = [i for i in held.tolist() if i not in store.rows]
+    if missing:
+        return False, 0
+    served = np.stack([store.rows[i] for i in held.tolist()])
+    current = table.lookup_rows(held)
+    return bool(np.array_equal(served, current)), len(store.rows) - held.size
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    keras.utils.set_random_seed(args.seed)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="sfctr_online_")
+    os.makedirs(workdir, exist_ok=True)
+    ckpt_dir = os.path.join(workdir, "ckpts")
+    model, table = build_model(args)
+    store = ServingStore(os.path.join(workdir, "store.npz"), args.embedding_dim)
+    ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    first_day = tf_sfctr.distributed.resume(ckpt, ckpt_dir)
+    if first_day >= args.days:
+        raise SystemExit(f"{workdir} holds a save after day {first_day} already; ask for "
+                         f"more than {first_day} --days")
+    print(f"online training in {workdir}: days {first_day}..{args.days - 1}, "
+          f"{args.rows_per_day:,} rows each"
+          + (f" (resumed after day {first_day})" if first_day else ""), flush=True)
+    prune = tf_sfctr.callbacks.PruneHostTable(to_rows=args.table_rows,
+                                              every_steps=args.prune_every)
+    saver = tf_sfctr.distributed.SaveCheckpoints(ckpt, ckpt_dir, every_steps=args.save_every)
+    pusher = PushDeltas(table, store, args.push_every)
+    rng = np.random.default_rng(args.seed)
+    start, aucs, consistent, stale = time.perf_counter(), [], True, 0
+    for day in range(first_day, args.days):
+        data = day_data(args, day)
+        # The served model's AUC on the day, before training on it.
+        auc = model.evaluate(data, verbose=0, return_dict=True)["auc"] if day else 0.5
+        aucs.append(auc)
+        model.fit(data, epochs=day + 1, initial_epoch=day, verbose=0,
+                  callbacks=[prune, saver, pusher])
+        pushed = store.push(table)  # the day's last changes
+        held = np.concatenate([ids for ids, _, _ in table.export_rows()])
+        gone = rng.choice(held, min(args.remove, held.size), replace=False)
+        table.remove_rows(gone)
+        store.delete(gone)
+        ok, stale = check_store(table, store)
+        consistent &= ok
+        store.save()
+        stats = table.cache_stats()
+        print(f"day {day}: AUC before training {auc:.4f}; table {stats['host_rows']:,} rows "
+              f"(pruned {prune.pruned_rows.get('categorical', 0):,} so far), last push "
+              f"{pushed:,} rows, store {len(store.rows):,} rows ({stale:,} stale), "
+              f"store matches table: {'yes' if ok else 'NO'}", flush=True)
+    seconds = time.perf_counter() - start
+    print_summary("online training", [
+        ("days trained", f"{args.days - first_day} (of {args.days})"),
+        ("next-day AUC", f"{aucs[-1]:.4f} (the served model on the last day, before "
+                         f"training on it)"),
+        ("table rows", f"{table.cache_stats()['host_rows']:,} (to_rows {args.table_rows:,})"),
+        ("delta pushes", f"{store.pushes} ({store.pushed_rows:,} rows in all)"),
+        ("store matches table", "yes" if consistent else "NO"),
+        ("stale in store", f"{stale:,} (ids pruned from the table)"),
+        ("seconds", f"{seconds:.1f}"),
+    ])
+    return 0 if consistent else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

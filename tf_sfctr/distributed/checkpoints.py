@@ -134,7 +134,8 @@ class SaveCheckpoints(keras.callbacks.Callback):
     model trains: at the end of every epoch, or with ``every_steps=n`` after
     every n-th training step (counted by the optimizer, so a resumed run
     goes on counting) and when ``fit`` ends after steps not saved yet (so
-    that a run of one ``fit`` per day of data saves each day's end), into ``directory/ckpt-<step>`` (``ckpt-<step>.<n>``
+    that a run of one ``fit`` per day of data saves each day's end; a fit a
+    callback stopped inside an epoch resumes at that epoch's start), into ``directory/ckpt-<step>`` (``ckpt-<step>.<n>``
     for a later save of a step saved already: the steps a LossScaleOptimizer
     skipped are not counted, but they change its scale). After each save, the
     ``keep`` newest complete saves are kept and the older ones deleted
@@ -165,7 +166,7 @@ class SaveCheckpoints(keras.callbacks.Callback):
         self._begin_step: Optional[int] = None
         self._saved_step: Optional[int] = None
         self._batches_after_save = 0
-        self._unreported_after_save = False  # see _unreported_steps
+        self._reported = 0  # batches of this epoch Keras reported so far
         self.saved: list[str] = []  # paths written by this callback, oldest first
 
     def on_train_begin(self, logs=None):
@@ -187,29 +188,41 @@ class SaveCheckpoints(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
+        self._reported = 0
 
     def on_train_end(self, logs=None):
-        # Keras ends every epoch it began (also one a callback stopped
-        # early) before fit ends: this save resumes after that epoch.
+        # Keras ends every epoch it began before fit ends, also one a
+        # callback stopped early; the save resumes after it unless it
+        # stopped before the epoch's known last batch.
         if self.every_steps is None or self._last_step is None:
             return
         step = _steps_done(self.model)
-        if self._batches_after_save or self._unreported_steps(step):
-            self._save(step, epochs=self._epoch + 1)
+        if self._batches_after_save or step != self._saved_step:
+            # Steps after the last save (some maybe unreported), or Keras's
+            # extra count at the end of data: a resumed optimizer must count
+            # as the one that goes on.
+            total = self.params.get("steps") if self.params else None
+            stopped = bool(getattr(self.model, "stop_training", False))
+            done = not (stopped and total is not None and self._reported < total)
+            self._save(step, epochs=self._epoch + 1 if done else self._epoch)
 
-    def _unreported_steps(self, step: int) -> bool:
-        """Whether steps ran after the last batch Keras reported: a last
-        execution of fewer than ``steps_per_execution`` batches is not
-        reported, and once data runs out the optimizer counts one more
-        iteration, which is not a step. So the count at an epoch's end
-        exceeds the last batch's by one for a run-out, and by more only
-        after unreported steps."""
-        if self._unreported_after_save:
-            return True
-        self._unreported_after_save = step - self._last_step >= 2
-        return self._unreported_after_save
+    def _unreported_steps(self, step: int) -> int:
+        """Steps of this epoch that ran after the last batch Keras reported
+        (a last execution of fewer than ``steps_per_execution`` batches is
+        not reported): from the epoch's known number of batches, or else
+        from the optimizer's count, less the one more iteration Keras counts
+        once data runs out (not counted by a LossScaleOptimizer's inner
+        optimizer, which _steps_done reads)."""
+        total = self.params.get("steps") if self.params else None
+        if total is not None:
+            return max(int(total) - self._reported, 0)
+        extra = 0 if isinstance(self.model.optimizer, keras.optimizers.LossScaleOptimizer) else 1
+        return max(step - self._last_step - extra, 0)
 
     def on_train_batch_end(self, batch, logs=None):
+        # `batch` is the first batch of the execution that ended.
+        spe = int(getattr(self.model, "steps_per_execution", 1) or 1)
+        self._reported = max(self._reported, int(batch) + spe)
         self._batches_after_save += 1
         if self.every_steps is None:
             return
@@ -228,11 +241,14 @@ class SaveCheckpoints(keras.callbacks.Callback):
             self._save(step, epochs=epoch + 1)
         elif self._unreported_steps(step):
             pass  # steps came after the save: it stays a save inside the epoch
+        elif self.saved and self._saved_step == self._last_step and step != self._saved_step:
+            # Saved at the last batch, but Keras counted one more iteration
+            # as the data ran out: saved again with that count, so that a
+            # resumed optimizer (Adam's bias correction) counts on as this one.
+            self._save(step, epochs=epoch + 1)
         elif self.saved and self._saved_step == self._last_step:
             # Saved after this epoch's last step: it resumes after the epoch,
-            # not at its start (which would train its steps twice). (Compared
-            # with the count read at the last batch's end: on data of unknown
-            # size Keras counts one more iteration once the data ran out.)
+            # not at its start (which would train its steps twice).
             _, rank = world()
             if rank == 0:
                 manifest_path = os.path.join(self.saved[-1], MANIFEST)

@@ -335,6 +335,14 @@ class TableAccessMixin:
             error = ValueError(f"part_rows must be a positive int, got {part_rows!r}")
         elif not isinstance(changed_only, (bool, np.bool_)):
             error = TypeError(f"changed_only must be True or False, got {changed_only!r}")
+        elif changed_only and getattr(self, "_eager_update_pending", False):
+            # Its flush would credit the call's use and the update after it
+            # would change rows no later delta flags (a review).
+            error = RuntimeError(
+                f"export_rows(changed_only=True) on CachedEmbedding {self.name!r} between a "
+                "training call and its table update (tape.gradient, or a "
+                "LossScaleOptimizer's apply): that update would be missing from every "
+                "later delta. Export deltas between training steps. Nothing was exported.")
         if self._mode == "model_parallel":
             # The flush is collective: every rank goes on, or none.
             with self._one_collective_call():
@@ -439,9 +447,9 @@ class TableAccessMixin:
             elif self._mode == "data_parallel":
                 ids = _horovod.require().allgather(
                     ids, name=f"sfctr_{self.name}_remove_ids", ignore_name_scope=True)
-            error, removed = None, 0
+            error, removed, cached = None, 0, 0
             try:
-                removed = self._remove_local(tf.unique(ids)[0])
+                removed, cached = self._remove_local(tf.unique(ids)[0])
             except tf.errors.ResourceExhaustedError as err:  # nothing was removed
                 error = ValueError(err.message)
             if self._mode != "local":
@@ -449,12 +457,18 @@ class TableAccessMixin:
             if error is not None:
                 raise error
             if self._mode == "model_parallel":
-                removed = int(_horovod.require().allreduce(
-                    tf.constant(removed, tf.int64), op=_horovod.require().Sum,
-                    name=f"sfctr_{self.name}_removed", ignore_name_scope=True))
+                removed, cached = (int(v) for v in _horovod.require().allreduce(
+                    tf.constant([removed, cached], tf.int64), op=_horovod.require().Sum,
+                    name=f"sfctr_{self.name}_removed", ignore_name_scope=True).numpy())
+            if cached:
+                # Slots were freed (on an owner of a model-parallel table:
+                # every rank that called the layer is told): a training call
+                # whose update is still to come must not apply it (see
+                # _attach_update).
+                self._training_calls.var.assign_add(1)
             return removed
 
-    def _remove_local(self, ids: tf.Tensor) -> int:
+    def _remove_local(self, ids: tf.Tensor) -> tuple[int, int]:
         with self._assign_lock:
             # The cache must match the directory (a pending plan's evictions
             # written back) before rows leave both.
@@ -466,11 +480,7 @@ class TableAccessMixin:
                 # freed below, so the plan must not be used.
                 self._plan.usable.assign(False)
             removed, cached = (int(v) for v in self._store.remove(ids))
-            if cached:
-                # Slots were freed: a training call whose update is still
-                # to come must not apply it (see _attach_update).
-                self._training_calls.var.assign_add(1)
-            return removed
+            return removed, cached
 
     def cache_stats(self) -> dict[str, float]:
         """Counters of this layer's cache and host table.

@@ -828,6 +828,11 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         # update runs: no later call may have prepared the cache since.
         # (identity: an assign's value is read lazily, i.e. at the check.)
         call_number = tf.identity(self._training_calls.var.assign_add(1, read_value=True))
+        if tf.executing_eagerly():
+            # Until its gradient (and, staged, the optimizer's apply) runs:
+            # a delta exported meanwhile would lose this update (see
+            # export_rows).
+            self._eager_update_pending = True
         if scale is not None and scale.dynamic:
             # Steps run, skipped ones too (CacheMetrics' per-step rates: the
             # optimizer counts the steps it applied).
@@ -856,6 +861,8 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         @tf.custom_gradient
         def with_update(rows_in, trigger_in):
             def grad(d_rows):
+                if tf.executing_eagerly():
+                    self._eager_update_pending = False  # (staged: again below)
                 latest = still_latest()
                 with tf.control_dependencies([latest]):
                     step_now = self._table_step.read_value()
@@ -897,6 +904,8 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                             return apply_update(g, g_sq)
 
                     self._stage_update(staged, scale)
+                    if tf.executing_eagerly():
+                        self._eager_update_pending = True
                     self._update_traced(update_graph)
                     poison = tf.where(tf.math.is_finite(marker), 0.0, float("nan"))
                     return None, tf.reshape(tf.cast(poison, trigger_in.dtype),
@@ -955,6 +964,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             return
         graph, _, scale, at = staged
         self._staged = None
+        self._eager_update_pending = False
         if graph is not None:
             return
         with tf.init_scope():
@@ -986,6 +996,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                 f"CachedEmbedding {self.name!r}: the optimizer applies a step whose "
                 f"gradient was taken {where}. {self._SPLIT_STEP}")
         self._staged = None
+        self._eager_update_pending = False
         step = update()
         return tf.zeros_like(tf.convert_to_tensor(trigger)) + tf.minimum(
             tf.cast(step, trigger.dtype), 0.0)

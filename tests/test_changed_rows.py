@@ -131,3 +131,41 @@ def test_changed_only_must_be_a_bool():
     layer = _layer()
     with pytest.raises(TypeError, match="changed_only must be True or False, got 'yes'"):
         layer.export_rows(changed_only="yes")
+
+
+def test_a_delta_between_a_training_call_and_its_update_is_refused():
+    """Its flush would credit the call's use, and the update after it would
+    change rows no later delta flags (a review: the serving store kept the
+    old rows). Refused, nothing exported; the next delta holds the update."""
+    import keras
+
+    emb = _layer()
+    x = tf.constant([[1, 2]], tf.int64)
+    assert sorted(_delta(emb)[0].tolist()) == []
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.square(emb(x, training=True) - 2.0))
+        with pytest.raises(RuntimeError, match="between a training call and its table update"):
+            emb.export_rows(changed_only=True)
+        emb.flush()  # a plain flush or a full export is fine there
+    tape.gradient(loss, emb.trainable_weights)
+    ids, rows = _delta(emb)
+    assert sorted(ids.tolist()) == [1, 2]
+    np.testing.assert_array_equal(rows, emb.lookup_rows(ids))
+    # A LossScaleOptimizer applies the table's update with the step's
+    # gradients: refused between gradient and apply too.
+    inp = keras.Input((2,), dtype="int64")
+    table = _layer()
+    model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(table(inp))))
+    opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    model.compile(optimizer=opt, loss="mse")
+    _delta(table)
+    with tf.GradientTape() as tape:
+        scaled = opt.scale_loss(tf.reduce_mean(tf.square(model(x, training=True) - 1.0)))
+    grads = tape.gradient(scaled, model.trainable_variables)
+    with pytest.raises(RuntimeError, match="between a training call and its table update"):
+        table.export_rows(changed_only=True)
+    opt.apply(grads, model.trainable_variables)
+    assert sorted(_delta(table)[0].tolist()) == [1, 2]
+    # fit's steps leave nothing pending between them.
+    model.fit(np.array([[1, 3]]), np.ones((1, 1)), verbose=0)
+    assert sorted(_delta(table)[0].tolist()) == [1, 3]

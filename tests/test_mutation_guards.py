@@ -39,13 +39,6 @@ def test_a_used_plan_takes_nothing_off_the_saved_use_counts():
     assert got == want
 
 
-def test_isin_past_the_last_candidate_is_false_even_for_id_0():
-    from tf_sfctr.store import _isin
-
-    got = _isin(tf.constant([0, 5, -3], tf.int64), tf.constant([-3, -7], tf.int64))
-    assert got.numpy().tolist() == [False, False, True]
-
-
 def test_truncated_normal_rows_stay_within_two_stddev():
     layer = CachedEmbedding(8, cache_capacity=4, seed=3,
                             embeddings_initializer=keras.initializers.TruncatedNormal(

@@ -277,6 +277,27 @@ def run_remove(out_dir, rank, size):
                                           a.lookup_rows(np.concatenate([p[0] for p in parts])))
         else:
             a.lookup_rows(np.zeros(0, np.int64))  # (collective)
+        # A training call held across a removal of cached ids (here only
+        # rank 0 names one, owned by either rank): every rank refuses the
+        # call's update (only the owner's slots were freed; the other rank
+        # went on and its update reached the owner's freed slots).
+        cached = a.store.cache_entries()[0].numpy()
+        named = hvd.broadcast(tf.constant(cached[:1] if cached.size else v[:1]), 0,
+                              name=f"remove_named_{distribution}").numpy()
+        before = a.lookup_rows(v)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(a(batches[0], training=True) * w)
+            a.remove_rows(named if rank == 0 else [])
+        try:
+            tape.gradient(loss, a.trainable_weights)
+            raise AssertionError(f"{distribution}: an update over freed slots was applied")
+        except tf.errors.InvalidArgumentError as err:
+            assert "remove_rows dropped cached rows" in str(err), str(err)
+        fresh_rows = fresh.lookup_rows(named)
+        want = before.copy()
+        want[np.isin(v, named)] = fresh_rows[0]
+        np.testing.assert_array_equal(a.lookup_rows(v), want, err_msg=distribution)
+        step_a(batches[1])  # and training goes on
         # A bad argument on one rank raises on every rank; nothing is removed.
         rows = a.cache_stats()["host_rows"]
         _expect_error(lambda: a.remove_rows([v[6]] if rank == 0 else [1.5]),

@@ -227,8 +227,11 @@ class ShardedRowsMixin:
         hvd = _horovod.require()
         name = self._collective_name("dp")
         all_ids = hvd.allgather(unique_ids, name=f"{name}_ids", ignore_name_scope=True)
-        sizes = hvd.allgather(tf.size(unique_ids)[None], name=f"{name}_sizes",
-                              ignore_name_scope=True)
+        # (Computed, not folded: in a trace specialised to a static number of
+        # ids, grappler folds a constant's all-gather away.)
+        size = tf.size(unique_ids) + tf.cast(
+            tf.minimum(self._training_calls.var.read_value(), 0), tf.int32)
+        sizes = hvd.allgather(size[None], name=f"{name}_sizes", ignore_name_scope=True)
         offset = tf.reduce_sum(sizes[: hvd.rank()])
         # Every rank loads the union of the step's ids in the same order, so
         # the replicas stay identical.

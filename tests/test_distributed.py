@@ -289,6 +289,13 @@ def test_ranks_with_different_numbers_of_batches_are_refused(tmp_path):
         assert int(np.load(tmp_path / f"uneven_steps_rank{rank}.npz")["ok"]) == 1
 
 
+def test_data_parallel_steps_on_different_traces_of_the_ranks(tmp_path):
+    proc = _run_worker(tmp_path, "dp_traces")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for rank in range(sc.WORLD):
+        assert int(np.load(tmp_path / f"dp_traces_rank{rank}.npz")["ok"]) == 1
+
+
 def test_a_rank_without_data_ends_the_job_with_a_message(tmp_path):
     proc = _run_worker(tmp_path, "empty_epoch")
     assert proc.returncode != 0

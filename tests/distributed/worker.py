@@ -307,6 +307,41 @@ def run_remove(out_dir, rank, size):
     np.savez(os.path.join(out_dir, f"remove_rank{rank}.npz"), ok=np.array(1))
 
 
+def run_dp_traces(out_dir, rank):
+    """A data-parallel table in a hand-written tf.function step on
+    deduplicate() features: the batch's unique-id count picks the trace, so
+    at the fourth step rank 1 (a count it had at the first) runs the trace
+    specialised to it while rank 0 runs the relaxed one. In the specialised
+    trace the all-gathered id count was a constant, which grappler folded
+    away: rank 0 waited for it forever (a review). Rows must equal a plain-ids
+    twin's."""
+    from tf_sfctr.data import deduplicate
+
+    counts = [4, 5, 6, 7] if rank == 0 else [4, 5, 6, 4]
+    base = 1000 * (rank + 1)
+    batches = [np.arange(base + 10 * t, base + 10 * t + n, dtype=np.int64) for t, n in
+               enumerate(counts)]
+    layers = [CachedEmbedding(2, cache_capacity=32, seed=5, name=f"dp_traces_{k}",
+                              optimizer=tf_sfctr.optimizers.SGD(0.5),
+                              distribution="data_parallel") for k in ("vsi", "plain")]
+
+    def trainer(emb):
+        @tf.function(reduce_retracing=True)
+        def step(feature):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(emb(feature, training=True))
+            tape.gradient(loss, emb.trainable_weights)
+        return step
+
+    vsi, plain = (trainer(layer) for layer in layers)
+    for ids in batches:
+        vsi(deduplicate(tf.constant(ids)))
+        plain(tf.constant(ids))
+    every = hvd.allgather(tf.concat(batches, 0)).numpy()
+    np.testing.assert_array_equal(layers[0].lookup_rows(every), layers[1].lookup_rows(every))
+    np.savez(os.path.join(out_dir, f"dp_traces_rank{rank}.npz"), ok=np.array(1))
+
+
 def run_extras(out_dir, rank, size):
     """exchange.send_ids_with_extras: every section reaches the owners."""
     from tf_sfctr.distributed import exchange
@@ -1286,6 +1321,8 @@ def main():
             run_deferred(out_dir, rank, size)
         elif name == "remove":
             run_remove(out_dir, rank, size)
+        elif name == "dp_traces":
+            run_dp_traces(out_dir, rank)
         elif name == "checkpoint":
             run_checkpoint_and_export(out_dir, rank, size)
         elif name == "restore_checks":

@@ -11,18 +11,18 @@ every day brings ids never seen before). For each day the script:
      table keeps the most used ids, however many new ones arrive;
    * ``tf_sfctr.distributed.SaveCheckpoints(every_steps=...)``: a restarted
      run resumes from the last save (the end of each day is saved too);
-   * a callback that pushes the rows changed since its last push every
-     ``--push-every`` steps (``layer.export_rows(changed_only=True)``) into
-     the serving store;
+   * a callback that pushes a delta to the serving store every
+     ``--push-every`` steps: the ids removed since its last push
+     (``layer.take_removed_ids()``: pruned or removed) are deleted, then the
+     rows changed since are written (``layer.export_rows(changed_only=True)``);
 3. removes ``--remove`` ids "deleted" that day (``layer.remove_rows``) and
-   drops them from the store.
+   pushes the day's last delta.
 
 The serving store here is a dict ``id -> row`` standing in for a key-value
-store. At each day's end the script checks that it holds the table's
-current row for every id the table holds. Deltas do not report the ids a
-prune removed: they stay in the store, stale, until the store's own expiry
-drops them (counted as "stale in store"). A restarted run's first push is
-the whole table: a restore counts as a change of every row.
+store. At each day's end the script checks that it holds exactly the
+table's ids, each with its current row. A process's first push (and the
+first after a restore) does not know the removals before it: its delta is
+then the whole table, and the store is rebuilt from it.
 
 Run::
 
@@ -108,14 +108,25 @@ class ServingStore:
 
     def __init__(self, path: str, dim: int):
         self.path, self.rows = path, {}
-        self.pushes = self.pushed_rows = 0
+        self.pushes = self.pushed_rows = self.deleted_rows = self.rebuilds = 0
         if os.path.exists(path):
             saved = np.load(path)
             self.rows = dict(zip(saved["ids"].tolist(), saved["rows"]))
         self.dim = dim
 
     def push(self, table: CachedEmbedding) -> int:
-        """Writes the rows changed since the last push; returns how many."""
+        """Deletes the ids removed from the table since the last push (pruned
+        or removed), then writes the rows changed since; returns how many
+        rows it wrote. When the removals are not known (the first push of a
+        process, or after a restore) the delta is the whole table and the
+        store is rebuilt from it."""
+        removed = table.take_removed_ids()
+        if removed is None:
+            self.rows, self.rebuilds = {}, self.rebuilds + 1
+        else:
+            for i in removed.tolist():
+                self.rows.pop(i, None)
+            self.deleted_rows += removed.size
         n = 0
         for ids, rows, _ in table.export_rows(changed_only=True):
             self.rows.update(zip(ids.tolist(), rows))
@@ -123,10 +134,6 @@ class ServingStore:
         self.pushes += 1
         self.pushed_rows += n
         return n
-
-    def delete(self, ids: np.ndarray) -> None:
-        for i in ids.tolist():
-            self.rows.pop(i, None)
 
     def save(self) -> None:
         ids = np.fromiter(self.rows, np.int64, len(self.rows))
@@ -147,18 +154,15 @@ class PushDeltas(keras.callbacks.Callback):
             self.store.push(self.table)
 
 
-def check_store(table: CachedEmbedding, store: ServingStore) -> tuple[bool, int]:
-    """(every id the table holds has its current row in the store, ids in the
-    store the table no longer holds)."""
+def check_store(table: CachedEmbedding, store: ServingStore) -> bool:
+    """Does the store hold exactly the table's ids, each with its current row?"""
     held = np.concatenate([ids for ids, _, _ in table.export_rows()] or [np.zeros(0, np.int64)])
+    if set(held.tolist()) != set(store.rows):
+        return False
     if held.size == 0:
-        return True, len(store.rows)
-    missing = [i for i in held.tolist() if i not in store.rows]
-    if missing:
-        return False, 0
+        return True
     served = np.stack([store.rows[i] for i in held.tolist()])
-    current = table.lookup_rows(held)
-    return bool(np.array_equal(served, current)), len(store.rows) - held.size
+    return bool(np.array_equal(served, table.lookup_rows(held)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     saver = tf_sfctr.distributed.SaveCheckpoints(ckpt, ckpt_dir, every_steps=args.save_every)
     pusher = PushDeltas(table, store, args.push_every)
     rng = np.random.default_rng(args.seed)
-    start, aucs, consistent, stale = time.perf_counter(), [], True, 0
+    start, aucs, consistent = time.perf_counter(), [], True
     for day in range(first_day, args.days):
         data = day_data(args, day)
         # The served model's AUC on the day, before training on it.
@@ -190,18 +194,17 @@ def main(argv: list[str] | None = None) -> int:
         aucs.append(auc)
         model.fit(data, epochs=day + 1, initial_epoch=day, verbose=0,
                   callbacks=[prune, saver, pusher])
-        pushed = store.push(table)  # the day's last changes
         held = np.concatenate([ids for ids, _, _ in table.export_rows()])
         gone = rng.choice(held, min(args.remove, held.size), replace=False)
         table.remove_rows(gone)
-        store.delete(gone)
-        ok, stale = check_store(table, store)
+        pushed = store.push(table)  # the day's last changes and removals
+        ok = check_store(table, store)
         consistent &= ok
         store.save()
         stats = table.cache_stats()
         print(f"day {day}: AUC before training {auc:.4f}; table {stats['host_rows']:,} rows "
               f"(pruned {prune.pruned_rows.get('categorical', 0):,} so far), last push "
-              f"{pushed:,} rows, store {len(store.rows):,} rows ({stale:,} stale), "
+              f"{pushed:,} rows, store {len(store.rows):,} rows, "
               f"store matches table: {'yes' if ok else 'NO'}", flush=True)
     seconds = time.perf_counter() - start
     print_summary("online training", [
@@ -211,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         ("table rows", f"{table.cache_stats()['host_rows']:,} (to_rows {args.table_rows:,})"),
         ("delta pushes", f"{store.pushes} ({store.pushed_rows:,} rows in all)"),
         ("store matches table", "yes" if consistent else "NO"),
-        ("stale in store", f"{stale:,} (ids pruned from the table)"),
+        ("deleted from store", f"{store.deleted_rows:,} ids (pruned or removed from the "
+                               f"table); {store.rebuilds} rebuild(s) from a whole-table delta"),
         ("seconds", f"{seconds:.1f}"),
     ])
     return 0 if consistent else 1

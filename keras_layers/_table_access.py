@@ -311,8 +311,8 @@ class TableAccessMixin:
         delta to a serving store during online training. A row counts as
         exported once its part is read (rows changed later come in the next
         delta; rows of parts not read stay for it). Ids removed since
-        (``prune``, ``remove_rows``) are not reported: a serving store that
-        must drop them needs its own expiry or a full export.
+        (``prune``, ``remove_rows``) are not in it: ``take_removed_ids``
+        gives them.
 
         Example:
 
@@ -481,6 +481,51 @@ class TableAccessMixin:
                 self._plan.usable.assign(False)
             removed, cached = (int(v) for v in self._store.remove(ids))
             return removed, cached
+
+    def take_removed_ids(self) -> Optional[np.ndarray]:
+        """The ids removed from the table (``prune``, ``remove_rows``,
+        ``PruneHostTable``) since the previous call and not back since, as a
+        sorted int64 array; or ``None`` when that is not known. With
+        ``export_rows(changed_only=True)`` it keeps a copy of the table
+        elsewhere (a serving store during online training) equal to it::
+
+            removed = emb.take_removed_ids()
+            delta = emb.export_rows(changed_only=True)
+            if removed is None:   # rebuild: the delta is the whole table
+                store.replace(delta)
+            else:                 # removals first, then the changed rows
+                store.delete(removed)
+                store.upsert(delta)
+
+        The table logs removals only from the first call on, so that call
+        returns ``None``, as does the first call after a checkpoint was
+        restored into the layer (removals before are not known). A ``None``
+        also makes the next changed-rows export the whole table (every row
+        is flagged changed). The log holds 8 bytes per removed id until the
+        next call; without the memory for it the table stops logging (the
+        removal itself goes ahead) and the next call returns ``None``.
+
+        Not collective: in model-parallel mode each rank gets the ids its
+        shard removed, as its deltas hold its shard's rows; data-parallel
+        replicas remove the same ids. In a new process (a restart) the
+        first call returns ``None``.
+
+        Example:
+
+        >>> from tf_sfctr.keras_layers import CachedEmbedding
+        >>> emb = CachedEmbedding(2, cache_capacity=4, seed=0)
+        >>> emb.assign_rows([7, 8, 9], [[0.5, 0.5], [1.0, 1.0], [1.5, 1.5]])
+        >>> print(emb.take_removed_ids())  # the first call: not known yet
+        None
+        >>> emb.remove_rows([8, 9])
+        2
+        >>> emb.assign_rows([9], [[2.0, 2.0]])  # back again
+        >>> emb.take_removed_ids().tolist()
+        [8]
+        """
+        self._require_built()
+        removed, complete = self._store.host_take_removed()
+        return removed.numpy() if bool(complete) else None
 
     def cache_stats(self) -> dict[str, float]:
         """Counters of this layer's cache and host table.

@@ -319,6 +319,25 @@ row. The caller makes sure no write-back is pending and drops a prepared plan
 holding any of the ids.
 )doc");
 
+REGISTER_OP("SfctrHostTakeRemoved")
+    .Input("store: resource")
+    .Output("removed: int64")
+    .Output("complete: bool")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
+      c->set_output(1, c->Scalar());
+      return OkStatus();
+    })
+    .Doc(R"doc(
+The ids removed from the host table (prune, remove) since the previous call
+and not stored again since, ascending. complete is false when removals were
+not being logged (the first call, and the first after the table was cleared
+by a restore): removed is then empty, every stored row is flagged changed so
+that the next changed_only export is the whole table, and removals are logged
+from then on.
+)doc");
+
 REGISTER_OP("SfctrHostPruneToSize")
     .Input("store: resource")
     .Input("max_rows: int64")

@@ -169,3 +169,67 @@ def test_a_delta_between_a_training_call_and_its_update_is_refused():
     # fit's steps leave nothing pending between them.
     model.fit(np.array([[1, 3]]), np.ones((1, 1)), verbose=0)
     assert sorted(_delta(table)[0].tolist()) == [1, 3]
+
+
+def _full(layer):
+    parts = list(layer.export_rows())
+    ids = np.concatenate([p[0] for p in parts]) if parts else np.zeros([0], np.int64)
+    rows = np.concatenate([p[1] for p in parts]) if parts else np.zeros([0, DIM], np.float32)
+    return dict(zip(ids.tolist(), map(tuple, rows)))
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_take_removed_ids_and_deltas_keep_a_follower_equal_to_the_table(rng, tmp_path,
+                                                                         lookahead):
+    """A serving store following the table (take_removed_ids, then a delta)
+    holds exactly its rows after every round: training (with lookahead, a
+    prepared next batch), prune by uses and to a size, remove_rows of ids
+    cached or not, ids coming back after their removal, and a checkpoint
+    restored into the layer (None: rebuild from the next delta)."""
+    vocab = random_vocab(rng, 300)
+    batches = [powerlaw_ids(rng, vocab, (8, 3), alpha=1.1) for _ in range(80)]
+    layer = _layer()
+    for batch in batches[:3]:
+        _step(layer, batch)
+    _delta(layer)  # deltas taken before anyone followed removals
+    follower, rebuilt, t = {}, 0, 3
+    saved = tf.train.Checkpoint(emb=layer).save(str(tmp_path / "c"))
+    for round_ in range(10):
+        for _ in range(6):
+            _step(layer, batches[t], batches[t + 1] if lookahead else None)
+            t += 1
+        if round_ % 3 == 1:
+            layer.prune(min_uses=2)
+        if round_ % 3 == 2:
+            layer.prune(to_rows=60)
+        cached = layer.store.cache_entries()[0].numpy()
+        gone = np.concatenate([cached[:3], rng.choice(vocab, 5)])
+        layer.remove_rows(gone)
+        _step(layer, np.array([gone[:2]]))  # back again
+        if round_ == 6:
+            tf.train.Checkpoint(emb=layer).restore(saved)
+        removed = layer.take_removed_ids()
+        ids, rows = _delta(layer)
+        if removed is None:
+            rebuilt += 1
+            follower = {}
+        else:
+            assert removed.dtype == np.int64 and np.all(removed[1:] > removed[:-1])
+            assert not set(removed.tolist()) & set(_full(layer))  # not held now
+            for i in removed.tolist():
+                follower.pop(i, None)
+        follower.update(zip(ids.tolist(), map(tuple, rows)))
+        assert follower == _full(layer), round_
+    assert rebuilt == 2  # the first call, and the first after the restore
+
+
+def test_take_removed_ids_lists_each_removed_id_once():
+    layer = _layer()
+    layer.assign_rows([1, 2, 3, 4], np.ones([4, DIM], np.float32))
+    assert layer.take_removed_ids() is None
+    assert layer.take_removed_ids().tolist() == []
+    layer.remove_rows([3, 1])
+    layer.assign_rows([1], np.ones([1, DIM], np.float32))
+    layer.remove_rows([1, 5])  # removed twice; 5 was never held
+    assert layer.take_removed_ids().tolist() == [1, 3]
+    assert layer.take_removed_ids().tolist() == []

@@ -430,15 +430,19 @@ ONLINE_FLAGS = ("--rows-per-day", "24000", "--vocab-size", "50000", "--cache-cap
 def test_online_training_pushes_deltas_that_keep_the_store_current_and_resumes(tmp_path):
     """Days of a stream: progressive AUC above chance, the table bounded by
     its prunes, every id of the table served with its current row after
-    each day's deltas; a second run in the same directory resumes after the
-    last day saved and its first push (a restore: every row) keeps the store
-    current too."""
+    each day's deltas, and no id the table pruned or removed; a second run in
+    the same directory resumes after the last day saved and its first push
+    (a restore: every row, a rebuild) keeps the store current too."""
     work = str(tmp_path / "online")
     out = _example("online_training.py", "--days", "2", "--workdir", work, *ONLINE_FLAGS)
     days = [line for line in out.splitlines() if line.startswith("day ")]
     assert len(days) == 2 and all("store matches table: yes" in d for d in days), out
     summary = _summary(out)
     assert summary["store matches table"] == "yes", summary
+    # Pruned and removed ids left the store (it holds exactly the table's
+    # ids); only the run's first push rebuilt it.
+    deleted = summary["deleted from store"]
+    assert _number(deleted.replace(",", "")) > 2 * 50 and "; 1 rebuild(s)" in deleted, summary
     out = _example("online_training.py", "--days", "3", "--workdir", work, *ONLINE_FLAGS)
     assert "resumed after day 2" in out, out
     summary = _summary(out)

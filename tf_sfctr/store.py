@@ -341,6 +341,14 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         pending, and a prepared plan holding any of them must be dropped."""
         return _ops.load().sfctr_store_remove(self.resource_handle, ids)
 
+    def host_take_removed(self) -> tuple[tf.Tensor, tf.Tensor]:
+        """(ids removed from the host table since the last call and not
+        stored again, ascending; whether that list is complete). Incomplete
+        (the first call, and the first after a restore cleared the table):
+        the ids are empty, every row is flagged changed, and removals are
+        logged from then on."""
+        return _ops.load().sfctr_host_take_removed(self.resource_handle)
+
     def host_prune_to_size(self, max_rows: int) -> tuple[tf.Tensor, tf.Tensor]:
         """Removes the least used uncached ids until at most ``max_rows``
         rows remain; returns (how many went, the use count of the most used

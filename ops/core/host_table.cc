@@ -808,13 +808,17 @@ int64_t HostTable::Remove(const int64_t* ids, int64_t n) {
   // which comes before it visits any shard.
   ForEachByShard(
       ids, n, [](int64_t, Shard&, uint64_t) {},
-      [](Shard& s, uint32_t count) { s.free_rows.reserve(s.free_rows.size() + count); });
+      [this](Shard& s, uint32_t count) {
+        s.free_rows.reserve(s.free_rows.size() + count);
+        ReserveRemovalLogLocked(s, count);
+      });
   ForEachByShard(
       ids, n,
       [this, ids, &removed](int64_t i, Shard& s, uint64_t hash) {
         if (EraseLocked(s, ids[i], hash)) {
           ++removed;
           ++s.generation;
+          if (log_removals_) s.removed.push_back(ids[i]);  // (room reserved above)
         }
       });
   size_.fetch_sub(removed);
@@ -827,6 +831,7 @@ int64_t HostTable::PruneLocked(ShouldGo remove, const std::unordered_set<int64_t
   int64_t removed = 0;
   std::vector<Entry> kept;
   std::vector<uint32_t> freed;
+  std::vector<int64_t> freed_ids;
   for (uint64_t k = 0; k <= shard_mask_; ++k) {
     Shard& s = shards_[k];
     std::lock_guard<std::mutex> lock(s.mu);
@@ -835,12 +840,15 @@ int64_t HostTable::PruneLocked(ShouldGo remove, const std::unordered_set<int64_t
     // was, and the counts right.
     kept.clear();
     freed.clear();
+    freed_ids.clear();
     kept.reserve(s.used);
     freed.reserve(s.used);
+    if (log_removals_) freed_ids.reserve(s.used);
     for (const Entry& e : s.entries) {
       if (e.row == kEmptyRow) continue;
       if (remove(CountOf(s, e.row), int64_t{e.id}) && keep.count(int64_t{e.id}) == 0) {
         freed.push_back(e.row);
+        if (log_removals_) freed_ids.push_back(int64_t{e.id});
       } else {
         kept.push_back(e);
       }
@@ -848,6 +856,8 @@ int64_t HostTable::PruneLocked(ShouldGo remove, const std::unordered_set<int64_t
     const size_t gone = freed.size();
     if (gone == 0) continue;
     s.free_rows.insert(s.free_rows.end(), freed.begin(), freed.end());  // all or nothing
+    ReserveRemovalLogLocked(s, gone);
+    if (log_removals_) s.removed.insert(s.removed.end(), freed_ids.begin(), freed_ids.end());
     // Rebuild the index at its size: deleting from a linear-probing index
     // in place would have to move later entries of each probe run back.
     const uint64_t size = s.entries.size();
@@ -866,10 +876,63 @@ int64_t HostTable::PruneLocked(ShouldGo remove, const std::unordered_set<int64_t
   return removed;
 }
 
+void HostTable::ReserveRemovalLogLocked(Shard& s, size_t n) {
+  if (!log_removals_) return;
+  try {
+    s.removed.reserve(s.removed.size() + n);
+  } catch (const std::bad_alloc&) {
+    StopLoggingRemovalsLocked();
+  }
+}
+
+void HostTable::StopLoggingRemovalsLocked() {
+  log_removals_ = false;
+  for (uint64_t k = 0; k <= shard_mask_; ++k) {
+    std::vector<int64_t>().swap(shards_[k].removed);
+  }
+}
+
+bool HostTable::TakeRemoved(std::vector<int64_t>* removed,
+                            const std::function<bool(const std::vector<int64_t>&)>& deliver) {
+  std::unique_lock<std::shared_mutex> no_writes(prune_mu_);
+  removed->clear();
+  if (!log_removals_) {
+    // Removals before now are unknown: the next changed_only export is the
+    // whole table instead.
+    for (uint64_t k = 0; k <= shard_mask_; ++k) {
+      Shard& s = shards_[k];
+      std::lock_guard<std::mutex> lock(s.mu);
+      for (const Entry& e : s.entries) {
+        if (e.row != kEmptyRow) MetaOf(s, e.row).changed = 1;
+      }
+    }
+    log_removals_ = true;
+    return false;
+  }
+  size_t total = 0;
+  for (uint64_t k = 0; k <= shard_mask_; ++k) total += shards_[k].removed.size();
+  removed->reserve(total);  // (out of memory: the logs stay as they are)
+  for (uint64_t k = 0; k <= shard_mask_; ++k) {
+    Shard& s = shards_[k];
+    std::lock_guard<std::mutex> lock(s.mu);
+    for (const int64_t id : s.removed) {
+      if (Locate(s, id, HashId(id)) == nullptr) removed->push_back(id);  // not back since
+    }
+  }
+  // An id removed, stored again and removed again is logged twice.
+  std::sort(removed->begin(), removed->end());
+  removed->erase(std::unique(removed->begin(), removed->end()), removed->end());
+  if (deliver && !deliver(*removed)) return true;
+  for (uint64_t k = 0; k <= shard_mask_; ++k) std::vector<int64_t>().swap(shards_[k].removed);
+  return true;
+}
+
 void HostTable::Clear() {
   // A writer between its reservation and its count would add rows this
   // clear dropped back onto size_ (a review: 1M rows counted, 172k held).
   std::unique_lock<std::shared_mutex> no_writes(prune_mu_);
+  // The table is replaced (a restore): its removals are not followed.
+  StopLoggingRemovalsLocked();
   for (uint64_t k = 0; k <= shard_mask_; ++k) {
     Shard& s = shards_[k];
     std::lock_guard<std::mutex> lock(s.mu);

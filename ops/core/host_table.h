@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
@@ -203,6 +204,22 @@ class HostTable {
   // Removes every row.
   void Clear();
 
+  // The ids removed (Prune, PruneToSize, Remove) since the previous call,
+  // except those stored again since, in ascending order, for following the
+  // table from outside (a serving store kept up to date with
+  // ExportRange(changed_only) deltas, which cannot show removals). Returns
+  // true when that list is complete. The table keeps the list only between
+  // calls: before the first call, after a Clear, and when the list could
+  // not get memory, removals are not logged, and the call returns false
+  // with `removed` empty; it then flags every stored row changed, so that
+  // the next changed_only export is the whole table (a follower rebuilds
+  // from it), and logs removals from then on. Holds every shard, like
+  // Prune. Logging never makes a removal fail. With `deliver`, the list is
+  // dropped only if deliver(*removed) returns true (the caller could hand
+  // it on; else the next call returns it again, with any later removals).
+  bool TakeRemoved(std::vector<int64_t>* removed,
+                   const std::function<bool(const std::vector<int64_t>&)>& deliver = nullptr);
+
   // Changes the seed of the initializer (when restoring a checkpoint, before
   // any row is created; not synchronised with concurrent readers).
   void SetInitSeed(uint64_t seed);
@@ -279,7 +296,14 @@ class HostTable {
     uint32_t rows = 0;                          // rows handed out from arena
     std::vector<uint32_t> free_rows;            // arena rows of pruned ids
     uint64_t generation = 0;  // bumped by every insert, prune and clear
+    std::vector<int64_t> removed;  // ids removed since TakeRemoved (if logging)
   };
+  // Makes room in the shard's removal log for n more ids (if logging;
+  // prune_mu_ held unique), so that logging them cannot throw. Without the
+  // memory, logging stops (TakeRemoved then reports the list incomplete)
+  // instead of the removal failing.
+  void ReserveRemovalLogLocked(Shard& s, size_t n);
+  void StopLoggingRemovalsLocked();
 
   // The shard takes the hash's low bits, the index position its high bits
   // (HomeOf), so that the two are independent.
@@ -351,6 +375,9 @@ class HostTable {
   // inserts: Prune and Clear must not remove rows in between (shared:
   // writers, unique: Prune and Clear).
   mutable std::shared_mutex prune_mu_;
+  // Removals are logged per shard (Shard::removed) from the first
+  // TakeRemoved on, until a Clear (guarded by prune_mu_ held unique).
+  bool log_removals_ = false;
   // ExportRange's map from the arena rows of one shard to their ids, built
   // with one scan of the shard's index and kept for the shard's next parts
   // (rebuilding it for every part made a save quadratic in a shard's size).

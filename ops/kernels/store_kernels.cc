@@ -715,6 +715,32 @@ class HostPruneToSizeOp : public StoreOpKernel {
   }
 };
 
+class HostTakeRemovedOp : public StoreOpKernel {
+ public:
+  using StoreOpKernel::StoreOpKernel;
+
+ protected:
+  void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
+    // The outputs are allocated before the table drops its list: a failed
+    // allocation leaves the list for the next call.
+    Tensor* complete = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &complete));
+    std::vector<int64_t> removed;
+    Status delivered;
+    complete->scalar<bool>()() = store.table().TakeRemoved(
+        &removed, [&](const std::vector<int64_t>& ids) {
+          Tensor* out = nullptr;
+          delivered = ctx->allocate_output(
+              0, TensorShape({static_cast<int64_t>(ids.size())}), &out);
+          if (!delivered.ok()) return false;
+          std::copy(ids.begin(), ids.end(), out->flat<int64_t>().data());
+          return true;
+        });
+    OP_REQUIRES_OK(ctx, delivered);
+    if (ctx->mutable_output(0) == nullptr) OutputVector(ctx, 0, removed);  // (incomplete)
+  }
+};
+
 class StoreRemoveOp : public StoreOpKernel {
  public:
   using StoreOpKernel::StoreOpKernel;
@@ -796,6 +822,7 @@ SFCTR_CPU_KERNEL("SfctrHostAddCounts", HostAddCountsOp);
 SFCTR_CPU_KERNEL("SfctrHostClear", HostClearOp);
 SFCTR_CPU_KERNEL("SfctrHostPrune", HostPruneOp);
 SFCTR_CPU_KERNEL("SfctrStoreRemove", StoreRemoveOp);
+SFCTR_CPU_KERNEL("SfctrHostTakeRemoved", HostTakeRemovedOp);
 SFCTR_CPU_KERNEL("SfctrHostPruneToSize", HostPruneToSizeOp);
 SFCTR_CPU_KERNEL("SfctrHostSetSeed", HostSetSeedOp);
 SFCTR_CPU_KERNEL("SfctrStoreStats", StoreStatsOp);

@@ -236,14 +236,22 @@ def run_remove(out_dir, rank, size):
                 ids = hvd.allgather(tf.constant(ids)).numpy()
             return set(ids.tolist())
 
+        assert a.take_removed_ids() is None  # removals are followed from here
         for round_, gone in enumerate(([v[0], v[1], v[2], v[47] + 1] if rank == 0
                                        else [v[1], v[5], v[30]],
                                        [v[3], v[4]] if rank == 0 else [])):
             gone = np.array(gone, np.int64)
             every = set(hvd.allgather(tf.constant(gone, tf.int64)).numpy().tolist())
-            expected = len(every & held(b))
+            were_held = every & held(b)
             initial = fresh.lookup_rows(gone)
-            assert a.remove_rows(gone) == expected, (distribution, round_, expected)
+            assert a.remove_rows(gone) == len(were_held), (distribution, round_, were_held)
+            # take_removed_ids: each owner lists its shard's removed ids
+            # (model parallel), every replica all of them (data parallel).
+            took = a.take_removed_ids()
+            if distribution == "model_parallel":
+                assert np.all(owner_of(took, size) == rank), took
+                took = hvd.allgather(tf.constant(took, tf.int64)).numpy()
+            assert sorted(took.tolist()) == sorted(were_held), (distribution, took, were_held)
             b.assign_rows(gone, initial)
             if round_ == 0:  # (round 1 trains first: the next step's
                 # prepare must not hand a freed slot to a new id before the

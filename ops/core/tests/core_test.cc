@@ -1985,6 +1985,78 @@ TEST_CASE(HostTableFlagsChangedRowsUntilAChangedOnlyExport) {
   CHECK(ChangedIds(t, 1) == ids);
 }
 
+TEST_CASE(HostTableTakeRemovedLetsAFollowerMatchTheTable) {
+  // A follower applies, each round, the removals TakeRemoved reports and
+  // then a changed_only export; it must hold what the table holds. When
+  // the list is incomplete (first call, after a Clear) the export after it
+  // is the whole table and the follower rebuilds from it.
+  HostTableOptions o = Options(2, 1);
+  o.num_shards = 4;
+  HostTable t(o);
+  const int w = t.width();
+  std::mt19937_64 rng(5);
+  std::map<int64_t, float> follower;
+  std::vector<int64_t> removed;
+  bool incomplete_seen = false;
+  // Deltas taken before anyone followed removals: the first list is
+  // incomplete, and the export after it must still be the whole table.
+  std::vector<int64_t> first = {1, 2, 3};
+  std::vector<float> first_rows(first.size() * w, 0.5f);
+  std::vector<uint32_t> first_uses(first.size(), 50);  // (kept by the prunes)
+  CHECK(t.Write(first.data(), first.size(), first_rows.data(), first_uses.data()).ok());
+  CHECK(ChangedIds(t) == first);
+  for (int round = 0; round < 40; ++round) {
+    // Writes of new and old ids (with uses: flagged), then removals of all
+    // three kinds, some of them of ids written again right after.
+    std::vector<int64_t> ids;
+    for (int k = 0; k < 300; ++k) ids.push_back(10 + static_cast<int64_t>(rng() % 2000));
+    std::vector<float> rows(ids.size() * w);
+    for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(round * 10000 + i / w);
+    std::vector<uint32_t> uses(ids.size());
+    for (auto& u : uses) u = 1 + static_cast<uint32_t>(rng() % 3);  // (0: unchanged)
+    CHECK(t.Write(ids.data(), ids.size(), rows.data(), uses.data()).ok());
+    std::vector<int64_t> gone;
+    for (int k = 0; k < 60; ++k) gone.push_back(10 + static_cast<int64_t>(rng() % 2000));
+    t.Remove(gone.data(), gone.size());
+    if (round % 3 == 0) t.Prune(1 + round % 2, {});
+    if (round % 5 == 1) {
+      uint32_t min_count = 0;
+      t.PruneToSize(t.size() * 3 / 4, {}, &min_count);
+    }
+    std::vector<int64_t> again(gone.begin(), gone.begin() + 10);
+    std::vector<float> again_rows(again.size() * w, -1.0f);
+    CHECK(t.Write(again.data(), again.size(), again_rows.data()).ok());
+    if (round == 20) t.Clear();  // a restore: the follower must rebuild
+    std::vector<int64_t> refused;
+    const bool refused_complete = round % 7 == 3 &&
+        t.TakeRemoved(&refused, [](const std::vector<int64_t>&) { return false; });
+    const bool complete = t.TakeRemoved(&removed);
+    if (refused_complete) CHECK(refused == removed);  // kept for this call
+    if (!complete) {
+      incomplete_seen = true;
+      CHECK(removed.empty());
+      follower.clear();
+    }
+    CHECK(std::is_sorted(removed.begin(), removed.end()));
+    for (int64_t id : removed) follower.erase(id);  // (maybe new since the last round)
+    std::vector<int64_t> ch_ids, ch_counts;
+    std::vector<float> ch_rows;
+    uint64_t cursor = 0;
+    while (cursor != HostTable::kNoMoreRows) {
+      t.ExportRange(&cursor, 97, &ch_ids, &ch_rows, &ch_counts, /*changed_only=*/true);
+    }
+    for (size_t i = 0; i < ch_ids.size(); ++i) follower[ch_ids[i]] = ch_rows[i * w];
+    std::vector<int64_t> all_ids;
+    std::vector<float> all_rows;
+    std::vector<uint32_t> all_counts;
+    t.Export(&all_ids, &all_rows, &all_counts);
+    std::map<int64_t, float> table;
+    for (size_t i = 0; i < all_ids.size(); ++i) table[all_ids[i]] = all_rows[i * w];
+    CHECK(follower == table);
+  }
+  CHECK(incomplete_seen);
+}
+
 TEST_CASE(StoreFlushKeepsAHeldCountCached) {
   // A lookahead plan's ids were counted when they were prepared: a flush
   // before their step credits the other uses and keeps that one cached;

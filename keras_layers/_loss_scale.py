@@ -13,10 +13,14 @@ being called: the model ``fit``, ``evaluate`` or a custom step calls).
 Keras 3 keeps it in its call context, which it has no public accessor
 for; it is read, never changed, and if a Keras version moves it the layer
 finds no optimizer and refuses ``mixed_float16`` as before this module.
+When that layer has no optimizer (the table called directly from a
+model's own ``train_step``), the model is the compiled one whose method is
+running further up the Python stack (``found_optimizer``).
 """
 
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple, Optional
 
 import keras
@@ -63,10 +67,37 @@ def entry_model() -> Optional[keras.layers.Layer]:
     return getattr(ctx, "entry_layer", None)
 
 
-def found_optimizer() -> Optional[keras.optimizers.Optimizer]:
-    model = entry_model()
-    opt = getattr(model, "optimizer", None) if model is not None else None
+def _optimizer_of(obj) -> Optional[keras.optimizers.Optimizer]:
+    opt = getattr(obj, "optimizer", None) if isinstance(obj, keras.layers.Layer) else None
     return opt if isinstance(opt, keras.optimizers.Optimizer) else None
+
+
+def _model_on_stack() -> Optional[keras.Model]:
+    """The innermost compiled Keras model whose method is running on the
+    Python stack (its ``train_step``, its ``fit``), or None."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        obj = frame.f_locals.get("self")
+        if isinstance(obj, keras.Model) and _optimizer_of(obj) is not None:
+            return obj
+        frame = frame.f_back
+    return None
+
+
+def found_optimizer() -> Optional[keras.optimizers.Optimizer]:
+    """The optimizer of the model the training call is part of.
+
+    Usually the call's entry layer (the model ``fit`` calls). A layer called
+    directly, not through the model (a model's own ``train_step`` calling
+    its table, or a sub-model without an optimizer), is its own entry: the
+    model is then the compiled one whose method called it, found on the
+    Python stack. Without it, a float32 step under an explicit
+    ``LossScaleOptimizer`` or ``loss_scale_factor`` trained the table on
+    the scaled gradient, silently (a review)."""
+    opt = _optimizer_of(entry_model())
+    if opt is None:
+        opt = _optimizer_of(_model_on_stack())
+    return opt
 
 
 def loss_scale(layer_name: str) -> Optional[LossScale]:

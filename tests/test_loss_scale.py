@@ -174,6 +174,54 @@ def test_loss_scaling_under_float32(rng, how):
     assert np.abs(emb.lookup_rows(vocab) - before).max() > 1e-3
 
 
+class _DirectStep(keras.Model):
+    """A model whose own train_step calls its table directly, not through
+    ``self(...)``: Keras's call then starts at the table, not the model."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=5,
+                                   optimizer=tf_sfctr.optimizers.SGD(0.1))
+        self.out = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(4))
+
+    def call(self, x, training=False):
+        return self.out(tf.reshape(self.emb(x, training=training), [-1, FIELDS * DIM]))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            pred = self.out(tf.reshape(self.emb(x, training=True), [-1, FIELDS * DIM]))
+            loss = tf.reduce_mean(tf.square(pred - y))
+            scaled = self.optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+@pytest.mark.parametrize("how", ["LossScaleOptimizer", "loss_scale_factor"])
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_a_train_step_calling_the_table_directly_divides_by_the_models_scale(rng, how,
+                                                                            run_eagerly):
+    """The table called from the model's own train_step: its steps are those
+    of the same model unscaled (they were 2**10 times longer, a review; a
+    power of 2 scales exactly)."""
+    vocab, ids, _, labels = _data(rng, steps=8)
+    scaled_opt = (keras.optimizers.SGD(0.1, loss_scale_factor=1024.0)
+                  if how == "loss_scale_factor"
+                  else keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1),
+                                                           initial_scale=1024.0))
+    rows = []
+    for opt in (scaled_opt, keras.optimizers.SGD(0.1)):
+        model = _DirectStep()
+        model(ids[:1])
+        model.compile(optimizer=opt, run_eagerly=run_eagerly)
+        before = model.emb.lookup_rows(vocab)
+        model.fit(ids, labels, batch_size=BATCH, shuffle=False, verbose=0)
+        rows.append(model.emb.lookup_rows(vocab))
+    np.testing.assert_allclose(rows[0], rows[1], rtol=1e-5, atol=1e-6)
+    assert np.abs(rows[1] - before).max() > 1e-3
+
+
 def test_a_table_gradient_too_large_skips_the_whole_step():
     """Under a LossScaleOptimizer a table gradient that is not finite (here
     one whose square overflows float32) skips the step, dense weights too,

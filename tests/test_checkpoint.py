@@ -146,6 +146,30 @@ def test_legacy_h5_model_files_are_refused(rng, tmp_path):
             CachedEmbedding.from_config(config)
 
 
+def test_async_checkpoints_and_tf_saved_model_save_are_refused(rng, tmp_path):
+    """An async checkpoint read the table later, from its own thread, while
+    training went on (a checkpoint of mixed moments), and tf.saved_model.save
+    failed with an unrelated TypeError: both now refuse with a message that
+    names what works, and the table and a synchronous save are unaffected."""
+    vocab, x, y = _data(rng, 2)
+    model, emb = _model("adagrad")
+    _fit(model, x, y)
+    rows = emb.lookup_rows(vocab)
+    options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True)
+    with pytest.raises(ValueError, match=r"table 'emb': asynchronous checkpoints .* "
+                                         r"Save synchronously"):
+        _ckpt(model).save(str(tmp_path / "async" / "c"), options=options)
+    assert not tf.io.gfile.glob(str(tmp_path / "async" / "c*.index"))
+    with pytest.raises(ValueError, match=r"table 'emb'.*tf.saved_model.save cannot save.*"
+                                         r"tf_sfctr.export_for_serving"):
+        tf.saved_model.save(model, str(tmp_path / "sm"))
+    np.testing.assert_array_equal(emb.lookup_rows(vocab), rows)
+    path = _ckpt(model).save(str(tmp_path / "sync" / "c"))
+    again, again_emb = _model("adagrad")
+    _ckpt(again).restore(path)
+    np.testing.assert_array_equal(again_emb.lookup_rows(vocab), rows)
+
+
 def test_model_checkpoint_callback(rng, tmp_path):
     vocab, x, y = _data(rng, 10)
     model, emb = _model()

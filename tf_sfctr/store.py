@@ -386,6 +386,16 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         # to be exported on every restore, a copy of the whole table).
         from tensorflow.python.training.saving.saveable_object import SaveSpec
 
+        if not tf.executing_eagerly():
+            # tf.saved_model.save traces this into the SavedModel's saver
+            # function; the flush and export below need eager values.
+            raise ValueError(
+                f"table {self.config.name!r}: a table of tf_sfctr lives in host memory and cannot be "
+                "traced into a graph; tf.saved_model.save cannot save a model that holds "
+                "one. For serving, use tf_sfctr.export_for_serving(model, export_dir); "
+                "for training state, tf.train.Checkpoint(...).save or "
+                "tf_sfctr.distributed.save.")
+
         if self.before_save is not None:
             self.before_save()
         if self.table_file is not None:
@@ -409,6 +419,19 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         device = self.resource_handle.device  # as its tensors would say
         return {key: SaveSpec(value(key), "", key, dtype=dtype, device=device)
                 for key, dtype in self._SAVED_DTYPES}
+
+    def _copy_trackable_to_cpu(self, object_map):
+        # An asynchronous checkpoint copies what it saves here and writes it
+        # from its own thread. Without this method TF only warned, and the
+        # table was flushed and exported in that thread later, beside the
+        # training steps: a checkpoint mixing moments (a review).
+        del object_map
+        raise ValueError(
+            f"table {self.config.name!r}: asynchronous checkpoints (tf.train.CheckpointOptions("
+            "experimental_enable_async_checkpoint=True)) cannot save a tf_sfctr table: "
+            "it would be read later, from the checkpoint's own thread, while training goes "
+            "on. Save synchronously (without that option), or with "
+            "tf_sfctr.distributed.save / SaveCheckpoints. Nothing was saved.")
 
     def table_tensors(self, flush: bool = True) -> dict:
         """The saved form of the table: {header, ids, rows, use counts,

@@ -240,6 +240,12 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         for key, reason in KERAS_EMBEDDING_ONLY.items():
             if key in kwargs:
                 raise ValueError(f"CachedEmbedding takes no {key}: {reason}")
+        # Rows are gathered and combined in float32 and the result cast to
+        # the compute dtype. Keras's autocast would first cast float inputs,
+        # the weights of a weighted lookup, to it: under mixed_float16 a
+        # weight of 65520 or more became inf and one below ~3e-8 zero, and a
+        # "mean" or "sqrtn" then gave NaN or zeros (a review).
+        kwargs.setdefault("autocast", False)
         super().__init__(name=name, **kwargs)
         self.output_dim = self._positive_int("output_dim", output_dim)
         if self.output_dim > MAX_OUTPUT_DIM:

@@ -174,6 +174,37 @@ def test_weighted_model_exports(rng, tmp_path):
                                atol=1e-6)
 
 
+@pytest.mark.parametrize("combiner,expected", [("mean", [1.0, 1.0, 1.0]),
+                                               ("sqrtn", [2 ** 0.5, 1.0, 1.0])])
+def test_weights_keep_float32_under_mixed_float16(tmp_path, combiner, expected):
+    """Weights are not cast to the compute dtype before the combine (Keras's
+    autocast did: a weight of 7e4 became inf and 1e-8 zero under
+    mixed_float16, so means gave NaN and 0, in training, predict and the
+    served model alike; a review)."""
+    old = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        ids = np.array([[1, 2], [3, 4], [5, 6]], np.int64)
+        w = np.array([[1e-8, 1e-8], [1.01, 0.0], [7e4, 1.0]], np.float32)
+        ids_in = keras.Input((2,), dtype="int64", name="ids")
+        w_in = keras.Input((2,), dtype="float32", name="w")
+        emb = CachedEmbedding(DIM, cache_capacity=64, seed=3, combiner=combiner,
+                              embeddings_initializer="ones")
+        model = keras.Model({"ids": ids_in, "w": w_in}, emb(ids_in, weights=w_in))
+        emb.assign_rows(ids.ravel(), np.ones([ids.size, DIM], np.float32))  # (to serve)
+        out = emb(tf.constant(ids), weights=tf.constant(w))
+        assert out.dtype == tf.float16
+        np.testing.assert_allclose(tf.cast(out, tf.float32).numpy()[:, 0], expected, rtol=1e-3)
+        predicted = model.predict({"ids": ids, "w": w}, verbose=0)
+        np.testing.assert_allclose(np.asarray(predicted, np.float32)[:, 0], expected, rtol=1e-3)
+        tf_sfctr.export_for_serving(model, str(tmp_path / "served"))
+    finally:
+        keras.config.set_dtype_policy(old)
+    serve = tf.saved_model.load(str(tmp_path / "served")).signatures["serving_default"]
+    got = list(serve(ids=tf.constant(ids), w=tf.constant(w)).values())[0]
+    np.testing.assert_allclose(tf.cast(got, tf.float32).numpy()[:, 0], expected, rtol=1e-3)
+
+
 def test_weighted_list_call(rng):
     """Features sharing the table take one weights entry each (None: unweighted)."""
     vocab = random_vocab(rng, 8)

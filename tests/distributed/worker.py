@@ -645,6 +645,38 @@ def run_robustness(out_dir, rank, size):
         return tape.gradient(loss, dp.trainable_weights)
 
     dp_step(tf.constant(x[:8, :2]))
+    # Weights loaded on rank 0 only (Horovod's restore-then-broadcast
+    # pattern): the dense weights would be broadcast, the data-parallel
+    # table's rows not, and the replicas trained on apart. Refused on every
+    # rank before anything is broadcast or trained.
+    def dp_model():
+        d_in = keras.Input((2,), dtype="int64")
+        d_emb = CachedEmbedding(2, cache_capacity=64, seed=3, name="dp_loaded",
+                                distribution="data_parallel")
+        d = keras.Model(d_in, keras.layers.Dense(1)(keras.layers.Flatten()(d_emb(d_in))))
+        d.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+        return d, d_emb
+
+    trained, _ = dp_model()
+    trained.fit(x[:16, :2], np.ones((16, 1)), batch_size=8, verbose=0, callbacks=callbacks())
+    weights = os.path.join(out_dir, "dp_loaded.weights.h5")
+    if rank == 0:
+        trained.save_weights(weights)
+    hvd.allreduce(tf.constant(0.0), name="dp_loaded_saved")
+    loaded, loaded_emb = dp_model()
+    loaded.optimizer.build(loaded.trainable_variables)
+    if rank == 0:
+        loaded.load_weights(weights)
+    kernel, rows = loaded.layers[-1].kernel.numpy(), loaded_emb.lookup_rows(v[:60])
+    _expect_error(lambda: loaded.fit(x[:16, :2], np.ones((16, 1)), batch_size=8, verbose=0,
+                                     callbacks=callbacks()),
+                  "The data-parallel CachedEmbedding replicas differ between the Horovod ranks: "
+                  "'dp_loaded' (rank 0: ")
+    np.testing.assert_array_equal(loaded.layers[-1].kernel.numpy(), kernel)
+    np.testing.assert_array_equal(loaded_emb.lookup_rows(v[:60]), rows)
+    # Loaded on every rank: trains.
+    loaded.load_weights(weights)
+    loaded.fit(x[:16, :2], np.ones((16, 1)), batch_size=8, verbose=0, callbacks=callbacks())
     np.savez(os.path.join(out_dir, f"robust_done_rank{rank}.npz"), ok=np.array(1))
 
 

@@ -114,7 +114,11 @@ class BroadcastInitialState(keras.callbacks.Callback):
     the model on one batch before ``fit`` to have them start equal too.
 
     Table rows are not broadcast: they are sharded (model parallel) or built
-    identically from the layer's seed (data parallel).
+    identically from the layer's seed (data parallel). Data-parallel
+    replicas that differ when the state is sent (a checkpoint or weight file
+    loaded on one rank only, a prune on one rank) are refused on every rank,
+    before the broadcast would hide it in the dense weights and the table's
+    step count.
 
     The state is sent once per model: a later ``fit`` of the same model
     continues from equal replicas; the callback given to another model's
@@ -134,6 +138,7 @@ class BroadcastInitialState(keras.callbacks.Callback):
 
     def _broadcast(self, model):
         hvd = require()
+        _check_replicas_agree(model)  # before the broadcast hides a one-rank load
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
         variables = [v.value if hasattr(v, "value") else v for v in model.variables]
@@ -158,6 +163,41 @@ class BroadcastInitialState(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._training = None
+
+
+def _check_replicas_agree(model) -> None:
+    """Collective: refuses, on every rank, data-parallel tables whose
+    replicas differ in their row count, update count or initializer seed.
+    Their rows are never broadcast (each replica builds them from the seed
+    and trains on every rank's ids), so a restore or ``load_weights`` on
+    root only, Horovod's usual pattern for dense weights, left the other
+    replicas at their fresh rows; the dense weights, the table's step and
+    the predictions then disagreed, silently (a review)."""
+    from tf_sfctr.callbacks import cached_embeddings
+
+    hvd = require()
+    mine = []
+    for layer in cached_embeddings(model):
+        if layer.mode != "data_parallel" or getattr(layer, "_store", None) is None:
+            continue
+        mine.append((layer.name, int(layer.cache_stats()["host_rows"]),
+                     int(layer._table_step.numpy()), int(layer.seed)))
+    every = hvd.allgather_object(mine, name="sfctr_replica_digests")
+    if all(other == every[0] for other in every):
+        return
+    lines = []
+    for k, entry in enumerate(every[0]):
+        shown = [f"rank {r}: {e[k][1]} rows, {e[k][2]} updates, seed {e[k][3]}"
+                 for r, e in enumerate(every) if k < len(e)]
+        if len({e[k] for e in every if k < len(e)}) > 1:
+            lines.append(f"{entry[0]!r} ({'; '.join(shown)})")
+    raise ValueError(
+        "The data-parallel CachedEmbedding replicas differ between the Horovod ranks: "
+        + ", ".join(lines or ["(the ranks' models hold different tables)"]) + ". Their "
+        "rows are not broadcast like the dense weights: every rank must restore the same "
+        "checkpoint or load the same weights (tf_sfctr.distributed.restore or "
+        "load_weights on every rank, not on rank 0 only), and prune alike. Nothing was "
+        "broadcast.")
 
 
 def _warn_unless_averaging(model):

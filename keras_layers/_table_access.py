@@ -490,12 +490,15 @@ class TableAccessMixin:
         elsewhere (a serving store during online training) equal to it::
 
             removed = emb.take_removed_ids()
-            delta = emb.export_rows(changed_only=True)
-            if removed is None:   # rebuild: the delta is the whole table
-                store.replace(delta)
+            if removed is None:   # rebuild: the next delta is the whole table
+                store.clear()
             else:                 # removals first, then the changed rows
                 store.delete(removed)
-                store.upsert(delta)
+            store.upsert(emb.export_rows(changed_only=True))
+
+        Apply the removals before asking for the delta: the list is handed
+        over once, and a delta refused (say, between a training call and its
+        update) must not take it along.
 
         The table logs removals only from the first call on, so that call
         returns ``None``, as does the first call after a checkpoint was

@@ -61,3 +61,12 @@ def squared_error_trainer(layer, target=0.5):
         return loss
 
     return step
+
+
+def cached_ids(layer) -> set:
+    """The ids the layer's cache holds, read without changing anything
+    (``store.cache_entries`` credits the cached uses to the host table, as a
+    flush does: between lookahead steps that loses the plan's count, and
+    with it rows from later deltas). Every cached id has a host row."""
+    ids = layer.store.host_export()[0]
+    return set(ids.numpy()[layer.store.cache_probe(ids).numpy() >= 0].tolist())

@@ -11,6 +11,8 @@ import tf_sfctr
 from tf_sfctr.data import deduplicate, with_unique_ids
 from tf_sfctr.keras_layers import CachedEmbedding
 
+from conftest import cached_ids
+
 DIM, BATCH, FIELDS, CAPACITY = 4, 16, 5, 48
 VOCAB = np.arange(200, dtype=np.int64) * 7919 - 10**12
 
@@ -380,7 +382,7 @@ def test_remove_rows_between_lookahead_steps(in_plan):
     plan = layer._plan
     assert bool(plan.pending.numpy())
     planned = set(plan.ids.numpy()[:int(plan.count.numpy())].tolist())
-    cached = set(layer.store.cache_entries()[0].numpy().tolist())
+    cached = cached_ids(layer)
     evicted = plan.evict_ids.numpy()
     targets = [int(v) for v in evicted[~np.isin(evicted, list(planned))][:2]]
     targets += sorted(cached - planned)[:2]

@@ -14,7 +14,7 @@ import tf_sfctr
 from tf_sfctr.callbacks import PruneHostTable
 from tf_sfctr.keras_layers import CachedEmbedding
 
-from conftest import powerlaw_ids, random_vocab, squared_error_trainer
+from conftest import cached_ids, powerlaw_ids, random_vocab, squared_error_trainer
 
 DIM, CAPACITY = 4, 48
 
@@ -42,8 +42,7 @@ def test_a_pruned_id_trains_as_if_never_seen(rng):
     assert removed == len(gone) > 20
     assert pruned.cache_stats()["host_rows"] == len(before) - removed
     # Nothing cached was removed.
-    cached_ids = pruned.store.cache_entries()[0].numpy()
-    assert not set(cached_ids.tolist()) & set(gone.tolist())
+    assert not cached_ids(pruned) & set(gone.tolist())
     # The survivors keep their values; the pruned ids read as initial rows.
     keep = np.array(sorted(_host_ids(pruned)), np.int64)
     np.testing.assert_array_equal(pruned.lookup_rows(keep), twin.lookup_rows(keep))
@@ -129,7 +128,7 @@ def test_to_rows_keeps_the_most_used_ids(rng):
         ids = tf.constant(powerlaw_ids(rng, vocab, (16, 3), alpha=1.1))
         step(ids), step_t(ids)
     before = _uses(layer)
-    cached = set(layer.store.cache_entries()[0].numpy().tolist())
+    cached = cached_ids(layer)
     assert len(before) > 300
     removed = layer.prune(to_rows=200)
     after = _uses(layer)

@@ -14,7 +14,7 @@ import tensorflow as tf
 import tf_sfctr
 from tf_sfctr.keras_layers import CachedEmbedding
 
-from conftest import powerlaw_ids, random_vocab, squared_error_trainer
+from conftest import cached_ids, powerlaw_ids, random_vocab, squared_error_trainer
 
 DIM, CAPACITY = 4, 48
 
@@ -30,7 +30,7 @@ def _host_ids(layer):
 
 
 def _cached_ids(layer):
-    return set(layer.store.cache_entries()[0].numpy().tolist())
+    return cached_ids(layer)
 
 
 def test_removed_ids_train_as_if_never_seen(rng):

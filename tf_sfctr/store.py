@@ -267,7 +267,12 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
 
     def cache_entries(self, hold_ids: tf.Tensor | None = None):
         """(ids, slots) of every cached id, crediting their uses to the host
-        table (see SfctrCacheEntries); ``hold_ids`` keep one use cached."""
+        table (see SfctrCacheEntries); ``hold_ids`` keep one use cached.
+        Not a query: the flush's first half. Called between lookahead steps
+        without the plan's ids as ``hold_ids`` it credits the plan's early
+        count, and the step that trains those rows then flags nothing for
+        the next ``export_rows(changed_only=True)``. To list cached ids,
+        probe ids with ``cache_probe``."""
         if hold_ids is None:
             hold_ids = tf.zeros([0], tf.int64)
         return _ops.load().sfctr_cache_entries(self.resource_handle, hold_ids)

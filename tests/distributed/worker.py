@@ -289,7 +289,8 @@ def run_remove(out_dir, rank, size):
         # rank 0 names one, owned by either rank): every rank refuses the
         # call's update (only the owner's slots were freed; the other rank
         # went on and its update reached the owner's freed slots).
-        cached = a.store.cache_entries()[0].numpy()
+        held = a.store.host_export()[0]  # (cache_entries would credit the cached uses)
+        cached = held.numpy()[a.store.cache_probe(held).numpy() >= 0]
         named = hvd.broadcast(tf.constant(cached[:1] if cached.size else v[:1]), 0,
                               name=f"remove_named_{distribution}").numpy()
         before = a.lookup_rows(v)

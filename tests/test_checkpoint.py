@@ -474,6 +474,32 @@ def test_a_checkpoint_of_a_table_alone_restores(rng, tmp_path):
     np.testing.assert_array_equal(other.lookup_rows(vocab), emb.lookup_rows(vocab))
 
 
+def test_a_save_that_runs_out_of_disk_names_the_directory(rng, tmp_path, monkeypatch):
+    """A full disk while a table file is written raised "[Errno 28] No space
+    left on device" alone: no save directory, no file (a review)."""
+    import errno
+
+    from tf_sfctr import table_file
+    from tf_sfctr.distributed import latest_checkpoint, save
+
+    vocab, x, y = _data(rng, 2)
+    model, emb = _model("adagrad")
+    _fit(model, x, y)
+    save(tf.train.Checkpoint(model=model), str(tmp_path / "ckpt-1"))
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(table_file._LocalFile, "write", full)
+    target = str(tmp_path / "ckpt-2")
+    with pytest.raises(OSError, match=r"tf_sfctr.distributed.save to .*ckpt-2 failed on this "
+                                      r"rank: No space left on device\. The directory holds "
+                                      r"no complete checkpoint") as caught:
+        save(tf.train.Checkpoint(model=model), target)
+    assert caught.value.errno == errno.ENOSPC
+    assert latest_checkpoint(str(tmp_path)).endswith("ckpt-1")
+
+
 def test_a_local_distributed_save_is_on_the_disk_when_it_returns(rng, tmp_path, monkeypatch):
     """Only the table files were synced: a crash after save returned (and
     after SaveCheckpoints deleted the older saves) could leave a save whose

@@ -232,6 +232,32 @@ def test_every_steps_saves_the_end_of_each_fit_for_one_fit_per_day(tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("every_steps", [None, 3])
+def test_a_finished_run_started_again_saves_nothing_and_extends_exactly(tmp_path, every_steps):
+    """A job that finished, started again with the same command (a
+    scheduler's retry), resumes after its last epoch and trains nothing: it
+    wrote a save of the same step marked as after epoch 1 (and without the
+    Adam slots it had restored but not built), and the next run resumed
+    from epoch 1 and trained two epochs again."""
+    vocab, x, y = _data()
+    whole, whole_emb = _model()
+    _fit(whole, x, y, epochs=4)
+    for run, epochs in enumerate((3, 3, 4)):
+        model, emb = _model()
+        start = resume(_ckpt(model), str(tmp_path))
+        assert start == (0, 3, 3)[run]
+        before = sorted(p.name for p in tmp_path.iterdir())
+        saver = SaveCheckpoints(None, str(tmp_path), every_steps=every_steps, keep=None)
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0, epochs=epochs,
+                  initial_epoch=start, callbacks=[saver])
+        if run == 1:
+            assert saver.saved == [] and sorted(p.name for p in tmp_path.iterdir()) == before
+    assert read_metadata(saver.saved[-1]) == {"step": 4 * STEPS, "epochs": 4}
+    np.testing.assert_array_equal(emb.lookup_rows(vocab), whole_emb.lookup_rows(vocab))
+    for a, b in zip(model.get_weights(), whole.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_steps_of_a_last_partial_execution_are_saved(tmp_path):
     """With steps_per_execution, Keras reports no batch of an epoch's last,
     partial execution. A save at the last reported batch was marked as after

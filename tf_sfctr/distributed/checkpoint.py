@@ -300,6 +300,14 @@ def _agree_on_save(error: Optional[BaseException], directory: str, name: str) ->
     failures = [(r, m) for r, m in enumerate(
         _allgather(None if error is None else _describe(error), name)) if m is not None]
     if error is not None:
+        if isinstance(error, OSError) and not isinstance(error, FileExistsError):
+            # "No space left on device" alone named neither the save nor the
+            # file (a table file's write has no file name to give).
+            where = f" ({error.filename})" if error.filename else ""
+            raise type(error)(
+                error.errno, f"tf_sfctr.distributed.save to {directory} failed on this rank: "
+                f"{error.strerror or error}{where}. The directory holds no complete "
+                f"checkpoint (no {MANIFEST}); the saves before it are intact.") from error
         raise error
     if failures:
         r, message = failures[0]

@@ -197,6 +197,14 @@ class SaveCheckpoints(keras.callbacks.Callback):
         if self.every_steps is None or self._last_step is None:
             return
         step = _steps_done(self.model)
+        if not self._batches_after_save and step in (self._begin_step, self._saved_step):
+            # No step since the save this run started from or made (a
+            # finished job started again: fit(initial_epoch=3, epochs=3)
+            # runs no epoch). Saving would record the epoch count it never
+            # learned (0 + 1, and the next resume trained from epoch 1
+            # again) and, before the optimizer is built, drop its restored
+            # slots (a review).
+            return
         if self._batches_after_save or step != self._saved_step:
             # Steps after the last save (some maybe unreported), or Keras's
             # extra count at the end of data: a resumed optimizer must count

@@ -15,8 +15,11 @@ every day brings ids never seen before). For each day the script:
      ``--push-every`` steps: the ids removed since its last push
      (``layer.take_removed_ids()``: pruned or removed) are deleted, then the
      rows changed since are written (``layer.export_rows(changed_only=True)``);
-3. removes ``--remove`` ids "deleted" that day (``layer.remove_rows``) and
-   pushes the day's last delta.
+3. pushes the day's last delta.
+
+Before each day after the first it removes ``--remove`` ids "deleted" since
+the day before (``layer.remove_rows``), so that the day's save holds the
+removal.
 
 The serving store here is a dict ``id -> row`` standing in for a key-value
 store. At each day's end the script checks that it holds exactly the
@@ -67,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--push-every", type=int, default=25, help="steps between delta pushes")
     p.add_argument("--save-every", type=int, default=60, help="steps between checkpoints")
     p.add_argument("--remove", type=int, default=100,
-                   help="ids deleted at the end of each day (remove_rows)")
+                   help="ids deleted before each day after the first (remove_rows)")
     p.add_argument("--learning-rate", type=float, default=2e-3)
     p.add_argument("--workdir", default=None,
                    help="checkpoints and the serving store (default: a new temporary "
@@ -185,18 +188,26 @@ def main(argv: list[str] | None = None) -> int:
                                               every_steps=args.prune_every)
     saver = tf_sfctr.distributed.SaveCheckpoints(ckpt, ckpt_dir, every_steps=args.save_every)
     pusher = PushDeltas(table, store, args.push_every)
-    rng = np.random.default_rng(args.seed)
-    start, aucs, consistent = time.perf_counter(), [], True
+    # A resumed run's table is the last save's, which the store pushed at the
+    # end of that day matched: removed ids stay removed.
+    resumed = "yes" if check_store(table, store) else "NO" if first_day else "(not resumed)"
+    start, aucs, consistent = time.perf_counter(), [], resumed != "NO"
     for day in range(first_day, args.days):
         data = day_data(args, day)
+        if day:
+            # Ids deleted since the day before ("forget me" requests), removed
+            # before the day's training so that its save at the end of fit
+            # holds the removal: a run resumed from that save does not bring
+            # them back. (Chosen from the day's own seed, so a day redone
+            # after a crash removes the same ones.)
+            held = np.concatenate([ids for ids, _, _ in table.export_rows()])
+            rng = np.random.default_rng([args.seed, day])
+            table.remove_rows(rng.choice(held, min(args.remove, held.size), replace=False))
         # The served model's AUC on the day, before training on it.
         auc = model.evaluate(data, verbose=0, return_dict=True)["auc"] if day else 0.5
         aucs.append(auc)
         model.fit(data, epochs=day + 1, initial_epoch=day, verbose=0,
                   callbacks=[prune, saver, pusher])
-        held = np.concatenate([ids for ids, _, _ in table.export_rows()])
-        gone = rng.choice(held, min(args.remove, held.size), replace=False)
-        table.remove_rows(gone)
         pushed = store.push(table)  # the day's last changes and removals
         ok = check_store(table, store)
         consistent &= ok
@@ -214,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         ("table rows", f"{table.cache_stats()['host_rows']:,} (to_rows {args.table_rows:,})"),
         ("delta pushes", f"{store.pushes} ({store.pushed_rows:,} rows in all)"),
         ("store matches table", "yes" if consistent else "NO"),
+        ("resumed table matches the store", resumed),
         ("deleted from store", f"{store.deleted_rows:,} ids (pruned or removed from the "
                                f"table); {store.rebuilds} rebuild(s) from a whole-table delta"),
         ("seconds", f"{seconds:.1f}"),

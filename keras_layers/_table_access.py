@@ -378,9 +378,10 @@ class TableAccessMixin:
           prepared plan's evictions wait to be written back).
 
         Uses are counted over the table's whole history (checkpoints keep
-        them; they saturate at 65535); rows written by ``assign_rows`` start
-        at 0. A removed id that comes back starts from its initial row and a
-        fresh optimizer state, as if never seen. Freed rows are reused by
+        them; they saturate at 65535); ids new to the table that
+        ``assign_rows`` wrote start at 0 (an id already there keeps its
+        count). A removed id that comes back starts from its initial row and
+        a fresh optimizer state, as if never seen. Freed rows are reused by
         later ids (the process keeps their memory). For tables fed an
         endless stream of new ids, most of them seen once: prune between
         epochs, or every N steps (``tf_sfctr.callbacks.PruneHostTable``).

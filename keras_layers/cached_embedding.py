@@ -131,8 +131,8 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         reserve_rows: with ``expected_rows``, also allocate the host rows of
             that many ids at build and write to every page of them, as a
             full-table embedding does with its table (bytes per row:
-            ``4 * output_dim * (1 + optimizer state rows) + 2``, the 2 for
-            its use count). Inserting those
+            ``4 * output_dim * (1 + optimizer state rows) + 4``, the 4 for
+            its use count and changed flag). Inserting those
             ids later then never waits for the OS to hand out fresh memory,
             which on the VMs measured cost 2-13 us per 4 KiB page in the
             middle of a step. The memory is held even if fewer ids arrive.
@@ -334,8 +334,8 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
 
     def _reserved_row_bytes(self) -> int:
         """Host bytes per row that reserve_rows allocates: the value, the
-        optimizer state and a 2-byte use count."""
-        return 4 * self.output_dim * (1 + self.table_optimizer.num_state) + 2
+        optimizer state and the 4-byte use count and changed flag."""
+        return 4 * self.output_dim * (1 + self.table_optimizer.num_state) + 4
 
     @staticmethod
     def _positive_int(name: str, value: Any) -> int:

@@ -321,6 +321,9 @@ void EmbeddingStore::CachedEntries(std::vector<int64_t>* ids,
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<int32_t> held(n_hold);
   directory_.ProbeMany(hold, n_hold, held.data());
+  // An id named twice keeps one use, not two (SetUses below keeps one).
+  std::sort(held.begin(), held.end());
+  held.erase(std::unique(held.begin(), held.end()), held.end());
   // The cached uses move to the host table: reset in the cache only once
   // they are there (out of memory, std::bad_alloc, no count is lost).
   std::vector<CacheDirectory::Eviction> entries;

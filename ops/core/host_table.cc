@@ -298,7 +298,7 @@ HostTable::Entry* HostTable::InsertLocked(Shard& s, int64_t id,
     row = s.rows;
     AllocateRowLocked(s);
   }
-  MetaOf(s, row) = RowMeta{0, 1};  // a new row is a change
+  MetaOf(s, row) = RowMeta{0, kChanged};  // a new row is a change
   s.entries[pos] = Entry{id, row};
   ++s.used;
   ++s.generation;
@@ -482,7 +482,7 @@ CoreStatus HostTable::Write(const int64_t* ids, int64_t n, const float* rows,
       std::memcpy(RowPtr(s, e->row), rows + i * width_, sizeof(float) * width_);
       if (add_counts != nullptr) AddSaturating(s, e->row, add_counts[i]);
       if (mark_changed && (add_counts == nullptr || add_counts[i] > 0)) {
-        MetaOf(s, e->row).changed = 1;
+        MetaOf(s, e->row).changed = kChanged;
       }
       ++stored;
     }, presize);
@@ -564,9 +564,9 @@ void HostTable::WriteRows(const uint64_t* handles, int64_t n, const float* rows,
                   sizeof(float) * width_);
       if (add_counts != nullptr) {
         AddSaturating(s, row, add_counts[i]);
-        if (add_counts[i] > 0) MetaOf(s, row).changed = 1;
+        if (add_counts[i] > 0) MetaOf(s, row).changed = kChanged;
       } else {
-        MetaOf(s, row).changed = 1;
+        MetaOf(s, row).changed = kChanged;
       }
     }
   }
@@ -609,7 +609,7 @@ void HostTable::AddUseCounts(const int64_t* ids, int64_t n,
     Entry* e = Locate(s, ids[i], h);
     if (e == nullptr) return;
     AddSaturating(s, e->row, counts[i]);
-    if (mark_changed && counts[i] > 0) MetaOf(s, e->row).changed = 1;
+    if (mark_changed && counts[i] > 0) MetaOf(s, e->row).changed = kChanged;
   });
 }
 
@@ -631,9 +631,41 @@ void HostTable::Export(std::vector<int64_t>* ids, std::vector<float>* rows,
   }
 }
 
+void HostTable::SettleExported(const std::vector<uint64_t>& marked, bool delivered) const {
+  size_t i = 0;
+  while (i < marked.size()) {
+    const uint64_t k = marked[i] >> 32;
+    const Shard& s = shards_[k];
+    std::lock_guard<std::mutex> lock(s.mu);
+    for (; i < marked.size() && (marked[i] >> 32) == k; ++i) {
+      RowMeta& meta = MetaOf(s, static_cast<uint32_t>(marked[i]));
+      if (meta.changed == kExporting) meta.changed = delivered ? 0 : kChanged;
+    }
+  }
+}
+
 void HostTable::ExportRange(uint64_t* cursor, int64_t max_rows, std::vector<int64_t>* ids,
                             std::vector<float>* rows, std::vector<int64_t>* counts,
-                            bool changed_only) const {
+                            bool changed_only, const std::function<bool()>& deliver) const {
+  // The changed_only rows of this part, marked kExporting (in shard order).
+  std::vector<uint64_t> marked;
+  bool delivered = false;
+  try {
+    uint64_t next = *cursor;
+    ExportRangeLocked(&next, max_rows, ids, rows, counts, changed_only, &marked);
+    delivered = !deliver || deliver();
+    if (delivered) *cursor = next;
+  } catch (...) {
+    SettleExported(marked, /*delivered=*/false);
+    throw;
+  }
+  SettleExported(marked, delivered);
+}
+
+void HostTable::ExportRangeLocked(uint64_t* cursor, int64_t max_rows,
+                                  std::vector<int64_t>* ids, std::vector<float>* rows,
+                                  std::vector<int64_t>* counts, bool changed_only,
+                                  std::vector<uint64_t>* marked) const {
   // The cursor is (shard << 40 | arena row): parts follow each shard's arena
   // in row order, which is the order of its blocks in memory and, with a row
   // file, on the disk, so a table on file is read sequentially.
@@ -682,17 +714,19 @@ void HostTable::ExportRange(uint64_t* cursor, int64_t max_rows, std::vector<int6
       m.shard = k;
       m.generation = s.generation;
     }
+    if (changed_only) marked->reserve(marked->size() + (r1 - r0));  // (marking cannot throw)
     for (uint64_t r = r0; r < r1; ++r) {
       if (!m.held[r]) continue;
       RowMeta& meta = MetaOf(s, static_cast<uint32_t>(r));
-      if (changed_only) {
-        if (!meta.changed) continue;
-        meta.changed = 0;  // (the shard's lock is held)
-      }
+      if (changed_only && meta.changed != kChanged) continue;
       ids->push_back(m.ids[r]);
       counts->push_back(meta.count);
       const float* src = RowPtr(s, static_cast<uint32_t>(r));
       rows->insert(rows->end(), src, src + width_);
+      if (changed_only) {  // after the copies, which may throw (the shard's lock is held)
+        meta.changed = kExporting;
+        marked->push_back(k << 32 | r);
+      }
     }
     got += r1 - r0;
     r0 = r1;
@@ -843,7 +877,13 @@ int64_t HostTable::PruneLocked(ShouldGo remove, const std::unordered_set<int64_t
     freed_ids.clear();
     kept.reserve(s.used);
     freed.reserve(s.used);
-    if (log_removals_) freed_ids.reserve(s.used);
+    if (log_removals_) {
+      try {
+        freed_ids.reserve(s.used);
+      } catch (const std::bad_alloc&) {
+        StopLoggingRemovalsLocked();  // logging never fails the prune
+      }
+    }
     for (const Entry& e : s.entries) {
       if (e.row == kEmptyRow) continue;
       if (remove(CountOf(s, e.row), int64_t{e.id}) && keep.count(int64_t{e.id}) == 0) {
@@ -903,7 +943,7 @@ bool HostTable::TakeRemoved(std::vector<int64_t>* removed,
       Shard& s = shards_[k];
       std::lock_guard<std::mutex> lock(s.mu);
       for (const Entry& e : s.entries) {
-        if (e.row != kEmptyRow) MetaOf(s, e.row).changed = 1;
+        if (e.row != kEmptyRow) MetaOf(s, e.row).changed = kChanged;
       }
     }
     log_removals_ = true;

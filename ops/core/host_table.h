@@ -101,7 +101,10 @@ class HostTable {
   // If given, `handles` receives where each id's row lives (see WriteRows).
   // Out of host memory, fails (ResourceExhausted) part-way: the ids inserted
   // until then stay, with their initial rows, counted in size(); the outputs
-  // of the others are not filled.
+  // of the others are not filled. It does not hold off Prune, Remove or
+  // Clear (Write does): a caller counting missing ids, reserving and
+  // inserting must not run those in between, or the reservation no longer
+  // matches (EmbeddingStore::Prepare holds its lock, which they take too).
   CoreStatus FindOrInsertReserved(const int64_t* ids, int64_t n, float* out,
                                   int64_t reserved, uint32_t* use_counts = nullptr,
                                   uint64_t* handles = nullptr);
@@ -169,11 +172,17 @@ class HostTable {
   // are when their part is read). Keeps a map of one shard's row ids
   // between calls (8 bytes per row of that shard). With `changed_only`,
   // returns only the rows flagged changed, of the `max_rows` it passes, and
-  // clears their flags (a row written again later is flagged again).
+  // clears their flags (a row written again later is flagged again). The
+  // flags are cleared only once the part is handed over: while it is read
+  // they are marked as being exported, and an exception (std::bad_alloc)
+  // or a `deliver` that returns false (the caller could not take the part)
+  // flags them changed again, so that no later delta misses them; the
+  // cursor then does not move.
   static constexpr uint64_t kNoMoreRows = ~uint64_t{0};
   void ExportRange(uint64_t* cursor, int64_t max_rows, std::vector<int64_t>* ids,
                    std::vector<float>* rows, std::vector<int64_t>* counts,
-                   bool changed_only = false) const;
+                   bool changed_only = false,
+                   const std::function<bool()>& deliver = nullptr) const;
 
   // Removes every stored id whose use counter is below `min_count`, except
   // the ids in `keep`; returns how many were removed. Out of memory
@@ -266,8 +275,18 @@ class HostTable {
   // What a row has beside its floats.
   struct RowMeta {
     uint16_t count;    // steps that used the id (saturating)
-    uint16_t changed;  // 1: written since the last changed_only export
+    uint16_t changed;  // kChanged, kExporting (in a changed_only part being read) or 0
   };
+  static constexpr uint16_t kChanged = 1, kExporting = 2;
+  // After a changed_only part: its rows (shard << 32 | row, marked
+  // kExporting) become unflagged if `delivered`, else flagged changed
+  // again; a row a writer flagged meanwhile stays flagged.
+  void SettleExported(const std::vector<uint64_t>& marked, bool delivered) const;
+  // ExportRange's reading: appends the part and marks its changed_only rows
+  // kExporting, listing them in `marked`.
+  void ExportRangeLocked(uint64_t* cursor, int64_t max_rows, std::vector<int64_t>* ids,
+                         std::vector<float>* rows, std::vector<int64_t>* counts,
+                         bool changed_only, std::vector<uint64_t>* marked) const;
 
   // Row blocks: the largest (capped) blocks are mapped on huge pages, see
   // AddBlockLocked; the others, and the use counts, come from the heap.

@@ -614,18 +614,27 @@ class HostExportRangeOp : public StoreOpKernel {
     uint64_t at = static_cast<uint64_t>(cursor.scalar<int64_t>()());
     std::vector<int64_t> ids, counts;
     std::vector<float> rows;
-    store.table().ExportRange(&at, limit, &ids, &rows, &counts, changed_only_);
-    const int64_t n = static_cast<int64_t>(ids.size());
     const int64_t width = store.table().width();
-    OutputVector(ctx, 0, ids);
-    if (!ctx->status().ok()) return;
+    // The outputs are allocated while the table waits: a changed_only part
+    // whose outputs cannot be allocated leaves its rows flagged (and the
+    // cursor where it was) for the next call.
+    Tensor* t_ids = nullptr;
     Tensor* t_rows = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n, width}), &t_rows));
-    std::copy(rows.begin(), rows.end(), t_rows->flat<float>().data());
-    OutputVector(ctx, 2, counts);
-    if (!ctx->status().ok()) return;
+    Tensor* t_counts = nullptr;
     Tensor* next = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({}), &next));
+    Status allocated;
+    store.table().ExportRange(&at, limit, &ids, &rows, &counts, changed_only_, [&] {
+      const int64_t n = static_cast<int64_t>(ids.size());
+      allocated = ctx->allocate_output(0, TensorShape({n}), &t_ids);
+      if (allocated.ok()) allocated = ctx->allocate_output(1, TensorShape({n, width}), &t_rows);
+      if (allocated.ok()) allocated = ctx->allocate_output(2, TensorShape({n}), &t_counts);
+      if (allocated.ok()) allocated = ctx->allocate_output(3, TensorShape({}), &next);
+      return allocated.ok();
+    });
+    OP_REQUIRES_OK(ctx, allocated);
+    std::copy(ids.begin(), ids.end(), t_ids->flat<int64_t>().data());
+    std::copy(rows.begin(), rows.end(), t_rows->flat<float>().data());
+    std::copy(counts.begin(), counts.end(), t_counts->flat<int64_t>().data());
     next->scalar<int64_t>()() = static_cast<int64_t>(at);  // -1: no more rows
   }
 

@@ -2071,7 +2071,8 @@ TEST_CASE(StoreFlushKeepsAHeldCountCached) {
   CHECK(store.Prepare(plan.data(), 2, &r).ok());  // counted ahead
   std::vector<int64_t> ids;
   std::vector<int32_t> slots;
-  store.CachedEntries(&ids, &slots, plan.data(), 2);
+  const std::vector<int64_t> plan_twice = {3, 4, 3};  // a repeat holds one use, not two
+  store.CachedEntries(&ids, &slots, plan_twice.data(), 3);
   CHECK_EQ(ids.size(), size_t{4});
   std::vector<int64_t> all_ids;
   std::vector<float> rows;
@@ -2224,6 +2225,64 @@ TableSnapshot Snapshot(const HostTable& t) {
 // value, never torn; size() counts exactly the stored ids; max_rows keeps
 // its exact room; and once memory is back, the same write completes. Each
 // allocation of the call fails in turn.
+TEST_CASE(HostTableChangedOnlyExportThatFailsKeepsItsRowsFlagged) {
+  // A changed_only part cleared its rows' flags before the caller had them:
+  // out of memory half way (or outputs the kernel could not allocate), those
+  // rows were missing from every later delta (a review).
+  HostTableOptions o = Options(2, 1);
+  o.num_shards = 4;
+  HostTable t(o);
+  const int w = t.width();
+  std::vector<int64_t> ids;
+  for (int i = 0; i < 300; ++i) ids.push_back(7919LL * i - 1000);
+  std::vector<float> rows(ids.size() * w, 1.0f);
+  CHECK(t.Write(ids.data(), ids.size(), rows.data()).ok());
+  std::vector<int64_t> sorted_ids(ids);
+  std::sort(sorted_ids.begin(), sorted_ids.end());
+  const auto read_part = [&t](uint64_t* cursor, std::vector<int64_t>* got,
+                              const std::function<bool()>& deliver) {
+    std::vector<int64_t> counts;
+    std::vector<float> part_rows;
+    t.ExportRange(cursor, 120, got, &part_rows, &counts, /*changed_only=*/true, deliver);
+  };
+  // Refused by the caller: the cursor stays and every row stays flagged.
+  uint64_t cursor = 0;
+  std::vector<int64_t> got;
+  read_part(&cursor, &got, [] { return false; });
+  CHECK_EQ(cursor, uint64_t{0});
+  CHECK(!got.empty());
+  CHECK(ChangedIds(t) == sorted_ids);
+  // Out of memory at each allocation in turn, then a whole delta.
+  int failures = 0;
+  for (int64_t k = 0;; ++k) {
+    CHECK(t.Write(ids.data(), ids.size(), rows.data()).ok());  // every row changed
+    std::vector<int64_t> delivered;
+    uint64_t at = 0;
+    bool threw = false;
+    Arm(Inject::kAnyNew, k);
+    try {
+      while (at != HostTable::kNoMoreRows) read_part(&at, &delivered, nullptr);
+    } catch (const std::bad_alloc&) {
+      threw = true;
+    }
+    const bool fired = Disarm(Inject::kAnyNew);
+    if (!fired) {
+      CHECK(!threw);
+      break;
+    }
+    CHECK(threw);
+    ++failures;
+    // The parts read before the failure were delivered; the rest come in
+    // the next delta.
+    std::vector<int64_t> rest = ChangedIds(t);
+    std::vector<int64_t> all(delivered);
+    all.insert(all.end(), rest.begin(), rest.end());
+    std::sort(all.begin(), all.end());
+    CHECK(std::includes(all.begin(), all.end(), sorted_ids.begin(), sorted_ids.end()));
+  }
+  CHECK(failures > 0);
+}
+
 TEST_CASE(HostTableWriteOutOfMemoryKeepsEveryRow) {
   for (Inject mode : {Inject::kAnyNew, Inject::kTableMemory}) {
     HostTableOptions o = Options(3, 1, /*max_rows=*/2000);

@@ -107,14 +107,16 @@ def build_model(args: argparse.Namespace) -> tuple[keras.Model, CachedEmbedding]
 
 
 class ServingStore:
-    """A stand-in for a key-value store of rows, kept in one .npz file."""
+    """A stand-in for a key-value store of rows, kept in one .npz file with
+    the training step it was last saved at."""
 
     def __init__(self, path: str, dim: int):
-        self.path, self.rows = path, {}
+        self.path, self.rows, self.step = path, {}, None
         self.pushes = self.pushed_rows = self.deleted_rows = self.rebuilds = 0
         if os.path.exists(path):
             saved = np.load(path)
             self.rows = dict(zip(saved["ids"].tolist(), saved["rows"]))
+            self.step = int(saved["step"]) if "step" in saved.files else None
         self.dim = dim
 
     def push(self, table: CachedEmbedding) -> int:
@@ -138,11 +140,11 @@ class ServingStore:
         self.pushed_rows += n
         return n
 
-    def save(self) -> None:
+    def save(self, step: int) -> None:
         ids = np.fromiter(self.rows, np.int64, len(self.rows))
         rows = (np.stack(list(self.rows.values())) if self.rows
                 else np.zeros((0, self.dim), np.float32))
-        np.savez(self.path, ids=ids, rows=rows)
+        np.savez(self.path, ids=ids, rows=rows, step=step)
 
 
 class PushDeltas(keras.callbacks.Callback):
@@ -188,9 +190,16 @@ def main(argv: list[str] | None = None) -> int:
                                               every_steps=args.prune_every)
     saver = tf_sfctr.distributed.SaveCheckpoints(ckpt, ckpt_dir, every_steps=args.save_every)
     pusher = PushDeltas(table, store, args.push_every)
-    # A resumed run's table is the last save's, which the store pushed at the
-    # end of that day matched: removed ids stay removed.
-    resumed = "yes" if check_store(table, store) else "NO" if first_day else "(not resumed)"
+    # A run resumed from a day's end restores the table the store was saved
+    # with at that end: removed ids stay removed. (A save inside a day, after
+    # a crash, is older than the store: the first push rebuilds the store.)
+    step = int(model.optimizer.iterations.numpy())
+    if not first_day and not step:
+        resumed = "(not resumed)"
+    elif step != store.step:
+        resumed = f"(resumed inside a day, at step {step}: the store is rebuilt)"
+    else:
+        resumed = "yes" if check_store(table, store) else "NO"
     start, aucs, consistent = time.perf_counter(), [], resumed != "NO"
     for day in range(first_day, args.days):
         data = day_data(args, day)
@@ -200,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
             # holds the removal: a run resumed from that save does not bring
             # them back. (Chosen from the day's own seed, so a day redone
             # after a crash removes the same ones.)
-            held = np.concatenate([ids for ids, _, _ in table.export_rows()])
+            # (Sorted: export order follows the rows' places in memory,
+            # which a restore changes.)
+            held = np.sort(np.concatenate([ids for ids, _, _ in table.export_rows()]))
             rng = np.random.default_rng([args.seed, day])
             table.remove_rows(rng.choice(held, min(args.remove, held.size), replace=False))
         # The served model's AUC on the day, before training on it.
@@ -211,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         pushed = store.push(table)  # the day's last changes and removals
         ok = check_store(table, store)
         consistent &= ok
-        store.save()
+        store.save(int(model.optimizer.iterations.numpy()))
         stats = table.cache_stats()
         print(f"day {day}: AUC before training {auc:.4f}; table {stats['host_rows']:,} rows "
               f"(pruned {prune.pruned_rows.get('categorical', 0):,} so far), last push "

@@ -72,38 +72,48 @@ def _optimizer_of(obj) -> Optional[keras.optimizers.Optimizer]:
     return opt if isinstance(opt, keras.optimizers.Optimizer) else None
 
 
-def _model_on_stack() -> Optional[keras.Model]:
-    """The innermost compiled Keras model whose method is running on the
-    Python stack (its ``train_step``, its ``fit``), or None."""
+def _holds(model: keras.Model, layer: keras.layers.Layer) -> bool:
+    return any(sub is layer for sub in model._flatten_layers(include_self=False,
+                                                              recursive=True))
+
+
+def _model_on_stack(layer: keras.layers.Layer) -> Optional[keras.Model]:
+    """The innermost compiled Keras model holding ``layer`` whose method is
+    running on the Python stack (its ``train_step``, its ``fit``), or None.
+    Models that do not hold the layer are passed over: a table trained in
+    its own step from a callback of another model's ``fit`` is not that
+    model's (a review: its steps were divided by that model's scale)."""
     frame = sys._getframe(2)
     while frame is not None:
         obj = frame.f_locals.get("self")
-        if isinstance(obj, keras.Model) and _optimizer_of(obj) is not None:
+        if isinstance(obj, keras.Model) and _optimizer_of(obj) is not None \
+                and _holds(obj, layer):
             return obj
         frame = frame.f_back
     return None
 
 
-def found_optimizer() -> Optional[keras.optimizers.Optimizer]:
-    """The optimizer of the model the training call is part of.
+def found_optimizer(layer: keras.layers.Layer) -> Optional[keras.optimizers.Optimizer]:
+    """The optimizer of the model the training call of ``layer`` is part of.
 
     Usually the call's entry layer (the model ``fit`` calls). A layer called
     directly, not through the model (a model's own ``train_step`` calling
     its table, or a sub-model without an optimizer), is its own entry: the
-    model is then the compiled one whose method called it, found on the
-    Python stack. Without it, a float32 step under an explicit
-    ``LossScaleOptimizer`` or ``loss_scale_factor`` trained the table on
-    the scaled gradient, silently (a review)."""
+    model is then the compiled one holding the layer whose method called
+    it, found on the Python stack. Without it, a float32 step under an
+    explicit ``LossScaleOptimizer`` or ``loss_scale_factor`` trained the
+    table on the scaled gradient, silently (a review)."""
     opt = _optimizer_of(entry_model())
     if opt is None:
-        opt = _optimizer_of(_model_on_stack())
+        opt = _optimizer_of(_model_on_stack(layer))
     return opt
 
 
-def loss_scale(layer_name: str) -> Optional[LossScale]:
+def loss_scale(layer: keras.layers.Layer) -> Optional[LossScale]:
     """The loss scale of the optimizer of the model being called, or None
     when it scales nothing (or there is no such optimizer)."""
-    opt = found_optimizer()
+    layer_name = layer.name
+    opt = found_optimizer(layer)
     if opt is None:
         return None
     if isinstance(opt, keras.optimizers.LossScaleOptimizer):

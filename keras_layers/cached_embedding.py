@@ -603,8 +603,8 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         cannot see otherwise."""
         if keras_shape_inference():
             return None
-        scale = loss_scale(self.name)
-        if scale is not None or found_optimizer() is not None:
+        scale = loss_scale(self)
+        if scale is not None or found_optimizer(self) is not None:
             return scale
         where = [w for w, policy in (("this layer's", self.dtype_policy),
                                      ("the global (keras.config.dtype_policy())",

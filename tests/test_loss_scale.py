@@ -222,6 +222,41 @@ def test_a_train_step_calling_the_table_directly_divides_by_the_models_scale(rng
     assert np.abs(rows[1] - before).max() > 1e-3
 
 
+def test_a_table_trained_from_another_models_callback_is_not_scaled_by_it():
+    """A table's own unscaled step run from a callback of an unrelated
+    model's fit: the model on the stack does not hold the table, so its
+    loss scale is not the table's (the first version of the stack lookup
+    took it, and the table's steps were 1024 times too short)."""
+    ids = tf.constant([[1, 2, 3], [4, 5, 6]], tf.int64)
+
+    def table_step(table):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(table(ids, training=True))
+        tape.gradient(loss, table.trainable_weights)
+
+    moved = []
+    for from_callback in (False, True):
+        table = CachedEmbedding(2, cache_capacity=16, seed=7,
+                                optimizer=tf_sfctr.optimizers.SGD(0.5))
+        table.build(None)
+        before = table.lookup_rows([1])
+        if from_callback:
+            class Side(keras.callbacks.Callback):
+                def on_train_batch_end(self, batch, logs=None):
+                    table_step(table)
+
+            x = keras.Input((4,))
+            other = keras.Model(x, keras.layers.Dense(1)(x))
+            other.compile(keras.optimizers.SGD(0.01, loss_scale_factor=1024.0), "mse")
+            other.fit(np.ones((4, 4)), np.ones((4, 1)), batch_size=4, verbose=0,
+                      callbacks=[Side()])
+        else:
+            table_step(table)
+        moved.append(table.lookup_rows([1]) - before)
+    np.testing.assert_allclose(moved[0], -0.5, rtol=1e-6)
+    np.testing.assert_allclose(moved[1], moved[0], rtol=1e-6)
+
+
 def test_a_table_gradient_too_large_skips_the_whole_step():
     """Under a LossScaleOptimizer a table gradient that is not finite (here
     one whose square overflows float32) skips the step, dense weights too,

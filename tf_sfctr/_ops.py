@@ -39,6 +39,7 @@ _OP_TYPES = (
     "SfctrHostClear",
     "SfctrHostPrune",
     "SfctrStoreRemove",
+    "SfctrHostTakeRemoved",
     "SfctrHostSetSeed",
     "SfctrStoreStats",
     "SfctrStoreSetCounters",

@@ -304,10 +304,12 @@ def _agree_on_save(error: Optional[BaseException], directory: str, name: str) ->
             # "No space left on device" alone named neither the save nor the
             # file (a table file's write has no file name to give).
             where = f" ({error.filename})" if error.filename else ""
-            raise type(error)(
-                error.errno, f"tf_sfctr.distributed.save to {directory} failed on this rank: "
-                f"{error.strerror or error}{where}. The directory holds no complete "
-                f"checkpoint (no {MANIFEST}); the saves before it are intact.") from error
+            message = (f"tf_sfctr.distributed.save to {directory} failed on this rank: "
+                       f"{error.strerror or error}{where}. This save may be incomplete; the "
+                       f"saves before it are intact.")
+            if error.errno is None:
+                raise type(error)(message) from error
+            raise type(error)(error.errno, message) from error
         raise error
     if failures:
         r, message = failures[0]

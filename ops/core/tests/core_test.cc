@@ -2221,10 +2221,6 @@ TableSnapshot Snapshot(const HostTable& t) {
 
 }  // namespace
 
-// A write that runs out of memory part-way: every row is its old or its new
-// value, never torn; size() counts exactly the stored ids; max_rows keeps
-// its exact room; and once memory is back, the same write completes. Each
-// allocation of the call fails in turn.
 TEST_CASE(HostTableChangedOnlyExportThatFailsKeepsItsRowsFlagged) {
   // A changed_only part cleared its rows' flags before the caller had them:
   // out of memory half way (or outputs the kernel could not allocate), those
@@ -2283,6 +2279,10 @@ TEST_CASE(HostTableChangedOnlyExportThatFailsKeepsItsRowsFlagged) {
   CHECK(failures > 0);
 }
 
+// A write that runs out of memory part-way: every row is its old or its new
+// value, never torn; size() counts exactly the stored ids; max_rows keeps
+// its exact room; and once memory is back, the same write completes. Each
+// allocation of the call fails in turn.
 TEST_CASE(HostTableWriteOutOfMemoryKeepsEveryRow) {
   for (Inject mode : {Inject::kAnyNew, Inject::kTableMemory}) {
     HostTableOptions o = Options(3, 1, /*max_rows=*/2000);

@@ -7,8 +7,9 @@ every day brings ids never seen before). For each day the script:
 1. measures the AUC of the model trained so far on the day's rows before it
    trains on them (progressive validation: how the served model did that day);
 2. trains one pass over the day with ``model.fit`` (one epoch per day) and
-   * ``tf_sfctr.callbacks.PruneHostTable(to_rows=..., every_steps=...)``: the
-     table keeps the most used ids, however many new ones arrive;
+   * ``tf_sfctr.callbacks.PruneHostTable(to_rows=..., every_steps=...,
+     decay=...)``: the table keeps the ids most used lately (each prune
+     scales the use counts left by ``decay``), however many new ones arrive;
    * ``tf_sfctr.distributed.SaveCheckpoints(every_steps=...)``: a restarted
      run resumes from the last save (the end of each day is saved too);
    * a callback that pushes a delta to the serving store every
@@ -67,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--table-rows", type=int, default=150_000,
                    help="PruneHostTable(to_rows=...): the table keeps this many most used ids")
     p.add_argument("--prune-every", type=int, default=40, help="steps between prunes")
+    p.add_argument("--count-decay", type=float, default=0.5,
+                   help="PruneHostTable(decay=...): each prune multiplies the use counts "
+                        "left by this, so that recent uses weigh more (1: no ageing)")
     p.add_argument("--push-every", type=int, default=25, help="steps between delta pushes")
     p.add_argument("--save-every", type=int, default=60, help="steps between checkpoints")
     p.add_argument("--remove", type=int, default=100,
@@ -187,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.rows_per_day:,} rows each"
           + (f" (resumed after day {first_day})" if first_day else ""), flush=True)
     prune = tf_sfctr.callbacks.PruneHostTable(to_rows=args.table_rows,
-                                              every_steps=args.prune_every)
+                                              every_steps=args.prune_every,
+                                              decay=args.count_decay)
     saver = tf_sfctr.distributed.SaveCheckpoints(ckpt, ckpt_dir, every_steps=args.save_every)
     pusher = PushDeltas(table, store, args.push_every)
     # A run resumed from a day's end restores the table the store was saved

@@ -17,8 +17,8 @@ from tf_sfctr.distributed import _horovod
 from tf_sfctr.keras_layers._layer_checks import check_id_dtype
 
 
-def check_prune_bound(min_uses: Any, to_rows: Any) -> None:
-    """Exactly one of a prune's bounds, each in its range."""
+def check_prune_bound(min_uses: Any, to_rows: Any, decay: Any = None) -> None:
+    """Exactly one of a prune's bounds, each in its range, and its decay."""
     if (min_uses is None) == (to_rows is None):
         raise ValueError("prune takes one of min_uses (remove ids used in fewer steps) and "
                          f"to_rows (keep the most used ids), got min_uses={min_uses!r} and "
@@ -32,6 +32,12 @@ def check_prune_bound(min_uses: Any, to_rows: Any) -> None:
     if to_rows is not None and (isinstance(to_rows, (bool, np.bool_))
                                 or not isinstance(to_rows, (int, np.integer)) or to_rows < 0):
         raise ValueError(f"to_rows must be an int >= 0, got {to_rows!r}")
+    if decay is not None and (isinstance(decay, (bool, np.bool_))
+                              or not isinstance(decay, (int, float, np.integer, np.floating))
+                              or not 0 <= decay <= 1):
+        raise ValueError(
+            f"decay must be None or a number in [0, 1] (each remaining id's use count is "
+            f"multiplied by it, rounded down), got {decay!r}")
 
 
 class TableAccessMixin:
@@ -362,7 +368,8 @@ class TableAccessMixin:
             if ids.size:
                 yield ids, np.ascontiguousarray(rows.numpy()[:, :dim]), counts
 
-    def prune(self, min_uses: Optional[int] = None, *, to_rows: Optional[int] = None) -> int:
+    def prune(self, min_uses: Optional[int] = None, *, to_rows: Optional[int] = None,
+              decay: Optional[float] = None) -> int:
         """Removes rarely used ids from the host table, except the ids the
         cache holds now; returns how many were removed. Give one of:
 
@@ -376,6 +383,18 @@ class TableAccessMixin:
           ids stay, so a table can stay above ``to_rows`` by up to
           ``cache_capacity`` (twice that between lookahead steps, whose
           prepared plan's evictions wait to be written back).
+
+        ``decay`` (in [0, 1]) then multiplies the use count of every id
+        that stays by ``decay``, rounded down, so that counts weigh recent
+        uses more: pruning every N steps with ``min_uses=1, decay=0``
+        removes the ids no step used since the previous prune (an expiry
+        by age); ``decay=0.5`` halves old counts at each
+        prune, so an id that was popular once goes after about
+        ``log2(uses) + 1`` prunes without use (any count c >= 1 becomes at
+        most c - 1, so every unused id reaches 0). With a ``decay``, prune
+        flushes the cache first (``flush``), so that the uses cached ids
+        gathered count before the decay: collective then in model-parallel
+        mode, and not while another thread trains the layer.
 
         Uses are counted over the table's whole history (checkpoints keep
         them; they saturate at 65535); ids new to the table that
@@ -398,13 +417,18 @@ class TableAccessMixin:
         >>> emb.prune(min_uses=1), emb.cache_stats()["host_rows"]
         (4, 0)
         """
-        check_prune_bound(min_uses, to_rows)
+        check_prune_bound(min_uses, to_rows, decay)
         self._require_built()
+        decay = 1.0 if decay is None else float(decay)
+        if decay < 1.0:
+            # The cached uses go to the host counts first, to be aged with
+            # them (else an id cached now would keep uses of long ago).
+            self.flush()
         if min_uses is not None:
-            return int(self._store.host_prune(int(min_uses)))
+            return int(self._store.host_prune(int(min_uses), decay))
         shard = -(-int(to_rows) // self._world_size) if self.mode == "model_parallel" \
             else int(to_rows)
-        return int(self._store.host_prune_to_size(min(shard, 2**63 - 1))[0])
+        return int(self._store.host_prune_to_size(min(shard, 2**63 - 1), decay)[0])
 
     def remove_rows(self, ids: Sequence[int] | np.ndarray | tf.Tensor) -> int:
         """Removes ``ids`` from the table, cache and host table alike; returns

@@ -284,18 +284,21 @@ REGISTER_OP("SfctrHostClear")
 REGISTER_OP("SfctrHostPrune")
     .Input("store: resource")
     .Input("min_uses: int64")
+    .Input("decay: double")
     .Output("removed: int64")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle unused;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 0, &unused));
       c->set_output(0, c->Scalar());
       return OkStatus();
     })
     .Doc(R"doc(
 Removes from the host table the ids used in fewer than min_uses training steps,
 except ids in the cache and evictions whose write-back is pending; returns how
-many were removed. Their rows are reused by later inserts.
+many were removed. Their rows are reused by later inserts. Then, with decay
+below 1, every remaining id's use count is multiplied by decay, rounded down.
 )doc");
 
 REGISTER_OP("SfctrStoreRemove")
@@ -341,12 +344,14 @@ from then on.
 REGISTER_OP("SfctrHostPruneToSize")
     .Input("store: resource")
     .Input("max_rows: int64")
+    .Input("decay: double")
     .Output("removed: int64")
     .Output("min_uses: int64")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle unused;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 0, &unused));
       c->set_output(0, c->Scalar());
       c->set_output(1, c->Scalar());
       return OkStatus();
@@ -356,7 +361,8 @@ Removes from the host table the least used ids until at most max_rows rows
 remain, never ids in the cache or evictions whose write-back is pending (so
 more may remain). Ids of one use count go in the order of their values.
 Returns how many were removed, and min_uses: the use count of the most used
-id removed, plus one (0 if none was).
+id removed, plus one (0 if none was). Then decay scales the remaining use
+counts as in SfctrHostPrune.
 )doc");
 
 REGISTER_OP("SfctrHostSetSeed")

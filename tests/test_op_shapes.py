@@ -35,6 +35,7 @@ def _cases(store):
     m = _ops.load()
     h = store.resource_handle
     no_counts = tf.zeros([0], I64)
+    one = tf.constant(1.0, tf.float64)
     return {
         "SfctrHostRead": (lambda x: m.sfctr_host_read(h, x), S([2, 3], I64)),
         "SfctrCacheProbe": (lambda x: m.sfctr_cache_probe(h, x), S([], I64)),
@@ -47,8 +48,12 @@ def _cases(store):
                             S([3, 4], F32)),
         "SfctrHostAddCounts": (lambda x: m.sfctr_host_add_counts(h, tf.zeros([2], I64), x),
                                S([3], I64)),
-        "SfctrHostPrune": (lambda x: m.sfctr_host_prune(h, x), S([1], I64)),
-        "SfctrHostPruneToSize": (lambda x: m.sfctr_host_prune_to_size(h, x), S([1], I64)),
+        "SfctrHostPrune": (lambda x: m.sfctr_host_prune(h, x, one), S([1], I64)),
+        "SfctrHostPrune decay": (lambda x: m.sfctr_host_prune(h, 1, x), S([1], tf.float64)),
+        "SfctrHostPruneToSize": (lambda x: m.sfctr_host_prune_to_size(h, x, one),
+                                 S([1], I64)),
+        "SfctrHostPruneToSize decay": (lambda x: m.sfctr_host_prune_to_size(h, 1, x),
+                                       S([1], tf.float64)),
         "SfctrFrame": (lambda x: m.sfctr_frame([x], [tf.ones([1], tf.int32)]),
                        S([1, 1], tf.float64)),
         "SfctrUnframe": (lambda x: m.sfctr_unframe(x, tf.ones([1], tf.int32), N=1),
@@ -59,7 +64,8 @@ def _cases(store):
 @pytest.mark.parametrize("case", ["SfctrHostRead", "SfctrCacheProbe", "SfctrHostWrite",
                                   "SfctrHostWrite rows", "SfctrHostAssign",
                                   "SfctrHostAddCounts", "SfctrHostPrune",
-                                  "SfctrHostPruneToSize", "SfctrFrame",
+                                  "SfctrHostPrune decay", "SfctrHostPruneToSize",
+                                  "SfctrHostPruneToSize decay", "SfctrFrame",
                                   "SfctrUnframe"])
 def test_a_wrong_static_shape_fails_the_trace_naming_the_op(store, case):
     fn, spec = _cases(store)[case]

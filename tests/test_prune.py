@@ -172,6 +172,79 @@ def test_to_rows_removes_the_same_ids_whatever_the_insertion_order():
     assert layers[0] == set(ids[uses == 2].tolist()) | set(ones[22:])
 
 
+@pytest.mark.parametrize("bound", [dict(min_uses=3), dict(to_rows=150)])
+@pytest.mark.parametrize("decay", [0.5, 0.0, 0.9])
+def test_decay_ages_the_use_counts_of_the_ids_that_stay(rng, bound, decay):
+    """Against counts kept in Python: each step adds one use to each of its
+    distinct ids; a prune removes by the counts before the decay and then
+    scales the survivors' counts, rounding down."""
+    vocab = random_vocab(rng, 1500)
+    layer = _layer()
+    step = squared_error_trainer(layer)
+    ref: dict = {}
+
+    def train(n):
+        for _ in range(n):
+            ids = powerlaw_ids(rng, vocab, (16, 3), alpha=1.1)
+            step(tf.constant(ids))
+            for i in np.unique(ids).tolist():
+                ref[i] = ref.get(i, 0) + 1
+
+    for _ in range(3):
+        train(15)
+        layer.flush()  # every use credited to the host table before the prune
+        cached = cached_ids(layer)
+        counts = dict(ref)
+        removed = layer.prune(**bound, decay=decay)
+        if "min_uses" in bound:
+            gone = {i for i, c in counts.items() if c < bound["min_uses"] and i not in cached}
+        else:
+            gone = set(counts) - set(_uses(layer))
+            assert len(counts) - len(gone) == max(150, len(cached)) or not gone
+            kept_least = min(counts[i] for i in set(counts) - gone - cached)
+            assert all(counts[i] <= kept_least for i in gone)
+        assert removed == len(gone) > 0
+        for i in gone:
+            del ref[i]
+        for i in ref:
+            ref[i] = int(np.floor(ref[i] * decay))
+        assert _uses(layer) == ref
+    train(10)  # uses after the decay add up as before
+    assert _uses(layer) == ref
+
+
+def test_the_callback_with_decay_0_expires_ids_unused_since_the_previous_prune():
+    """Each period of 4 steps trains its own ids: after each prune only the
+    period's ids remain (and the next batch's, which lookahead prepared);
+    without the decay nothing would ever go (every id was used once)."""
+    inp = keras.Input((3,), dtype="int64")
+    emb = _layer()
+    model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
+    model.compile(optimizer="sgd", loss="mse")
+    x = np.arange(6 * 4 * 8 * 3, dtype=np.int64).reshape(-1, 3)  # 6 periods x 4 steps x 8 rows
+    left = []
+
+    class HostIds(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch % 4 == 3:
+                left.append(_host_ids(emb))
+
+    prune = PruneHostTable(min_uses=1, every_steps=4, decay=0)
+    model.fit(x, np.ones((len(x), 1)), batch_size=8, shuffle=False, verbose=0,
+              callbacks=[prune, HostIds()])
+    per_period = 4 * 8 * 3
+    for period, ids in enumerate(left):
+        this = set(range(period * per_period, (period + 1) * per_period))
+        assert this <= ids
+        assert ids - this <= set(range((period + 1) * per_period, (period + 1) * per_period + 24))
+    assert prune.pruned_rows[emb.name] == 5 * per_period
+    with pytest.raises(ValueError, match=r"decay must be None or a number in \[0, 1\]"):
+        PruneHostTable(min_uses=1, decay=1.5)
+    for bad in (-0.1, 1.01, float("nan"), True, "0.5"):
+        with pytest.raises(ValueError, match=r"decay must be None or a number in \[0, 1\]"):
+            emb.prune(min_uses=1, decay=bad)
+
+
 def test_the_callback_bounds_the_table_to_rows_during_fit(rng):
     vocab = random_vocab(rng, 4000)
     x = powerlaw_ids(rng, vocab, (640, 3), alpha=1.05)

@@ -300,7 +300,10 @@ class PruneHostTable(keras.callbacks.Callback):
     unknown size, where Keras 3.5 counts one iteration more after each
     epoch's last batch: the restored count includes those. And with the
     cache cold after a restore the rows it removes can differ, since cached
-    ids are never pruned.) Each epoch's logs get
+    ids are never pruned.) ``decay`` ages the use counts at each prune
+    (see ``CachedEmbedding.prune``): ``PruneHostTable(min_uses=1,
+    every_steps=N, decay=0)`` removes the ids that no step used since the
+    previous prune. Each epoch's logs get
     ``<layer name>/pruned_rows``, the rows removed during that epoch, and
     ``self.pruned_rows`` holds each layer's total (keyed as ``table_log_names``
     names them).
@@ -327,18 +330,19 @@ class PruneHostTable(keras.callbacks.Callback):
     """
 
     def __init__(self, min_uses: Optional[int] = None, every_steps: Optional[int] = None, *,
-                 to_rows: Optional[int] = None):
+                 to_rows: Optional[int] = None, decay: Optional[float] = None):
         from tf_sfctr.keras_layers._table_access import check_prune_bound
 
         super().__init__()
         # NumPy integers are ints here, as in CachedEmbedding.prune.
-        check_prune_bound(min_uses, to_rows)
+        check_prune_bound(min_uses, to_rows, decay)
         if every_steps is not None and (isinstance(every_steps, (bool, np.bool_))
                                         or not isinstance(every_steps, (int, np.integer))
                                         or every_steps < 1):
             raise ValueError(f"every_steps must be None or an int >= 1, got {every_steps!r}")
         self.min_uses = None if min_uses is None else int(min_uses)
         self.to_rows = None if to_rows is None else int(to_rows)
+        self.decay = None if decay is None else float(decay)
         self.every_steps = None if every_steps is None else int(every_steps)
         self.pruned_rows: dict = {}
         self._epoch_rows: dict = {}
@@ -352,7 +356,7 @@ class PruneHostTable(keras.callbacks.Callback):
                 # A frozen table serves its rows like inference and counts
                 # no uses: every row it does not cache would go.
                 continue
-            removed = layer.prune(self.min_uses, to_rows=self.to_rows)
+            removed = layer.prune(self.min_uses, to_rows=self.to_rows, decay=self.decay)
             self.pruned_rows[name] = self.pruned_rows.get(name, 0) + removed
             self._epoch_rows[name] = self._epoch_rows.get(name, 0) + removed
 

@@ -333,11 +333,13 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
     def host_clear(self):
         return _ops.load().sfctr_host_clear(self.resource_handle)
 
-    def host_prune(self, min_uses: int) -> tf.Tensor:
+    def host_prune(self, min_uses: int, decay: float = 1.0) -> tf.Tensor:
         """Removes uncached ids used in fewer than ``min_uses`` steps; returns
-        how many went."""
+        how many went. Then multiplies the remaining ids' use counts by
+        ``decay`` (rounded down)."""
         return _ops.load().sfctr_host_prune(self.resource_handle,
-                                            tf.constant(min_uses, tf.int64))
+                                            tf.constant(min_uses, tf.int64),
+                                            tf.constant(decay, tf.float64))
 
     def remove(self, ids: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         """Removes ``ids`` (int64 vector) from the cache, dropping their
@@ -354,12 +356,13 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         logged from then on."""
         return _ops.load().sfctr_host_take_removed(self.resource_handle)
 
-    def host_prune_to_size(self, max_rows: int) -> tuple[tf.Tensor, tf.Tensor]:
+    def host_prune_to_size(self, max_rows: int, decay: float = 1.0
+                           ) -> tuple[tf.Tensor, tf.Tensor]:
         """Removes the least used uncached ids until at most ``max_rows``
         rows remain; returns (how many went, the use count of the most used
-        one plus one, 0 if none went)."""
-        return _ops.load().sfctr_host_prune_to_size(self.resource_handle,
-                                                    tf.constant(max_rows, tf.int64))
+        one plus one, 0 if none went). ``decay`` as for ``host_prune``."""
+        return _ops.load().sfctr_host_prune_to_size(
+            self.resource_handle, tf.constant(max_rows, tf.int64), tf.constant(decay, tf.float64))
 
     # Counters ----------------------------------------------------------------
     def stats(self) -> tf.Tensor:

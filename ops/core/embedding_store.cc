@@ -246,14 +246,14 @@ std::unordered_set<int64_t> EmbeddingStore::PruneKeepLocked() {
   return keep;
 }
 
-int64_t EmbeddingStore::PruneHost(uint32_t min_count) {
+int64_t EmbeddingStore::PruneHost(uint32_t min_count, double decay) {
   std::lock_guard<std::mutex> lock(mu_);
-  return table_.Prune(min_count, PruneKeepLocked());
+  return table_.Prune(min_count, PruneKeepLocked(), decay);
 }
 
-int64_t EmbeddingStore::PruneHostToSize(int64_t max_rows, uint32_t* min_count) {
+int64_t EmbeddingStore::PruneHostToSize(int64_t max_rows, uint32_t* min_count, double decay) {
   std::lock_guard<std::mutex> lock(mu_);
-  return table_.PruneToSize(max_rows, PruneKeepLocked(), min_count);
+  return table_.PruneToSize(max_rows, PruneKeepLocked(), min_count, decay);
 }
 
 int64_t EmbeddingStore::Remove(const int64_t* ids, int64_t n, int64_t* cached) {

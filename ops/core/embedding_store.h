@@ -82,11 +82,12 @@ class EmbeddingStore {
   // Removes the host rows of ids used in fewer than `min_count` steps
   // (HostTable::Prune), never those of cached ids or of the last Prepare's
   // evictions (their write-back may be pending). Returns how many went.
-  int64_t PruneHost(uint32_t min_count);
+  // `decay` then scales the remaining use counters (HostTable::Prune).
+  int64_t PruneHost(uint32_t min_count, double decay = 1.0);
 
   // The same for the least used ids until at most `max_rows` rows remain
   // (HostTable::PruneToSize); `*min_count` as there.
-  int64_t PruneHostToSize(int64_t max_rows, uint32_t* min_count);
+  int64_t PruneHostToSize(int64_t max_rows, uint32_t* min_count, double decay = 1.0);
 
   // Removes `ids` from the cache (their rows are dropped, not written back)
   // and from the host table; returns how many of them the host table held

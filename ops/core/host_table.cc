@@ -738,13 +738,15 @@ void HostTable::ExportRangeLocked(uint64_t* cursor, int64_t max_rows,
   }
 }
 
-int64_t HostTable::Prune(uint32_t min_count, const std::unordered_set<int64_t>& keep) {
+int64_t HostTable::Prune(uint32_t min_count, const std::unordered_set<int64_t>& keep,
+                         double decay) {
   std::unique_lock<std::shared_mutex> no_writes(prune_mu_);
-  return PruneLocked([min_count](uint32_t count, int64_t) { return count < min_count; }, keep);
+  return PruneLocked([min_count](uint32_t count, int64_t) { return count < min_count; }, keep,
+                     decay);
 }
 
 int64_t HostTable::PruneToSize(int64_t max_rows, const std::unordered_set<int64_t>& keep,
-                               uint32_t* min_count) {
+                               uint32_t* min_count, double decay) {
   std::unique_lock<std::shared_mutex> no_writes(prune_mu_);
   *min_count = 0;
   // Rows per use count, of the ids that may go.
@@ -760,7 +762,10 @@ int64_t HostTable::PruneToSize(int64_t max_rows, const std::unordered_set<int64_
     }
   }
   int64_t excess = held - std::max<int64_t>(max_rows, 0);
-  if (excess <= 0) return 0;
+  if (excess <= 0) {
+    if (decay >= 1.0) return 0;
+    return PruneLocked([](uint32_t, int64_t) { return false; }, keep, decay);
+  }
   // Every id used fewer than `below` times goes, and `ties` of those used
   // exactly `below` times: the ones with the smallest ids.
   uint32_t below = 0;
@@ -777,7 +782,8 @@ int64_t HostTable::PruneToSize(int64_t max_rows, const std::unordered_set<int64_
   };
   if (below > kMaxCount || excess == 0) {
     *min_count = most_used_below(below);
-    return PruneLocked([below](uint32_t count, int64_t) { return count < below; }, keep);
+    return PruneLocked([below](uint32_t count, int64_t) { return count < below; }, keep,
+                       decay);
   }
   std::vector<int64_t> tied;
   tied.reserve(static_cast<size_t>(per_count[below]));
@@ -792,7 +798,8 @@ int64_t HostTable::PruneToSize(int64_t max_rows, const std::unordered_set<int64_
   // (Counts added meanwhile, by a restore's HostAddCounts, can leave fewer.)
   if (tied.empty()) {
     *min_count = most_used_below(below);
-    return PruneLocked([below](uint32_t count, int64_t) { return count < below; }, keep);
+    return PruneLocked([below](uint32_t count, int64_t) { return count < below; }, keep,
+                       decay);
   }
   const size_t nth = std::min(tied.size(), static_cast<size_t>(excess)) - 1;
   std::nth_element(tied.begin(), tied.begin() + nth, tied.end());
@@ -802,7 +809,7 @@ int64_t HostTable::PruneToSize(int64_t max_rows, const std::unordered_set<int64_
       [below, last](uint32_t count, int64_t id) {
         return count < below || (count == below && id <= last);
       },
-      keep);
+      keep, decay);
 }
 
 bool HostTable::EraseLocked(Shard& s, int64_t id, uint64_t hash) {
@@ -861,7 +868,8 @@ int64_t HostTable::Remove(const int64_t* ids, int64_t n) {
 }
 
 template <typename ShouldGo>
-int64_t HostTable::PruneLocked(ShouldGo remove, const std::unordered_set<int64_t>& keep) {
+int64_t HostTable::PruneLocked(ShouldGo remove, const std::unordered_set<int64_t>& keep,
+                               double decay) {
   int64_t removed = 0;
   std::vector<Entry> kept;
   std::vector<uint32_t> freed;
@@ -894,8 +902,16 @@ int64_t HostTable::PruneLocked(ShouldGo remove, const std::unordered_set<int64_t
       }
     }
     const size_t gone = freed.size();
+    if (gone > 0) s.free_rows.insert(s.free_rows.end(), freed.begin(), freed.end());  // all or nothing
+    if (decay < 1.0) {
+      // Nothing below can throw: the shard is decayed only if its removals
+      // happen too.
+      for (const Entry& e : kept) {
+        uint16_t& c = CountOf(s, e.row);
+        c = static_cast<uint16_t>(std::floor(static_cast<double>(c) * decay));
+      }
+    }
     if (gone == 0) continue;
-    s.free_rows.insert(s.free_rows.end(), freed.begin(), freed.end());  // all or nothing
     ReserveRemovalLogLocked(s, gone);
     if (log_removals_) s.removed.insert(s.removed.end(), freed_ids.begin(), freed_ids.end());
     // Rebuild the index at its size: deleting from a linear-probing index

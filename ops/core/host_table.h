@@ -191,7 +191,12 @@ class HostTable {
   // free list that later inserts take first (memory is reused, not given
   // back), and their handles become invalid. A removed id that comes back
   // starts from its initial row, as if never seen.
-  int64_t Prune(uint32_t min_count, const std::unordered_set<int64_t>& keep);
+  // With `decay` below 1, every id that stays (kept ones too) then has its
+  // use counter multiplied by `decay` and rounded down, so that counts
+  // weigh recent uses more (an id no step uses again falls to 0: any count
+  // c >= 1 becomes at most c - 1). The row is not flagged changed.
+  int64_t Prune(uint32_t min_count, const std::unordered_set<int64_t>& keep,
+                double decay = 1.0);
 
   // Removes the given ids (those stored; repeats and absent ids are
   // skipped); returns how many were removed. Like Prune, their rows go to
@@ -206,9 +211,10 @@ class HostTable {
   // removed. Ids of equal use count go in the order of their values, so
   // tables holding the same ids and counts (data-parallel replicas) remove
   // the same ids. `*min_count` gets the use count of the most used id
-  // removed plus one (0 if none was).
+  // removed plus one (0 if none was). `decay` as for Prune, after the
+  // removal (the ids that go are chosen by the counts before it).
   int64_t PruneToSize(int64_t max_rows, const std::unordered_set<int64_t>& keep,
-                      uint32_t* min_count);
+                      uint32_t* min_count, double decay = 1.0);
 
   // Removes every row.
   void Clear();
@@ -335,7 +341,8 @@ class HostTable {
   // Prune's work, prune_mu_ held by the caller: removes the ids, not in
   // `keep`, for which remove(use count, id) is true.
   template <typename ShouldGo>
-  int64_t PruneLocked(ShouldGo remove, const std::unordered_set<int64_t>& keep);
+  int64_t PruneLocked(ShouldGo remove, const std::unordered_set<int64_t>& keep,
+                      double decay);
   void AddSaturating(const Shard& s, uint32_t row, uint32_t count) const;
   // With a row file, while rows_on_disk_: asks the kernel to start reading
   // the pages of the rows of `ids` that the table holds (RowFile::WillNeed),

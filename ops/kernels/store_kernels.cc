@@ -684,6 +684,20 @@ class HostClearOp : public StoreOpKernel {
   }
 };
 
+// The `decay` input (2) of the prune ops: a use-count factor in [0, 1].
+Status GetDecay(OpKernelContext* ctx, double* decay) {
+  const Tensor& t = ctx->input(2);
+  if (!TensorShapeUtils::IsScalar(t.shape())) {
+    return errors::InvalidArgument("decay must be a scalar");
+  }
+  const double value = t.scalar<double>()();
+  if (!(value >= 0.0 && value <= 1.0)) {  // (NaN too)
+    return errors::InvalidArgument("decay must be in [0, 1], got ", value);
+  }
+  *decay = value;
+  return OkStatus();
+}
+
 class HostPruneOp : public StoreOpKernel {
  public:
   using StoreOpKernel::StoreOpKernel;
@@ -697,9 +711,11 @@ class HostPruneOp : public StoreOpKernel {
     OP_REQUIRES(ctx, m >= 1 && m <= 65536,
                 errors::InvalidArgument("min_uses must be in [1, 65536] (use counters "
                                         "saturate at 65535), got ", m));
+    double decay = 1.0;
+    OP_REQUIRES_OK(ctx, GetDecay(ctx, &decay));
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
-    out->scalar<int64_t>()() = store.PruneHost(static_cast<uint32_t>(m));
+    out->scalar<int64_t>()() = store.PruneHost(static_cast<uint32_t>(m), decay);
   }
 };
 
@@ -714,12 +730,14 @@ class HostPruneToSizeOp : public StoreOpKernel {
                 errors::InvalidArgument("max_rows must be a scalar"));
     const int64_t m = max_rows.scalar<int64_t>()();
     OP_REQUIRES(ctx, m >= 0, errors::InvalidArgument("max_rows must be >= 0, got ", m));
+    double decay = 1.0;
+    OP_REQUIRES_OK(ctx, GetDecay(ctx, &decay));
     Tensor* removed = nullptr;
     Tensor* min_uses = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &removed));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &min_uses));
     uint32_t threshold = 0;
-    removed->scalar<int64_t>()() = store.PruneHostToSize(m, &threshold);
+    removed->scalar<int64_t>()() = store.PruneHostToSize(m, &threshold, decay);
     min_uses->scalar<int64_t>()() = threshold;
   }
 };

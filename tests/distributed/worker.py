@@ -545,6 +545,19 @@ def run_robustness(out_dir, rank, size):
     changed = np.any(after != rows3, axis=1)
     assert changed.any()
     np.testing.assert_array_equal(after[changed], initial[changed])
+    # A prune with a decay flushes first (a collective here: every rank
+    # delivers its update) and then scales each shard's counts left.
+    def uses():
+        return {i: c for ids_, _, counts in emb3.export_rows()
+                for i, c in zip(ids_.tolist(), counts.tolist())}
+
+    emb3.assign_rows(v[rank * 8:rank * 8 + 8], np.ones((8, rows3.shape[1]), np.float32))
+    own = np.array(sorted(uses()), np.int64)  # this rank's shard
+    emb3.store.host_add_counts(tf.constant(own), tf.constant(np.arange(len(own)) % 7 + 3))
+    before_uses = uses()
+    assert len(before_uses) == len(own) > 0 and min(before_uses.values()) >= 3
+    assert emb3.prune(min_uses=1, decay=0.5) == 0
+    assert uses() == {i: c // 2 for i, c in before_uses.items()}
     # Keras weight files would hold one shard: refused on every rank.
     _expect_error(lambda: model3.save_weights(os.path.join(out_dir, f"w{rank}.weights.h5")),
                   "not supported in the Keras format")

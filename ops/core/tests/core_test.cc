@@ -1946,6 +1946,77 @@ std::vector<int64_t> ChangedIds(const HostTable& t, int64_t part_rows = 3) {
 }
 }  // namespace
 
+TEST_CASE(HostTablePruneDecayScalesTheCountsThatStay) {
+  // Counts 0..9 and saturated ones; a map model of what each prune leaves.
+  HostTable t(Options(2, 0));
+  std::vector<int64_t> ids;
+  std::vector<uint32_t> counts;
+  std::mt19937_64 rng(31);
+  for (int i = 0; i < 4000; ++i) {
+    ids.push_back(static_cast<int64_t>(rng()));
+    counts.push_back(i < 50 ? 0xffffu : static_cast<uint32_t>(i % 10));
+  }
+  std::vector<float> rows(ids.size() * 2, 1.0f);
+  CHECK(t.Write(ids.data(), ids.size(), rows.data(), counts.data()).ok());
+  std::map<int64_t, uint32_t> model;
+  for (size_t i = 0; i < ids.size(); ++i) model[ids[i]] = counts[i];
+  CHECK_EQ(ChangedIds(t, 1 << 20).size(), ids.size());  // (unflags the writes)
+  const auto check_model = [&] {
+    std::vector<int64_t> out_ids;
+    std::vector<float> out_rows;
+    std::vector<uint32_t> out_counts;
+    t.Export(&out_ids, &out_rows, &out_counts);
+    CHECK_EQ(out_ids.size(), model.size());
+    for (size_t k = 0; k < out_ids.size(); ++k) {
+      CHECK(model.count(out_ids[k]) == 1);
+      CHECK_EQ(out_counts[k], model[out_ids[k]]);
+    }
+  };
+  // The removal goes by the counts before the decay; a kept id decays too.
+  const int64_t kept_id = ids[50];  // 0 uses
+  model[ids[57]] = 7;
+  int64_t expect = 0;
+  for (auto it = model.begin(); it != model.end();) {
+    if (it->second < 2 && it->first != kept_id) {
+      it = model.erase(it);
+      ++expect;
+    } else {
+      it->second = it->second / 2;  // floor(c * 0.5)
+      ++it;
+    }
+  }
+  CHECK_EQ(t.Prune(2, {kept_id, ids[57]}, 0.5), expect);
+  check_model();
+  CHECK(model[ids[0]] == 32767 && model[ids[57]] == 3);
+  // A decay of 1 changes nothing; 0.9 takes every count down by at least
+  // one, so that an id no step uses again reaches 0.
+  CHECK_EQ(t.Prune(0, {}, 1.0), int64_t{0});
+  check_model();
+  CHECK_EQ(t.Prune(0, {}, 0.9), int64_t{0});
+  for (auto& [id, c] : model) c = static_cast<uint32_t>(std::floor(c * 0.9));
+  check_model();
+  CHECK(model[ids[57]] == 2);  // 3 * 0.9 = 2.7
+  // PruneToSize decays even when nothing has to go, and after a removal
+  // the survivors only.
+  uint32_t min_count = 0;
+  CHECK_EQ(t.PruneToSize(1 << 20, {}, &min_count, 0.5), int64_t{0});
+  for (auto& [id, c] : model) c /= 2;
+  check_model();
+  const int64_t before = t.size();
+  CHECK_EQ(t.PruneToSize(100, {}, &min_count, 0.0), before - 100);
+  CHECK_EQ(t.size(), int64_t{100});
+  std::vector<int64_t> out_ids;
+  std::vector<float> out_rows;
+  std::vector<uint32_t> out_counts;
+  t.Export(&out_ids, &out_rows, &out_counts);
+  for (size_t k = 0; k < out_ids.size(); ++k) {
+    CHECK_EQ(out_counts[k], uint32_t{0});
+    CHECK(model[out_ids[k]] >= min_count - 1);  // the most used stayed
+  }
+  // A decayed row is not flagged changed (deltas follow values only).
+  CHECK(ChangedIds(t, 1 << 20).empty());
+}
+
 TEST_CASE(HostTableFlagsChangedRowsUntilAChangedOnlyExport) {
   HostTable t(Options(2, 1));
   const int w = t.width();

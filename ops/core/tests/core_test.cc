@@ -153,6 +153,54 @@ TEST_CASE(InitializerIsDeterministicAndInRange) {
   CHECK(std::fabs(std::sqrt(var) - 2.0) < 0.05);
 }
 
+// Each column of a normal (or truncated normal) row follows the standard
+// normal CDF, checked at several points over many ids (a two-sided bound of
+// 5 binomial standard errors), and the two columns that share a sample
+// position are uncorrelated, as are neighbouring pairs. An odd last column
+// too.
+TEST_CASE(NormalInitializerColumnsAreNormalAndIndependent) {
+  const double points[] = {-2.5, -2.0, -1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0, 2.5};
+  const auto phi = [](double x) { return 0.5 * std::erfc(-x / std::sqrt(2.0)); };
+  for (auto kind : {InitKind::kNormal, InitKind::kTruncatedNormal}) {
+    InitializerSpec spec;
+    spec.kind = kind;
+    spec.a = 0.0f;
+    spec.b = 1.0f;
+    spec.seed = 11;
+    RowInitializer init(spec);
+    const int n = 200000, dim = 5;
+    std::vector<float> row(dim);
+    std::vector<std::vector<int>> below(dim, std::vector<int>(std::size(points), 0));
+    double s01 = 0, s12 = 0, s0 = 0, s1 = 0, q0 = 0, q1 = 0, s2 = 0, q2 = 0;
+    for (int i = 0; i < n; ++i) {
+      init.Fill(i * 7919 + 13, dim, row.data());
+      for (int j = 0; j < dim; ++j) {
+        for (size_t p = 0; p < std::size(points); ++p) below[j][p] += row[j] < points[p];
+      }
+      s0 += row[0], s1 += row[1], s2 += row[2];
+      q0 += row[0] * row[0], q1 += row[1] * row[1], q2 += row[2] * row[2];
+      s01 += row[0] * row[1], s12 += row[1] * row[2];
+    }
+    for (int j = 0; j < dim; ++j) {
+      for (size_t p = 0; p < std::size(points); ++p) {
+        double want = phi(points[p]);
+        if (kind == InitKind::kTruncatedNormal) {  // within [-2, 2]
+          want = std::clamp((want - phi(-2.0)) / (phi(2.0) - phi(-2.0)), 0.0, 1.0);
+        }
+        const double got = static_cast<double>(below[j][p]) / n;
+        const double se = std::sqrt(std::max(want * (1 - want), 1e-6) / n);
+        CHECK(std::fabs(got - want) < 5 * se + 1e-6);
+      }
+    }
+    const auto corr = [n](double sxy, double sx, double sy, double qx, double qy) {
+      const double cov = sxy / n - (sx / n) * (sy / n);
+      return cov / std::sqrt((qx / n - sx * sx / n / n) * (qy / n - sy * sy / n / n));
+    };
+    CHECK(std::fabs(corr(s01, s0, s1, q0, q1)) < 0.015);  // one sample position
+    CHECK(std::fabs(corr(s12, s1, s2, q1, q2)) < 0.015);  // neighbouring positions
+  }
+}
+
 TEST_CASE(HostTableFindInsertWriteAssign) {
   HostTable t(Options(4, 2));
   CHECK_EQ(t.width(), 12);

@@ -60,6 +60,12 @@ def _ckpt(model):
     return tf.train.Checkpoint(model=model, optimizer=model.optimizer)
 
 
+def _uses(emb):
+    """id -> use count (what prune and export_for_serving(max_rows) go by)."""
+    return {i: c for ids, _, counts in emb.export_rows()
+            for i, c in zip(ids.tolist(), counts.tolist())}
+
+
 @pytest.mark.parametrize("opt", ["adam", "adagrad", "ftrl"])
 def test_exact_resume_with_tf_train_checkpoint(rng, tmp_path, opt):
     vocab, x, y = _data(rng, 40)
@@ -79,6 +85,8 @@ def test_exact_resume_with_tf_train_checkpoint(rng, tmp_path, opt):
     resumed = _fit(fresh, x[n:], y[n:])
     np.testing.assert_array_equal(resumed, tail)
     np.testing.assert_array_equal(fresh_emb.lookup_rows(vocab), want_rows)
+    uses = _uses(emb)
+    assert max(uses.values()) > 1 and _uses(fresh_emb) == uses
     for a, b in zip(fresh.layers[-1].get_weights(), want_dense):
         np.testing.assert_array_equal(a, b)
 
@@ -98,6 +106,7 @@ def test_checkpoint_manager_and_saving_mid_training_changes_nothing(rng, tmp_pat
     c.optimizer.build(c.trainable_variables)
     _ckpt(c).restore(manager.latest_checkpoint)
     np.testing.assert_array_equal(emb_c.lookup_rows(vocab), emb_a.lookup_rows(vocab))
+    assert _uses(emb_c) == _uses(emb_a)
     sa, sc = emb_a.cache_stats(), emb_c.cache_stats()
     assert (sc["hits"], sc["misses"], sc["evictions"], sc["host_rows"]) == (
         sa["hits"], sa["misses"], sa["evictions"], sa["host_rows"])
@@ -116,6 +125,7 @@ def test_keras_format_round_trip(rng, tmp_path, opt):
     lemb = loaded.get_layer("emb")
     assert isinstance(lemb, CachedEmbedding)
     np.testing.assert_array_equal(lemb.lookup_rows(vocab), emb.lookup_rows(vocab))
+    assert _uses(lemb) == _uses(emb)
     np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
                                rtol=1e-6)
     # Optimizer state came along: one more identical step gives identical rows.

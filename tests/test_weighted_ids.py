@@ -325,8 +325,12 @@ def test_sparse_weighted_model_serves_dense_padded_rows(rng, tmp_path):
     model.fit(ds, epochs=2, verbose=0)
     tf_sfctr.export_for_serving(model, str(tmp_path / "served"))
     served = tf.saved_model.load(str(tmp_path / "served"))
+    want = model.predict(ds, verbose=0)
     got = served.serve([ids.to_tensor(), w.to_tensor()]).numpy()
-    np.testing.assert_allclose(got, model.predict(ds, verbose=0), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    # The padding ids mask their weights, whatever the weights are padded with.
+    got = served.serve([ids.to_tensor(), w.to_tensor(default_value=1.0)]).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_ragged_weights_with_int32_row_splits(rng):

@@ -39,6 +39,10 @@ SCENARIOS = {
     # Adam reads the table step (bias correction): a deferred update must
     # use the step of the call it belongs to.
     "mp_adam_dense": ("adam", "dense", "model_parallel", "loop"),
+    # An odd output_dim: SGD's and Adam's deferred updates carry dim-wide
+    # rows, which travel as float64 words padded by one column.
+    "mp_adam_dim3": ("adam_dim3", "dense", "model_parallel", "loop"),
+    "mp_sgd_ragged_dim5": ("sgd_dim5", "ragged", "model_parallel", "loop"),
     # A LossScaleOptimizer (2**20, float32: no step overflows) under
     # DistributedOptimizer: the table's update divides by the scale and runs
     # from the trigger's constraint, in the optimizer's apply (model
@@ -94,6 +98,9 @@ def cache_capacity(kind: str) -> int:
 def build(opt_name: str, kind: str, distribution: str):
     scaled = opt_name.endswith("_lso")
     opt_name = opt_name.removesuffix("_lso")
+    dim = DIM
+    if "_dim" in opt_name:  # e.g. "adam_dim3": another output_dim
+        opt_name, dim = opt_name.split("_dim")[0], int(opt_name.split("_dim")[1])
     table_opt = {
         "sgd": lambda: tf_sfctr.optimizers.SGD(0.5),
         "adagrad": lambda: tf_sfctr.optimizers.Adagrad(0.3, initial_accumulator_value=0.05),
@@ -101,7 +108,7 @@ def build(opt_name: str, kind: str, distribution: str):
         "ftrl": lambda: tf_sfctr.optimizers.Ftrl(0.3, initial_accumulator_value=0.05,
                                                  l1_regularization_strength=0.001),
     }[opt_name]()
-    emb = CachedEmbedding(DIM, cache_capacity=cache_capacity(kind), optimizer=table_opt, seed=3,
+    emb = CachedEmbedding(dim, cache_capacity=cache_capacity(kind), optimizer=table_opt, seed=3,
                           combiner=None if kind == "dense" else "mean",
                           distribution=distribution, name="emb")
     dense = keras.layers.Dense(1, kernel_initializer=keras.initializers.GlorotUniform(5))
@@ -126,8 +133,9 @@ def train_loop(emb, dense, opt, batches, lookahead=False, hints=0):
     eviction_hints=hints)``."""
     emb.build(None)
     if not dense.built:
-        dense.build((None, DIM * FIELDS if emb.combiner is None
-                     else 2 * DIM if isinstance(batches[0][0], tuple) else DIM))
+        dim = emb.output_dim
+        dense.build((None, dim * FIELDS if emb.combiner is None
+                     else 2 * dim if isinstance(batches[0][0], tuple) else dim))
 
     @tf.function(reduce_retracing=True)
     def step(ids, y):

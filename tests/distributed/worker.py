@@ -149,6 +149,15 @@ def run_deferred(out_dir, rank, size):
     values = np.full((6, 2), 7.0 + rank, np.float32)
     emb.assign_rows(mine, values)
     np.testing.assert_array_equal(emb.lookup_rows(mine), values)
+    # Each id its own row (a constant row hid rows sent to other ids): ten
+    # ids per rank, every rank reading all of them.
+    def own_row(i):
+        return np.stack([np.float32(i % 1000), np.float32(-(i % 997))], axis=-1)
+
+    many = v[300 + rank * 10: 310 + rank * 10]
+    emb.assign_rows(many, own_row(many))
+    every = v[300:300 + 10 * size]
+    np.testing.assert_array_equal(emb.lookup_rows(every), own_row(every))
     # Two ranks setting the same ids: the higher rank's values win, on every
     # rank, whether the table is sharded or replicated.
     both = v[60:63]

@@ -1,0 +1,65 @@
+"""Initial rows follow the distribution of the Keras initializer they were
+asked for: each column of 20k unseen ids against a sample of that
+initializer drawn by Keras itself (two-sample Kolmogorov-Smirnov), and
+within its bounds."""
+
+import keras
+import numpy as np
+import pytest
+
+from tf_sfctr.keras_layers import CachedEmbedding
+
+N, DIM = 20_000, 6
+# Two-sample KS at alpha = 1e-4 for n = m = N: c(alpha) * sqrt(2 / N).
+KS_BOUND = 2.146 * np.sqrt(2.0 / N)
+
+
+def _ks(a, b):
+    a, b = np.sort(a), np.sort(b)
+    grid = np.concatenate([a, b])
+    return np.max(np.abs(np.searchsorted(a, grid, side="right") / a.size
+                         - np.searchsorted(b, grid, side="right") / b.size))
+
+
+CASES = {
+    "uniform (Keras's default)": ("uniform", keras.initializers.RandomUniform(-0.05, 0.05),
+                                  (-0.05, 0.05)),
+    "RandomUniform": (keras.initializers.RandomUniform(-0.3, 0.7),
+                      keras.initializers.RandomUniform(-0.3, 0.7), (-0.3, 0.7)),
+    "RandomNormal": (keras.initializers.RandomNormal(1.0, 0.5),
+                     keras.initializers.RandomNormal(1.0, 0.5), None),
+    "normal": ("normal", keras.initializers.RandomNormal(0.0, 0.05), None),
+    "TruncatedNormal": (keras.initializers.TruncatedNormal(1.0, 0.5),
+                        keras.initializers.TruncatedNormal(1.0, 0.5), (0.0, 2.0)),
+    "truncated_normal": ("truncated_normal", keras.initializers.TruncatedNormal(0.0, 0.05),
+                         (-0.1, 0.1)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_column_follows_the_keras_initializer(case):
+    ours, theirs, bounds = CASES[case]
+    emb = CachedEmbedding(DIM, cache_capacity=8, seed=5, embeddings_initializer=ours)
+    ids = np.random.default_rng(1).integers(-2**63, 2**63 - 1, N, dtype=np.int64)
+    rows = emb.lookup_rows(ids)
+    assert rows.shape == (N, DIM)
+    want = np.asarray(theirs(shape=(N,), dtype="float32"))
+    for j in range(DIM):
+        assert _ks(rows[:, j], want) < KS_BOUND, f"column {j}"
+    if bounds is not None:
+        low, high = bounds
+        assert rows.min() >= low - 1e-6 and rows.max() <= high + 1e-6
+    # Columns are not copies of one another, and another seed gives other rows.
+    assert abs(np.corrcoef(rows[:, 0], rows[:, 1])[0, 1]) < 0.05
+    other = CachedEmbedding(DIM, cache_capacity=8, seed=6, embeddings_initializer=ours)
+    assert not np.array_equal(other.lookup_rows(ids[:10]), rows[:10])
+    # An id's row is a function of (seed, id): the same in a second layer.
+    again = CachedEmbedding(DIM, cache_capacity=8, seed=5, embeddings_initializer=ours)
+    np.testing.assert_array_equal(again.lookup_rows(ids[:100]), rows[:100])
+
+
+@pytest.mark.parametrize("initializer,value", [("zeros", 0.0), ("ones", 1.0),
+                                               (keras.initializers.Constant(0.25), 0.25)])
+def test_constant_rows(initializer, value):
+    emb = CachedEmbedding(DIM, cache_capacity=8, seed=5, embeddings_initializer=initializer)
+    np.testing.assert_array_equal(emb.lookup_rows(np.arange(50)), np.full((50, DIM), value))

@@ -40,6 +40,16 @@ def check_prune_bound(min_uses: Any, to_rows: Any, decay: Any = None) -> None:
             f"multiplied by it, rounded down), got {decay!r}")
 
 
+def decay_value(decay: Any) -> float:
+    """A checked prune decay as a float64: a float32 ``0.9`` is taken as the
+    0.9 it prints as (0.89999998 would make floor(10 * decay) 8)."""
+    if decay is None:
+        return 1.0
+    if isinstance(decay, np.floating) and decay.dtype.itemsize < 8:
+        return float(str(decay))
+    return float(decay)
+
+
 class TableAccessMixin:
     """Reads and writes of the table outside training steps."""
 
@@ -388,9 +398,9 @@ class TableAccessMixin:
         that stays by ``decay``, rounded down, so that counts weigh recent
         uses more: pruning every N steps with ``min_uses=1, decay=0``
         removes the ids no step used since the previous prune (an expiry
-        by age); ``decay=0.5`` halves old counts at each
-        prune, so an id that was popular once goes after about
-        ``log2(uses) + 1`` prunes without use (any count c >= 1 becomes at
+        by age; ids still cached stay); ``decay=0.5`` halves old counts at
+        each prune, so with ``min_uses=1`` an id goes at the
+        ``floor(log2(uses)) + 2``-th prune without use (any count c >= 1 becomes at
         most c - 1, so every unused id reaches 0). With a ``decay``, prune
         flushes the cache first (``flush``), so that the uses cached ids
         gathered count before the decay: collective then in model-parallel
@@ -419,7 +429,7 @@ class TableAccessMixin:
         """
         check_prune_bound(min_uses, to_rows, decay)
         self._require_built()
-        decay = 1.0 if decay is None else float(decay)
+        decay = decay_value(decay)
         if decay < 1.0:
             # The cached uses go to the host counts first, to be aged with
             # them (else an id cached now would keep uses of long ago).

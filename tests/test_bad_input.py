@@ -276,6 +276,10 @@ def test_ragged_without_combiner(trained):
     (dict(output_dim=4, cache_capacity=4,
           embeddings_initializer=keras.initializers.TruncatedNormal(mean=3e38, stddev=1e38)),
      "TruncatedNormal initializer: mean \\+- 2 x stddev reaches past the float32 range"),
+    # The polar method reaches 9.27 standard deviations (9 x 3.7e37 fits).
+    (dict(output_dim=4, cache_capacity=4,
+          embeddings_initializer=keras.initializers.RandomNormal(stddev=3.7e37)),
+     "RandomNormal initializer: mean \\+- 9.3 x stddev reaches past the float32 range"),
     (dict(output_dim=4, cache_capacity=4, optimizer=keras.optimizers.Adam()),
      "is a Keras optimizer; a table needs a sparse table optimizer"),
     (dict(output_dim=4, cache_capacity=4, optimizer="rmsprop"), "not a table optimizer"),

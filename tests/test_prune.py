@@ -240,6 +240,11 @@ def test_the_callback_with_decay_0_expires_ids_unused_since_the_previous_prune()
     assert prune.pruned_rows[emb.name] == 5 * per_period
     with pytest.raises(ValueError, match=r"decay must be None or a number in \[0, 1\]"):
         PruneHostTable(min_uses=1, decay=1.5)
+    # A float32 0.9 is the 0.9 it prints as: a count of 10 keeps 9, not 8.
+    emb.assign_rows([7], np.zeros((1, DIM), np.float32))
+    emb.store.host_add_counts(tf.constant([7], tf.int64), tf.constant([10], tf.int64))
+    emb.prune(min_uses=1, decay=np.float32(0.9))
+    assert _uses(emb)[7] == 9
     for bad in (-0.1, 1.01, float("nan"), True, "0.5"):
         with pytest.raises(ValueError, match=r"decay must be None or a number in \[0, 1\]"):
             emb.prune(min_uses=1, decay=bad)

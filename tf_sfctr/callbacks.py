@@ -331,7 +331,7 @@ class PruneHostTable(keras.callbacks.Callback):
 
     def __init__(self, min_uses: Optional[int] = None, every_steps: Optional[int] = None, *,
                  to_rows: Optional[int] = None, decay: Optional[float] = None):
-        from tf_sfctr.keras_layers._table_access import check_prune_bound
+        from tf_sfctr.keras_layers._table_access import check_prune_bound, decay_value
 
         super().__init__()
         # NumPy integers are ints here, as in CachedEmbedding.prune.
@@ -342,7 +342,7 @@ class PruneHostTable(keras.callbacks.Callback):
             raise ValueError(f"every_steps must be None or an int >= 1, got {every_steps!r}")
         self.min_uses = None if min_uses is None else int(min_uses)
         self.to_rows = None if to_rows is None else int(to_rows)
-        self.decay = None if decay is None else float(decay)
+        self.decay = None if decay is None else decay_value(decay)
         self.every_steps = None if every_steps is None else int(every_steps)
         self.pruned_rows: dict = {}
         self._epoch_rows: dict = {}

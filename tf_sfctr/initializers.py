@@ -97,15 +97,16 @@ def resolve(initializer: Any) -> InitSpec:
                              f"must be a finite float32 number (<= 3.4e38)")
         return InitSpec("uniform", lo, hi)
     for cls, kind, reach in ((keras.initializers.TruncatedNormal, "truncated_normal", 2.0),
-                             (keras.initializers.RandomNormal, "normal", 9.0)):
+                             (keras.initializers.RandomNormal, "normal", 9.3)):
         if isinstance(obj, cls):
             name = cls.__name__
             mean = _number(name, "mean", cfg["mean"])
             stddev = _number(name, "stddev", cfg["stddev"])
             if stddev < 0:
                 raise ValueError(f"{name} initializer: stddev must be >= 0, got {stddev}")
-            # The store's normal draws (Box-Muller on 53-bit uniforms,
-            # ops/core/initializer.cc) stay within 8.6 standard deviations.
+            # The store's normal draws (the polar method on 31-bit
+            # coordinates, ops/core/initializer.cc) stay within
+            # sqrt(-2 ln 2**-62) = 9.271 standard deviations.
             _check_spread(name, mean, reach * stddev, f"mean +- {reach:g} x stddev")
             return InitSpec(kind, mean, stddev)
     raise ValueError(

@@ -281,7 +281,7 @@ void EmbeddingStore::Probe(const int64_t* ids, int64_t n,
 }
 
 void EmbeddingStore::LookupValues(const int64_t* ids, int64_t n, const float* cache_rows,
-                                  float* out) const {
+                                  float* out, const Scheduler* schedule, int threads) const {
   const int dim = table_.dim();
   std::vector<int32_t> slots(n);
   {
@@ -309,7 +309,7 @@ void EmbeddingStore::LookupValues(const int64_t* ids, int64_t n, const float* ca
   if (miss_ids.empty()) return;
   std::vector<float> host(miss_ids.size() * dim);
   table_.Find(miss_ids.data(), static_cast<int64_t>(miss_ids.size()), host.data(),
-              /*values_only=*/true);
+              /*values_only=*/true, schedule, threads);
   for (size_t k = 0; k < miss_at.size(); ++k) {
     std::memcpy(out + miss_at[k] * dim, host.data() + k * dim, bytes);
   }

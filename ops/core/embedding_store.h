@@ -113,8 +113,10 @@ class EmbeddingStore {
   // a host array, capacity x dim), any other's from the host table (the
   // initial value of an id never stored, which is not inserted). No side
   // effects. The caller holds the cache rows still while this runs.
-  void LookupValues(const int64_t* ids, int64_t n, const float* cache_rows,
-                    float* out) const;
+  // With a scheduler, a large host read runs on up to `threads` threads
+  // (HostTable::Find).
+  void LookupValues(const int64_t* ids, int64_t n, const float* cache_rows, float* out,
+                    const Scheduler* schedule = nullptr, int threads = 1) const;
 
   // Every cached id and its slot; credits their use counts to the host table
   // and flags the rows used since the last call changed (HostTable). The

@@ -195,8 +195,8 @@ void HostTable::ReserveRowsLocked(Shard& s, uint64_t rows) const {
 }
 
 template <typename Fn, typename BeforeShard>
-void HostTable::ForEachByShard(const int64_t* ids, int64_t n, Fn fn,
-                               BeforeShard before_shard) const {
+void HostTable::ForEachByShard(const int64_t* ids, int64_t n, Fn fn, BeforeShard before_shard,
+                               const Scheduler* schedule, int parts) const {
   if (n <= 0) return;
   const uint64_t num_shards = shard_mask_ + 1;
   std::vector<uint64_t> hashes(n);
@@ -214,20 +214,33 @@ void HostTable::ForEachByShard(const int64_t* ids, int64_t n, Fn fn,
     for (int64_t i = 0; i < n; ++i) order[next[ShardIndex(hashes[i])]++] = i;
   }
   constexpr uint32_t kAhead = 8;
-  for (uint64_t k = 0; k < num_shards; ++k) {
-    const uint32_t lo = start[k], hi = start[k + 1];
-    if (lo == hi) continue;
-    Shard& s = shards_[k];
-    std::lock_guard<std::mutex> lock(s.mu);
-    before_shard(s, hi - lo);
-    for (uint32_t j = lo; j < hi; ++j) {
-      if (j + kAhead < hi && !s.entries.empty()) {
-        __builtin_prefetch(&s.entries[HomeOf(hashes[order[j + kAhead]], s.entries.size())]);
+  const auto visit = [&](uint64_t first, uint64_t last) {
+    for (uint64_t k = first; k < last; ++k) {
+      const uint32_t lo = start[k], hi = start[k + 1];
+      if (lo == hi) continue;
+      Shard& s = shards_[k];
+      std::lock_guard<std::mutex> lock(s.mu);
+      before_shard(s, hi - lo);
+      for (uint32_t j = lo; j < hi; ++j) {
+        if (j + kAhead < hi && !s.entries.empty()) {
+          __builtin_prefetch(&s.entries[HomeOf(hashes[order[j + kAhead]], s.entries.size())]);
+        }
+        const uint32_t i = order[j];
+        fn(static_cast<int64_t>(i), s, hashes[i]);
       }
-      const uint32_t i = order[j];
-      fn(static_cast<int64_t>(i), s, hashes[i]);
     }
+  };
+  const uint64_t num_parts = std::min<uint64_t>(std::max(parts, 1), num_shards);
+  if (schedule == nullptr || num_parts <= 1) {
+    visit(0, num_shards);
+    return;
   }
+  // Ranges of whole shards (ids spread evenly over the shards).
+  RunShards(schedule, static_cast<int64_t>(num_parts), static_cast<int64_t>(num_parts) - 1,
+            [&](int64_t part) {
+              const uint64_t p = static_cast<uint64_t>(part);
+              visit(num_shards * p / num_parts, num_shards * (p + 1) / num_parts);
+            });
 }
 
 HostTable::Entry* HostTable::Locate(Shard& s, int64_t id, uint64_t hash) const {
@@ -360,22 +373,28 @@ double SecondsSince(std::chrono::steady_clock::time_point t0) {
 }
 }  // namespace
 
-void HostTable::Find(const int64_t* ids, int64_t n, float* out, bool values_only) const {
+void HostTable::Find(const int64_t* ids, int64_t n, float* out, bool values_only,
+                     const Scheduler* schedule, int threads) const {
   AdviseReads(ids, n);
   const auto t0 = std::chrono::steady_clock::now();
   OnExit timed{[&] { NoteReadTime(n, SecondsSince(t0)); }};
   const int64_t cols = values_only ? options_.dim : width_;
-  ForEachByShard(ids, n, [&](int64_t i, Shard& s, uint64_t h) {
-    float* dst = out + i * cols;
-    const Entry* e = Locate(s, ids[i], h);
-    if (e != nullptr) {
-      std::memcpy(dst, RowPtr(s, e->row), sizeof(float) * cols);
-    } else if (values_only) {
-      initializer_.Fill(ids[i], options_.dim, dst);
-    } else {
-      InitialRow(ids[i], dst);
-    }
-  });
+  // Each id's output row is its own: the parts write disjoint memory.
+  const int parts = n >= kParallelFindIds ? std::max(threads, 1) : 1;
+  ForEachByShard(
+      ids, n,
+      [&](int64_t i, Shard& s, uint64_t h) {
+        float* dst = out + i * cols;
+        const Entry* e = Locate(s, ids[i], h);
+        if (e != nullptr) {
+          std::memcpy(dst, RowPtr(s, e->row), sizeof(float) * cols);
+        } else if (values_only) {
+          initializer_.Fill(ids[i], options_.dim, dst);
+        } else {
+          InitialRow(ids[i], dst);
+        }
+      },
+      [](Shard&, uint32_t) {}, schedule, parts);
 }
 
 int64_t HostTable::CountMissing(const int64_t* ids, int64_t n) const {

@@ -23,6 +23,8 @@
 #include <unordered_set>
 #include <vector>
 
+#include "parallel.h"
+
 #include "huge_pages.h"
 #include "initializer.h"
 #include "row_file.h"
@@ -82,8 +84,13 @@ class HostTable {
 
   // Copies the stored full-width rows of `ids` into `out` (n x width); ids not
   // present get their initial row and are not inserted. With `values_only`,
-  // only each row's value (n x dim), without its optimizer state.
-  void Find(const int64_t* ids, int64_t n, float* out, bool values_only = false) const;
+  // only each row's value (n x dim), without its optimizer state. With a
+  // scheduler, a large read (kParallelFindIds ids or more) runs its shards
+  // on up to `threads` threads (computing initial rows of unseen ids, and
+  // the index misses of random ids, are per-id work that parallelizes).
+  void Find(const int64_t* ids, int64_t n, float* out, bool values_only = false,
+            const Scheduler* schedule = nullptr, int threads = 1) const;
+  static constexpr int64_t kParallelFindIds = 8192;
 
   // Number of distinct ids among `ids` that are not stored (duplicates in
   // `ids` counted once).
@@ -379,8 +386,11 @@ class HostTable {
   // and the index entries of upcoming ids are prefetched: a batch of random
   // ids is bound by memory latency, and this keeps several misses in flight.
   // before_shard(shard, count) runs once per shard, locked, before its ids.
+  // With a scheduler and parts > 1, ranges of shards run as that many
+  // parts, concurrently (fn must then be safe for distinct ids' shards).
   template <typename Fn, typename BeforeShard>
-  void ForEachByShard(const int64_t* ids, int64_t n, Fn fn, BeforeShard before_shard) const;
+  void ForEachByShard(const int64_t* ids, int64_t n, Fn fn, BeforeShard before_shard,
+                      const Scheduler* schedule = nullptr, int parts = 1) const;
   template <typename Fn>
   void ForEachByShard(const int64_t* ids, int64_t n, Fn fn) const {
     ForEachByShard(ids, n, fn, [](Shard&, uint32_t) {});

@@ -453,6 +453,22 @@ class HostAssignOp : public StoreOpKernel {
   }
 };
 
+// The kernel's intra-op pool as a core Scheduler (none for a one-thread
+// pool: e.g. several ranks sharing a host, one thread each, where a second
+// busy thread would only compete).
+struct PoolScheduler {
+  explicit PoolScheduler(OpKernelContext* ctx) {
+    thread::ThreadPool* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+    if (pool != nullptr && pool->NumThreads() > 1) {
+      threads = pool->NumThreads();
+      schedule = [pool](std::function<void()> task) { pool->Schedule(std::move(task)); };
+    }
+  }
+  const sfctr::Scheduler* get() const { return schedule ? &schedule : nullptr; }
+  sfctr::Scheduler schedule;
+  int threads = 1;
+};
+
 class HostReadOp : public StoreOpKernel {
  public:
   using StoreOpKernel::StoreOpKernel;
@@ -466,8 +482,9 @@ class HostReadOp : public StoreOpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(
                             0, TensorShape({ids.NumElements(), table.width()}),
                             &out));
-    table.Find(ids.flat<int64_t>().data(), ids.NumElements(),
-               out->flat<float>().data());
+    const PoolScheduler pool(ctx);
+    table.Find(ids.flat<int64_t>().data(), ids.NumElements(), out->flat<float>().data(),
+               /*values_only=*/false, pool.get(), pool.threads);
   }
 };
 
@@ -499,8 +516,10 @@ class LookupValuesOp : public StoreOpKernel {
                                         rows.shape().DebugString()));
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({ids.NumElements(), dim}), &out));
+    const PoolScheduler pool(ctx);
     store.LookupValues(ids.flat<int64_t>().data(), ids.NumElements(),
-                       rows.flat<float>().data(), out->flat<float>().data());
+                       rows.flat<float>().data(), out->flat<float>().data(), pool.get(),
+                       pool.threads);
   }
 };
 

@@ -1353,6 +1353,56 @@ TEST_CASE(StoreWithFetchOnAnotherThread) {
   RunStoreAgainstModel(&schedule);
 }
 
+// A large read on several threads gives what one thread gives: stored rows,
+// initial rows of unseen ids (full width and values only), repeats; and so
+// does LookupValues over a cache.
+TEST_CASE(FindOnSeveralThreadsEqualsOneThread) {
+  HostTable t(Options(3, 1));
+  const int w = t.width();
+  std::mt19937_64 rng(41);
+  std::vector<int64_t> stored(5000);
+  for (auto& id : stored) id = static_cast<int64_t>(rng());
+  std::vector<float> rows(stored.size() * w);
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(i % 977) * 0.5f;
+  CHECK(t.Write(stored.data(), stored.size(), rows.data()).ok());
+  std::vector<int64_t> ids;
+  for (int i = 0; i < 30000; ++i) {
+    ids.push_back(i % 3 == 0 ? stored[rng() % stored.size()] : static_cast<int64_t>(rng()));
+  }
+  ids.push_back(ids[7]);  // a repeat
+  const int64_t n = static_cast<int64_t>(ids.size());
+  CHECK(n >= HostTable::kParallelFindIds);
+  std::atomic<int> tasks{0};
+  const Scheduler spawn = [&tasks](std::function<void()> task) {
+    ++tasks;
+    std::thread(std::move(task)).detach();
+  };
+  for (bool values_only : {false, true}) {
+    const int cols = values_only ? t.dim() : w;
+    std::vector<float> one(n * cols), many(n * cols, -1.0f);
+    t.Find(ids.data(), n, one.data(), values_only);
+    tasks = 0;
+    t.Find(ids.data(), n, many.data(), values_only, &spawn, 4);
+    CHECK_EQ(tasks.load(), 3);
+    CHECK(one == many);
+    // A small read stays on the calling thread.
+    tasks = 0;
+    t.Find(ids.data(), 100, many.data(), values_only, &spawn, 4);
+    CHECK_EQ(tasks.load(), 0);
+  }
+  StoreOptions o;
+  o.table = Options(3, 1);
+  o.cache_capacity = 64;
+  EmbeddingStore store(o);
+  CHECK(store.WriteBack(stored.data(), 5000, rows.data(), nullptr).ok());
+  PrepareResult r;
+  CHECK(store.Prepare(stored.data(), 40, &r).ok());  // some cached ids
+  std::vector<float> cache(64 * 3, 0.25f), one(n * 3), many(n * 3);
+  store.LookupValues(ids.data(), n, cache.data(), one.data());
+  store.LookupValues(ids.data(), n, cache.data(), many.data(), &spawn, 2);
+  CHECK(one == many);
+}
+
 TEST_CASE(StorePrepareToleratesRepeatedIds) {
   StoreOptions o;
   o.table = Options(2, 1);

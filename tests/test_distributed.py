@@ -289,6 +289,24 @@ def test_ranks_with_different_numbers_of_batches_are_refused(tmp_path):
         assert int(np.load(tmp_path / f"uneven_steps_rank{rank}.npz")["ok"]) == 1
 
 
+def test_equal_batches_cuts_data_of_unknown_size_to_the_smallest_share(tmp_path):
+    proc = _run_worker(tmp_path, "equal_batches")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for rank in range(sc.WORLD):
+        assert int(np.load(tmp_path / f"equal_batches_rank{rank}.npz")["ok"]) == 1
+
+
+def test_equal_batches_in_one_process_is_the_dataset_itself():
+    from tf_sfctr.distributed import equal_batches
+
+    ds = tf.data.Dataset.range(10).filter(lambda x: x % 2 == 0)
+    assert equal_batches(ds) is ds
+    with pytest.raises(ValueError, match="endless dataset .* steps_per_epoch"):
+        equal_batches(ds.repeat())
+    with pytest.raises(TypeError, match="takes a tf.data.Dataset, got ndarray"):
+        equal_batches(np.arange(3))
+
+
 def test_data_parallel_steps_on_different_traces_of_the_ranks(tmp_path):
     proc = _run_worker(tmp_path, "dp_traces")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -1055,6 +1055,41 @@ def _small_model(name):
     return model
 
 
+def run_equal_batches(out_dir, rank):
+    """Data of unknown size, 7 batches on rank 0 and 5 on rank 1 (rank 0
+    would wait forever in its sixth step): equal_batches gives both 5, known
+    to Keras, for every epoch, fit and evaluate."""
+    from tf_sfctr.distributed import equal_batches
+
+    model = _small_model("equal")
+    rows = 28 if rank == 0 else 20
+    x, y = np.arange(2 * rows, dtype=np.int64).reshape(rows, 2), np.ones((rows, 1))
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(4).filter(lambda *_: True)
+    assert int(ds.cardinality()) == int(tf.data.UNKNOWN_CARDINALITY)
+    even = equal_batches(ds)
+    assert int(even.cardinality()) == 5
+
+    class Count(keras.callbacks.Callback):
+        batches = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            Count.batches += 1
+
+    model.fit(even, epochs=2, verbose=0, callbacks=[*callbacks(), Count()])
+    assert Count.batches == 10, Count.batches
+    model.evaluate(even, verbose=0, callbacks=callbacks())
+    # A known size goes without a pass over the data.
+    assert int(equal_batches(tf.data.Dataset.range(9 - 3 * rank).batch(2)).cardinality()) == 3
+    # Refusals reach every rank (nobody waits in the collective).
+    endless = ds.repeat() if rank == 1 else ds
+    _expect_error(lambda: equal_batches(endless),
+                  "an endless dataset" if rank == 1 else "rank 1 got an endless dataset")
+    empty = ds.take(0) if rank == 0 else ds
+    _expect_error(lambda: equal_batches(empty), "rank 0 has no batch at all (batches per "
+                  "rank: [0, 5])")
+    np.savez(os.path.join(out_dir, f"equal_batches_rank{rank}.npz"), ok=1)
+
+
 def run_uneven_steps(out_dir, rank):
     """Ranks whose numbers of batches Keras knows and that differ (rank 0
     has 3 batches, rank 1 has 2) are refused on every rank before the first
@@ -1370,6 +1405,8 @@ def main():
             run_callbacks_reused(out_dir, rank)
         elif name == "uneven_steps":
             run_uneven_steps(out_dir, rank)
+        elif name == "equal_batches":
+            run_equal_batches(out_dir, rank)
         elif name == "empty_epoch":
             run_empty_epoch(out_dir, rank)
         elif name.startswith("short_"):

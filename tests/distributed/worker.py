@@ -1087,6 +1087,18 @@ def run_equal_batches(out_dir, rank):
     empty = ds.take(0) if rank == 0 else ds
     _expect_error(lambda: equal_batches(empty), "rank 0 has no batch at all (batches per "
                   "rank: [0, 5])")
+    # Reading fails on one rank (a damaged file): both raise, neither waits.
+    def damaged(a, b):
+        with tf.control_dependencies([tf.debugging.assert_negative(a, message="damaged")]):
+            return tf.identity(a), b
+
+    bad = ds.map(damaged) if rank == 0 else ds
+    try:
+        equal_batches(bad)
+    except (ValueError, tf.errors.InvalidArgumentError) as err:
+        assert ("reading the data failed on rank 0" in str(err)) == (rank == 1), str(err)
+    else:
+        raise AssertionError("a failed count was not raised")
     np.savez(os.path.join(out_dir, f"equal_batches_rank{rank}.npz"), ok=1)
 
 

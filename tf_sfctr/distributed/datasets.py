@@ -47,20 +47,28 @@ def equal_batches(dataset: tf.data.Dataset) -> tf.data.Dataset:
         if error is not None:
             raise error
         return dataset
-    count = -1
+    count = -1  # -1: endless, -2: reading it failed
     if error is None:
-        count = known if known >= 0 else int(
-            dataset.reduce(np.int64(0), lambda n, *_: n + 1))
+        try:
+            count = known if known >= 0 else int(
+                dataset.reduce(np.int64(0), lambda n, *_: n + 1))
+        except Exception as err:  # noqa: BLE001 (raised below, after the collective)
+            error, count = err, -2
     hvd = _horovod.require()
-    # Every rank reaches this collective, also one whose dataset is refused.
+    # Every rank reaches this collective, also one whose dataset is refused
+    # or failed to read: the others would wait in it forever.
     counts = hvd.allgather(tf.constant([count], tf.int64), name="sfctr_equal_batches",
                            ignore_name_scope=True).numpy()
     if error is not None:
         raise error
-    if (counts < 0).any():
+    if (counts == -1).any():
         raise ValueError(
-            f"equal_batches: rank {int(np.argmax(counts < 0))} got an endless dataset (see "
+            f"equal_batches: rank {int(np.argmax(counts == -1))} got an endless dataset (see "
             "its error); give fit a steps_per_epoch instead")
+    if (counts == -2).any():
+        raise ValueError(
+            f"equal_batches: reading the data failed on rank {int(np.argmax(counts == -2))} "
+            "(see its error); nothing was trained")
     low = int(counts.min())
     if low == 0:
         raise ValueError(

@@ -24,7 +24,10 @@ def equal_batches(dataset: tf.data.Dataset) -> tf.data.Dataset:
     if a later pass yields fewer batches (a random ``filter``) that rank
     raises instead of leaving the others waiting. Ranks with more batches
     skip their last ones each epoch; give ``fit`` ``steps_per_epoch`` and
-    repeated data instead to keep every batch.
+    repeated data instead to keep every batch. Apply it before
+    ``tf_sfctr.data.with_unique_ids(..., lookahead=True)``: cut after it, the
+    last batch would prepare the ids of a batch that never comes (one more
+    use counted for them).
 
     Example (run under ``horovodrun``)::
 

@@ -305,6 +305,14 @@ def test_equal_batches_in_one_process_is_the_dataset_itself():
         equal_batches(ds.repeat())
     with pytest.raises(TypeError, match="takes a tf.data.Dataset, got ndarray"):
         equal_batches(np.arange(3))
+    with pytest.raises(ValueError, match="max_batches must be None or an int >= 1, got 0"):
+        equal_batches(ds, max_batches=0)
+    # Under horovodrun before hvd.init(): it would return each share as it is.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HOROVOD_SIZE", "2")
+        with pytest.raises(RuntimeError, match=r"before hvd.init\(\), in a job horovodrun "
+                                               r"started on 2 ranks"):
+            equal_batches(ds)
 
 
 def test_data_parallel_steps_on_different_traces_of_the_ranks(tmp_path):

@@ -1087,6 +1087,12 @@ def run_equal_batches(out_dir, rank):
     empty = ds.take(0) if rank == 0 else ds
     _expect_error(lambda: equal_batches(empty), "rank 0 has no batch at all (batches per "
                   "rank: [0, 5])")
+    # Endless data of unknown size on rank 1, bounded by max_batches.
+    endless = ds.repeat().filter(lambda *_: True) if rank == 1 else ds
+    _expect_error(lambda: equal_batches(endless, max_batches=10),
+                  "this rank's share has more than max_batches=10" if rank == 1
+                  else "rank 1 has more than max_batches=10")
+    assert int(equal_batches(ds, max_batches=7).cardinality()) == 5
     # Reading fails on one rank (a damaged file): both raise, neither waits.
     def damaged(a, b):
         with tf.control_dependencies([tf.debugging.assert_negative(a, message="damaged")]):

@@ -115,8 +115,10 @@ def with_unique_ids(
     Trained values stay the same, but every lookahead step then prepares
     the cache twice, the batches it never trains are counted in the ids'
     use counts and hit/miss counters, and their new ids get host rows
-    (which count towards ``max_rows``). ``repeat`` and ``take`` after it
-    are fine. ``cache_stats()["prepared_ahead"]`` counts the steps that
+    (which count towards ``max_rows``). ``repeat`` after it is fine; a
+    ``take`` (and ``tf_sfctr.distributed.equal_batches``, which takes) after
+    it leaves the last batch kept preparing the first batch cut, whose new
+    ids then get host rows: apply those before it. ``cache_stats()["prepared_ahead"]`` counts the steps that
     used their plan: all but the first of each pass, less a batch with no
     ids (no plan is made for it) and the batch after it.
 

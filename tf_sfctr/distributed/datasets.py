@@ -7,19 +7,28 @@ differ by a batch."""
 
 from __future__ import annotations
 
+import os
+from typing import Optional
+
 import numpy as np
 import tensorflow as tf
 
 from tf_sfctr.distributed import _horovod
 
 
-def equal_batches(dataset: tf.data.Dataset) -> tf.data.Dataset:
+def equal_batches(dataset: tf.data.Dataset, max_batches: Optional[int] = None
+                  ) -> tf.data.Dataset:
     """``dataset`` cut to the number of batches every rank has: collective
     (every rank calls it with its own share); outside Horovod (or on one
     rank) it returns ``dataset`` itself.
 
     A dataset of unknown size is counted by reading it once (its whole
-    pipeline runs: files are read, ``map`` functions run). The result has
+    pipeline runs: files are read, ``map`` functions run; a one-shot
+    generator is used up by the count). Endless data of unknown size
+    (``repeat()`` before a ``filter`` or ``interleave``) would be counted
+    forever: give ``max_batches``, and a share with more batches than that is
+    refused on every rank (for such data, give ``fit`` a
+    ``steps_per_epoch`` instead). The result has
     that count as its known size, which Keras uses for its progress bar, and
     if a later pass yields fewer batches (a random ``filter``) that rank
     raises instead of leaving the others waiting. Ranks with more batches
@@ -38,7 +47,17 @@ def equal_batches(dataset: tf.data.Dataset) -> tf.data.Dataset:
     """
     if not isinstance(dataset, tf.data.Dataset):
         raise TypeError(f"equal_batches takes a tf.data.Dataset, got {type(dataset).__name__}")
+    if max_batches is not None and (isinstance(max_batches, (bool, np.bool_))
+                                    or not isinstance(max_batches, (int, np.integer))
+                                    or max_batches < 1):
+        raise ValueError(f"max_batches must be None or an int >= 1, got {max_batches!r}")
     size, _ = _horovod.world()
+    launched = os.environ.get("HOROVOD_SIZE", "1")
+    if size == 1 and launched.isdigit() and int(launched) > 1:
+        raise RuntimeError(
+            f"equal_batches ran before hvd.init(), in a job horovodrun started on {launched} "
+            "ranks: it would not agree with the other ranks and the longer share would wait "
+            "forever. Call hvd.init() first.")
     known = int(dataset.cardinality())
     error = None
     if known == int(tf.data.INFINITE_CARDINALITY):
@@ -50,24 +69,39 @@ def equal_batches(dataset: tf.data.Dataset) -> tf.data.Dataset:
         if error is not None:
             raise error
         return dataset
-    count = -1  # -1: endless, -2: reading it failed
+    count = -1  # -1: endless, -2: reading it failed, -3: above max_batches
     if error is None:
         try:
-            count = known if known >= 0 else int(
-                dataset.reduce(np.int64(0), lambda n, *_: n + 1))
+            if known >= 0:
+                count = known
+            else:
+                bounded = dataset if max_batches is None else dataset.take(max_batches + 1)
+                count = int(bounded.reduce(np.int64(0), lambda n, *_: n + 1))
         except Exception as err:  # noqa: BLE001 (raised below, after the collective)
             error, count = err, -2
+    if error is None and max_batches is not None and count > max_batches:
+        error, count = ValueError(
+            f"equal_batches: this rank's share has more than max_batches={max_batches} "
+            "batches (endless data?); give fit a steps_per_epoch for endless data"), -3
     hvd = _horovod.require()
     # Every rank reaches this collective, also one whose dataset is refused
     # or failed to read: the others would wait in it forever.
-    counts = hvd.allgather(tf.constant([count], tf.int64), name="sfctr_equal_batches",
-                           ignore_name_scope=True).numpy()
+    try:
+        counts = hvd.allgather(tf.constant([count], tf.int64), name="sfctr_equal_batches",
+                               ignore_name_scope=True).numpy()
+    except tf.errors.OpError as err:
+        _horovod.explain_shutdown(err, "equal_batches")
+        raise
     if error is not None:
         raise error
     if (counts == -1).any():
         raise ValueError(
             f"equal_batches: rank {int(np.argmax(counts == -1))} got an endless dataset (see "
             "its error); give fit a steps_per_epoch instead")
+    if (counts == -3).any():
+        raise ValueError(
+            f"equal_batches: rank {int(np.argmax(counts == -3))} has more than "
+            f"max_batches={max_batches} batches (see its error)")
     if (counts == -2).any():
         raise ValueError(
             f"equal_batches: reading the data failed on rank {int(np.argmax(counts == -2))} "

@@ -365,7 +365,10 @@ def _parse_tsv_lines(
                           "(tf_sfctr.data.find_bad_tsv_lines(paths) names the file and line)")
     dense_str = tf.strings.strip(table[:, 1 : 1 + num_dense])
     empty = tf.equal(dense_str, "")
-    dense = tf.strings.to_number(tf.where(empty, "0", dense_str), tf.float32)
+    # After the label's checks: a header line's "I1" would otherwise fail
+    # here first (ops of one map run in any order), with TF's bare message.
+    with tf.control_dependencies([no_label, label_number]):
+        dense = tf.strings.to_number(tf.where(empty, "0", dense_str), tf.float32)
     dense = tf.where(empty, tf.constant(dense_default, tf.float32), dense)
     dense = finite_dense(dense, "criteo_tsv", dense_str,
                          "(tf_sfctr.data.find_bad_tsv_lines(paths) names the file and line)")

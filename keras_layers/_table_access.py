@@ -154,22 +154,46 @@ class TableAccessMixin:
         return call
 
     def assign_rows(self, ids: Sequence[int] | np.ndarray | tf.Tensor,
-                    values: np.ndarray | tf.Tensor) -> None:
-        """Sets rows ``ids`` to ``values`` (``[len(ids), output_dim]``) and resets
-        their optimizer state (FTRL: to the state that gives these values
-        back, since it recomputes a row from its state). Missing ids are
-        created. On a bad argument nothing is changed. Collective under
-        Horovod (every rank calls it with its own rows; when two ranks set the
-        same id, the higher rank wins). Not while another thread trains the
-        layer: it could write to another id's cache slot."""
+                    values: np.ndarray | tf.Tensor, *,
+                    state: Optional[dict[str, Any]] = None) -> None:
+        """Sets rows ``ids`` to ``values`` (``[len(ids), output_dim]``). Missing
+        ids are created. On a bad argument nothing is changed. Collective
+        under Horovod (every rank calls it with its own rows; when two ranks
+        set the same id, the higher rank wins). Not while another thread
+        trains the layer: it could write to another id's cache slot.
+
+        Without ``state`` the rows' optimizer state starts afresh (FTRL: the
+        state that gives these values back, since it recomputes a row from
+        its state). ``state`` sets it too, for a warm start that keeps
+        training where another table (or a Keras ``Embedding`` and its Keras
+        optimizer) left off: a dict ``{name: [len(ids), output_dim] array}``
+        with each of ``table_optimizer.state_names``, in Keras's meaning
+        (Adagrad ``"accumulator"``; Adam ``"momentum"``, ``"velocity"``;
+        Ftrl ``"accumulator"``, ``"linear"``; SGD with momentum
+        ``"momentum"``), as ``export_rows(with_state=True)`` gives it. Adam's
+        bias correction counts this table's updates, not the source's.
+
+        Example:
+
+        >>> import tf_sfctr
+        >>> emb = tf_sfctr.CachedEmbedding(2, cache_capacity=4, seed=0,
+        ...                                optimizer=tf_sfctr.optimizers.Adagrad(0.1))
+        >>> emb.assign_rows([7], [[0.5, 0.5]], state={"accumulator": [[4.0, 9.0]]})
+        >>> _, rows, _, state = next(emb.export_rows(with_state=True))
+        >>> rows.tolist(), state["accumulator"].round(5).tolist()
+        ([[0.5, 0.5]], [[4.0, 9.0]])
+        """
         self._require_built()
         with self._one_collective_call():
-            self._assign_rows(ids, values)
+            self._assign_rows(ids, values, state)
 
-    def _assign_rows(self, ids, values) -> None:
-        error = None
+    def _assign_rows(self, ids, values, state=None) -> None:
+        error, stored = None, None
         try:
             ids, values = self._check_assign(ids, values)
+            if state is not None:
+                stored = self.table_optimizer.stored_state(state, np.asarray(ids),
+                                                           self.output_dim)
         except (TypeError, ValueError) as err:
             error = err
         if self._mode != "local":
@@ -177,6 +201,18 @@ class TableAccessMixin:
             error = self._agree(error, "assign_rows")
         if error is not None:
             raise error
+        if self._mode == "model_parallel":
+            # A deferred update first: the assignment must not be trained
+            # over (and a default state below reads the step after it).
+            self._deliver_deferred()
+        # Every rank sends rows as wide as the widest: one without state
+        # sends the state the owner would have given them.
+        if (self._mode != "local" and self._any_rank(state is not None, "assign_state")
+                and stored is None):
+            stored = self._assigned_state(values)
+        width = self.output_dim
+        if stored is not None:
+            values = np.concatenate([values, *stored], axis=1)
         if self._mode == "model_parallel":
             ids, values = self._route_assignments(ids, values)
         elif self._mode == "data_parallel":
@@ -186,9 +222,14 @@ class TableAccessMixin:
             values = hvd.allgather(tf.constant(values), name=f"sfctr_{self.name}_assign_values",
                                    ignore_name_scope=True)
             ids, values = self._last_wins(ids, values)
+        values = np.asarray(values, np.float32)
+        if stored is not None:
+            stored = [values[:, width * (k + 1):width * (k + 2)]
+                      for k in range(self.table_optimizer.num_state)]
+            values = values[:, :width]
         error = None
         try:
-            self._assign_local(ids, np.asarray(values, np.float32))
+            self._assign_local(ids, values, stored)
         except ValueError as err:  # the owner's host table is full (max_rows)
             error = err
         if self._mode != "local":
@@ -241,23 +282,39 @@ class TableAccessMixin:
         last = tf.math.unsorted_segment_max(tf.range(tf.size(ids)), inverse, tf.size(unique))
         return unique, tf.gather(values, last).numpy()
 
+    def _any_rank(self, flag: bool, what: str) -> bool:
+        """Collective: whether ``flag`` is true on any rank."""
+        hvd = _horovod.require()
+        return int(hvd.allreduce(tf.constant(int(flag), tf.int32), op=hvd.Max,
+                                 name=f"sfctr_{self.name}_{what}", ignore_name_scope=True)) > 0
+
+    def _assigned_state(self, values: np.ndarray) -> list[np.ndarray]:
+        """The state rows an assignment without ``state`` stores."""
+        opt = self.table_optimizer
+        state = opt.state_for_assigned_rows(values, int(self._table_step.numpy()))
+        if state is None:
+            state = [np.full(values.shape, init, np.float32)
+                     for init in opt.state_initial_values()]
+        return state
+
     def _route_assignments(self, ids, values):
         from tf_sfctr.distributed import exchange
 
         name = f"sfctr_{self.name}_assign"
-        # A deferred update first: the assignment must not be trained over.
-        self._deliver_deferred()
         route = exchange.send_ids(ids, self._world_size, name)
         received = exchange.send_to_owners(tf.constant(values), route, name)
         return self._last_wins(route.recv_ids, received)
 
-    def _assign_local(self, ids: tf.Tensor, values: np.ndarray) -> None:
+    def _assign_local(self, ids: tf.Tensor, values: np.ndarray,
+                      state: Optional[list[np.ndarray]] = None) -> None:
         with self._assign_lock:
             self._settle()
-            # The optimizer may keep other state than its initial values with
-            # an assigned row (FTRL: the linear term that gives it back).
-            state = self.table_optimizer.state_for_assigned_rows(
-                values, int(self._table_step.numpy()))
+            if state is None:
+                # The optimizer may keep other state than its initial values
+                # with an assigned row (FTRL: the linear term that gives it
+                # back).
+                state = self.table_optimizer.state_for_assigned_rows(
+                    values, int(self._table_step.numpy()))
             try:
                 self._store.host_assign(ids, values)  # creates rows; max_rows
             except tf.errors.OpError as err:
@@ -303,8 +360,8 @@ class TableAccessMixin:
         with tf.control_dependencies([written]):
             return tf.size(ids)
 
-    def export_rows(self, part_rows: int = 1 << 20, *, changed_only: bool = False
-                    ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    def export_rows(self, part_rows: int = 1 << 20, *, changed_only: bool = False,
+                    with_state: bool = False) -> Iterator[tuple]:
         """Every row of the table as NumPy ``(ids, rows, use_counts)`` parts
         of at most ``part_rows`` rows each (int64 ``[n]``, float32
         ``[n, output_dim]``, int64 ``[n]``): for analysis, an
@@ -330,6 +387,12 @@ class TableAccessMixin:
         (``prune``, ``remove_rows``) are not in it: ``take_removed_ids``
         gives them.
 
+        ``with_state=True`` adds the rows' optimizer state to each part:
+        ``(ids, rows, use_counts, state)``, ``state`` a dict ``{name:
+        float32 [n, output_dim]}`` over ``table_optimizer.state_names``
+        (empty for plain SGD), which ``assign_rows(ids, rows, state=state)``
+        takes back (a warm start of another table).
+
         Example:
 
         >>> from tf_sfctr.keras_layers import CachedEmbedding
@@ -351,6 +414,8 @@ class TableAccessMixin:
             error = ValueError(f"part_rows must be a positive int, got {part_rows!r}")
         elif not isinstance(changed_only, (bool, np.bool_)):
             error = TypeError(f"changed_only must be True or False, got {changed_only!r}")
+        elif not isinstance(with_state, (bool, np.bool_)):
+            error = TypeError(f"with_state must be True or False, got {with_state!r}")
         elif changed_only and getattr(self, "_eager_update_pending", False):
             # Its flush would credit the call's use and the update after it
             # would change rows no later delta flags (a review).
@@ -367,16 +432,23 @@ class TableAccessMixin:
             raise error
         part_rows = min(int(part_rows), 2**62)
         self.flush()
-        return self._export_parts(part_rows, bool(changed_only))
+        return self._export_parts(part_rows, bool(changed_only), bool(with_state))
 
-    def _export_parts(self, part_rows: int, changed_only: bool):
+    def _export_parts(self, part_rows: int, changed_only: bool, with_state: bool = False):
         dim, cursor = self.output_dim, 0
+        opt = self.table_optimizer
         while cursor != -1:
             ids, rows, counts, cursor = self._store.host_export_range(cursor, part_rows,
                                                                       changed_only)
             ids, counts, cursor = ids.numpy(), counts.numpy().astype(np.int64), int(cursor)
             if ids.size:
-                yield ids, np.ascontiguousarray(rows.numpy()[:, :dim]), counts
+                rows = rows.numpy()
+                part = (ids, np.ascontiguousarray(rows[:, :dim]), counts)
+                if with_state:
+                    part += (opt.public_state([
+                        np.ascontiguousarray(rows[:, dim * (k + 1):dim * (k + 2)])
+                        for k in range(opt.num_state)]),)
+                yield part
 
     def prune(self, min_uses: Optional[int] = None, *, to_rows: Optional[int] = None,
               decay: Optional[float] = None) -> int:

@@ -289,6 +289,16 @@ def test_ranks_with_different_numbers_of_batches_are_refused(tmp_path):
         assert int(np.load(tmp_path / f"uneven_steps_rank{rank}.npz")["ok"]) == 1
 
 
+def test_assign_rows_with_state_on_two_ranks(tmp_path):
+    """Rows with optimizer state reach their owners (and every replica), also
+    when only one rank gives state (the worker checks the exported rows and
+    state of every id; a rank-dependent collective hung before)."""
+    proc = _run_worker(tmp_path, "warm_start")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for rank in range(sc.WORLD):
+        assert int(np.load(tmp_path / f"warm_start_rank{rank}.npz")["ok"]) == 1
+
+
 def test_equal_batches_cuts_data_of_unknown_size_to_the_smallest_share(tmp_path):
     proc = _run_worker(tmp_path, "equal_batches")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

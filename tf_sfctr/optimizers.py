@@ -197,6 +197,89 @@ class TableOptimizer:
         ``step`` is the table's update count."""
         return None
 
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        """The names of the state rows, in their stored order, as
+        ``CachedEmbedding.export_rows(with_state=True)`` gives them and
+        ``assign_rows(state=...)`` takes them. The built-in optimizers use
+        Keras's meaning of each (the same numbers as the Keras optimizer's
+        own variables); a subclass keeps ``state_0``, ``state_1``, ... and
+        its stored values unless it says otherwise."""
+        return tuple(f"state_{i}" for i in range(self.num_state))
+
+    def stored_state(self, state: Any, ids: np.ndarray, dim: int) -> list[np.ndarray]:
+        """Checks ``state`` (a dict ``{name: [len(ids), dim] array}`` holding
+        every name of ``state_names`` and no other) and returns the stored
+        state rows (float32, in ``state_names`` order). Raises ``TypeError``
+        or ``ValueError`` naming the entry, row and id that is wrong."""
+        names = self.state_names
+        kind = type(self).__name__
+        if not isinstance(state, dict):
+            raise TypeError(
+                f"state must be a dict {{name: [len(ids), output_dim] array}} with the "
+                f"{kind} table optimizer's state names {list(names)}, got "
+                f"{type(state).__name__}. Nothing was changed.")
+        missing = [n for n in names if n not in state]
+        extra = [k for k in state if k not in names]
+        if missing or extra:
+            raise ValueError(
+                f"state must hold exactly the {kind} table optimizer's state names "
+                f"{list(names)}" + (f"; missing {missing}" if missing else "")
+                + (f"; not {kind} state: {extra}" if extra else "")
+                + ". Nothing was changed.")
+        arrays = []
+        for name in names:
+            try:
+                value = np.asarray(state[name])
+            except (TypeError, ValueError) as err:  # ragged lists, say
+                raise ValueError(f"state[{name!r}] is not an array of numbers ({err}). "
+                                 "Nothing was changed.") from None
+            if value.dtype.kind not in "fiu" and value.dtype.name != "bfloat16":
+                raise TypeError(f"state[{name!r}] must hold real numbers, got dtype "
+                                f"{value.dtype}. Nothing was changed.")
+            with np.errstate(over="ignore"):
+                value = value.astype(np.float64)
+            if value.shape != (len(ids), dim):
+                raise ValueError(
+                    f"state[{name!r}] must have shape [len(ids), output_dim] = "
+                    f"[{len(ids)}, {dim}], got {list(value.shape)}. Nothing was changed.")
+            arrays.append(value)
+        stored = self._to_stored(arrays)
+        for name, public, kept in zip(names, arrays, stored):
+            bad = ~np.isfinite(public) | ~np.isfinite(kept)
+            if bad.any():
+                row = int(np.argwhere(bad)[0, 0])
+                raise ValueError(
+                    f"state[{name!r}] must be finite (in float32); row {row} (id "
+                    f"{int(ids[row])}) holds {public[row].tolist()}. Nothing was changed.")
+        self._check_stored(dict(zip(names, arrays)), stored, ids)
+        return stored
+
+    def public_state(self, stored: list[np.ndarray]) -> dict[str, np.ndarray]:
+        """The inverse of ``stored_state``: ``{name: float32 array}`` from the
+        stored state rows."""
+        return dict(zip(self.state_names, self._from_stored(stored)))
+
+    def _to_stored(self, public: list[np.ndarray]) -> list[np.ndarray]:
+        with np.errstate(over="ignore"):
+            return [p.astype(np.float32) for p in public]
+
+    def _from_stored(self, stored: list[np.ndarray]) -> list[np.ndarray]:
+        return [np.asarray(s, np.float32) for s in stored]
+
+    def _check_stored(self, public: dict[str, np.ndarray], stored: list[np.ndarray],
+                      ids: np.ndarray) -> None:
+        """Raises ValueError if a state row would make the next update wrong."""
+
+    @staticmethod
+    def _refuse_rows(bad: np.ndarray, name: str, public: dict[str, np.ndarray],
+                     ids: np.ndarray, allowed: str) -> None:
+        if bad.any():
+            row = int(np.argwhere(bad)[0, 0])
+            raise ValueError(
+                f"state[{name!r}] must be {allowed}; row {row} (id {int(ids[row])}) holds "
+                f"{public[name][row].tolist()}. Nothing was changed.")
+
     def rate_at(self, step: tf.Tensor) -> tf.Tensor:
         """The float32 learning rate an update of table step ``step`` uses
         now: the schedule's value at that step, or the number set last."""
@@ -295,6 +378,11 @@ class SGD(TableOptimizer):
     def state_initial_values(self) -> list[float]:
         return [0.0] * self.num_state
 
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        # Keras's SGD keeps the same m (its "momentums").
+        return ("momentum",) if self.num_state else ()
+
     def apply(self, rows, state, slots, grad, grad_sq, step):
         lr = self._lr(step)
         if self.momentum == 0:
@@ -349,6 +437,25 @@ class Adagrad(TableOptimizer):
         # formula above with e = 0.
         return [self.initial_accumulator_value + self.epsilon]
 
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        # Keras's accumulator a, without the epsilon the stored one holds.
+        return ("accumulator",)
+
+    def _to_stored(self, public):
+        with np.errstate(over="ignore"):
+            return [(public[0] + self.epsilon).astype(np.float32)]
+
+    def _from_stored(self, stored):
+        return [(np.asarray(stored[0], np.float64) - self.epsilon).astype(np.float32)]
+
+    def _check_stored(self, public, stored, ids):
+        self._refuse_rows(public["accumulator"] < 0, "accumulator", public, ids, ">= 0")
+        # Each update divides by the square root of the stored a + epsilon.
+        self._refuse_rows(stored[0] <= 0, "accumulator", public, ids,
+                          f"> 0 when epsilon is {self.epsilon} (a + epsilon is "
+                          "divided by at each update)")
+
     def apply(self, rows, state, slots, grad, grad_sq, step):
         (acc,) = state
         # epsilon is already in the stored accumulator (state_initial_values).
@@ -388,6 +495,15 @@ class Adam(TableOptimizer):
 
     def state_initial_values(self) -> list[float]:
         return [0.0, 0.0]
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        # Keras's Adam keeps the same m and v (its "momentums", "velocities").
+        return ("momentum", "velocity")
+
+    def _check_stored(self, public, stored, ids):
+        self._refuse_rows(public["velocity"] < 0, "velocity", public, ids,
+                          ">= 0 (a mean of squared gradients)")
 
     def apply(self, rows, state, slots, grad, grad_sq, step):
         m_var, v_var = state
@@ -471,6 +587,20 @@ class Ftrl(TableOptimizer):
 
     def state_initial_values(self) -> list[float]:
         return [self.initial_accumulator_value, 0.0]
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        # Keras's Ftrl keeps the same n and z (its "accumulators", "linears").
+        return ("accumulator", "linear")
+
+    def _check_stored(self, public, stored, ids):
+        self._refuse_rows(public["accumulator"] < 0, "accumulator", public, ids, ">= 0")
+        if (self.learning_rate_power < 0 and self.l2_regularization_strength == 0
+                and self.beta == 0):
+            self._refuse_rows(
+                stored[0] == 0, "accumulator", public, ids,
+                "> 0 when learning_rate_power < 0 and l2_regularization_strength and beta "
+                "are 0 (an update would divide 0 by 0)")
 
     def state_for_assigned_rows(self, values, step):
         """FTRL recomputes a row from its state at every update, so a fresh

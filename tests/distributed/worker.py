@@ -1055,6 +1055,58 @@ def _small_model(name):
     return model
 
 
+def run_warm_start(out_dir, rank, size):
+    """assign_rows with optimizer state, sharded and replicated: rank 0 sends
+    its rows with state, rank 1 without (then with the state the owner would
+    have given them). export_rows(with_state=True), gathered over the ranks,
+    gives back every row and state, whichever rank owns it; an id both ranks
+    set takes the higher rank's row and state."""
+    v = sc.vocab()
+    for distribution in ("model_parallel", "data_parallel"):
+        for opt in (tf_sfctr.optimizers.Adagrad(0.1, epsilon=0.01),
+                    tf_sfctr.optimizers.Ftrl(0.1, l1_regularization_strength=0.01)):
+            name = f"warm_{distribution}_{type(opt).__name__}"
+            emb = CachedEmbedding(3, cache_capacity=8, optimizer=opt, seed=3, name=name,
+                                  distribution=distribution)
+            emb.build(None)
+            # Rows seen by a step first: some of them are cached when assigned.
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(emb(tf.constant(v[:6].reshape(3, 2)), training=True))
+            tape.gradient(loss, emb.trainable_weights)
+            ids = {r: v[r * 10: r * 10 + 12] for r in range(size)}  # ids 10, 11 on both
+            rows = {r: (np.arange(36, dtype=np.float32).reshape(12, 3) + 100 * r) / 7
+                    for r in range(size)}
+            state = {r: {n: np.arange(36, dtype=np.float32).reshape(12, 3) / 3 + 1 + r + k
+                         for k, n in enumerate(opt.state_names)} for r in range(size)}
+            emb.assign_rows(ids[rank], rows[rank], state=state[rank] if rank == 0 else None)
+            parts = list(emb.export_rows(part_rows=5, with_state=True))
+            local = [np.concatenate([p[0] for p in parts]),
+                     np.concatenate([p[1] for p in parts])] + [
+                np.concatenate([p[3][n] for p in parts]) for n in opt.state_names]
+            got = [hvd.allgather(tf.constant(a), name=f"{name}_gather{k}").numpy()
+                   for k, a in enumerate(local)]
+            if distribution == "data_parallel":  # every rank holds the whole table
+                got = [g[:len(g) // size] for g in got]
+            where = {int(i): k for k, i in enumerate(got[0])}
+            assert len(where) == len(got[0]), "an id exported twice"
+            step = int(emb._table_step.numpy())
+            expect = dict(state)
+            for r in range(1, size):  # sent without state
+                given = opt.state_for_assigned_rows(rows[r], step) or [
+                    np.full(rows[r].shape, x, np.float32) for x in opt.state_initial_values()]
+                expect[r] = opt.public_state(given)
+            for r in range(size):
+                for j, i in enumerate(ids[r]):
+                    if r + 1 < size and i in ids[r + 1]:
+                        continue  # the higher rank's wins
+                    k = where[int(i)]
+                    np.testing.assert_array_equal(got[1][k], rows[r][j], err_msg=name)
+                    for n_k, n in enumerate(opt.state_names):
+                        np.testing.assert_allclose(got[2 + n_k][k], expect[r][n][j], rtol=1e-6,
+                                                   err_msg=f"{name} {n} of id {i}")
+    np.savez(os.path.join(out_dir, f"warm_start_rank{rank}.npz"), ok=np.array(1))
+
+
 def run_equal_batches(out_dir, rank):
     """Data of unknown size, 7 batches on rank 0 and 5 on rank 1 (rank 0
     would wait forever in its sixth step): equal_batches gives both 5, known
@@ -1425,6 +1477,8 @@ def main():
             run_uneven_steps(out_dir, rank)
         elif name == "equal_batches":
             run_equal_batches(out_dir, rank)
+        elif name == "warm_start":
+            run_warm_start(out_dir, rank, size)
         elif name == "empty_epoch":
             run_empty_epoch(out_dir, rank)
         elif name.startswith("short_"):

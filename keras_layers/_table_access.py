@@ -205,11 +205,19 @@ class TableAccessMixin:
             # A deferred update first: the assignment must not be trained
             # over (and a default state below reads the step after it).
             self._deliver_deferred()
-        # Every rank sends rows as wide as the widest: one without state
-        # sends the state the owner would have given them.
-        if (self._mode != "local" and self._any_rank(state is not None, "assign_state")
-                and stored is None):
-            stored = self._assigned_state(values)
+        if self._mode != "local" and self._any_rank(state is not None, "assign_state"):
+            # Every rank sends rows as wide as the widest: one without state
+            # sends the state the owner would have given them. Computing it
+            # can fail (Ftrl: rows beyond what its state can keep), and every
+            # rank must hear of it before the rows travel.
+            if stored is None:
+                try:
+                    stored = self._assigned_state(values)
+                except ValueError as err:
+                    error = err
+            error = self._agree(error, "assign_rows")
+            if error is not None:
+                raise error
         width = self.output_dim
         if stored is not None:
             values = np.concatenate([values, *stored], axis=1)

@@ -93,6 +93,30 @@ def test_a_copy_with_state_trains_on_as_the_original(rng, name):
     assert np.abs(copies[False].lookup_rows(probe) - want).max() > 1e-3
 
 
+@pytest.mark.parametrize("epsilon", [1e-8, 1e-7, 1e-6, 1e-4, 0.7, 1234.5678])
+def test_untouched_adagrad_rows_export_keras_accumulator_and_go_back(epsilon):
+    """A row no step trained exports Keras's accumulator exactly (0 here),
+    and the table's own export goes back in, bit for bit, whether float32
+    rounds epsilon up or down."""
+    make = lambda: tf_sfctr.optimizers.Adagrad(  # noqa: E731
+        0.1, initial_accumulator_value=0.0, epsilon=epsilon)
+    layer = CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=1, optimizer=make())
+    layer.assign_rows([2, 3], np.ones((2, DIM)))
+    _step(layer, np.array([[3, 4]]), np.zeros(DIM, np.float32))
+    ids, rows, state = _export(layer)
+    np.testing.assert_array_equal(ids, [2, 3, 4])
+    assert state["accumulator"][0].tolist() == [0.0] * DIM
+    assert (state["accumulator"][1:] > 0).all()
+    copy = CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=1, optimizer=make())
+    copy.assign_rows(ids, rows, state=state)
+    stored = []  # whole stored rows: values and the stored a + epsilon
+    for t in (layer, copy):
+        t.flush()
+        got_ids, got_rows = (x.numpy() for x in t._store.host_export_range(0, 100)[:2])
+        stored.append(got_rows[np.argsort(got_ids)])
+    np.testing.assert_array_equal(stored[1], stored[0])
+
+
 def _keras_slots(opt, names):
     """The Keras optimizer's slot variables of its one trained variable, by
     our state names (Keras 3 keeps them after ``iteration`` and
@@ -219,3 +243,22 @@ def test_export_without_state_keeps_its_three_arrays_and_plain_sgd_has_no_state(
     (part,) = layer.export_rows(with_state=True)
     assert len(part) == 4 and part[3] == {}
     assert layer.table_optimizer.state_names == ()
+
+
+def test_ftrl_assign_at_a_zero_learning_rate_is_refused():
+    """Ftrl keeps an assigned row in a state holding value / learning_rate: a
+    schedule at 0 gave a bare ZeroDivisionError (which the collective path
+    did not agree on)."""
+    rate = keras.optimizers.schedules.PiecewiseConstantDecay([1], [0.1, 0.0])
+    layer = CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=1,
+                            optimizer=tf_sfctr.optimizers.Ftrl(rate))
+    for _ in range(2):
+        _step(layer, np.array([[1, 2]]), np.zeros(DIM, np.float32))
+    before = [p[:2] for p in layer.export_rows()]
+    with pytest.raises(ValueError, match=r"needs a learning rate > 0 .* rate at table step 2 "
+                                         r"is 0.0\. Nothing was changed"):
+        layer.assign_rows([1, 5], np.ones((2, DIM)))
+    after = [p[:2] for p in layer.export_rows()]
+    for b, a in zip(before, after, strict=True):
+        np.testing.assert_array_equal(b[0], a[0])
+        np.testing.assert_array_equal(b[1], a[1])

@@ -443,11 +443,16 @@ class Adagrad(TableOptimizer):
         return ("accumulator",)
 
     def _to_stored(self, public):
+        # epsilon as float32 both ways, so that a stored value goes back to
+        # itself (float64(float32(e)) - e is negative when float32 rounds e
+        # down: an untouched row's a + e came back as -2.5e-15, a review).
+        eps = float(np.float32(self.epsilon))
         with np.errstate(over="ignore"):
-            return [(public[0] + self.epsilon).astype(np.float32)]
+            return [(public[0] + eps).astype(np.float32)]
 
     def _from_stored(self, stored):
-        return [(np.asarray(stored[0], np.float64) - self.epsilon).astype(np.float32)]
+        eps = float(np.float32(self.epsilon))
+        return [np.maximum(np.asarray(stored[0], np.float64) - eps, 0.0).astype(np.float32)]
 
     def _check_stored(self, public, stored, ids):
         self._refuse_rows(public["accumulator"] < 0, "accumulator", public, ids, ">= 0")
@@ -610,6 +615,11 @@ class Ftrl(TableOptimizer):
         update with a zero gradient leaves the row where it was assigned."""
         w = np.asarray(values, np.float64)
         lr = float(self._lr(tf.constant(step, tf.int64)))
+        if not lr > 0:
+            raise ValueError(
+                f"assign_rows with the Ftrl table optimizer needs a learning rate > 0 (it "
+                f"keeps an assigned row in a state that holds value / learning_rate), but the "
+                f"rate at table step {step} is {lr}. Nothing was changed.")
         n0 = self.initial_accumulator_value
         quadratic = n0 ** -self.learning_rate_power / lr + 2.0 * (self.l2_regularization_strength
                                         + self.beta / (2.0 * lr))

@@ -1104,6 +1104,27 @@ def run_warm_start(out_dir, rank, size):
                     for n_k, n in enumerate(opt.state_names):
                         np.testing.assert_allclose(got[2 + n_k][k], expect[r][n][j], rtol=1e-6,
                                                    err_msg=f"{name} {n} of id {i}")
+            # Rank 1's rows need a state Ftrl cannot keep, and rank 0 gives
+            # state: every rank raises, nothing changes (rank 0 was left in
+            # the assignment's all-to-all before).
+            if isinstance(opt, tf_sfctr.optimizers.Ftrl):
+                before = [p for p in emb.export_rows(with_state=True)]
+                bad_rows = np.full((1, 3), 3e38 if rank == 1 else 1.0, np.float32)
+                bad_state = ({n: np.ones((1, 3), np.float32) for n in opt.state_names}
+                             if rank == 0 else None)
+                try:
+                    emb.assign_rows(v[30 + rank:31 + rank], bad_rows, state=bad_state)
+                    raise AssertionError(f"{name}: rows Ftrl cannot keep were assigned")
+                except ValueError as err:
+                    text = str(err)
+                    assert ("values too large for the Ftrl" if rank == 1
+                            else "assign_rows failed on another rank") in text, text
+                    assert "Nothing was changed" in text, text
+                after = [p for p in emb.export_rows(with_state=True)]
+                assert len(before) == len(after)
+                for b, a in zip(before, after):
+                    for x, y in zip(b[:3], a[:3]):
+                        np.testing.assert_array_equal(x, y, err_msg=name)
     np.savez(os.path.join(out_dir, f"warm_start_rank{rank}.npz"), ok=np.array(1))
 
 

@@ -208,3 +208,46 @@ def test_two_saves_from_two_threads_each_write_their_own_rows(tmp_path):
         else:
             tf.train.Checkpoint(table=other.store).read(str(path / "ckpt")).expect_partial()
         np.testing.assert_array_equal(other.lookup_rows(ids), want, err_msg=path.name)
+
+
+def test_a_decaying_prune_waits_for_a_save_that_reads_the_table(tmp_path, monkeypatch):
+    """A prune with decay rewrites every use count but no row count, so a
+    table-file save reading the table a part at a time beside it held counts
+    from before and after it, undetected. They take turns now: the prune
+    started after the save's first part finishes after the save, and the
+    checkpoint holds the counts from before it, every one."""
+    from tf_sfctr import table_file
+    from tf_sfctr.distributed import restore, save
+
+    monkeypatch.setenv(table_file.TEST_PART_ROWS_ENV, "100")  # many parts
+    emb = CachedEmbedding(2, cache_capacity=16, seed=1, name="t")
+    ids = np.arange(1000, dtype=np.int64)
+    emb.assign_rows(ids, np.ones((ids.size, 2), np.float32))
+    emb.store.host_add_counts(tf.constant(ids), tf.constant(ids % 7 + 4, tf.int64))
+    before = _counts(emb)
+    assert sorted(set(before.values())) == list(range(4, 11))
+    pruned = threading.Event()
+    original_write = table_file.TableFileWriter.write
+    parts = []
+
+    def write_then_prune(self, *args):
+        original_write(self, *args)
+        parts.append(len(args[0]))
+        if len(parts) == 1:  # after the first part, a prune from another thread
+            threading.Thread(target=lambda: (emb.prune(1, decay=0.5), pruned.set())).start()
+            pruned.wait(timeout=2)  # it finished here before
+
+    monkeypatch.setattr(table_file.TableFileWriter, "write", write_then_prune)
+    save(tf.train.Checkpoint(table=emb.store), str(tmp_path / "ckpt"))
+    assert sum(parts) == 1000 and len(parts) >= 10
+    assert pruned.wait(timeout=60)
+    assert _counts(emb) == {i: c // 2 for i, c in before.items()}
+    other = CachedEmbedding(2, cache_capacity=16, seed=2, name="t")
+    other.build(None)
+    restore(tf.train.Checkpoint(table=other.store), str(tmp_path / "ckpt"))
+    assert _counts(other) == before
+
+
+def _counts(emb):
+    return {i: c for ids, _, counts in emb.export_rows()
+            for i, c in zip(ids.tolist(), counts.tolist())}

@@ -196,6 +196,12 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         # must not take it: two saves at once wrote checkpoints without
         # rows (a review).
         self._table_file = threading.local()
+        # Held by a prune and by a save's read of the host table (not its
+        # flush), so that they take turns: a save beside a decaying prune
+        # held counts from before and after it (every count changes, and
+        # no row count shows it), and one beside a removing prune was
+        # refused as a table that changed.
+        self._prune_lock = threading.Lock()
         # Set by the owning layer when it is built, from PENDING_TABLE_DIRS:
         # (save id, shard directory) of the table file a deferred restore
         # loads (once).
@@ -336,10 +342,11 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
     def host_prune(self, min_uses: int, decay: float = 1.0) -> tf.Tensor:
         """Removes uncached ids used in fewer than ``min_uses`` steps; returns
         how many went. Then multiplies the remaining ids' use counts by
-        ``decay`` (rounded down)."""
-        return _ops.load().sfctr_host_prune(self.resource_handle,
-                                            tf.constant(min_uses, tf.int64),
-                                            tf.constant(decay, tf.float64))
+        ``decay`` (rounded down). Waits for a save's read of the table."""
+        with self._prune_lock:
+            return _ops.load().sfctr_host_prune(self.resource_handle,
+                                                tf.constant(min_uses, tf.int64),
+                                                tf.constant(decay, tf.float64))
 
     def remove(self, ids: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         """Removes ``ids`` (int64 vector) from the cache, dropping their
@@ -360,9 +367,12 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
                            ) -> tuple[tf.Tensor, tf.Tensor]:
         """Removes the least used uncached ids until at most ``max_rows``
         rows remain; returns (how many went, the use count of the most used
-        one plus one, 0 if none went). ``decay`` as for ``host_prune``."""
-        return _ops.load().sfctr_host_prune_to_size(
-            self.resource_handle, tf.constant(max_rows, tf.int64), tf.constant(decay, tf.float64))
+        one plus one, 0 if none went). ``decay`` as for ``host_prune``.
+        Waits for a save's read of the table."""
+        with self._prune_lock:
+            return _ops.load().sfctr_host_prune_to_size(
+                self.resource_handle, tf.constant(max_rows, tf.int64),
+                tf.constant(decay, tf.float64))
 
     # Counters ----------------------------------------------------------------
     def stats(self) -> tf.Tensor:
@@ -446,7 +456,8 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         counters} tensors (after a flush of the cache when ``flush``)."""
         if flush and self.before_save is not None:
             self.before_save()
-        ids, rows, counts = self.host_export()
+        with self._prune_lock:
+            ids, rows, counts = self.host_export()
         stats = self.stats()
         return {"header": tf.constant(self.header(), tf.int64), "ids": ids, "rows": rows,
                 "counts": counts, "counters": stats[:3]}
@@ -467,19 +478,21 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         file ``path``, a part at a time; returns the rows written."""
         from tf_sfctr import table_file
 
-        held = int(self.stats()[3])
         limit = table_file.part_rows(self.config.width)
         cursor = 0
-        with table_file.TableFileWriter(path, self.config.width, save_id, table) as writer:
+        with self._prune_lock, table_file.TableFileWriter(path, self.config.width, save_id,
+                                                          table) as writer:
+            held = int(self.stats()[3])
             while cursor != -1:
                 ids, rows, counts, cursor = self.host_export_range(cursor, limit)
                 ids, counts, cursor = ids.numpy(), counts.numpy(), int(cursor)
                 writer.write(ids, rows.numpy(), counts)
-        if writer.rows != held or int(self.stats()[3]) != held:
+            now = int(self.stats()[3])
+        if writer.rows != held or now != held:
             raise RuntimeError(
                 f"the table changed while it was saved ({held} rows when the save began, "
                 f"{writer.rows} saved): save between training steps, not during one, and "
-                "not while another thread prunes the table or assigns rows to it.")
+                "not while another thread assigns rows to it or removes rows from it.")
         return writer.rows
 
     def _restore_from_tensors(self, restored_tensors):

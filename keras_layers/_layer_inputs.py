@@ -233,6 +233,14 @@ class InputsMixin:
         return tf.reshape(tf.cast(x, tf.int64), [-1]), {
             "kind": "dense", "shape": tf.shape(x), "static": x.shape}
 
+    @staticmethod
+    def _weight_checks(layout: dict) -> list:
+        """The traced checks of ``layout``'s weights (of every part)."""
+        checks = [layout["weights_checked"]] if "weights_checked" in layout else []
+        for part in layout.get("layouts", ()):
+            checks += InputsMixin._weight_checks(part)
+        return checks
+
     def _attach_weights(self, weights: Any, ids: Any, layout: dict) -> None:
         """Checks per-id ``weights`` against ``ids`` (the same structure:
         dense of the same shape, ragged of the same row lengths, sparse of
@@ -309,6 +317,9 @@ class InputsMixin:
             checked = tf.debugging.Assert(same, [message.replace(repr(self.name), self.name)])
             with tf.control_dependencies([checked]):
                 values = tf.identity(values)
+            # And so does the step's cache prepare (weight_checks): a refused
+            # step must not insert its ids nor count their uses.
+            layout["weights_checked"] = checked
         layout["weights"] = values
 
     def _require_combiner(self, what: str) -> None:

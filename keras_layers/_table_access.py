@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sfctr import _ops
+from tf_sfctr import optimizers as _optimizers
 from tf_sfctr.distributed import _horovod
 from tf_sfctr.keras_layers._layer_checks import check_id_dtype
 
@@ -57,8 +58,9 @@ class TableAccessMixin:
         if isinstance(ids, (tf.RaggedTensor, tf.SparseTensor)):
             raise TypeError("ids must be a dense 1-D array of int ids")
         arr = ids if isinstance(ids, tf.Tensor) else np.asarray(ids)
-        if not isinstance(ids, (tf.Tensor, np.ndarray)) and arr.dtype.kind in "uO":
-            # Python ints beyond int64 (NumPy makes them uint64 or objects).
+        if not isinstance(ids, (tf.Tensor, np.ndarray)) and arr.dtype.kind in "uOf":
+            # Python ints beyond int64 (NumPy makes them uint64, objects, or
+            # float64 beside negative ones).
             flat = np.asarray(ids, dtype=object).ravel()
             if all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
                    for v in flat):
@@ -205,11 +207,13 @@ class TableAccessMixin:
             # A deferred update first: the assignment must not be trained
             # over (and a default state below reads the step after it).
             self._deliver_deferred()
-        if self._mode != "local" and self._any_rank(state is not None, "assign_state"):
+        if self._mode != "local" and (self._any_rank(state is not None, "assign_state")
+                                      or self._keeps_assigned_rows()):
             # Every rank sends rows as wide as the widest: one without state
             # sends the state the owner would have given them. Computing it
             # can fail (Ftrl: rows beyond what its state can keep), and every
-            # rank must hear of it before the rows travel.
+            # rank must hear of it before any row travels (when the owners
+            # computed it, the other owners had set their rows).
             if stored is None:
                 try:
                     stored = self._assigned_state(values)
@@ -295,6 +299,12 @@ class TableAccessMixin:
         hvd = _horovod.require()
         return int(hvd.allreduce(tf.constant(int(flag), tf.int32), op=hvd.Max,
                                  name=f"sfctr_{self.name}_{what}", ignore_name_scope=True)) > 0
+
+    def _keeps_assigned_rows(self) -> bool:
+        """Whether the optimizer gives assigned rows a state of their own
+        (Ftrl), rather than its initial values."""
+        return (type(self.table_optimizer).state_for_assigned_rows
+                is not _optimizers.TableOptimizer.state_for_assigned_rows)
 
     def _assigned_state(self, values: np.ndarray) -> list[np.ndarray]:
         """The state rows an assignment without ``state`` stores."""
@@ -484,7 +494,9 @@ class TableAccessMixin:
         most c - 1, so every unused id reaches 0). With a ``decay``, prune
         flushes the cache first (``flush``), so that the uses cached ids
         gathered count before the decay: collective then in model-parallel
-        mode, and not while another thread trains the layer.
+        mode (every rank calls it, with a ``decay``; its arguments are
+        checked on every rank before the flush), and not while another
+        thread trains the layer.
 
         Uses are counted over the table's whole history (checkpoints keep
         them; they saturate at 65535); ids new to the table that
@@ -507,13 +519,24 @@ class TableAccessMixin:
         >>> emb.prune(min_uses=1), emb.cache_stats()["host_rows"]
         (4, 0)
         """
-        check_prune_bound(min_uses, to_rows, decay)
         self._require_built()
-        decay = decay_value(decay)
-        if decay < 1.0:
+        error = None
+        try:
+            check_prune_bound(min_uses, to_rows, decay)
+        except (TypeError, ValueError) as err:
+            error = err
+        if decay is not None and self._mode == "model_parallel":
+            # The flush below is collective: every rank goes on, or none
+            # (a rank refusing its arguments left the others in the flush).
+            with self._one_collective_call():
+                error = self._agree(error, "prune")
+        if error is not None:
+            raise error
+        if decay is not None:
             # The cached uses go to the host counts first, to be aged with
             # them (else an id cached now would keep uses of long ago).
             self.flush()
+        decay = decay_value(decay)
         if min_uses is not None:
             return int(self._store.host_prune(int(min_uses), decay))
         shard = -(-int(to_rows) // self._world_size) if self.mode == "model_parallel" \

@@ -736,8 +736,12 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             check_vsi_keys(self.name, inputs)
             ids, layout = self._flatten(inputs["ids"])
             self._attach_weights(weights, inputs["ids"], layout)
-            unique_ids, inverse = self._checked_vsi(ids, inputs["unique_ids"],
-                                                    inputs["inverse"])
+            unique_ids = inputs["unique_ids"]
+            checks = self._weight_checks(layout)
+            if checks:  # (traced) the cache prepare waits for the weights' check
+                with tf.control_dependencies(checks):
+                    unique_ids = tf.identity(unique_ids)
+            unique_ids, inverse = self._checked_vsi(ids, unique_ids, inputs["inverse"])
             next_ids = inputs.get("next_unique_ids")
             if next_ids is not None:
                 check_id_dtype(tf.as_dtype(next_ids.dtype), "next_unique_ids")
@@ -749,6 +753,10 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         else:
             ids, layout = self._flatten(inputs)
             self._attach_weights(weights, inputs, layout)
+            checks = self._weight_checks(layout)
+            if checks:  # (traced) the cache prepare waits for the weights' check
+                with tf.control_dependencies(checks):
+                    ids = tf.identity(ids)
             unique_ids = inverse = next_ids = hints = None
             if self._mode != "model_parallel":
                 unique_ids, inverse, _ = _ops.unique(ids)
@@ -919,7 +927,8 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                 finite = tf.debugging.check_numerics(
                     marker, f"CachedEmbedding {self.name}: the embedding gradient is not "
                     f"finite (NaN or Inf) or so large that its square overflows float32 "
-                    f"(|g| of about 2**64 or more); the table was not updated, but other "
+                    f"(|g| of about 2**64 or more); the table's rows were not updated (its "
+                    f"forward pass stored new ids and counted their uses), but other "
                     f"weights of this step may have been (restore a checkpoint)")
                 with tf.control_dependencies([finite]):
                     g = tf.identity(g)

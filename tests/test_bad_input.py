@@ -153,7 +153,7 @@ def test_assign_rows_bad_ids(trained):
 
 
 @pytest.mark.parametrize("ids, shown", [([2**63], 2**63), ([5, -2**63 - 1], -2**63 - 1),
-                                         ([1, 2**64], 2**64)])
+                                         ([1, 2**64], 2**64), ([-5, 2**63], 2**63)])
 def test_python_ints_beyond_int64_are_named(trained, ids, shown):
     snap = _snapshot(trained)
     with pytest.raises(ValueError, match=rf"ids must fit in int64 .*got {shown}\."):

@@ -299,6 +299,17 @@ def test_assign_rows_with_state_on_two_ranks(tmp_path):
         assert int(np.load(tmp_path / f"warm_start_rank{rank}.npz")["ok"]) == 1
 
 
+def test_a_bad_argument_on_one_rank_is_refused_on_every_rank(tmp_path):
+    """assign_rows of rows Ftrl cannot keep, prune(decay=...), save and
+    restore, each with a bad argument on one rank: every rank raises and
+    nothing changes (before, the others hung in a collective, or another
+    rank's rows were set while the failing rank said nothing was changed)."""
+    proc = _run_worker(tmp_path, "one_rank_refusals")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for rank in range(sc.WORLD):
+        assert int(np.load(tmp_path / f"one_rank_refusals_rank{rank}.npz")["ok"]) == 1
+
+
 def test_equal_batches_cuts_data_of_unknown_size_to_the_smallest_share(tmp_path):
     proc = _run_worker(tmp_path, "equal_batches")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -403,3 +403,33 @@ def test_symbolic_weights_of_another_shape_are_refused_when_wired():
         emb(ids_in, weights=keras.Input((2,), dtype="float32"))
     out = emb(ids_in, weights=keras.Input((3,), dtype="float32"))  # the right shape wires
     assert tuple(out.shape) == (None, DIM)
+
+
+def test_a_traced_step_with_mismatched_weights_stores_no_id_and_counts_no_use():
+    """The weights' check is an Assert in a traced step; the step's cache
+    prepare ran beside it, so a refused step inserted its new ids and
+    counted uses (a review). It now waits for the check."""
+    emb = CachedEmbedding(2, cache_capacity=8, seed=0, optimizer=tf_sfctr.optimizers.Adagrad(0.1))
+    emb.build(None)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int64),
+                                  tf.TensorSpec([None, None], tf.float32)])
+    def step(ids, w):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(emb(ids, training=True, weights=w))
+        return tape.gradient(loss, emb.trainable_variables)
+
+    step(tf.constant([[1, 2], [3, 4]], tf.int64), tf.ones([2, 2]))
+    assert [len(p[0]) for p in emb.export_rows(changed_only=True)] == [4]
+
+    def table():
+        ((ids, rows, uses),) = emb.export_rows()
+        return sorted(zip(ids.tolist(), uses.tolist()))
+
+    before = table()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="weights must have the shape"):
+        step(tf.constant([[1, 2], [5, 6]], tf.int64), tf.ones([2, 3]))
+    assert table() == before == [(1, 1), (2, 1), (3, 1), (4, 1)]
+    assert list(emb.export_rows(changed_only=True)) == []
+    step(tf.constant([[1, 5]], tf.int64), tf.ones([1, 2]))  # and training goes on
+    assert table() == [(1, 2), (2, 1), (3, 1), (4, 1), (5, 1)]

@@ -1128,6 +1128,60 @@ def run_warm_start(out_dir, rank, size):
     np.savez(os.path.join(out_dir, f"warm_start_rank{rank}.npz"), ok=np.array(1))
 
 
+def run_one_rank_refusals(out_dir, rank, size):
+    """A bad argument on one rank only: every rank raises, none is left in a
+    collective, nothing changes (each hung or changed rows before)."""
+    from tf_sfctr.distributed import restore, save
+
+    v = sc.vocab()
+    emb = CachedEmbedding(3, cache_capacity=8, seed=3, name="refusals",
+                          optimizer=tf_sfctr.optimizers.Ftrl(0.1),
+                          distribution="model_parallel")
+    emb.build(None)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(emb(tf.constant(v[:6].reshape(3, 2)), training=True))
+    tape.gradient(loss, emb.trainable_weights)
+
+    def table():
+        parts = list(emb.export_rows(with_state=True))
+        mine = [np.concatenate([p[k] for p in parts]) for k in range(3)]
+        return [hvd.allgather(tf.constant(a), name=f"refusals_table{k}").numpy()
+                for k, a in enumerate(mine)]
+
+    def unchanged(before, what):
+        after = table()
+        for b, a in zip(before, after):
+            np.testing.assert_array_equal(a, b, err_msg=what)
+
+    # Rows Ftrl cannot keep on rank 1 (to an id rank 0 owns), good rows on
+    # rank 0 (to an id rank 1 owns): rank 1's shard took rank 0's rows.
+    to_0, to_1 = v[owner_of(v, size) == 0][10], v[owner_of(v, size) == 1][10]
+    before = table()
+    _expect_error(lambda: emb.assign_rows(
+        [to_0] if rank == 1 else [to_1],
+        np.full((1, 3), 3e38 if rank == 1 else 0.25, np.float32)),
+        "values too large for the Ftrl" if rank == 1 else "failed on another rank")
+    unchanged(before, "assign_rows refused on one rank")
+    # A prune with decay flushes (collective): a bad bound on one rank.
+    _expect_error(lambda: emb.prune(0 if rank == 1 else 2, decay=0.5),
+                  "min_uses must be" if rank == 1 else "prune failed on another rank")
+    unchanged(before, "prune refused on one rank")
+    # save and restore with a bad argument on one rank.
+    ckpt = tf.train.Checkpoint(emb=emb)
+    directory = os.path.join(out_dir, "refusals_ckpt")
+    _expect_error(lambda: save(ckpt, directory, metadata={"x": object()} if rank == 1 else {}),
+                  "metadata must be JSON-serializable" if rank == 1 else "refused their")
+    assert not os.path.exists(os.path.join(directory, "manifest.json"))
+    _expect_error(lambda: save(emb if rank == 0 else ckpt, directory),
+                  "takes a tf.train.Checkpoint" if rank == 0 else "refused their")
+    save(ckpt, directory)  # the ranks still pair their collectives
+    _expect_error(lambda: restore(ckpt if rank == 0 else emb, directory),
+                  "failed on rank 1" if rank == 0 else "takes a tf.train.Checkpoint")
+    restore(ckpt, directory)
+    unchanged(before, "restored")
+    np.savez(os.path.join(out_dir, f"one_rank_refusals_rank{rank}.npz"), ok=np.array(1))
+
+
 def run_equal_batches(out_dir, rank):
     """Data of unknown size, 7 batches on rank 0 and 5 on rank 1 (rank 0
     would wait forever in its sixth step): equal_batches gives both 5, known
@@ -1500,6 +1554,8 @@ def main():
             run_equal_batches(out_dir, rank)
         elif name == "warm_start":
             run_warm_start(out_dir, rank, size)
+        elif name == "one_rank_refusals":
+            run_one_rank_refusals(out_dir, rank, size)
         elif name == "empty_epoch":
             run_empty_epoch(out_dir, rank)
         elif name.startswith("short_"):

@@ -174,16 +174,23 @@ def save(checkpoint: tf.train.Checkpoint, directory: str, *, table_files: bool =
     tools that read checkpoints, such as ``tf.train.load_checkpoint``, then
     see the rows). ``metadata`` (JSON-serializable, from rank 0) is kept
     in ``manifest.json``; ``read_metadata`` returns it."""
-    _check_checkpoint(checkpoint, "save")
-    directory = os.fspath(directory)
-    if metadata is not None:
-        try:
-            json.dumps(metadata)
-        except (TypeError, ValueError) as err:
-            raise TypeError(f"tf_sfctr.distributed.save: metadata must be JSON-serializable "
-                            f"(a dict of numbers, strings, lists...): {err}") from None
+    refused = None
     try:
-        return _save(checkpoint, directory, table_files, metadata)
+        _check_checkpoint(checkpoint, "save")
+        directory = os.fspath(directory)
+        if metadata is not None:
+            try:
+                json.dumps(metadata)
+            except (TypeError, ValueError) as err:
+                raise TypeError(f"tf_sfctr.distributed.save: metadata must be "
+                                f"JSON-serializable (a dict of numbers, strings, lists...): "
+                                f"{err}. Nothing was written.") from None
+    except TypeError as err:
+        refused = err
+    if refused is not None and world()[0] == 1:
+        raise refused
+    try:
+        return _save(checkpoint, directory, table_files, metadata, refused)
     except tf.errors.OpError as err:
         explain_shutdown(err, "tf_sfctr.distributed.save")
         raise
@@ -201,7 +208,7 @@ def _check_checkpoint(checkpoint, what: str) -> None:
 
 
 def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
-          metadata: Optional[dict]) -> str:
+          metadata: Optional[dict], refused: Optional[Exception] = None) -> str:
     size, rank = world()
     save_id = _draw_save_id() if rank == 0 else 0
     if size > 1:
@@ -210,11 +217,23 @@ def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
         # for a save its directory did not hold.
         # Local paths resolved (relative ones from each rank's own working
         # directory, symbolic links followed); URLs (gs://...) as written.
-        place = directory if "://" in directory else os.path.realpath(directory)
-        where = int.from_bytes(hashlib.sha256(place.encode()).digest()[:8], "little",
-                               signed=True)
-        both = require().allgather(tf.constant([[save_id, where]], tf.int64),
-                                   name="sfctr_checkpoint_save_id").numpy()
+        where = 0
+        if refused is None:
+            place = directory if "://" in directory else os.path.realpath(directory)
+            where = int.from_bytes(hashlib.sha256(place.encode()).digest()[:8], "little",
+                                   signed=True)
+        # And whether a rank refused its arguments: the others must not go
+        # on into collectives that rank never joins.
+        both = require().allgather(
+            tf.constant([[save_id, where, int(refused is not None)]], tf.int64),
+            name="sfctr_checkpoint_save_id").numpy()
+        if refused is not None:
+            raise refused
+        if both[:, 2].any():
+            bad = np.flatnonzero(both[:, 2]).tolist()
+            raise TypeError(
+                f"tf_sfctr.distributed.save to {directory}: rank(s) {bad} refused their "
+                "arguments (see their errors). Nothing was written.")
         save_id = int(both[0, 0])
         if np.any(both[:, 1] != both[0, 1]):
             raise ValueError(
@@ -900,26 +919,37 @@ def restore(checkpoint: tf.train.Checkpoint, directory: str) -> None:
     (collective: call on every rank). Checks everything first: if anything
     is wrong on any rank, every rank raises the same
     ``CheckpointMismatchError`` and nothing was restored on any."""
-    _check_checkpoint(checkpoint, "restore")
-    directory = os.fspath(directory)
+    refused = None
     try:
-        _restore(checkpoint, directory)
+        _check_checkpoint(checkpoint, "restore")
+        directory = os.fspath(directory)
+    except TypeError as err:
+        refused = err
+    if refused is not None and world()[0] == 1:
+        raise refused
+    try:
+        _restore(checkpoint, directory, refused)
     except tf.errors.OpError as err:
         explain_shutdown(err, "tf_sfctr.distributed.restore")
         raise
 
 
-def _restore(checkpoint: tf.train.Checkpoint, directory: str) -> None:
+def _restore(checkpoint: tf.train.Checkpoint, directory: str,
+             refused: Optional[Exception] = None) -> None:
     size, rank = world()
-    stores = _stores(checkpoint)
+    stores = [] if refused is not None else _stores(checkpoint)
     error, message, shares, saved_size = None, None, {}, 0
     try:
+        if refused is not None:  # told to the others below, then raised
+            raise refused
         saved_size, shares = _check(checkpoint, directory, stores, size, rank)
     except Exception as err:  # noqa: BLE001 - agreed on below, then raised
         error, message = err, _describe(err)
     # Collective: every rank learns every rank's outcome, and so raises the
     # same error as the others (or none); nothing was read into the model.
     reports = _allgather((message, shares), "sfctr_restore_checked")
+    if refused is not None:
+        raise refused
     failure = _failure([m for m, _ in reports], directory, size)
     if failure is None:
         failure = _check_shares(checkpoint, reports, stores, size)

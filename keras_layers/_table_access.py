@@ -506,8 +506,10 @@ class TableAccessMixin:
         later ids (the process keeps their memory). For tables fed an
         endless stream of new ids, most of them seen once: prune between
         epochs, or every N steps (``tf_sfctr.callbacks.PruneHostTable``).
-        Model-parallel tables prune this rank's shard only (not a
-        collective: call it on every rank).
+        Model-parallel tables prune this rank's shard only: call it on
+        every rank, each with the same arguments (without ``decay`` it is
+        not a collective; with one it is, and a rank that gives no
+        ``decay`` beside one that does leaves the other waiting).
 
         Example:
 

@@ -96,8 +96,9 @@ def test_a_copy_with_state_trains_on_as_the_original(rng, name):
 @pytest.mark.parametrize("epsilon", [1e-8, 1e-7, 1e-6, 1e-4, 0.7, 1234.5678])
 def test_untouched_adagrad_rows_export_keras_accumulator_and_go_back(epsilon):
     """A row no step trained exports Keras's accumulator exactly (0 here),
-    and the table's own export goes back in, bit for bit, whether float32
-    rounds epsilon up or down."""
+    and the table's own export goes back in, whether float32 rounds epsilon
+    up or down (it was refused when it rounded down). A stored accumulator
+    may come back one float32 ulp off (docs/design.md)."""
     make = lambda: tf_sfctr.optimizers.Adagrad(  # noqa: E731
         0.1, initial_accumulator_value=0.0, epsilon=epsilon)
     layer = CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=1, optimizer=make())
@@ -114,7 +115,8 @@ def test_untouched_adagrad_rows_export_keras_accumulator_and_go_back(epsilon):
         t.flush()
         got_ids, got_rows = (x.numpy() for x in t._store.host_export_range(0, 100)[:2])
         stored.append(got_rows[np.argsort(got_ids)])
-    np.testing.assert_array_equal(stored[1], stored[0])
+    np.testing.assert_array_equal(stored[1][:, :DIM], stored[0][:, :DIM])  # the rows
+    np.testing.assert_allclose(stored[1], stored[0], rtol=2**-23, atol=0)
 
 
 def _keras_slots(opt, names):

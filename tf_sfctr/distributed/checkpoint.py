@@ -1055,10 +1055,11 @@ def _load_repartitioned(store: EmbeddingStore, parts: list, size: int, name: str
                 if parts
                 else np.zeros(3, np.int64))
     if size == 1:
-        store.begin_load(header, received)
-        for ids, rows, counts in _parts_of(store, parts):
-            store.load_rows(ids, rows, counts, received)
-        store.end_load(counters, received)
+        with store.loading():
+            store.begin_load(header, received)
+            for ids, rows, counts in _parts_of(store, parts):
+                store.load_rows(ids, rows, counts, received)
+            store.end_load(counters, received)
         return
     hvd = require()
     header = hvd.broadcast(tf.constant(np.asarray(header, np.int64)), 0,
@@ -1067,20 +1068,21 @@ def _load_repartitioned(store: EmbeddingStore, parts: list, size: int, name: str
     # (out of memory, say): the others would wait for it in the next round.
     # It goes on sending its parts, so that the others' tables are whole.
     error = None
-    try:
-        store.begin_load(header, received)
-    except Exception as err:  # noqa: BLE001 - raised after the rounds
-        error = err
-    source = _parts_of(store, parts)
-    try:
-        error = _exchange_rounds(store, source, rounds, size, name, received, error)
-    finally:
-        # The rank with the most parts stops at its last one, before its
-        # file's end record (read by the checks): its file closes here.
-        source.close()
-    if error is not None:
-        raise error
-    store.end_load(counters, received)
+    with store.loading():  # (a prune on this rank waits; it joins no collective)
+        try:
+            store.begin_load(header, received)
+        except Exception as err:  # noqa: BLE001 - raised after the rounds
+            error = err
+        source = _parts_of(store, parts)
+        try:
+            error = _exchange_rounds(store, source, rounds, size, name, received, error)
+        finally:
+            # The rank with the most parts stops at its last one, before its
+            # file's end record (read by the checks): its file closes here.
+            source.close()
+        if error is not None:
+            raise error
+        store.end_load(counters, received)
 
 
 def _exchange_rounds(store: EmbeddingStore, source, rounds: int, size: int, name: str,

@@ -300,10 +300,13 @@ def test_assign_rows_with_state_on_two_ranks(tmp_path):
 
 
 def test_a_bad_argument_on_one_rank_is_refused_on_every_rank(tmp_path):
-    """assign_rows of rows Ftrl cannot keep, prune(decay=...), save and
-    restore, each with a bad argument on one rank: every rank raises and
-    nothing changes (before, the others hung in a collective, or another
-    rank's rows were set while the failing rank said nothing was changed)."""
+    """assign_rows of rows Ftrl cannot keep, prune(decay=...), save,
+    restore, equal_batches, latest_checkpoint and export_for_serving, each
+    with a bad argument on one rank; restore of a different save per rank;
+    PruneHostTable, SaveCheckpoints and tables made with other settings on
+    each rank: every rank raises and nothing changes (before, the others
+    hung in a collective, trained apart, or another rank's rows were set
+    while the failing rank said nothing was changed)."""
     proc = _run_worker(tmp_path, "one_rank_refusals")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     for rank in range(sc.WORLD):

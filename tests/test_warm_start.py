@@ -195,7 +195,7 @@ def test_a_keras_embedding_and_its_optimizer_carry_over(rng, name):
     ("adam", {"momentum": 0.0, "velocity": -0.5}, "state['velocity'] must be >= 0"),
     ("adam", {"momentum": 0.0}, "missing ['velocity']"),
     ("ftrl_plain", {"accumulator": 0.0, "linear": 0.0},
-     "state['accumulator'] must be > 0 when learning_rate_power < 0"),
+     "state['accumulator'] must be > 0 in float32 when learning_rate_power < 0"),
     ("sgd", {"momentum": 0.0}, "state names []; not SGD state: ['momentum']"),
     ("sgd_momentum", {"momentum": "x"}, "state['momentum'] must hold real numbers"),
 ])

@@ -312,7 +312,10 @@ class PruneHostTable(keras.callbacks.Callback):
     uses (a pretrained table would lose every row it does not cache).
 
     Under Horovod every rank runs its callbacks, so each rank prunes its own
-    shard of a model-parallel table.
+    shard of a model-parallel table. Give every rank the same
+    ``PruneHostTable``: ``fit`` raises on every rank when their arguments
+    differ (a decaying prune is collective, and data-parallel replicas must
+    prune alike).
 
     Example:
 
@@ -367,6 +370,13 @@ class PruneHostTable(keras.callbacks.Callback):
         self._epoch_rows = {name: 0 for _, name in table_log_names(self.model)}
 
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        from tf_sfctr.distributed.checkpoints import same_on_every_rank
+
+        # Under Horovod: a decaying prune is collective for a model-parallel
+        # table, and data-parallel replicas must prune alike.
+        same_on_every_rank("PruneHostTable",
+                           (self.min_uses, self.to_rows, self.decay, self.every_steps),
+                           "min_uses, to_rows, decay and every_steps")
         if not self._started:
             # Where the model's training stands (a restored optimizer's count),
             # so that a resumed run prunes after the steps an uninterrupted

@@ -13,7 +13,7 @@ import gc
 import os
 import tempfile
 import warnings
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import keras
 import numpy as np
@@ -366,6 +366,16 @@ def _served_pad_id(model: keras.Model, layer: CachedEmbedding) -> Union[int, Non
     return pads[0]
 
 
+def _check_serving_arguments(max_rows: Any, pad_id: Any) -> None:
+    if max_rows is not None and (isinstance(max_rows, (bool, np.bool_))
+                                 or not isinstance(max_rows, (int, np.integer))
+                                 or max_rows < 0):
+        raise ValueError(f"max_rows must be None or an int >= 0, got {max_rows!r}")
+    if pad_id is not None and pad_id != "auto" and (
+            isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer))):
+        raise ValueError(f"pad_id must be 'auto', None or an int id, got {pad_id!r}")
+
+
 def serving_model(model: keras.Model, max_rows: Optional[int] = None,
                   pad_id: Union[int, None, str] = "auto") -> keras.Model:
     """A copy of ``model`` whose CachedEmbedding layers are frozen
@@ -378,15 +388,9 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None,
     ``{"ids", "unique_ids", "inverse", ...}``) is served on plain ids: each
     such feature becomes one input named after its key (e.g. ``"sparse"``),
     holding what ``"ids"`` held."""
-    if max_rows is not None and (isinstance(max_rows, bool)
-                                 or not isinstance(max_rows, (int, np.integer))
-                                 or max_rows < 0):
-        raise ValueError(f"max_rows must be None or an int >= 0, got {max_rows!r}")
+    _check_serving_arguments(max_rows, pad_id)
     if max_rows is not None:
         max_rows = int(max_rows)
-    if pad_id is not None and pad_id != "auto" and (
-            isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer))):
-        raise ValueError(f"pad_id must be 'auto', None or an int id, got {pad_id!r}")
     if not isinstance(model, keras.Model):
         raise ValueError("export_for_serving needs a functional or Sequential keras.Model, "
                          f"got {type(model).__name__}")
@@ -510,14 +514,44 @@ def export_for_serving(model: keras.Model, export_dir: str,
         served = tf.saved_model.load("/tmp/served")
         served.serve(ids)
     """
-    if not isinstance(export_dir, (str, os.PathLike)) or not os.fspath(export_dir):
-        raise ValueError(f"export_dir must be a non-empty path, got {export_dir!r}")
-    export_dir = os.fspath(export_dir)
-    # Through tf.io.gfile, as TensorFlow writes the SavedModel: the directory
-    # may be on any file system it knows (gs://...).
-    if tf.io.gfile.exists(export_dir) and not tf.io.gfile.isdir(export_dir):
-        raise ValueError(f"export_dir {export_dir!r} is a file; a SavedModel is a directory")
     size, rank = _horovod.world()
+    refused = None
+    try:
+        if not isinstance(export_dir, (str, os.PathLike)) or not os.fspath(export_dir):
+            raise ValueError(f"export_dir must be a non-empty path, got {export_dir!r}")
+        export_dir = os.fspath(export_dir)
+        # Through tf.io.gfile, as TensorFlow writes the SavedModel: the
+        # directory may be on any file system it knows (gs://...).
+        if tf.io.gfile.exists(export_dir) and not tf.io.gfile.isdir(export_dir):
+            raise ValueError(f"export_dir {export_dir!r} is a file; a SavedModel is a "
+                             "directory")
+        _check_serving_arguments(max_rows, pad_id)
+    except ValueError as err:
+        refused = err
+    if size > 1:
+        # Collective from here on (model-parallel tables are gathered, and
+        # max_rows decides which collectives run): a rank refusing its
+        # arguments, or ranks given different ones, left the others waiting.
+        try:
+            told = _horovod.require().allgather_object(
+                (refused is not None, None if max_rows is None else int(max_rows),
+                 repr(pad_id)), name="sfctr_export_arguments")
+        except tf.errors.OpError as err:
+            _horovod.explain_shutdown(err, "export_for_serving")
+            raise
+        if refused is not None:
+            raise refused
+        bad = [r for r, t in enumerate(told) if t[0]]
+        if bad:
+            raise ValueError(f"export_for_serving: rank(s) {bad} refused their arguments (see "
+                             "their errors). Nothing was written.")
+        if len({t[1:] for t in told}) > 1:
+            raise ValueError(
+                "export_for_serving was given different max_rows or pad_id on the ranks "
+                f"({[t[1:] for t in told]} by rank); give every rank the same. Nothing was "
+                "written.")
+    elif refused is not None:
+        raise refused
     try:
         frozen = serving_model(model, max_rows, pad_id)
     except tf.errors.OpError as err:

@@ -462,8 +462,8 @@ class Adagrad(TableOptimizer):
         self._refuse_rows(public["accumulator"] < 0, "accumulator", public, ids, ">= 0")
         # Each update divides by the square root of the stored a + epsilon.
         self._refuse_rows(stored[0] <= 0, "accumulator", public, ids,
-                          f"> 0 when epsilon is {self.epsilon} (a + epsilon is "
-                          "divided by at each update)")
+                          f"> 0 in float32 when epsilon is {self.epsilon} (a + epsilon is divided "
+                          "by at each update)")
 
     def apply(self, rows, state, slots, grad, grad_sq, step):
         (acc,) = state
@@ -608,8 +608,8 @@ class Ftrl(TableOptimizer):
                 and self.beta == 0):
             self._refuse_rows(
                 stored[0] == 0, "accumulator", public, ids,
-                "> 0 when learning_rate_power < 0 and l2_regularization_strength and beta "
-                "are 0 (an update would divide 0 by 0)")
+                "> 0 in float32 when learning_rate_power < 0 and l2_regularization_strength "
+                "and beta are 0 (an update would divide 0 by 0)")
 
     def state_for_assigned_rows(self, values, step):
         """FTRL recomputes a row from its state at every update, so a fresh

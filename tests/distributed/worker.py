@@ -493,7 +493,7 @@ def run_checkpoint_and_export(out_dir, rank, size):
 def _expect_error(fn, match):
     try:
         fn()
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, RuntimeError) as err:
         assert match in str(err), str(err)
         return
     raise AssertionError(f"no error (wanted {match!r})")
@@ -1179,6 +1179,50 @@ def run_one_rank_refusals(out_dir, rank, size):
                   "failed on rank 1" if rank == 0 else "takes a tf.train.Checkpoint")
     restore(ckpt, directory)
     unchanged(before, "restored")
+    # Each rank given its own save: refused (it restored both, mixed).
+    other = os.path.join(out_dir, "refusals_ckpt_b")
+    save(ckpt, other)
+    _expect_error(lambda: restore(ckpt, directory if rank == 0 else other),
+                  "different checkpoints on the 2 ranks")
+    unchanged(before, "restore of two saves")
+    from tf_sfctr.distributed import equal_batches, latest_checkpoint
+
+    ds = tf.data.Dataset.range(4).batch(2)
+    _expect_error(lambda: equal_batches(ds, max_batches=0 if rank == 1 else None),
+                  "max_batches must be" if rank == 1 else "rank 1 refused its arguments")
+    _expect_error(lambda: latest_checkpoint(5 if rank == 0 else out_dir),
+                  "failed on rank 0")
+    # export_for_serving and the callbacks, in a model around the table.
+    x = keras.Input(shape=(2,), dtype="int64")
+    model = keras.Model(x, keras.layers.Dense(1)(keras.layers.Flatten()(emb(x))))
+    served = os.path.join(out_dir, "refusals_served")
+    _expect_error(lambda: tf_sfctr.export_for_serving(
+        model, served, pad_id="zero" if rank == 1 else "auto"),
+        "pad_id must be" if rank == 1 else "rank(s) [1] refused their arguments")
+    _expect_error(lambda: tf_sfctr.export_for_serving(model, served,
+                                                      max_rows=5 if rank == 0 else None),
+                  "different max_rows or pad_id")
+    assert not os.path.exists(served)
+    model.compile(optimizer="sgd", loss="mse")
+    data = (v[:8].reshape(4, 2), np.ones((4, 1), np.float32))
+    for callback, what in (
+            (tf_sfctr.callbacks.PruneHostTable(1, every_steps=1,
+                                               decay=0.5 if rank == 0 else None),
+             "PruneHostTable was given different"),
+            (tf_sfctr.distributed.SaveCheckpoints(None, os.path.join(out_dir, "refusals_cb"),
+                                                  every_steps=2 + rank),
+             "SaveCheckpoints was given different")):
+        _expect_error(lambda: model.fit(*data, batch_size=2, verbose=0, callbacks=[callback]),
+                      what)
+    unchanged(before, "callbacks refused")
+    # Tables made otherwise on each rank (here the learning rate, which
+    # trained silently apart): callbacks() refuses them when fit begins.
+    apart = CachedEmbedding(3, cache_capacity=8, seed=3, name="refusals_settings",
+                            optimizer=tf_sfctr.optimizers.Adagrad(0.1 + 0.4 * rank))
+    model = keras.Model(x, keras.layers.Dense(1)(keras.layers.Flatten()(apart(x))))
+    model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    _expect_error(lambda: model.fit(*data, batch_size=2, verbose=0, callbacks=callbacks()),
+                  "CachedEmbedding layers have different settings")
     np.savez(os.path.join(out_dir, f"one_rank_refusals_rank{rank}.npz"), ok=np.array(1))
 
 

@@ -80,18 +80,31 @@ def _check_same_tables(model) -> None:
     key = [(name, sorted(str(position.get(i, i)) for i in fed)) for name, fed in wiring]
     shown = [f"{name} <- " + ", ".join(
         f"input {position[i]} ({i})" if i in position else i for i in fed) for name, fed in wiring]
+    # And each table's settings: a learning rate set otherwise on one rank
+    # trained silently apart, another optimizer or output_dim failed in a
+    # collective with a shape error (a review).
+    settings = _table_settings(model)
     # 48 bits of a digest: exact in float64, so one max-reduction of (h, -h)
     # tells whether every rank has the same wiring.
-    digest = float(int.from_bytes(hashlib.sha256(json.dumps(key).encode()).digest()[:6],
-                                  "little"))
+    digest = float(int.from_bytes(hashlib.sha256(
+        json.dumps([key, settings]).encode()).digest()[:6], "little"))
     hvd = require()
     most = hvd.allreduce(tf.constant([digest, -digest], tf.float64), op=hvd.Max,
                          name="sfctr_tables_wiring").numpy()
     if most[0] == -most[1]:
         return
-    every = hvd.allgather_object((key, shown), name="sfctr_tables_wiring_detail")
+    every = hvd.allgather_object((key, shown, settings), name="sfctr_tables_wiring_detail")
     rank = hvd.rank()
-    other = next(r for r, (k, _) in enumerate(every) if k != key)
+    if all(k == key for k, _, _ in every):
+        other = next(r for r, e in enumerate(every) if e[2] != settings)
+        differ = [(mine, theirs) for mine, theirs in zip(settings, every[other][2])
+                  if mine != theirs] or [(settings, every[other][2])]
+        raise ValueError(
+            f"The Horovod ranks' CachedEmbedding layers have different settings: on this "
+            f"rank ({rank}) {differ[0][0]}, on rank {other} {differ[0][1]}. Make every rank's "
+            f"tables alike (output_dim, table optimizer and its learning rate, distribution, "
+            f"combiner).")
+    other = next(r for r, (k, _, _) in enumerate(every) if k != key)
     differ = [line for line, pair in zip(shown, key) if pair not in every[other][0]]
     raise ValueError(
         f"The Horovod ranks' models wire their CachedEmbedding layers differently: on this "
@@ -101,6 +114,17 @@ def _check_same_tables(model) -> None:
         f"they are created: give each CachedEmbedding its own name= (e.g. "
         f"name=f'emb_{{feature}}'), or create them in the same order on every rank (not by "
         f"iterating over a set).")
+
+
+def _table_settings(model) -> list:
+    """What every rank's copy of each table must share, by layer name."""
+    from tf_sfctr.callbacks import cached_embeddings
+
+    return sorted(
+        [layer.name, layer.output_dim, layer.distribution, layer.combiner,
+         type(layer.table_optimizer).__name__,
+         json.dumps(layer.table_optimizer.get_config(), sort_keys=True, default=str)]
+        for layer in cached_embeddings(model))
 
 
 class BroadcastInitialState(keras.callbacks.Callback):

@@ -815,7 +815,7 @@ def _check_part(store: EmbeddingStore, part: dict, mode: str, s: int, saved_size
 
 def _check(checkpoint, directory: str, stores, size: int, rank: int):
     """Everything restore checks before it changes anything, for this rank:
-    (saved_size, {store index: (new owners' row counts, max_rows)})."""
+    (saved_size, {store index: (new owners' row counts, max_rows)}, save id)."""
     saved_size, save_id = _read_manifest(directory)
     if saved_size != size:
         _check_built(checkpoint)
@@ -863,7 +863,7 @@ def _check(checkpoint, directory: str, stores, size: int, rank: int):
             room = store.disk_room()
             room_bytes = -1 if room is None else sum(room)
             shares[k] = (counts, int(store.config.max_rows), room_bytes, num_parts)
-    return saved_size, shares
+    return saved_size, shares, save_id
 
 
 def _table_name(checkpoint, store: EmbeddingStore) -> str:
@@ -938,19 +938,27 @@ def _restore(checkpoint: tf.train.Checkpoint, directory: str,
              refused: Optional[Exception] = None) -> None:
     size, rank = world()
     stores = [] if refused is not None else _stores(checkpoint)
-    error, message, shares, saved_size = None, None, {}, 0
+    error, message, shares, saved_size, save_id = None, None, {}, 0, None
     try:
         if refused is not None:  # told to the others below, then raised
             raise refused
-        saved_size, shares = _check(checkpoint, directory, stores, size, rank)
+        saved_size, shares, save_id = _check(checkpoint, directory, stores, size, rank)
     except Exception as err:  # noqa: BLE001 - agreed on below, then raised
         error, message = err, _describe(err)
     # Collective: every rank learns every rank's outcome, and so raises the
     # same error as the others (or none); nothing was read into the model.
-    reports = _allgather((message, shares), "sfctr_restore_checked")
+    reports = _allgather((message, shares, save_id), "sfctr_restore_checked")
     if refused is not None:
         raise refused
-    failure = _failure([m for m, _ in reports], directory, size)
+    failure = _failure([m for m, _, _ in reports], directory, size)
+    if failure is None and len({r[2] for r in reports}) > 1:
+        # Ranks given different saves (a review restored two steps' saves
+        # of one run, one per rank, with no error: a table of mixed shards).
+        failure = (
+            f"tf_sfctr.distributed.restore was given different checkpoints on the {size} "
+            f"ranks (save ids by rank: {[r[2] for r in reports]}; this rank, {rank}: "
+            f"{directory!r}); every rank must restore the same save directory.")
+    reports = [(m, sh) for m, sh, _ in reports]
     if failure is None:
         failure = _check_shares(checkpoint, reports, stores, size)
     if failure is not None:

@@ -27,7 +27,7 @@ from typing import Optional
 import keras
 import tensorflow as tf
 
-from tf_sfctr.distributed._horovod import world
+from tf_sfctr.distributed._horovod import explain_shutdown, world
 from tf_sfctr.distributed.checkpoint import (MANIFEST, _allgather, _read_json, _write_json,
                                              read_metadata, restore, save)
 from tf_sfctr.store import CheckpointMismatchError
@@ -79,6 +79,25 @@ def latest_checkpoint(directory: str) -> Optional[str]:
                                or [None])[-1], "sfctr_latest_checkpoint")
 
 
+def same_on_every_rank(what: str, arguments: tuple, names: str) -> None:
+    """Collective under Horovod: raises on every rank unless every rank
+    gave ``arguments`` (picklable) alike. A callback whose ranks decide
+    differently when to run a collective (a save, a decaying prune) left
+    them waiting for each other in ``fit`` (a review)."""
+    size, rank = world()
+    if size == 1:
+        return
+    try:
+        told = _allgather(arguments, f"sfctr_{what}_arguments")
+    except tf.errors.OpError as err:
+        explain_shutdown(err, what)
+        raise
+    if any(t != told[0] for t in told):
+        raise ValueError(
+            f"{what} was given different {names} on the {size} ranks ({told} by rank): "
+            "give every rank the same, or it would wait for the others in a collective.")
+
+
 def _on_rank_0(fn, name: str):
     """``fn()`` on rank 0, its result (or its error) on every rank
     (collective): a rank whose file system call failed alone would leave
@@ -88,7 +107,9 @@ def _on_rank_0(fn, name: str):
     if rank == 0:
         try:
             value = fn()
-        except (OSError, tf.errors.OpError, ValueError) as err:
+        except Exception as err:  # noqa: BLE001 - every rank raises it below
+            # (Not only file errors: a directory that is no path, a TypeError,
+            # left the other ranks waiting here; a review.)
             error = f"{type(err).__name__}: {err}"
     if size > 1:
         value, error = _allgather((value, error), name)[0]
@@ -174,6 +195,8 @@ class SaveCheckpoints(keras.callbacks.Callback):
             self.checkpoint = tf.train.Checkpoint(model=self.model,
                                                   optimizer=self.model.optimizer)
         self._last_step = self._begin_step = _steps_done(self.model)
+        same_on_every_rank("SaveCheckpoints", (self.every_steps, self.keep),
+                           "every_steps and keep")
         _, rank = world()
         later = [path for step, path, done in _saves(self.directory)
                  if done and step > self._last_step] if rank == 0 else []

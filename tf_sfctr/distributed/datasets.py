@@ -45,12 +45,15 @@ def equal_batches(dataset: tf.data.Dataset, max_batches: Optional[int] = None
             files.interleave(tf.data.TFRecordDataset).map(parse).batch(4096))
         model.fit(train, epochs=3, callbacks=tf_sfctr.distributed.callbacks())
     """
+    # A refused argument is raised after the collective below on every
+    # rank: raised at once, it left the other ranks waiting there (a review).
+    error = None
     if not isinstance(dataset, tf.data.Dataset):
-        raise TypeError(f"equal_batches takes a tf.data.Dataset, got {type(dataset).__name__}")
-    if max_batches is not None and (isinstance(max_batches, (bool, np.bool_))
-                                    or not isinstance(max_batches, (int, np.integer))
-                                    or max_batches < 1):
-        raise ValueError(f"max_batches must be None or an int >= 1, got {max_batches!r}")
+        error = TypeError(f"equal_batches takes a tf.data.Dataset, got {type(dataset).__name__}")
+    elif max_batches is not None and (isinstance(max_batches, (bool, np.bool_))
+                                      or not isinstance(max_batches, (int, np.integer))
+                                      or max_batches < 1):
+        error = ValueError(f"max_batches must be None or an int >= 1, got {max_batches!r}")
     size, _ = _horovod.world()
     launched = os.environ.get("HOROVOD_SIZE", "1")
     if size == 1 and launched.isdigit() and int(launched) > 1:
@@ -58,8 +61,10 @@ def equal_batches(dataset: tf.data.Dataset, max_batches: Optional[int] = None
             f"equal_batches ran before hvd.init(), in a job horovodrun started on {launched} "
             "ranks: it would not agree with the other ranks and the longer share would wait "
             "forever. Call hvd.init() first.")
-    known = int(dataset.cardinality())
-    error = None
+    if error is not None and size == 1:
+        raise error
+    refused = error is not None
+    known = 0 if refused else int(dataset.cardinality())
     if known == int(tf.data.INFINITE_CARDINALITY):
         error = ValueError(
             "equal_batches got an endless dataset (e.g. .repeat()), which has no last batch to "
@@ -69,7 +74,8 @@ def equal_batches(dataset: tf.data.Dataset, max_batches: Optional[int] = None
         if error is not None:
             raise error
         return dataset
-    count = -1  # -1: endless, -2: reading it failed, -3: above max_batches
+    # -1: endless, -2: reading it failed, -3: above max_batches, -4: refused
+    count = -4 if refused else -1
     if error is None:
         try:
             if known >= 0:
@@ -94,6 +100,10 @@ def equal_batches(dataset: tf.data.Dataset, max_batches: Optional[int] = None
         raise
     if error is not None:
         raise error
+    if (counts == -4).any():
+        raise ValueError(
+            f"equal_batches: rank {int(np.argmax(counts == -4))} refused its arguments (see "
+            "its error); nothing was trained")
     if (counts == -1).any():
         raise ValueError(
             f"equal_batches: rank {int(np.argmax(counts == -1))} got an endless dataset (see "

@@ -48,6 +48,7 @@ BENCHMARKS = [
     ("host_rows_dir", "Host rows on disk (host_rows_dir)", [], ["--tiny"], {}),
     ("checkpoint_io", "Checkpoint size and save/restore time", ["--rows", "1000000"],
      ["--rows", "20000"], {}),
+    ("flush", "Flush of the cache (before a checkpoint or export)", [], ["--tiny"], {}),
     ("vsi", "Rows moved with and without de-duplication", [], ["--tiny"], {}),
     ("inference", "Inference reads (predict, evaluate)", [], ["--tiny"], {}),
     ("ftrl", "FTRL tables: update kernel and training step", [], ["--tiny"], {}),

@@ -351,18 +351,24 @@ class TableAccessMixin:
                 var.scatter_update(tf.IndexedSlices(fill, cached))
 
     def flush(self) -> int:
-        """Writes every cached row (and its state) back to the host table, so
-        the host table alone holds the current values. Returns the number of
-        rows written. The cache keeps its contents. Collective in
-        model-parallel mode (every rank calls it): the last training step's
-        update is delivered to the owners first. Not while another thread
-        trains the layer (nor a checkpoint or export, which flush first): it
-        could write other ids' rows into the host table."""
+        """Writes the cached rows (and their state) back to the host table, so
+        the host table alone holds the current values: the rows training
+        steps used since the last flush (the others are as the host table
+        holds them already). Returns the number of rows written. The cache
+        keeps its contents. Collective in model-parallel mode (every rank
+        calls it): the last training step's update is delivered to the
+        owners first. Not while another thread trains the layer (nor a
+        checkpoint or export, which flush first): it could write other ids'
+        rows into the host table."""
         self._require_built()
+        # Between an eager training call and its update, the rows that update
+        # changes stay to be written by the next flush too.
+        pending = bool(getattr(self, "_eager_update_pending", False))
         with self._one_collective_call():
-            return int(self._read_function("flush", self._flush_graph)())
+            return int(self._read_function("flush", self._flush_graph,
+                                           tf.TensorSpec([], tf.bool))(tf.constant(pending)))
 
-    def _flush_graph(self) -> tf.Tensor:
+    def _flush_graph(self, keep_dirty: tf.Tensor) -> tf.Tensor:
         self._call_suffixes = {}  # this graph's collectives (see _collective_name)
         with tf.control_dependencies([self._deliver_deferred()]):
             settled = self._settle()
@@ -371,7 +377,7 @@ class TableAccessMixin:
             # Credits the cached uses to the host table (flagging the rows
             # used since the last flush changed), except a lookahead plan's
             # early count, which stays cached until its step has trained.
-            ids, slots = self._store.cache_entries(ahead)
+            ids, slots = self._store.cache_entries(ahead, keep_dirty)
         written = self._store.host_write(
             ids, [_ops.gather_rows(v, slots) for v in self._device_variables],
             mark_changed=False)

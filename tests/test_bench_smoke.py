@@ -32,6 +32,7 @@ TABLES = {
     "distributed": ["Reference workload on 2 ranks"],
     "host_rows_dir": ["Lookup + update step"],  # and "Inserting", below
     "inference": ["Inference reads"],
+    "flush": ["Flush of a"],
 }
 
 

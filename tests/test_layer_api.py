@@ -555,6 +555,42 @@ def test_flush_makes_host_table_current(rng):
         layer.store.host_read(tf.constant([5, 6], tf.int64)).numpy(), current)
 
 
+def _sum_step(layer, ids):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(np.array(ids), training=True))
+    tape.gradient(loss, layer.trainable_weights)
+
+
+def test_flush_writes_only_the_rows_trained_since_the_last():
+    layer = CachedEmbedding(2, cache_capacity=8, seed=0, optimizer="adagrad")
+    _sum_step(layer, [5, 6])
+    assert layer.flush() == 2
+    assert layer.flush() == 0  # nothing trained since
+    _sum_step(layer, [6, 7])
+    layer.lookup_rows([5, 6, 7, 8])  # reads change no row
+    layer(np.array([5, 8]), training=False)
+    assert layer.flush() == 2
+    stored = layer.store.host_read(tf.constant([5, 6, 7], tf.int64)).numpy()
+    np.testing.assert_array_equal(stored[:, :2], layer.lookup_rows([5, 6, 7]))
+
+
+def test_flush_between_a_training_call_and_its_update():
+    """An eager training call's rows change when its gradient is taken: a
+    flush in between leaves them to the next flush too (else the host
+    table, and the checkpoints read from it, would keep their rows from
+    before the update until those ids train again)."""
+    layer = CachedEmbedding(2, cache_capacity=8, seed=0, optimizer="adagrad")
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(np.array([5, 6]), training=True))
+    assert layer.flush() == 2
+    tape.gradient(loss, layer.trainable_weights)
+    current = layer.lookup_rows([5, 6])
+    assert layer.flush() == 2
+    stored = layer.store.host_read(tf.constant([5, 6], tf.int64)).numpy()
+    np.testing.assert_array_equal(stored[:, :2], current)
+    assert layer.flush() == 0
+
+
 def test_import_without_tensorflow_names_it():
     """Without TensorFlow the import failed on `No module named 'keras'`."""
     import subprocess

@@ -179,6 +179,32 @@ def test_a_read_between_steps_leaves_the_plan_usable(read):
     _assert_trained_like(layer, ref, planned=len(batches) - 1)
 
 
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
+def test_host_table_is_current_after_every_flush(optimizer):
+    """A flush writes back only the rows used since the previous one, and a
+    lookahead plan's rows again after their step: after each flush the host
+    table alone holds every row as training left it, state included."""
+    batches = _batches(7, 14)
+    ref = _train_plain(batches, optimizer)
+    layer = _layer(optimizer)
+    for t, ids in enumerate(batches):
+        nxt = (_unique(batches[t + 1]) if t + 1 < len(batches) and t % 5 != 4 else None)
+        _step(layer, ids, nxt)
+        if t % 2 == 0:
+            layer.flush()
+            stored_ids, stored_rows = [x.numpy() for x in layer.store.host_export()[:2]]
+            np.testing.assert_array_equal(stored_rows[:, :DIM], layer.lookup_rows(stored_ids))
+    layer.flush()
+    ref.flush()
+
+    def table(emb):
+        ids, rows = [x.numpy() for x in emb.store.host_export()[:2]]
+        return ids[np.argsort(ids)], rows[np.argsort(ids)]
+
+    for got, want in zip(table(layer), table(ref)):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_restore_discards_a_pending_plan(tmp_path):
     """Restoring a checkpoint replaces the table: the plan prepared for the
     old table must not be applied on top of it."""

@@ -295,6 +295,7 @@ void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
     }
     s.step = step_;
     ++s.uses;
+    s.dirty = true;  // the step trains it
     if (s.freq < kMaxFreq) {
       --freq_count_[s.freq];
       ++s.freq;
@@ -352,6 +353,7 @@ void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
     s.freq = 0;
     s.hint = 0;
     s.occupied = true;
+    s.dirty = true;  // filled from the host, then trained by the step
     s.handle = 0;  // until the fetch tells where its host row is
     keys_after[i] = ScanKey(s);
     ++freq_count_[0];
@@ -383,6 +385,7 @@ void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
       Slot& unused = slots_[slots[i]];
       unused.occupied = false;
       unused.uses = 0;
+      unused.dirty = false;
       scan_keys_[slots[i]] = 0;
       --freq_count_[unused.freq];
       --size_;
@@ -468,6 +471,28 @@ void CacheDirectory::Entries(std::vector<Eviction>* out, bool reset_uses) {
 
 void CacheDirectory::ResetUses() {
   for (Slot& s : slots_) s.uses = 0;
+}
+
+void CacheDirectory::FlushEntries(std::vector<Eviction>* dirty,
+                                  std::vector<Eviction>* used) const {
+  dirty->clear();
+  used->clear();
+  dirty->reserve(size_);
+  used->reserve(size_);
+  for (int64_t k = 0; k < capacity_; ++k) {
+    const Slot& s = slots_[k];
+    if (!s.occupied) continue;
+    const Eviction e{s.id, static_cast<int32_t>(k), s.uses, s.handle};
+    if (s.dirty) dirty->push_back(e);
+    if (s.uses > 0) used->push_back(e);
+  }
+}
+
+void CacheDirectory::MarkClean(const int32_t* keep, int64_t n_keep) {
+  for (Slot& s : slots_) s.dirty = false;
+  for (int64_t i = 0; i < n_keep; ++i) {
+    if (keep[i] >= 0 && slots_[keep[i]].occupied) slots_[keep[i]].dirty = true;
+  }
 }
 
 int32_t CacheDirectory::Remove(int64_t id) {

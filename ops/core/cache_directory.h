@@ -57,6 +57,9 @@ class CacheDirectory {
     uint8_t freq = 0;
     uint8_t hint = 0;  // batches until a hinted later use (0: no hint), this Commit only
     bool occupied = false;
+    // A step used the slot since the last MarkClean: its row may differ
+    // from the host table's copy (a flush writes back only these).
+    bool dirty = false;
     uint64_t handle = 0;  // host row of the id (0: unknown)
   };
 
@@ -143,6 +146,17 @@ class CacheDirectory {
 
   // Sets every cached id's use counter to 0.
   void ResetUses();
+
+  // For a flush: the cached slots whose rows may differ from the host
+  // table (dirty: a Commit used them since the last MarkClean) into
+  // `dirty`, and those with uses (since the last ResetUses) into `used`,
+  // both in slot order. Changes nothing.
+  void FlushEntries(std::vector<Eviction>* dirty, std::vector<Eviction>* used) const;
+
+  // Marks every slot clean (its row is now in the host table) except the
+  // n_keep slots of `keep` (rows a step will still change: a lookahead
+  // plan's, prepared before their step trains them). Allocates nothing.
+  void MarkClean(const int32_t* keep, int64_t n_keep);
 
   // Sets the use counter of the id in `slot` (occupied).
   void SetUses(int32_t slot, uint32_t uses) { slots_[slot].uses = uses; }

@@ -317,7 +317,7 @@ void EmbeddingStore::LookupValues(const int64_t* ids, int64_t n, const float* ca
 
 void EmbeddingStore::CachedEntries(std::vector<int64_t>* ids,
                                    std::vector<int32_t>* slots, const int64_t* hold,
-                                   int64_t n_hold) {
+                                   int64_t n_hold, bool keep_dirty) {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<int32_t> held(n_hold);
   directory_.ProbeMany(hold, n_hold, held.data());
@@ -326,38 +326,46 @@ void EmbeddingStore::CachedEntries(std::vector<int64_t>* ids,
   held.erase(std::unique(held.begin(), held.end()), held.end());
   // The cached uses move to the host table: reset in the cache only once
   // they are there (out of memory, std::bad_alloc, no count is lost).
-  std::vector<CacheDirectory::Eviction> entries;
-  directory_.Entries(&entries, /*reset_uses=*/false);
+  std::vector<CacheDirectory::Eviction> dirty, used;
+  directory_.FlushEntries(&dirty, &used);
   ids->clear();
   slots->clear();
-  ids->reserve(entries.size());
-  slots->reserve(entries.size());
+  ids->reserve(dirty.size());
+  slots->reserve(dirty.size());
+  for (const auto& e : dirty) {
+    ids->push_back(e.id);
+    slots->push_back(e.slot);
+  }
+  std::vector<int64_t> used_ids;
   std::vector<uint32_t> uses;
-  uses.reserve(entries.size());
+  used_ids.reserve(used.size());
+  uses.reserve(used.size());
+  for (const auto& e : used) {
+    used_ids.push_back(e.id);
+    uses.push_back(e.uses);
+  }
   // The held slots whose count stays cached (entries come in slot order).
   std::vector<int32_t> kept;
   kept.reserve(n_hold);
-  for (const auto& e : entries) {
-    ids->push_back(e.id);
-    slots->push_back(e.slot);
-    uses.push_back(e.uses);
-  }
   for (int32_t slot : held) {
     if (slot < 0) continue;
     const auto at = std::lower_bound(
-        entries.begin(), entries.end(), slot,
+        used.begin(), used.end(), slot,
         [](const CacheDirectory::Eviction& e, int32_t s) { return e.slot < s; });
-    const size_t k = static_cast<size_t>(at - entries.begin());
-    if (at != entries.end() && at->slot == slot && uses[k] > 0) {
-      --uses[k];
+    if (at != used.end() && at->slot == slot) {
+      --uses[static_cast<size_t>(at - used.begin())];
       kept.push_back(slot);
     }
   }
   // Rows used since the last flush are flagged changed here; the caller's
-  // write-back of every cached row flags none (HostTable::Write).
-  table_.AddUseCounts(ids->data(), ids->size(), uses.data(), /*mark_changed=*/true);
+  // write-back of the dirty rows flags none (HostTable::Write).
+  table_.AddUseCounts(used_ids.data(), static_cast<int64_t>(used_ids.size()), uses.data(),
+                      /*mark_changed=*/true);
   directory_.ResetUses();
   for (int32_t slot : kept) directory_.SetUses(slot, 1);
+  // The rows given are written back by the caller; the held ones (which
+  // their step will train) stay dirty.
+  if (!keep_dirty) directory_.MarkClean(held.data(), static_cast<int64_t>(held.size()));
 }
 
 void EmbeddingStore::ClearCache() {

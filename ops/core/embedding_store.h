@@ -118,13 +118,18 @@ class EmbeddingStore {
   void LookupValues(const int64_t* ids, int64_t n, const float* cache_rows, float* out,
                     const Scheduler* schedule = nullptr, int threads = 1) const;
 
-  // Every cached id and its slot; credits their use counts to the host table
-  // and flags the rows used since the last call changed (HostTable). The
-  // ids of `hold` (n_hold of them: a lookahead plan's, counted when the
-  // next batch was prepared, before its step trains them) keep one use in
-  // the cache, credited (and flagged) after that step.
+  // The cached ids (and their slots) whose rows a flush must write back:
+  // those a step used since the last call (the rest are as the host table
+  // holds them). Credits the cached use counts to the host table and flags
+  // the rows used since the last call changed (HostTable). The ids of
+  // `hold` (n_hold of them: a lookahead plan's, counted when the next batch
+  // was prepared, before its step trains them) keep one use in the cache,
+  // credited (and flagged) after that step, and are given again by the next
+  // call. `keep_dirty`: every id given stays to be given again (a training
+  // call's update is still to come and will change their rows).
   void CachedEntries(std::vector<int64_t>* ids, std::vector<int32_t>* slots,
-                     const int64_t* hold = nullptr, int64_t n_hold = 0);
+                     const int64_t* hold = nullptr, int64_t n_hold = 0,
+                     bool keep_dirty = false);
 
   // Forgets the cache directory (rows must have been flushed).
   void ClearCache();

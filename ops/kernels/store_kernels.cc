@@ -548,9 +548,14 @@ class CacheEntriesOp : public StoreOpKernel {
     OP_REQUIRES(ctx, TensorShapeUtils::IsVector(hold.shape()),
                 errors::InvalidArgument("hold_ids must be a vector, got shape ",
                                         hold.shape().DebugString()));
+    const Tensor& keep_dirty = ctx->input(2);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(keep_dirty.shape()),
+                errors::InvalidArgument("keep_dirty must be a scalar, got shape ",
+                                        keep_dirty.shape().DebugString()));
     std::vector<int64_t> ids;
     std::vector<int32_t> slots;
-    store.CachedEntries(&ids, &slots, hold.flat<int64_t>().data(), hold.NumElements());
+    store.CachedEntries(&ids, &slots, hold.flat<int64_t>().data(), hold.NumElements(),
+                        keep_dirty.scalar<bool>()());
     OutputVector(ctx, 0, ids);
     OutputVector(ctx, 1, slots);
   }

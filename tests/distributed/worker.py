@@ -294,6 +294,17 @@ def run_remove(out_dir, rank, size):
                                           a.lookup_rows(np.concatenate([p[0] for p in parts])))
         else:
             a.lookup_rows(np.zeros(0, np.int64))  # (collective)
+        # A flush writes back the rows trained since the last one (the
+        # last step's deferred update delivered first): then the host table
+        # alone holds each rank's rows, and a flush right after writes none.
+        a.flush()
+        step_a(batches[2])
+        written = hvd.allgather(tf.constant([a.flush()])).numpy()
+        assert written.sum() > 0, (distribution, written)
+        assert a.flush() == 0, distribution
+        stored_ids, stored_rows = [t.numpy() for t in a.store.host_export()[:2]]
+        np.testing.assert_array_equal(stored_rows[:, :2], a.lookup_rows(stored_ids),
+                                      err_msg=f"{distribution}: host table after flushes")
         # A training call held across a removal of cached ids (here only
         # rank 0 names one, owned by either rank): every rank refuses the
         # call's update (only the owner's slots were freed; the other rank

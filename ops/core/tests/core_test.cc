@@ -1257,6 +1257,37 @@ void RunStoreAgainstModel(const Scheduler* schedule) {
       for (int j = 2; j < 4; ++j) row[j] += 10.0f;
       std::copy(row, row + w, want.begin());
     }
+    if (step % 17 == 5) {
+      // A flush between steps writes back only the rows steps used since
+      // the last one, and then the host table holds every cached row as the
+      // cache does. A flush right after gives nothing, unless the first
+      // kept them dirty (an update still to come): then it gives them all.
+      const bool keep = step % 3 == 0;
+      std::vector<int64_t> f_ids, again_ids;
+      std::vector<int32_t> f_slots, again_slots;
+      store.CachedEntries(&f_ids, &f_slots, nullptr, 0, keep);
+      for (size_t i = 0; i < f_ids.size(); ++i) {
+        CHECK(store.table().Write(&f_ids[i], 1, cache.data() + f_slots[i] * w).ok());
+      }
+      int64_t cached = 0;
+      for (const auto& kv : model) {
+        int32_t slot;
+        store.Probe(&kv.first, 1, &slot);
+        if (slot < 0) continue;
+        ++cached;
+        std::vector<float> host(w);
+        store.table().Find(&kv.first, 1, host.data());
+        CHECK(host == kv.second);
+      }
+      CHECK(static_cast<int64_t>(f_ids.size()) <= cached);
+      store.CachedEntries(&again_ids, &again_slots);
+      if (keep) {
+        CHECK(again_ids == f_ids);
+        CHECK(again_slots == f_slots);
+      } else {
+        CHECK(again_ids.empty());
+      }
+    }
     if (step % 13 == 6) {
       // Between steps, remove a few ids, cached or not, held or never seen
       // (and one twice): each comes back later from its initial row, with
@@ -2256,6 +2287,41 @@ TEST_CASE(StoreFlushKeepsAHeldCountCached) {
   for (size_t i = 0; i < all_ids.size(); ++i) got[all_ids[i]] = counts[i];
   CHECK((got == std::map<int64_t, uint32_t>{{1, 1}, {2, 1}, {3, 2}, {4, 1}}));
   CHECK((ChangedIds(store.table()) == std::vector<int64_t>{3, 4}));
+}
+
+TEST_CASE(StoreFlushGivesTheRowsUsedSinceTheLast) {
+  // A flush writes back only the rows steps used since the previous flush;
+  // a held id (a lookahead plan's, its step still to train it) comes again.
+  StoreOptions o;
+  o.table = Options(2, 0);
+  o.cache_capacity = 8;
+  EmbeddingStore store(o);
+  auto flush = [&](const std::vector<int64_t>& hold = {}, bool keep_dirty = false) {
+    std::vector<int64_t> ids;
+    std::vector<int32_t> slots;
+    store.CachedEntries(&ids, &slots, hold.data(), static_cast<int64_t>(hold.size()),
+                        keep_dirty);
+    std::sort(ids.begin(), ids.end());
+    return ids;
+  };
+  PrepareResult r;
+  std::vector<int64_t> step1 = {1, 2, 3}, step2 = {2, 4}, plan = {4, 5};
+  CHECK(store.Prepare(step1.data(), 3, &r).ok());
+  CHECK((flush() == std::vector<int64_t>{1, 2, 3}));
+  CHECK(flush().empty());
+  CHECK(store.Prepare(step2.data(), 2, &r).ok());
+  CHECK((flush({}, /*keep_dirty=*/true) == std::vector<int64_t>{2, 4}));
+  CHECK((flush() == std::vector<int64_t>{2, 4}));
+  CHECK(flush().empty());
+  CHECK(store.Prepare(plan.data(), 2, &r).ok());  // counted ahead
+  CHECK((flush(plan) == std::vector<int64_t>{4, 5}));
+  CHECK((flush() == std::vector<int64_t>{4, 5}));  // after the plan's step
+  CHECK(flush().empty());
+  std::vector<int64_t> gone = {5};
+  int64_t cached = 0;
+  CHECK(store.Prepare(plan.data(), 2, &r).ok());
+  CHECK_EQ(store.Remove(gone.data(), 1, &cached), 1);
+  CHECK((flush() == std::vector<int64_t>{4}));  // a removed row is not written
 }
 
 TEST_CASE(HostTablePruneDuringWritesKeepsMaxRows) {

@@ -643,6 +643,63 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         self._table_optimizer = _optimizers.get(value)
 
     @property
+    def table_updates(self) -> int:
+        """Updates the table optimizer has applied: the steps that trained
+        the table (checkpoints keep the number). Adam's bias correction and a
+        ``keras.optimizers.schedules`` learning rate count these.
+
+        Settable between steps, to an int >= 0: after a warm start of an
+        Adam table from another model's rows and state (``assign_rows(...,
+        state=...)``), set it to that model's update count (a Keras
+        optimizer's ``iterations``), and the bias correction goes on where
+        it left off. Under Horovod set the same number on every rank
+        (``tf_sfctr.distributed.callbacks()`` compares them when ``fit``
+        begins).
+
+        Example:
+
+        >>> from tf_sfctr.keras_layers import CachedEmbedding
+        >>> emb = CachedEmbedding(2, cache_capacity=4, optimizer="adam")
+        >>> emb.table_updates
+        0
+        >>> emb.table_updates = 1000
+        >>> emb.table_updates
+        1000
+        """
+        self._require_built()
+        return int(self._table_step.numpy())
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "table_updates":
+            # Straight to the property: Keras's own __setattr__ would first
+            # track a Keras variable given (an optimizer's `iterations`) as
+            # new state of this built layer, and refuse it.
+            CachedEmbedding.table_updates.fset(self, value)
+            return
+        super().__setattr__(name, value)
+
+    @table_updates.setter
+    def table_updates(self, value: Any) -> None:
+        given = value
+        if hasattr(value, "numpy") and not isinstance(value, np.ndarray):
+            value = value.numpy()  # a Keras optimizer's `iterations`, a tensor
+        if isinstance(value, np.ndarray) and value.shape == ():
+            value = value[()]
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"CachedEmbedding {self.name!r}: table_updates must be an int "
+                            f"(or an integer scalar tensor), got {given!r}")
+        if not 0 <= value < 2**63:
+            raise ValueError(f"CachedEmbedding {self.name!r}: table_updates must be in "
+                             f"[0, 2**63), got {value!r}")
+        if getattr(self, "_eager_update_pending", False):
+            raise RuntimeError(
+                f"CachedEmbedding {self.name!r}: table_updates set between a training call and "
+                "its table update (tape.gradient, or a LossScaleOptimizer's apply). Set it "
+                "between training steps. Nothing was changed.")
+        self._require_built()
+        self._table_step.assign(int(value))
+
+    @property
     def seed(self) -> int:
         """The seed of the per-id initializer: the one given (or rank 0's drawn
         one) until a restored checkpoint brings its own."""

@@ -133,11 +133,17 @@ def _keras_slots(opt, names):
     return out
 
 
-@pytest.mark.parametrize("name", ["adagrad", "ftrl", "sgd_momentum"])
+@pytest.mark.parametrize("name", ["adagrad", "ftrl", "sgd_momentum", "adam"])
 def test_a_keras_embedding_and_its_optimizer_carry_over(rng, name):
     """Train a Keras Embedding, move its rows and its Keras optimizer's state
-    into a CachedEmbedding, and train both on: they stay together."""
-    if name == "adagrad":
+    into a CachedEmbedding, and train both on: they stay together. (Adam:
+    with the Keras optimizer's update count as the table's, for its bias
+    correction.)"""
+    if name == "adam":
+        kwargs = dict(learning_rate=0.05, beta_1=0.8, beta_2=0.9, epsilon=1e-3)
+        table_opt, keras_opt = tf_sfctr.optimizers.Adam(**kwargs), keras.optimizers.Adam(
+            **kwargs)
+    elif name == "adagrad":
         # A large epsilon: the stored accumulator is a + epsilon, Keras's a.
         kwargs = dict(learning_rate=0.2, initial_accumulator_value=0.01, epsilon=0.1)
         table_opt, keras_opt = tf_sfctr.optimizers.Adagrad(**kwargs), keras.optimizers.Adagrad(
@@ -150,7 +156,7 @@ def test_a_keras_embedding_and_its_optimizer_carry_over(rng, name):
     else:
         table_opt = tf_sfctr.optimizers.SGD(0.05, momentum=0.9)
         keras_opt = keras.optimizers.SGD(0.05, momentum=0.9)
-    # Keras's Ftrl and momentum move every row at every step; ours only the
+    # Keras's Ftrl, momentum and Adam move every row at every step; ours only the
     # rows a step uses. Every step here uses every id, so the two agree.
     ref = keras.layers.Embedding(VOCAB, DIM, embeddings_initializer="zeros" if name == "ftrl"
                                  else "uniform")
@@ -162,7 +168,10 @@ def test_a_keras_embedding_and_its_optimizer_carry_over(rng, name):
         keras_opt.apply(tape.gradient(loss, ref.trainable_variables), ref.trainable_variables)
 
     def every_id_batch():
-        return np.concatenate([np.arange(VOCAB), rng.integers(0, VOCAB, 20)]).reshape(-1, 2)
+        # No repeats for Adam: Keras's adds a repeated id's square per
+        # occurrence to its second moment, ours the square of its sum (README).
+        extra = 0 if name == "adam" else 20
+        return np.concatenate([np.arange(VOCAB), rng.integers(0, VOCAB, extra)]).reshape(-1, 2)
 
     for _ in range(5):
         keras_step(every_id_batch())
@@ -173,6 +182,9 @@ def test_a_keras_embedding_and_its_optimizer_carry_over(rng, name):
     state = _keras_slots(keras_opt, table_opt.state_names)
     layer.assign_rows(probe, ref.embeddings.numpy(), state=state)
     plain.assign_rows(probe, ref.embeddings.numpy())
+    if name == "adam":
+        layer.table_updates = keras_opt.iterations  # (a Keras variable, 5 here)
+        assert layer.table_updates == 5
     for _ in range(5):
         ids = every_id_batch()
         keras_step(ids)
@@ -264,3 +276,25 @@ def test_ftrl_assign_at_a_zero_learning_rate_is_refused():
     for b, a in zip(before, after, strict=True):
         np.testing.assert_array_equal(b[0], a[0])
         np.testing.assert_array_equal(b[1], a[1])
+
+
+def test_table_updates_is_set_between_steps_only_to_an_int():
+    layer = CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=1, optimizer="adam")
+    _step(layer, np.array([[1, 2]]), np.zeros(DIM, np.float32))
+    assert layer.table_updates == 1
+    for bad, kind, message in [(1.5, TypeError, "must be an int"),
+                               (True, TypeError, "must be an int"),
+                               ("7", TypeError, "must be an int"),
+                               (np.array([3]), TypeError, "must be an int"),
+                               (-1, ValueError, r"must be in \[0, 2\*\*63\), got -1"),
+                               (2**63, ValueError, "must be in")]:
+        with pytest.raises(kind, match=message):
+            layer.table_updates = bad
+    assert layer.table_updates == 1
+    layer.table_updates = tf.constant(41, tf.int64)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(np.array([[1, 2]]), training=True))
+        with pytest.raises(RuntimeError, match="between a training call and its table update"):
+            layer.table_updates = 3
+    tape.gradient(loss, layer.trainable_weights)  # the update goes through
+    assert layer.table_updates == 42

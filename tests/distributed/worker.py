@@ -1234,6 +1234,19 @@ def run_one_rank_refusals(out_dir, rank, size):
     model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
     _expect_error(lambda: model.fit(*data, batch_size=2, verbose=0, callbacks=callbacks()),
                   "CachedEmbedding layers have different settings")
+    # So is an update count set on one rank only (an Adam table's bias
+    # correction would differ between its shards).
+    counted = CachedEmbedding(3, cache_capacity=8, seed=3, name="refusals_updates",
+                              optimizer="adam")
+    model = keras.Model(x, keras.layers.Dense(1)(keras.layers.Flatten()(counted(x))))
+    model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    counted.table_updates = 100 * rank
+    _expect_error(lambda: model.fit(*data, batch_size=2, verbose=0, callbacks=callbacks()),
+                  "'table_updates=0'], on rank 1" if rank == 0
+                  else "'table_updates=100'], on rank 0")
+    counted.table_updates = 100
+    model.fit(*data, batch_size=2, verbose=0, callbacks=callbacks())
+    assert counted.table_updates == 102, counted.table_updates
     np.savez(os.path.join(out_dir, f"one_rank_refusals_rank{rank}.npz"), ok=np.array(1))
 
 

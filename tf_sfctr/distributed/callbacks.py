@@ -103,7 +103,7 @@ def _check_same_tables(model) -> None:
             f"The Horovod ranks' CachedEmbedding layers have different settings: on this "
             f"rank ({rank}) {differ[0][0]}, on rank {other} {differ[0][1]}. Make every rank's "
             f"tables alike (output_dim, table optimizer and its learning rate, distribution, "
-            f"combiner).")
+            f"combiner, table_updates).")
     other = next(r for r, (k, _, _) in enumerate(every) if k != key)
     differ = [line for line, pair in zip(shown, key) if pair not in every[other][0]]
     raise ValueError(
@@ -120,10 +120,15 @@ def _table_settings(model) -> list:
     """What every rank's copy of each table must share, by layer name."""
     from tf_sfctr.callbacks import cached_embeddings
 
+    # The update count too (Adam's bias correction and a schedule count it
+    # on each owner): `table_updates` set on one rank only would train the
+    # shards apart.
     return sorted(
         [layer.name, layer.output_dim, layer.distribution, layer.combiner,
          type(layer.table_optimizer).__name__,
-         json.dumps(layer.table_optimizer.get_config(), sort_keys=True, default=str)]
+         json.dumps(layer.table_optimizer.get_config(), sort_keys=True, default=str),
+         f"table_updates={layer.table_updates}" if getattr(layer, "_store", None) is not None
+         else "not built"]
         for layer in cached_embeddings(model))
 
 

@@ -127,7 +127,10 @@ class InputsMixin:
     combines the gathered rows back into the call's output structure."""
 
     def _note_input_kinds(self, inputs: Any) -> None:
-        """Records which features got ragged or sparse ids (_fed_sparse)."""
+        """Records which features got ragged or sparse ids (_fed_sparse),
+        apart for each call structure (a list call's features and a call on
+        one of them alone are other structures: a review found a tower's
+        call on its history alone overwrote the list call's record)."""
         if isinstance(inputs, dict):
             features = [inputs.get("ids")]
         elif is_feature_list(inputs):
@@ -135,9 +138,12 @@ class InputsMixin:
         else:
             features = [inputs]
         fed = [isinstance(x, (tf.RaggedTensor, tf.SparseTensor)) for x in features]
-        if self._fed_sparse is not None and len(self._fed_sparse) == len(fed):
-            fed = [a or b for a, b in zip(self._fed_sparse, fed)]
-        self._fed_sparse = fed
+        record = dict(self._fed_sparse or {})
+        seen = record.get(len(fed))
+        if seen is not None:
+            fed = [a or b for a, b in zip(seen, fed)]
+        record[len(fed)] = fed
+        self._fed_sparse = record
 
     def _checked_vsi(self, ids: tf.Tensor, unique_ids: Any, inverse: Any):
         """(unique_ids int64, inverse int32) of a de-duplicated feature, once

@@ -306,10 +306,10 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         # Held by build (re-entrant: a checkpoint restored into the layer
         # when its table is tracked may use the layer).
         self._build_lock = threading.RLock()
-        # Per feature (one, or one per feature of a list call): whether
-        # ragged or sparse ids reached a call, whatever its Input said.
-        # export_for_serving's pad_id="auto" reads it.
-        self._fed_sparse: Optional[list] = None
+        # Per call structure (its number of features: 1, or a list call's)
+        # and feature: whether ragged or sparse ids reached a call, whatever
+        # its Input said. export_for_serving's pad_id="auto" reads it.
+        self._fed_sparse: Optional[dict[int, list]] = None
 
     def _usable_host_rows_dir(self) -> str:
         """host_rows_dir, checked when the table is created: "" for none."""

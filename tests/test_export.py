@@ -145,6 +145,55 @@ def test_a_restored_model_with_a_variable_length_dense_input_needs_pad_id(rng, t
                                rtol=1e-5, atol=1e-6)
 
 
+def test_a_shared_table_keeps_the_ragged_record_of_each_call_structure(rng):
+    """A two-tower table trained by one list call [item [B, 1], ragged
+    history fed through Input((None,))]: calls of it on one feature alone
+    (an item tower's predict, a user tower) overwrote the list call's record
+    of which feature was ragged, and the export counted the history's
+    padding 0 in its mean (a review)."""
+    rows = [rng.integers(1, 50, size=rng.integers(1, 5)) for _ in range(64)]
+    history = tf.ragged.constant(rows, dtype=tf.int64)
+    items = rng.integers(1, 50, size=(64, 1))
+    item_in = keras.Input((1,), dtype="int64", name="item")
+    hist_in = keras.Input((None,), dtype="int64", name="history")
+    emb = CachedEmbedding(4, cache_capacity=128, seed=0, combiner="mean", name="emb")
+    item_vec, user_vec = emb([item_in, hist_in])
+    user_tower = keras.layers.Dense(4, name="user_tower")
+    score = keras.layers.Dot(axes=1, name="score")([user_tower(user_vec), item_vec])
+    model = keras.Model({"item": item_in, "history": hist_in}, score)
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(tf.data.Dataset.from_tensor_slices(
+        ({"item": items, "history": history}, rng.random((64, 1)))).batch(16), verbose=0)
+    # An item tower on a new Input, used eagerly (dense [B, 1] ids).
+    item_ids = keras.Input((1,), dtype="int64", name="item_ids")
+    item_tower = keras.Model(item_ids, emb(item_ids))
+    item_tower.predict(items, verbose=0)
+    expected = model.predict(tf.data.Dataset.from_tensors(
+        {"item": items, "history": history}), verbose=0)
+    padded = history.to_tensor().numpy()
+    assert (padded == 0).any()
+    frozen = serving_model(model)
+    assert frozen.get_layer("emb").pad_id == [None, 0]
+    np.testing.assert_allclose(frozen.predict({"item": items, "history": padded}, verbose=0),
+                               expected, rtol=1e-5, atol=1e-6)
+    # A user tower on the history Input the list call took: that call tells.
+    users = keras.Model(hist_in, user_tower(emb(hist_in)))
+    want = users.predict(tf.data.Dataset.from_tensors(history), verbose=0)
+    frozen = serving_model(users)
+    assert frozen.get_layer("emb").pad_id == 0
+    np.testing.assert_allclose(frozen.predict(padded, verbose=0), want, rtol=1e-5, atol=1e-6)
+    # One on a new Input: no call tells (the item tower's and the user
+    # tower's dense and ragged feeds share its structure), so pad_id='auto'
+    # refuses to guess.
+    new_in = keras.Input((None,), dtype="int64", name="history_again")
+    with pytest.raises(ValueError, match="nor does a sub-model that calls the layer on a new"):
+        serving_model(keras.Model(new_in, user_tower(emb(new_in))))
+    # The item tower's fixed-length [B, 1] ids are served as given (the
+    # user tower's ragged feeds do not make it skip 0).
+    assert serving_model(item_tower).get_layer("emb").pad_id is None
+    assert serving_model(model).get_layer("emb").pad_id == [None, 0]  # (again: the same)
+
+
 def test_a_trained_row_for_id_0_that_served_rows_skip_warns():
     """Trained on sparse ids where 0 is a real id (a StringLookup's
     out-of-vocabulary index), the served model's dense rows skip 0 as

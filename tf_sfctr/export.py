@@ -323,6 +323,37 @@ def _pad_for(x) -> Union[int, None, list]:
     return 0 if sparse(x) else None
 
 
+def _fed_kind(layer: CachedEmbedding, record: dict, n: int, k: int, t) -> Optional[bool]:
+    """Whether ragged or sparse ids reached feature ``k`` of a call of
+    ``layer`` with ``n`` features on the Keras tensor ``t``, or None when no
+    call tells. The record is kept per call structure (number of features)
+    and position, so it speaks for ``t`` only if no other Keras tensor was
+    ever given to the layer there: an item tower's call on [B, 1] ids and a
+    user tower's on a history share the structure of one feature. Else a
+    call of another structure on ``t`` itself may tell (the list call that
+    took the history a user tower takes alone)."""
+    places: dict = {}  # (structure, position) -> the Keras tensors given there
+    for node in getattr(layer, "_inbound_nodes", []):
+        args, kwargs = node.arguments.args, node.arguments.kwargs
+        x = args[0] if args else kwargs.get("inputs")
+        features = x if isinstance(x, (list, tuple)) else [x]
+        for j, other in enumerate(features):
+            given = places.setdefault((len(features), j), [])
+            if not any(g is other for g in given):
+                given.append(other)
+
+    def told(m, j):
+        given = places.get((m, j), [])
+        return m in record and len(given) <= 1 and all(g is t for g in given)
+
+    if told(n, k):
+        return bool(record[n][k])
+    for (m, j), given in places.items():
+        if any(g is t for g in given) and told(m, j):
+            return bool(record[m][j])
+    return None
+
+
 def _served_pad_id(model: keras.Model, layer: CachedEmbedding) -> Union[int, None, list]:
     """The id a served layer's combiner skips in dense rows: 0 for a
     feature trained on sparse ids (dense clients pad with 0), None for one
@@ -330,25 +361,29 @@ def _served_pad_id(model: keras.Model, layer: CachedEmbedding) -> Union[int, Non
     list call. Read from the calls in ``model``'s graph, and from what reached
     the layer's calls: ragged ids fed through a dense ``keras.Input((None,))``
     train on their values only, so their dense clients pad too."""
-    fed = layer._fed_sparse or []
-
-    def merged(pad, k):
-        return 0 if pad == 0 or (k < len(fed) and fed[k]) else None
-
+    record = layer._fed_sparse or {}
     inputs = _call_inputs(model, layer)
-    pads = [[merged(p, k) for k, p in enumerate(x)] if isinstance(x, list) else merged(x, 0)
-            for x in map(_pad_for, inputs)]
+    pads, unknown = [], []
+    for x in inputs:
+        features = x if isinstance(x, list) else [x]
+        graph_pads = _pad_for(x) if isinstance(x, list) else [_pad_for(x)]
+        fed = [_fed_kind(layer, record, len(features), k, t) for k, t in enumerate(features)]
+        unknown.append([f is None for f in fed])
+        call = [0 if p == 0 or f else None for p, f in zip(graph_pads, fed)]
+        pads.append(call if isinstance(x, list) else call[0])
     if not pads:  # not wired into this graph: as before
         return 0
-    if layer._fed_sparse is None and layer.combiner is not None:
-        # No call since the layer was made (a model restored or loaded for
-        # export): ragged ids fed through a dense variable-length Input
+    if layer.combiner is not None:
+        # No call of this structure since the layer was made (a model
+        # restored or loaded for export, or a tower's call on one feature of
+        # a list call): ragged ids fed through a dense variable-length Input
         # leave no trace in the model, and guessing would serve wrong rows.
-        for x, pad in zip(inputs, pads):
+        for x, pad, blind in zip(inputs, pads, unknown):
             for k, t in enumerate(x if isinstance(x, list) else [x]):
                 p = pad[k] if isinstance(pad, list) else pad
                 shape = getattr(t, "shape", None)
-                if p is None and shape is not None and len(shape) >= 2 and shape[-1] is None:
+                if blind[k] and p is None and shape is not None and len(shape) >= 2 \
+                        and shape[-1] is None:
                     raise ValueError(
                         f"export_for_serving: CachedEmbedding {layer.name!r} "
                         f"(combiner={layer.combiner!r}) takes a dense input of variable "
@@ -356,7 +391,8 @@ def _served_pad_id(model: keras.Model, layer: CachedEmbedding) -> Union[int, Non
                         "whether it was trained on ragged ids fed through that input (their "
                         "dense served rows are padded with 0, which the served layer must "
                         "skip) or on dense rows (every position counts, 0 included): a "
-                        "model restored or loaded before its export does not record it. "
+                        "model restored or loaded before its export does not record it, "
+                        "nor does a sub-model that calls the layer on a new Input. "
                         "Pass pad_id=0 for the first, pad_id=None for the second.")
     if any(p != pads[0] for p in pads[1:]):
         raise ValueError(

@@ -187,7 +187,11 @@ H = "userId,movieId,rating,timestamp\n"
     # Ids were read as float64 and cast: 1.5 became user 1.
     (H + "1,1,4.0,10\n1.5,2,3.0,11\n", r"ratings.csv:3: userId '1.5' is not an integer"),
     (H + "1,x,4.0,10\n", r"ratings.csv:2: movieId 'x' is not an integer"),
-    (H + f"{2**60},1,4.0,10\n", r"ratings.csv:2: userId 1152921504606846976 is past 2\*\*53"),
+    (H + f"{2**60},1,4.0,10\n",
+     r"ratings.csv:2: userId 1152921504606846976 is 2\*\*53 or more in magnitude"),
+    # 2**53 + 1 reads as 2**53, and merged with that id (a review).
+    (H + f"1,{2**53 + 1},4.0,10\n", r"ratings.csv:2: movieId 9007199254740993 is 2\*\*53 or"),
+    (H + f"1,2,4.0,{-2**53}\n", r"ratings.csv:2: timestamp -9007199254740992 is 2\*\*53 or"),
     (H + "1,1,4.0,10.5\n", r"ratings.csv:2: timestamp '10.5' is not an integer"),
     (H + "1,1,4.0,10\n" * 3 + "1,1,4.0,\n", r"ratings.csv:5: timestamp '' is not an integer"),
     ("userId,movieId,rating\n", r"expected the header userId,movieId,rating,timestamp, "

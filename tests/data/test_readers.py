@@ -252,6 +252,29 @@ def test_find_bad_tsv_lines_names_a_gzip_file_with_bytes_after_its_end(rows, fil
         found[0].reason, found
 
 
+def test_find_bad_tsv_lines_names_a_zlib_file_with_bytes_after_its_stream(rows, files,
+                                                                         tmp_path):
+    """TF's ZLIB reader reads one stream and silently ignores what follows
+    (a second stream's rows: half of this file); find_bad_tsv_lines said
+    nothing of it. Its lines come first, then the report."""
+    import zlib
+
+    data = open(files["tsv"], "rb").read()
+    half = data.index(b"\n", len(data) // 2) + 1
+    two = tmp_path / "two.tsv.zz"
+    two.write_bytes(zlib.compress(data[:half]) + zlib.compress(data[half:]))
+    read = batches(criteo_tsv(str(two), batch_size=BATCH, compression_type="ZLIB"))
+    assert sum(len(b[1]) for b in read) == data[:half].count(b"\n")  # silently short
+    found = find_bad_tsv_lines(str(two), compression_type="ZLIB")
+    assert len(found) == 1 and found[0].path == str(two), found
+    assert found[0].line == data[:half].count(b"\n") + 1, found
+    assert "bytes follow the end of the zlib stream, which criteo_tsv ignores" in \
+        found[0].reason, found
+    whole = tmp_path / "whole.tsv.zz"
+    whole.write_bytes(zlib.compress(data))
+    assert find_bad_tsv_lines(str(whole), compression_type="ZLIB") == []
+
+
 def test_writers_store_bytes_and_int_categoricals_as_the_text_encode_hashes(tmp_path):
     """Bytes are written as their UTF-8 text (not "b'..'") and integers in
     decimal, so the files read back to ``rows.encode()``; other values are
@@ -535,6 +558,17 @@ def test_parquet_errors(files, tmp_path):
                                r".*1 0.*as a null"):
                 list(parquet(path, dense_columns=["I1"], sparse_columns=["C1"],
                              engine=engine))
+    # A damaged data page (the footer intact): the pyarrow engine's error
+    # names the file (pyarrow's own named neither file nor row group).
+    from tf_sfctr.data import random_criteo_rows, write_parquet
+    intact = str(tmp_path / "intact.parquet")
+    write_parquet(intact, random_criteo_rows(2000, seed=3), compression="none")
+    damaged = bytearray(open(intact, "rb").read())
+    damaged[len(damaged) // 4: len(damaged) // 4 + 2000] = b"\xab" * 2000
+    (tmp_path / "damaged.parquet").write_bytes(bytes(damaged))
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"parquet: cannot read \S*damaged.parquet after its first 0 rows"):
+        list(parquet([intact, str(tmp_path / "damaged.parquet")], batch_size=512))
     bad = str(tmp_path / "int_categorical.parquet")
     pq.write_table(pa.table({"label": [1], "I1": [2], "C1": [3]}), bad)
     for engine in ("tensorflow_io", "pyarrow"):

@@ -56,8 +56,12 @@ def dataset_from_arrays(
 
     Dense entries become tensors ``[B, ...]``, :class:`Ragged` entries become
     ``tf.RaggedTensor`` ``[B, None]``. With ``shuffle`` the row order is a new
-    permutation every epoch, reproducible for a ``seed``. The arrays are embedded
-    in the dataset graph, so keep them to a few million rows.
+    permutation every epoch (each pass over the dataset), a function of
+    ``seed`` and the pass's number only, not of TensorFlow's global seed: so
+    Horovod ranks seeded apart (``keras.utils.set_random_seed(100 + rank)``)
+    still shard one order with ``ds.shard(hvd.size(), hvd.rank())``, as long
+    as they make the same passes. The arrays are embedded in the dataset
+    graph, so keep them to a few million rows.
 
     Example:
       >>> f = {"sparse": np.arange(10).reshape(5, 2),
@@ -81,9 +85,7 @@ def dataset_from_arrays(
         if rows != num_rows:
             raise ValueError(f"features[{name!r}] has {rows} rows but label has {num_rows}")
     label_t = tf.constant(label)
-    ds = tf.data.Dataset.range(num_rows)
-    if shuffle:
-        ds = ds.shuffle(max(num_rows, 1), seed=seed, reshuffle_each_iteration=True)
+    ds = _shuffled_rows(num_rows, seed) if shuffle else tf.data.Dataset.range(num_rows)
     ds = ds.batch(batch_size, drop_remainder=drop_remainder)
     ds = ds.map(
         lambda idx: ({k: tf.gather(v, idx) for k, v in tensors.items()}, tf.gather(label_t, idx)),
@@ -91,3 +93,25 @@ def dataset_from_arrays(
         deterministic=True,
     )
     return finish(ds, prefetch=prefetch)
+
+
+def _shuffled_rows(num_rows: int, seed: int | None) -> tf.data.Dataset:
+    """Row indices ``0..num_rows-1``, in a new order at each pass over the
+    dataset: a stateless permutation keyed by ``(seed, pass number)``.
+    ``Dataset.shuffle(seed=seed)`` also mixed in the global seed, so ranks
+    that set theirs apart shuffled apart, and their shards overlapped (a
+    review: 239 of 1000 rows twice, 239 never)."""
+    if seed is None:  # a new order per process, as Dataset.shuffle(seed=None) gave
+        seed = int(np.random.default_rng().integers(2**62))
+    seed = check_int("seed", seed, minimum=-(2**63))
+    with tf.init_scope():  # (the count outlives a tf.function that makes the dataset)
+        passes = tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                             name="dataset_from_arrays_passes")
+    key = tf.constant(seed % 2**63, tf.int64)
+
+    def permutation(_):
+        done = passes.assign_add(1, read_value=True) - 1
+        return tf.random.experimental.stateless_shuffle(
+            tf.range(num_rows, dtype=tf.int64), seed=tf.stack([key, done]))
+
+    return tf.data.Dataset.range(1).map(permutation).unbatch()

@@ -20,7 +20,6 @@ Encoding, shared by :func:`criteo_tsv` and :func:`tf_sfctr.data.parquet`:
 from __future__ import annotations
 
 import dataclasses
-import io
 import math
 import os
 import re
@@ -417,22 +416,39 @@ def _gzip_lines(path: str) -> Iterator[bytes]:
         yield rest
 
 
+def _zlib_lines(path: str) -> Iterator[bytes]:
+    """The lines of a zlib file, read a MiB at a time (it was read whole:
+    twice its decompressed size in memory). TF's reader reads one stream:
+    bytes after its end (a second stream, whose lines criteo_tsv never
+    reads) raise EOFError after the stream's lines, and so does a stream
+    cut short, after the whole lines before the cut (TF's reader yields the
+    cut line as a row: that is the bad line)."""
+    inflate, rest, after = zlib.decompressobj(), b"", 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            if inflate.eof:
+                after += len(chunk)
+                continue
+            out = inflate.decompress(chunk)
+            if inflate.eof:
+                after += len(inflate.unused_data)
+            lines = (rest + out).split(b"\n")
+            rest = lines.pop()
+            yield from (line + b"\n" for line in lines)
+    if not inflate.eof:
+        raise EOFError("the zlib stream ends before its end marker")
+    if rest:
+        yield rest
+    if after:
+        raise EOFError(f"{after} bytes follow the end of the zlib stream, which criteo_tsv "
+                       "ignores (a second stream's lines are never read)")
+
+
 def _open_lines(path: str, compression_type: str | None) -> Iterator[bytes]:
     if compression_type == "GZIP":
         yield from _gzip_lines(path)
     elif compression_type == "ZLIB":
-        with open(path, "rb") as f:
-            inflate = zlib.decompressobj()
-            lines = io.BytesIO(inflate.decompress(f.read())).readlines()
-        if inflate.eof:
-            yield from lines
-            return
-        # Cut short: the whole lines before the cut, then the error (TF's
-        # reader yields the cut line as a row: that is the bad line).
-        if lines and not lines[-1].endswith(b"\n"):
-            lines.pop()
-        yield from lines
-        raise EOFError("the zlib stream ends before its end marker")
+        yield from _zlib_lines(path)
     else:
         with open(path, "rb") as f:
             yield from f

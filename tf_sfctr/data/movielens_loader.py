@@ -135,9 +135,9 @@ def _integer_id(path: Path, line: int, name: str, field: str) -> float:
         value = math.nan
     if not value.is_integer():
         raise ValueError(f"{path}:{line}: {name} {field!r} is not an integer")
-    if abs(value) > _MAX_EXACT:
-        raise ValueError(f"{path}:{line}: {name} {int(value)} is past 2**53 (ids are read as "
-                         "float64)")
+    if abs(value) >= _MAX_EXACT:  # (2**53 + 1 reads as 2**53: refused too)
+        raise ValueError(f"{path}:{line}: {name} {field.strip()} is 2**53 or more in magnitude "
+                         "(ids are read as float64, which rounds them)")
     return value
 
 
@@ -148,7 +148,7 @@ def _ratings_valid(rows: np.ndarray) -> bool:
         return False
     whole = rows[:, [0, 1, 3]]
     return bool(np.all(np.isfinite(rows)) and np.all(whole == np.round(whole))
-                and np.all(np.abs(whole) <= _MAX_EXACT))
+                and np.all(np.abs(whole) < _MAX_EXACT))
 
 
 def _read_ratings(path: Path) -> np.ndarray:

@@ -42,7 +42,9 @@ Engines:
   the life of the process: a file rewritten after this engine read it is
   then misread (a "null value" error, then an abort of the process in
   parquet's page reader; seen with tensorflow-io 0.37.1), so write new data
-  to new paths.
+  to new paths. Only the footer is checked first: a damaged data page in a
+  file whose footer is intact aborts the process when the page is read
+  (the pyarrow engine raises an error naming the file).
 """
 
 from __future__ import annotations
@@ -368,6 +370,23 @@ def _text_values(pa, column) -> np.ndarray:
     return pa.compute.fill_null(column, empty).to_numpy(zero_copy_only=False)
 
 
+def _named_batches(pa, pf, path: str, columns: list) -> Iterator:
+    """``pf``'s record batches; a file pyarrow cannot read (a damaged data
+    page) raises an error that names it, as pyarrow's own does not."""
+    batches = pf.iter_batches(batch_size=65536, columns=columns)
+    done = 0
+    while True:
+        try:
+            rb = next(batches)
+        except StopIteration:
+            return
+        except (pa.ArrowException, OSError) as err:
+            raise ValueError(f"parquet: cannot read {path} after its first {done} rows "
+                             f"(damaged?): {type(err).__name__}: {err}") from err
+        done += rb.num_rows
+        yield rb
+
+
 def _pyarrow_batches(
     paths: Sequence[str],
     label: str,
@@ -387,7 +406,7 @@ def _pyarrow_batches(
     pos = 0  # first row of `buffer` not yet yielded
     for path in paths:
         pf = pa.parquet.ParquetFile(path)
-        for rb in pf.iter_batches(batch_size=65536, columns=[label, *dense, *sparse]):
+        for rb in _named_batches(pa, pf, path, [label, *dense, *sparse]):
             n = rb.num_rows
             keep = (np.arange(offset, offset + n) - index) % num_shards == 0
             offset += n

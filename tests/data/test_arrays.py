@@ -3,8 +3,9 @@
 
 import keras
 import numpy as np
+import pytest
 
-from tf_sfctr.data import dataset_from_arrays
+from tf_sfctr.data import Ragged, dataset_from_arrays, synthetic_criteo
 
 
 def _passes(global_seed, seed=3, n=2, shard=None):
@@ -30,3 +31,25 @@ def test_the_order_does_not_depend_on_the_global_seed():
     rank0, rank1 = _passes(100, shard=0), _passes(101, shard=1)
     for a, b in zip(rank0, rank1):
         np.testing.assert_array_equal(np.sort(np.concatenate([a, b])), np.arange(50))
+
+
+@pytest.mark.parametrize("features, label, kwargs, error, match", [
+    ({"x": np.arange(3)}, np.float32(1), {}, ValueError, "label must have one entry per row"),
+    ({"x": Ragged(np.arange(3), np.array([1, 1]))}, np.zeros(2), {}, ValueError,
+     r"features\['x'\]: a Ragged needs 1-D row_lengths >= 0 that add up to len\(values\) "
+     r"\(3\), got row_lengths summing to 2"),
+    ({"x": np.arange(3)}, np.zeros(3), {"shuffle": "yes"}, TypeError,
+     "shuffle must be True or False"),
+    ({"x": np.arange(3)}, np.zeros(3), {"prefetch": "no"}, TypeError,
+     "prefetch must be True or False"),
+    ({"x": np.arange(3)}, np.zeros(3), {"drop_remainder": 1}, TypeError,
+     "drop_remainder must be True or False, got 1"),
+])
+def test_bad_arguments_are_named(features, label, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        dataset_from_arrays(features, label, **kwargs)
+
+
+def test_synthetic_criteo_flags_are_bools():
+    with pytest.raises(TypeError, match="drop_remainder must be True or False, got 1"):
+        synthetic_criteo(10, drop_remainder=1)

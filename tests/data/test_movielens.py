@@ -212,8 +212,8 @@ def test_a_bad_movie_id_names_the_file_and_line(tmp_path):
         load_movielens(tmp_path)
 
 
-def test_blank_lines_in_ratings_are_skipped(tmp_path):
-    (tmp_path / "movies.csv").write_text("movieId,title,genres\n1,A (1999),Drama\n",
+def test_blank_lines_in_ratings_and_movies_are_skipped(tmp_path):
+    (tmp_path / "movies.csv").write_text("movieId,title,genres\n\n1,A (1999),Drama\n\n",
                                          encoding="utf-8")
     (tmp_path / "ratings.csv").write_text(H + "1,1,4.0,10\n\n2,1,3.0,11\n\n")
     data = load_movielens(tmp_path, split="time", test_fraction=0.5)

@@ -474,6 +474,15 @@ def test_reader_argument_errors(files, tmp_path):
         criteo_tsv(str(tmp_path / "missing.tsv"))
     with pytest.raises(ValueError, match="compression_type"):
         criteo_tsv(files["tsv"], compression_type="BZ2")
+    with pytest.raises(TypeError, match="paths must be a path or a list of paths.*got None"):
+        criteo_tsv(None)
+    for reader, path in zip([criteo_tsv] + ([parquet] if _has_pyarrow() else []),
+                            [files["tsv"], files.get("parquet")]):
+        # prefetch="no" was taken as true; drop_remainder=1 failed in TF.
+        with pytest.raises(TypeError, match="prefetch must be True or False, got 'no'"):
+            reader(path, prefetch="no")
+        with pytest.raises(TypeError, match="drop_remainder must be True or False, got 1"):
+            reader(path, drop_remainder=1)
     # A non-finite default failed every batch with an empty dense field later,
     # blaming the data ("this batch has []"; for parquet, "store a missing
     # value as a null" about nulls).

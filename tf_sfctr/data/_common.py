@@ -64,7 +64,11 @@ def check_paths(paths: PathLike | Sequence[PathLike]) -> list:
     """Normalises one path or a sequence of paths to a non-empty list of str."""
     if isinstance(paths, (str, bytes, os.PathLike)):
         paths = [paths]
-    out = [os.fsdecode(p) for p in paths]
+    try:
+        out = [os.fsdecode(p) for p in paths]
+    except TypeError:
+        raise TypeError(f"paths must be a path or a list of paths (str or os.PathLike), "
+                        f"got {paths!r}") from None
     if not out:
         raise ValueError("paths must name at least one file, got an empty list")
     missing = [p for p in out if not os.path.exists(p)]
@@ -73,6 +77,15 @@ def check_paths(paths: PathLike | Sequence[PathLike]) -> list:
     return out
 
 
+def check_bool(name: str, value: object) -> bool:
+    """``value`` as a bool; a TypeError naming ``name`` for anything but
+    True or False (``prefetch="no"`` read as true, ``drop_remainder=1``
+    failed in TF with an error naming neither)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
 def finish(ds: tf.data.Dataset, *, prefetch: bool) -> tf.data.Dataset:
     """Adds the optional prefetch at the end of a pipeline."""
-    return ds.prefetch(tf.data.AUTOTUNE) if prefetch else ds
+    return ds.prefetch(tf.data.AUTOTUNE) if check_bool("prefetch", prefetch) else ds

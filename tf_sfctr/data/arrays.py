@@ -8,7 +8,7 @@ from typing import NamedTuple, Union
 import numpy as np
 import tensorflow as tf
 
-from tf_sfctr.data._common import check_int, finish
+from tf_sfctr.data._common import check_bool, check_int, finish
 
 
 class Ragged(NamedTuple):
@@ -72,12 +72,24 @@ def dataset_from_arrays(
       ([2, 2], [[0], []], [2, 1])
     """
     batch_size = check_int("batch_size", batch_size, minimum=1)
+    shuffle = check_bool("shuffle", shuffle)
+    drop_remainder = check_bool("drop_remainder", drop_remainder)
+    check_bool("prefetch", prefetch)
     label = np.asarray(label)
+    if label.ndim == 0:
+        raise ValueError(f"label must have one entry per row (shape [rows, ...]), got the "
+                         f"scalar {label!r}")
     num_rows = label.shape[0]
     tensors = {}
     for name, value in features.items():
         if isinstance(value, Ragged):
             rows = len(value.row_lengths)
+            lengths = np.asarray(value.row_lengths)
+            total = int(lengths.sum()) if lengths.size else 0
+            if lengths.ndim != 1 or (lengths < 0).any() or total != len(value.values):
+                raise ValueError(
+                    f"features[{name!r}]: a Ragged needs 1-D row_lengths >= 0 that add up to "
+                    f"len(values) ({len(value.values)}), got row_lengths summing to {total}")
             tensors[name] = value.to_tensor()
         else:
             rows = np.asarray(value).shape[0]

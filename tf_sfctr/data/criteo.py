@@ -35,6 +35,7 @@ from tf_sfctr.data._common import (
     SPARSE_KEY,
     PathLike,
     Shard,
+    check_bool,
     check_dense_default,
     check_int,
     check_paths,
@@ -677,6 +678,8 @@ def criteo_tsv(
     num_shards, index = check_shard(shard)
     _check_compression(compression_type)
     dense_default = check_dense_default(dense_default)
+    drop_remainder = check_bool("drop_remainder", drop_remainder)
+    check_bool("prefetch", prefetch)
     _check_compressed_alike(paths, compression_type, "criteo_tsv")
     ds = tf.data.TextLineDataset(paths, compression_type=compression_type or "")
     if num_shards > 1:

@@ -117,6 +117,8 @@ def _read_movies(path: Path) -> dict[int, tuple[str, tuple[str, ...]]]:
         if header != ["movieId", "title", "genres"]:
             raise ValueError(f"{path}: expected the header movieId,title,genres, got {header}")
         for line, row in enumerate(reader, start=2):
+            if not row:
+                continue  # a blank line, skipped as in ratings.csv
             if len(row) != 3:
                 raise ValueError(f"{path}:{line}: expected 3 fields, got {len(row)}")
             match = _YEAR.search(row[1])

@@ -58,6 +58,7 @@ import tensorflow as tf
 from tf_sfctr.data._common import (
     PathLike,
     Shard,
+    check_bool,
     check_dense_default,
     check_int,
     check_paths,
@@ -498,6 +499,8 @@ def parquet(
       ([4, 13], [4, 1])
     """
     paths = check_paths(paths)
+    drop_remainder = check_bool("drop_remainder", drop_remainder)
+    check_bool("prefetch", prefetch)
     batch_size = check_int("batch_size", batch_size, minimum=1)
     num_shards, index = check_shard(shard)
     dense_default = check_dense_default(dense_default)

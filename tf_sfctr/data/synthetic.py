@@ -56,6 +56,7 @@ from tf_sfctr.data._common import (
     DENSE_KEY,
     SPARSE_KEY,
     Shard,
+    check_bool,
     check_int,
     check_shard,
     finish,
@@ -454,6 +455,8 @@ class SyntheticCriteoSpec:
         """
         rows = _ShardRows(num_rows, shard)
         batch_size = check_int("batch_size", batch_size, minimum=1)
+        drop_remainder = check_bool("drop_remainder", drop_remainder)
+        check_bool("prefetch", prefetch)
         key = _sample_key(seed)
         _calibrate(self)  # once, eagerly, so errors surface here
         num_full, rest = divmod(rows.count, batch_size)

@@ -110,8 +110,8 @@ def equal_batches(dataset: tf.data.Dataset, max_batches: Optional[int] = None
             "its error); give fit a steps_per_epoch instead")
     if (counts == -3).any():
         raise ValueError(
-            f"equal_batches: rank {int(np.argmax(counts == -3))} has more than "
-            f"max_batches={max_batches} batches (see its error)")
+            f"equal_batches: rank {int(np.argmax(counts == -3))} has more than the "
+            f"max_batches it was given batches (see its error)")
     if (counts == -2).any():
         raise ValueError(
             f"equal_batches: reading the data failed on rank {int(np.argmax(counts == -2))} "

@@ -222,7 +222,8 @@ class CachePlanMixin:
             self._deferred.pending.assign(False)
 
     def _inference_rows(self, unique_ids: tf.Tensor) -> tf.Tensor:
-        """Current rows of distinct ids, from cache or host. Changes nothing
+        """Current rows of ids, from cache or host (repeats are read again:
+        pass distinct ids unless our CPU kernel reads them). Changes nothing
         but the placement of rows (a pending cache plan is applied first)."""
         with tf.control_dependencies([self._settle()]):
             if _ops.use_kernels():  # one CPU kernel (the cache is in host memory)

@@ -3,8 +3,9 @@ against the number of rows trained since the previous one.
 
     python bench/flush.py --cache-rows 1000000 --dim 16
 
-A flush writes back only the cached rows that training steps used since the
-last flush; the other cached rows are as the host table holds them. Fills a
+A flush writes back only the cached rows that table updates changed since
+they were last written; the other cached rows are as the host table holds
+them. Fills a
 cache of ``--cache-rows`` rows (Adagrad: value + accumulator per row), then
 times a flush after 0, 1 and ``--steps`` training steps of the reference
 batches (4096 x 26 Zipf 1.05 ids over 5x the cache's rows).

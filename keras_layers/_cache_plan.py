@@ -215,11 +215,14 @@ class CachePlanMixin:
 
     def _void_cache_work(self) -> None:
         """A restored table replaces the cache: a prepared plan and a
-        deferred update are void."""
+        deferred update are void, and so is the update of a training call
+        made before the restore (its slots are empty now; applied, it moved
+        the restored update count: a review)."""
         self._plan.pending.assign(False)
         self._plan.usable.assign(False)
         if self._deferred is not None:
             self._deferred.pending.assign(False)
+        self._training_calls.var.assign_add(1)
 
     def _inference_rows(self, unique_ids: tf.Tensor) -> tf.Tensor:
         """Current rows of ids, from cache or host (repeats are read again:

@@ -103,10 +103,13 @@ class ShardedRowsMixin:
             # At the rate of the step it belongs to (a callback may have
             # set another one since, for the next step).
             with self.table_optimizer.rate_fixed(d.rate.read_value()):
+                slots = d.slots.read_value()
                 update = self.table_optimizer.apply(
-                    self._cache_rows, list(self._cache_state), d.slots.read_value(), g_own,
+                    self._cache_rows, list(self._cache_state), slots, g_own,
                     g_sq_own, d.step.read_value())
             with tf.control_dependencies([update]):
+                marked = self._store.cache_mark_dirty(slots)  # for the next flush
+            with tf.control_dependencies([marked]):
                 return d.pending.assign(False, read_value=True)
 
         with tf.control_dependencies([received]):

@@ -352,23 +352,19 @@ class TableAccessMixin:
 
     def flush(self) -> int:
         """Writes the cached rows (and their state) back to the host table, so
-        the host table alone holds the current values: the rows training
-        steps used since the last flush (the others are as the host table
-        holds them already). Returns the number of rows written. The cache
+        the host table alone holds the current values: the rows table
+        updates changed since they were last written (the others are as the
+        host table holds them already). Returns the number of rows written. The cache
         keeps its contents. Collective in model-parallel mode (every rank
         calls it): the last training step's update is delivered to the
         owners first. Not while another thread trains the layer (nor a
         checkpoint or export, which flush first): it could write other ids'
         rows into the host table."""
         self._require_built()
-        # Between an eager training call and its update, the rows that update
-        # changes stay to be written by the next flush too.
-        pending = bool(getattr(self, "_eager_update_pending", False))
         with self._one_collective_call():
-            return int(self._read_function("flush", self._flush_graph,
-                                           tf.TensorSpec([], tf.bool))(tf.constant(pending)))
+            return int(self._read_function("flush", self._flush_graph)())
 
-    def _flush_graph(self, keep_dirty: tf.Tensor) -> tf.Tensor:
+    def _flush_graph(self) -> tf.Tensor:
         self._call_suffixes = {}  # this graph's collectives (see _collective_name)
         with tf.control_dependencies([self._deliver_deferred()]):
             settled = self._settle()
@@ -377,11 +373,18 @@ class TableAccessMixin:
             # Credits the cached uses to the host table (flagging the rows
             # used since the last flush changed), except a lookahead plan's
             # early count, which stays cached until its step has trained.
-            ids, slots = self._store.cache_entries(ahead, keep_dirty)
+            # The rows table updates changed since they were last written
+            # (marked dirty by the updates themselves, also one that lands
+            # after a flush: a traced call's gradient taken later).
+            ids, slots = self._store.cache_entries(ahead)
+        # Flagged changed: an update that landed after the flush that
+        # credited its use must reach the next delta too.
         written = self._store.host_write(
-            ids, [_ops.gather_rows(v, slots) for v in self._device_variables],
-            mark_changed=False)
+            ids, [_ops.gather_rows(v, slots) for v in self._device_variables])
         with tf.control_dependencies([written]):
+            # Only once written: a failed write leaves them for the next flush.
+            cleaned = self._store.cache_mark_clean(slots)
+        with tf.control_dependencies([cleaned]):
             return tf.size(ids)
 
     def export_rows(self, part_rows: int = 1 << 20, *, changed_only: bool = False,
@@ -440,14 +443,6 @@ class TableAccessMixin:
             error = TypeError(f"changed_only must be True or False, got {changed_only!r}")
         elif not isinstance(with_state, (bool, np.bool_)):
             error = TypeError(f"with_state must be True or False, got {with_state!r}")
-        elif changed_only and getattr(self, "_eager_update_pending", False):
-            # Its flush would credit the call's use and the update after it
-            # would change rows no later delta flags (a review).
-            error = RuntimeError(
-                f"export_rows(changed_only=True) on CachedEmbedding {self.name!r} between a "
-                "training call and its table update (tape.gradient, or a "
-                "LossScaleOptimizer's apply): that update would be missing from every "
-                "later delta. Export deltas between training steps. Nothing was exported.")
         if self._mode == "model_parallel":
             # The flush is collective: every rank goes on, or none.
             with self._one_collective_call():
@@ -643,8 +638,8 @@ class TableAccessMixin:
             store.upsert(emb.export_rows(changed_only=True))
 
         Apply the removals before asking for the delta: the list is handed
-        over once, and a delta refused (say, between a training call and its
-        update) must not take it along.
+        over once, and a delta refused (say, a bad argument) must not take it
+        along.
 
         The table logs removals only from the first call on, so that call
         returns ``None``, as does the first call after a checkpoint was

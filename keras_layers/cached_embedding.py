@@ -648,7 +648,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         the table (checkpoints keep the number). Adam's bias correction and a
         ``keras.optimizers.schedules`` learning rate count these.
 
-        Settable between steps, to an int >= 0: after a warm start of an
+        Settable between steps, to an int in [0, 2**62]: after a warm start of an
         Adam table from another model's rows and state (``assign_rows(...,
         state=...)``), set it to that model's update count (a Keras
         optimizer's ``iterations``), and the bias correction goes on where
@@ -688,9 +688,11 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
             raise TypeError(f"CachedEmbedding {self.name!r}: table_updates must be an int "
                             f"(or an integer scalar tensor), got {given!r}")
-        if not 0 <= value < 2**63:
+        if not 0 <= value <= 2**62:
+            # (Far from int64's end: the count must not wrap, where Adam's
+            # bias correction wrote NaN rows; a review.)
             raise ValueError(f"CachedEmbedding {self.name!r}: table_updates must be in "
-                             f"[0, 2**63), got {value!r}")
+                             f"[0, 2**62], got {value!r}")
         if getattr(self, "_eager_update_pending", False):
             raise RuntimeError(
                 f"CachedEmbedding {self.name!r}: table_updates set between a training call and "
@@ -922,7 +924,8 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             "for training before the update (as when one layer serves two "
             "inputs of one step), or, after a lookahead step, it was used for "
             "inference, lookup_rows, flush or a checkpoint, which put the next "
-            "batch's prepared rows in place, or remove_rows dropped cached rows. "
+            "batch's prepared rows in place, or remove_rows dropped cached rows, "
+            "or a checkpoint was restored into the layer. "
             "Rows this call updates may have "
             "moved, so this update was not applied (another call's may have "
             "been). Call the layer once per step (features that share the "
@@ -1086,6 +1089,8 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             self._cache_rows, list(self._cache_state), slots, grad, grad_sq,
             self._table_step)
         with tf.control_dependencies([update]):
+            marked = self._store.cache_mark_dirty(slots)  # for the next flush
+        with tf.control_dependencies([marked]):
             return self._table_step.assign_add(1, read_value=True)
 
     # ------------------------------------------------ Keras saving format

@@ -203,23 +203,34 @@ REGISTER_OP("SfctrCacheProbe")
 REGISTER_OP("SfctrCacheEntries")
     .Input("store: resource")
     .Input("hold_ids: int64")
-    .Input("keep_dirty: bool")
     .Output("ids: int64")
     .Output("slots: int32")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle unused;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 0, &unused));
       TF_RETURN_IF_ERROR(VectorOfUnknown(c, 0));
       return VectorOfUnknown(c, 1);
     })
     .Doc("The cached ids and slots whose rows a flush writes back to the host: those "
-         "a step used since the last call (the other cached rows are as the host holds "
-         "them). Credits the cached uses to the host table and flags the rows used "
-         "since the last call changed. The ids of hold_ids (a lookahead plan's, counted "
-         "before their step trains them) keep one use in the cache, credited after "
-         "that step, and come again at the next call. keep_dirty: every id given comes "
-         "again at the next call (a training call's update is still to come).");
+         "marked dirty (SfctrCacheMarkDirty) since their last write-back; the caller "
+         "marks them clean once written (SfctrCacheMarkClean). Credits the cached uses "
+         "to the host table and flags the rows used since the last call changed. The "
+         "ids of hold_ids (a lookahead plan's, counted before their step trains them) "
+         "keep one use in the cache, credited after that step.");
+
+REGISTER_OP("SfctrCacheMarkDirty")
+    .Input("store: resource")
+    .Input("slots: int32")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc("Marks cache slots whose rows a table update changed: the next flush writes "
+         "them back. Slots outside [0, cache capacity) are ignored.");
+
+REGISTER_OP("SfctrCacheMarkClean")
+    .Input("store: resource")
+    .Input("slots: int32")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc("Marks cache slots whose rows a flush has written back to the host.");
 
 REGISTER_OP("SfctrCacheClear")
     .Input("store: resource")

@@ -131,6 +131,22 @@ def test_a_call_whose_update_is_pending_is_not_applied_to_freed_slots():
     np.testing.assert_array_equal(emb.lookup_rows([2, 3]), np.zeros((2, 2)))
 
 
+def test_a_call_whose_update_is_pending_is_not_applied_after_a_restore(tmp_path):
+    """A restore between a training call and its gradient emptied the
+    call's slots: its update changed no row but moved the restored update
+    count (Adam's bias correction, schedules) from 0 to 1 (a review)."""
+    emb = CachedEmbedding(2, cache_capacity=4, seed=0, optimizer="adam")
+    emb.build(None)
+    path = tf.train.Checkpoint(emb=emb).write(str(tmp_path / "ckpt"))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(emb(tf.constant([1, 2], tf.int64), training=True))
+        tf.train.Checkpoint(emb=emb).read(path).assert_consumed()
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="or a checkpoint was restored into the layer"):
+        tape.gradient(loss, emb.trainable_weights)
+    assert emb.table_updates == 0
+
+
 def test_bad_ids_are_refused_and_nothing_is_removed():
     layer = _layer()
     layer.assign_rows([1, 2, 3], np.ones((3, DIM), np.float32))

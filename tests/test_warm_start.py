@@ -286,8 +286,9 @@ def test_table_updates_is_set_between_steps_only_to_an_int():
                                (True, TypeError, "must be an int"),
                                ("7", TypeError, "must be an int"),
                                (np.array([3]), TypeError, "must be an int"),
-                               (-1, ValueError, r"must be in \[0, 2\*\*63\), got -1"),
-                               (2**63, ValueError, "must be in")]:
+                               (-1, ValueError, r"must be in \[0, 2\*\*62\], got -1"),
+                               (2**62 + 1, ValueError, "must be in"),
+                               (2**63 - 1, ValueError, "must be in")]:
         with pytest.raises(kind, match=message):
             layer.table_updates = bad
     assert layer.table_updates == 1

@@ -33,6 +33,8 @@ _OP_TYPES = (
     "SfctrHostRead",
     "SfctrCacheProbe",
     "SfctrCacheEntries",
+    "SfctrCacheMarkDirty",
+    "SfctrCacheMarkClean",
     "SfctrCacheClear",
     "SfctrHostExport",
     "SfctrHostAddCounts",

@@ -274,22 +274,29 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
     def cache_probe(self, ids: tf.Tensor) -> tf.Tensor:
         return _ops.load().sfctr_cache_probe(self.resource_handle, ids)
 
-    def cache_entries(self, hold_ids: tf.Tensor | None = None, keep_dirty=False):
+    def cache_entries(self, hold_ids: tf.Tensor | None = None):
         """(ids, slots) of the cached ids whose rows the caller must write
-        back to the host table (those a step used since the last call),
-        crediting the cached uses to the host table (see
-        SfctrCacheEntries); ``hold_ids`` keep one use cached and come again
-        next time; with ``keep_dirty`` (a bool or scalar tensor) all of the
-        ids given do. Not a query: the flush's first half. Called between
-        lookahead steps without the plan's ids as ``hold_ids`` it credits
-        the plan's early count, and the step that trains those rows then
-        flags nothing for the next ``export_rows(changed_only=True)``, nor
-        does the next call give them. To list cached ids, probe ids with
+        back to the host table (their slots marked dirty by
+        ``cache_mark_dirty``; mark them clean once written), crediting the
+        cached uses to the host table (see SfctrCacheEntries); ``hold_ids``
+        keep one use cached. Not a query: the flush's first half. Called
+        between lookahead steps without the plan's ids as ``hold_ids`` it
+        credits the plan's early count, and the step that trains those rows
+        then flags nothing for the next ``export_rows(changed_only=True)``
+        until its row is written. To list cached ids, probe ids with
         ``cache_probe``."""
         if hold_ids is None:
             hold_ids = tf.zeros([0], tf.int64)
-        return _ops.load().sfctr_cache_entries(self.resource_handle, hold_ids,
-                                               tf.cast(keep_dirty, tf.bool))
+        return _ops.load().sfctr_cache_entries(self.resource_handle, hold_ids)
+
+    def cache_mark_dirty(self, slots: tf.Tensor):
+        """Marks cache slots whose rows a table update changed (the next
+        flush writes them back)."""
+        return _ops.load().sfctr_cache_mark_dirty(self.resource_handle, slots)
+
+    def cache_mark_clean(self, slots: tf.Tensor):
+        """Marks cache slots whose rows a flush wrote back."""
+        return _ops.load().sfctr_cache_mark_clean(self.resource_handle, slots)
 
     def cache_clear(self):
         return _ops.load().sfctr_cache_clear(self.resource_handle)

@@ -43,6 +43,7 @@ int64_t FindKeyBelow(const uint16_t* keys, int64_t begin, int64_t end, int below
 CacheDirectory::CacheDirectory(int64_t capacity) : capacity_(capacity) {
   slots_.resize(capacity);
   scan_keys_.assign(capacity, 0);
+  dirty_.assign(capacity, 0);
   uint64_t size = 16;
   while (size < static_cast<uint64_t>(capacity) * 2) size <<= 1;
   map_.assign(size, MapEntry{0, -1});
@@ -295,7 +296,6 @@ void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
     }
     s.step = step_;
     ++s.uses;
-    s.dirty = true;  // the step trains it
     if (s.freq < kMaxFreq) {
       --freq_count_[s.freq];
       ++s.freq;
@@ -353,7 +353,6 @@ void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
     s.freq = 0;
     s.hint = 0;
     s.occupied = true;
-    s.dirty = true;  // filled from the host, then trained by the step
     s.handle = 0;  // until the fetch tells where its host row is
     keys_after[i] = ScanKey(s);
     ++freq_count_[0];
@@ -385,7 +384,6 @@ void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
       Slot& unused = slots_[slots[i]];
       unused.occupied = false;
       unused.uses = 0;
-      unused.dirty = false;
       scan_keys_[slots[i]] = 0;
       --freq_count_[unused.freq];
       --size_;
@@ -483,15 +481,20 @@ void CacheDirectory::FlushEntries(std::vector<Eviction>* dirty,
     const Slot& s = slots_[k];
     if (!s.occupied) continue;
     const Eviction e{s.id, static_cast<int32_t>(k), s.uses, s.handle};
-    if (s.dirty) dirty->push_back(e);
+    if (dirty_[k]) dirty->push_back(e);
     if (s.uses > 0) used->push_back(e);
   }
 }
 
-void CacheDirectory::MarkClean(const int32_t* keep, int64_t n_keep) {
-  for (Slot& s : slots_) s.dirty = false;
-  for (int64_t i = 0; i < n_keep; ++i) {
-    if (keep[i] >= 0 && slots_[keep[i]].occupied) slots_[keep[i]].dirty = true;
+void CacheDirectory::MarkDirty(const int32_t* slots, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (slots[i] >= 0 && slots[i] < capacity_) dirty_[slots[i]] = 1;
+  }
+}
+
+void CacheDirectory::MarkClean(const int32_t* slots, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (slots[i] >= 0 && slots[i] < capacity_) dirty_[slots[i]] = 0;
   }
 }
 
@@ -503,6 +506,7 @@ int32_t CacheDirectory::Remove(int64_t id) {
   --freq_count_[s.freq];
   --size_;
   s = Slot();
+  dirty_[slot] = 0;  // its row is dropped, not written back
   // Key 0: the hand takes an empty slot before any victim.
   scan_keys_[slot] = 0;
   return slot;
@@ -510,6 +514,7 @@ int32_t CacheDirectory::Remove(int64_t id) {
 
 void CacheDirectory::Clear() {
   for (Slot& s : slots_) s = Slot();
+  std::fill(dirty_.begin(), dirty_.end(), 0);
   std::fill(scan_keys_.begin(), scan_keys_.end(), 0);
   for (MapEntry& e : map_) e.slot = -1;
   size_ = 0;

@@ -57,9 +57,6 @@ class CacheDirectory {
     uint8_t freq = 0;
     uint8_t hint = 0;  // batches until a hinted later use (0: no hint), this Commit only
     bool occupied = false;
-    // A step used the slot since the last MarkClean: its row may differ
-    // from the host table's copy (a flush writes back only these).
-    bool dirty = false;
     uint64_t handle = 0;  // host row of the id (0: unknown)
   };
 
@@ -147,16 +144,19 @@ class CacheDirectory {
   // Sets every cached id's use counter to 0.
   void ResetUses();
 
-  // For a flush: the cached slots whose rows may differ from the host
-  // table (dirty: a Commit used them since the last MarkClean) into
-  // `dirty`, and those with uses (since the last ResetUses) into `used`,
-  // both in slot order. Changes nothing.
-  void FlushEntries(std::vector<Eviction>* dirty, std::vector<Eviction>* used) const;
+  // Dirty slots: their rows changed in the cache (a table update) since
+  // they were last written back, so a flush must write them. The caller
+  // marks a step's slots when its update changes their rows, and clean once
+  // a flush has written them. A slot keeps its flag when another id takes
+  // it (at worst a row written once more than needed); Remove and Clear
+  // drop it. Slots outside [0, capacity) are ignored.
+  void MarkDirty(const int32_t* slots, int64_t n);
+  void MarkClean(const int32_t* slots, int64_t n);
 
-  // Marks every slot clean (its row is now in the host table) except the
-  // n_keep slots of `keep` (rows a step will still change: a lookahead
-  // plan's, prepared before their step trains them). Allocates nothing.
-  void MarkClean(const int32_t* keep, int64_t n_keep);
+  // For a flush: the cached slots marked dirty into `dirty`, and those with
+  // uses (since the last ResetUses) into `used`, both in slot order.
+  // Changes nothing.
+  void FlushEntries(std::vector<Eviction>* dirty, std::vector<Eviction>* used) const;
 
   // Sets the use counter of the id in `slot` (occupied).
   void SetUses(int32_t slot, uint32_t uses) { slots_[slot].uses = uses; }
@@ -220,6 +220,9 @@ class CacheDirectory {
     return s.occupied ? static_cast<uint16_t>(Level(s) + 1) : 0;
   }
   std::vector<uint16_t> scan_keys_;
+  // One byte per slot (MarkDirty): 1 MiB per million slots, so a step's
+  // marks stay in the core's caches, apart from the 32-byte slots.
+  std::vector<uint8_t> dirty_;
   // Open-addressing id -> slot map with backward-shift deletion; slot -1
   // marks an empty entry. Id and slot share an entry (one cache line visit
   // per probe).

@@ -317,7 +317,7 @@ void EmbeddingStore::LookupValues(const int64_t* ids, int64_t n, const float* ca
 
 void EmbeddingStore::CachedEntries(std::vector<int64_t>* ids,
                                    std::vector<int32_t>* slots, const int64_t* hold,
-                                   int64_t n_hold, bool keep_dirty) {
+                                   int64_t n_hold) {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<int32_t> held(n_hold);
   directory_.ProbeMany(hold, n_hold, held.data());
@@ -358,14 +358,23 @@ void EmbeddingStore::CachedEntries(std::vector<int64_t>* ids,
     }
   }
   // Rows used since the last flush are flagged changed here; the caller's
-  // write-back of the dirty rows flags none (HostTable::Write).
+  // write-back of the dirty rows flags none (HostTable::Write): an updated
+  // row was used, and a dirty row no step used since holds what was flagged
+  // when it was.
   table_.AddUseCounts(used_ids.data(), static_cast<int64_t>(used_ids.size()), uses.data(),
                       /*mark_changed=*/true);
   directory_.ResetUses();
   for (int32_t slot : kept) directory_.SetUses(slot, 1);
-  // The rows given are written back by the caller; the held ones (which
-  // their step will train) stay dirty.
-  if (!keep_dirty) directory_.MarkClean(held.data(), static_cast<int64_t>(held.size()));
+}
+
+void EmbeddingStore::MarkDirty(const int32_t* slots, int64_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  directory_.MarkDirty(slots, n);
+}
+
+void EmbeddingStore::MarkClean(const int32_t* slots, int64_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  directory_.MarkClean(slots, n);
 }
 
 void EmbeddingStore::ClearCache() {

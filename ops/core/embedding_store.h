@@ -119,17 +119,20 @@ class EmbeddingStore {
                     const Scheduler* schedule = nullptr, int threads = 1) const;
 
   // The cached ids (and their slots) whose rows a flush must write back:
-  // those a step used since the last call (the rest are as the host table
-  // holds them). Credits the cached use counts to the host table and flags
-  // the rows used since the last call changed (HostTable). The ids of
-  // `hold` (n_hold of them: a lookahead plan's, counted when the next batch
-  // was prepared, before its step trains them) keep one use in the cache,
-  // credited (and flagged) after that step, and are given again by the next
-  // call. `keep_dirty`: every id given stays to be given again (a training
-  // call's update is still to come and will change their rows).
+  // those whose slots are marked dirty (MarkDirty: a table update changed
+  // them since their last write-back; the rest are as the host table holds
+  // them). The caller writes them, then marks them clean (MarkClean). Also
+  // credits the cached use counts to the host table and flags the rows
+  // used since the last call changed (HostTable). The ids of `hold` (n_hold
+  // of them: a lookahead plan's, counted when the next batch was prepared,
+  // before its step trains them) keep one use in the cache, credited (and
+  // flagged) after that step.
   void CachedEntries(std::vector<int64_t>* ids, std::vector<int32_t>* slots,
-                     const int64_t* hold = nullptr, int64_t n_hold = 0,
-                     bool keep_dirty = false);
+                     const int64_t* hold = nullptr, int64_t n_hold = 0);
+
+  // See CacheDirectory::MarkDirty / MarkClean.
+  void MarkDirty(const int32_t* slots, int64_t n);
+  void MarkClean(const int32_t* slots, int64_t n);
 
   // Forgets the cache directory (rows must have been flushed).
   void ClearCache();

@@ -548,17 +548,45 @@ class CacheEntriesOp : public StoreOpKernel {
     OP_REQUIRES(ctx, TensorShapeUtils::IsVector(hold.shape()),
                 errors::InvalidArgument("hold_ids must be a vector, got shape ",
                                         hold.shape().DebugString()));
-    const Tensor& keep_dirty = ctx->input(2);
-    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(keep_dirty.shape()),
-                errors::InvalidArgument("keep_dirty must be a scalar, got shape ",
-                                        keep_dirty.shape().DebugString()));
     std::vector<int64_t> ids;
     std::vector<int32_t> slots;
-    store.CachedEntries(&ids, &slots, hold.flat<int64_t>().data(), hold.NumElements(),
-                        keep_dirty.scalar<bool>()());
+    store.CachedEntries(&ids, &slots, hold.flat<int64_t>().data(), hold.NumElements());
     OutputVector(ctx, 0, ids);
     OutputVector(ctx, 1, slots);
   }
+};
+
+// SfctrCacheMarkDirty (dirty = true) and SfctrCacheMarkClean.
+class CacheMarkOp : public StoreOpKernel {
+ public:
+  CacheMarkOp(OpKernelConstruction* ctx, bool dirty) : StoreOpKernel(ctx), dirty_(dirty) {}
+
+ protected:
+  void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
+    const Tensor& slots = ctx->input(1);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(slots.shape()),
+                errors::InvalidArgument("slots must be a vector, got shape ",
+                                        slots.shape().DebugString()));
+    const int32_t* data = slots.flat<int32_t>().data();
+    if (dirty_) {
+      store.MarkDirty(data, slots.NumElements());
+    } else {
+      store.MarkClean(data, slots.NumElements());
+    }
+  }
+
+ private:
+  const bool dirty_;
+};
+
+class CacheMarkDirtyOp : public CacheMarkOp {
+ public:
+  explicit CacheMarkDirtyOp(OpKernelConstruction* ctx) : CacheMarkOp(ctx, true) {}
+};
+
+class CacheMarkCleanOp : public CacheMarkOp {
+ public:
+  explicit CacheMarkCleanOp(OpKernelConstruction* ctx) : CacheMarkOp(ctx, false) {}
 };
 
 class CacheClearOp : public StoreOpKernel {
@@ -866,6 +894,8 @@ SFCTR_CPU_KERNEL("SfctrHostRead", HostReadOp);
 SFCTR_CPU_KERNEL("SfctrCacheProbe", CacheProbeOp);
 SFCTR_CPU_KERNEL("SfctrLookupValues", LookupValuesOp);
 SFCTR_CPU_KERNEL("SfctrCacheEntries", CacheEntriesOp);
+SFCTR_CPU_KERNEL("SfctrCacheMarkDirty", CacheMarkDirtyOp);
+SFCTR_CPU_KERNEL("SfctrCacheMarkClean", CacheMarkCleanOp);
 SFCTR_CPU_KERNEL("SfctrCacheClear", CacheClearOp);
 SFCTR_CPU_KERNEL("SfctrHostExport", HostExportOp);
 SFCTR_CPU_KERNEL("SfctrHostExportRange", HostExportRangeOp);

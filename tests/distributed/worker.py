@@ -305,6 +305,18 @@ def run_remove(out_dir, rank, size):
         stored_ids, stored_rows = [t.numpy() for t in a.store.host_export()[:2]]
         np.testing.assert_array_equal(stored_rows[:, :2], a.lookup_rows(stored_ids),
                                       err_msg=f"{distribution}: host table after flushes")
+        # A traced training call whose gradient an eager tape takes after a
+        # flush: its update still reaches the host table at the next flush
+        # (a review: it was lost from every later flush).
+        traced = tf.function(lambda x: a(x, training=True))
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(traced(batches[3]) * w)
+        a.flush()
+        tape.gradient(loss, a.trainable_weights)
+        a.flush()
+        stored_ids, stored_rows = [t.numpy() for t in a.store.host_export()[:2]]
+        np.testing.assert_array_equal(stored_rows[:, :2], a.lookup_rows(stored_ids),
+                                      err_msg=f"{distribution}: a late update not flushed")
         # A training call held across a removal of cached ids (here only
         # rank 0 names one, owned by either rank): every rank refuses the
         # call's update (only the owner's slots were freed; the other rank

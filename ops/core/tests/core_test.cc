@@ -1243,6 +1243,37 @@ void RunStoreAgainstModel(const Scheduler* schedule) {
       std::copy(r.miss_rows.begin() + m * w, r.miss_rows.begin() + (m + 1) * w,
                 cache.begin() + r.miss_slots[m] * w);
     }
+    // A flush writes back the rows updates marked dirty since their last
+    // write-back, and then the host table holds every cached row as the
+    // cache does. Here a flush comes between some steps' prepare and their
+    // update (a traced call whose gradient an eager tape takes later), and
+    // some flushes "fail" to write (not marked clean): both are written by
+    // the next flush.
+    auto flush = [&](bool write_fails) {
+      std::vector<int64_t> f_ids, again_ids;
+      std::vector<int32_t> f_slots, again_slots;
+      store.CachedEntries(&f_ids, &f_slots);
+      if (write_fails) {
+        store.CachedEntries(&again_ids, &again_slots);
+        CHECK(again_ids == f_ids);
+        return;
+      }
+      for (size_t i = 0; i < f_ids.size(); ++i) {
+        CHECK(store.table().Write(&f_ids[i], 1, cache.data() + f_slots[i] * w).ok());
+      }
+      store.MarkClean(f_slots.data(), static_cast<int64_t>(f_slots.size()));
+      for (const auto& kv : model) {
+        int32_t slot;
+        store.Probe(&kv.first, 1, &slot);
+        if (slot < 0) continue;
+        std::vector<float> host(w);
+        store.table().Find(&kv.first, 1, host.data());
+        CHECK(std::equal(host.begin(), host.end(), cache.begin() + slot * w));
+      }
+      store.CachedEntries(&again_ids, &again_slots);
+      CHECK(again_ids.empty());
+    };
+    if (step % 17 == 5) flush(/*write_fails=*/step % 3 == 0);
     for (size_t i = 0; i < ids.size(); ++i) {
       if (!model.count(ids[i])) {
         std::vector<float> init(w);
@@ -1257,37 +1288,8 @@ void RunStoreAgainstModel(const Scheduler* schedule) {
       for (int j = 2; j < 4; ++j) row[j] += 10.0f;
       std::copy(row, row + w, want.begin());
     }
-    if (step % 17 == 5) {
-      // A flush between steps writes back only the rows steps used since
-      // the last one, and then the host table holds every cached row as the
-      // cache does. A flush right after gives nothing, unless the first
-      // kept them dirty (an update still to come): then it gives them all.
-      const bool keep = step % 3 == 0;
-      std::vector<int64_t> f_ids, again_ids;
-      std::vector<int32_t> f_slots, again_slots;
-      store.CachedEntries(&f_ids, &f_slots, nullptr, 0, keep);
-      for (size_t i = 0; i < f_ids.size(); ++i) {
-        CHECK(store.table().Write(&f_ids[i], 1, cache.data() + f_slots[i] * w).ok());
-      }
-      int64_t cached = 0;
-      for (const auto& kv : model) {
-        int32_t slot;
-        store.Probe(&kv.first, 1, &slot);
-        if (slot < 0) continue;
-        ++cached;
-        std::vector<float> host(w);
-        store.table().Find(&kv.first, 1, host.data());
-        CHECK(host == kv.second);
-      }
-      CHECK(static_cast<int64_t>(f_ids.size()) <= cached);
-      store.CachedEntries(&again_ids, &again_slots);
-      if (keep) {
-        CHECK(again_ids == f_ids);
-        CHECK(again_slots == f_slots);
-      } else {
-        CHECK(again_ids.empty());
-      }
-    }
+    store.MarkDirty(r.slots.data(), static_cast<int64_t>(r.slots.size()));
+    if (step % 23 == 7) flush(/*write_fails=*/false);
     if (step % 13 == 6) {
       // Between steps, remove a few ids, cached or not, held or never seen
       // (and one twice): each comes back later from its initial row, with
@@ -2273,7 +2275,7 @@ TEST_CASE(StoreFlushKeepsAHeldCountCached) {
   std::vector<int32_t> slots;
   const std::vector<int64_t> plan_twice = {3, 4, 3};  // a repeat holds one use, not two
   store.CachedEntries(&ids, &slots, plan_twice.data(), 3);
-  CHECK_EQ(ids.size(), size_t{4});
+  CHECK(ids.empty());  // no update marked a row dirty: none to write
   std::vector<int64_t> all_ids;
   std::vector<float> rows;
   std::vector<uint32_t> counts;
@@ -2289,39 +2291,41 @@ TEST_CASE(StoreFlushKeepsAHeldCountCached) {
   CHECK((ChangedIds(store.table()) == std::vector<int64_t>{3, 4}));
 }
 
-TEST_CASE(StoreFlushGivesTheRowsUsedSinceTheLast) {
-  // A flush writes back only the rows steps used since the previous flush;
-  // a held id (a lookahead plan's, its step still to train it) comes again.
+TEST_CASE(StoreFlushGivesTheRowsMarkedDirty) {
+  // A flush gives the rows updates marked dirty since their last write-back
+  // (marked clean); a removed row is dropped, not given.
   StoreOptions o;
   o.table = Options(2, 0);
   o.cache_capacity = 8;
   EmbeddingStore store(o);
-  auto flush = [&](const std::vector<int64_t>& hold = {}, bool keep_dirty = false) {
+  auto flush = [&](bool clean = true) {
     std::vector<int64_t> ids;
     std::vector<int32_t> slots;
-    store.CachedEntries(&ids, &slots, hold.data(), static_cast<int64_t>(hold.size()),
-                        keep_dirty);
+    store.CachedEntries(&ids, &slots);
+    if (clean) store.MarkClean(slots.data(), static_cast<int64_t>(slots.size()));
     std::sort(ids.begin(), ids.end());
     return ids;
   };
   PrepareResult r;
-  std::vector<int64_t> step1 = {1, 2, 3}, step2 = {2, 4}, plan = {4, 5};
+  std::vector<int64_t> step1 = {1, 2, 3}, step2 = {2, 4};
   CHECK(store.Prepare(step1.data(), 3, &r).ok());
+  CHECK(flush().empty());  // prepared, not updated: the rows are the host's
+  store.MarkDirty(r.slots.data(), 3);
+  CHECK((flush(/*clean=*/false) == std::vector<int64_t>{1, 2, 3}));  // a failed write
   CHECK((flush() == std::vector<int64_t>{1, 2, 3}));
   CHECK(flush().empty());
   CHECK(store.Prepare(step2.data(), 2, &r).ok());
-  CHECK((flush({}, /*keep_dirty=*/true) == std::vector<int64_t>{2, 4}));
+  CHECK(flush().empty());
+  store.MarkDirty(r.slots.data(), 2);  // the update lands after that flush
   CHECK((flush() == std::vector<int64_t>{2, 4}));
-  CHECK(flush().empty());
-  CHECK(store.Prepare(plan.data(), 2, &r).ok());  // counted ahead
-  CHECK((flush(plan) == std::vector<int64_t>{4, 5}));
-  CHECK((flush() == std::vector<int64_t>{4, 5}));  // after the plan's step
-  CHECK(flush().empty());
-  std::vector<int64_t> gone = {5};
+  const std::vector<int32_t> outside = {-1, 8, 1 << 30};
+  store.MarkDirty(outside.data(), 3);  // ignored
+  CHECK(store.Prepare(step2.data(), 2, &r).ok());
+  store.MarkDirty(r.slots.data(), 2);
+  std::vector<int64_t> gone = {4};
   int64_t cached = 0;
-  CHECK(store.Prepare(plan.data(), 2, &r).ok());
   CHECK_EQ(store.Remove(gone.data(), 1, &cached), 1);
-  CHECK((flush() == std::vector<int64_t>{4}));  // a removed row is not written
+  CHECK((flush() == std::vector<int64_t>{2}));  // a removed row is not written
 }
 
 TEST_CASE(HostTablePruneDuringWritesKeepsMaxRows) {
@@ -2950,6 +2954,7 @@ void RunStoreUnderAllocationFailures(Inject mode, const Scheduler* schedule) {
       for (int j = 2; j < 4; ++j) row[j] += 10.0f;
       std::copy(row, row + w, want.begin());
     }
+    store.MarkDirty(r.slots.data(), static_cast<int64_t>(r.slots.size()));
   }
   CHECK(failed_prepares > 0);
   // Flush: the cached uses move to the host table once, failure or not.

@@ -363,6 +363,25 @@ def test_bad_tsv_lines_raise_while_iterating(tmp_path, line, match):
         list(criteo_tsv(str(path)))
 
 
+def test_a_num_dense_one_too_many_is_named_when_the_reader_is_made(files, tmp_path):
+    """A categorical hash in a dense column of the first lines (num_dense one
+    too many) failed at the first batch with TF's bare StringToNumber error."""
+    with pytest.raises(ValueError, match=r"dense column I14 of \S*full.tsv holds no number "
+                                         r"on \d+ of its first \d+ non-empty lines \(line "
+                                         r"\d+: '[^']+'\)\. With num_dense=14 and num_sparse=26 "
+                                         r"a line has 1 \+ 14 \+ 26 = 41 tab-separated "
+                                         r"columns, and line \d+ has 40: check num_dense"):
+        criteo_tsv(files["tsv"], num_dense=14)
+    gz = tmp_path / "day.tsv.gz"
+    gz.write_bytes(gzip.compress(open(files["tsv"], "rb").read()))
+    with pytest.raises(ValueError, match="dense column I14 of .* holds no number"):
+        criteo_tsv(str(gz), num_dense=14, compression_type="GZIP")
+    header = tmp_path / "header.tsv"  # a header line is the label check's to explain
+    header.write_text("label\tI1\tC1\n1\t2\tab\n")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="a label is not a number"):
+        list(criteo_tsv(str(header), num_dense=1, num_sparse=1))
+
+
 GOOD_LINE = "1\t7\tab"
 BAD_LINES = [  # (line, reason find_bad_tsv_lines gives)
     ("1\t7\tab\textra", "4 tab-separated columns, more than 3"),

@@ -20,6 +20,7 @@ Encoding, shared by :func:`criteo_tsv` and :func:`tf_sfctr.data.parquet`:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 import re
@@ -488,6 +489,47 @@ def _number(field: bytes, float32: bool = True) -> float | None:
         return float(np.float32(value))
 
 
+def _check_first_lines(path: str, compression_type: str | None, num_dense: int,
+                       num_sparse: int, lines_checked: int = 64) -> None:
+    """Refuses a file whose first lines hold mostly something other than
+    numbers in a dense column, naming the file, a line, the column and the
+    arguments: a num_dense one too many puts a categorical hash there on
+    every line, and the first batch failed with TF's bare
+    "StringToNumberOp could not correctly convert string". A bad line here
+    and there is left to the reader, which names it while iterating, as are
+    lines it explains itself (a header, a bad label, a damaged stream)."""
+    non_empty = [0] * num_dense
+    bad: list[list] = [[] for _ in range(num_dense)]  # (line, value, columns) per column
+    lines = _open_lines(path, compression_type)
+    try:
+        for number, raw in enumerate(itertools.islice(lines, lines_checked), start=1):
+            fields = raw.rstrip(b"\n").replace(b"\r", b"").split(b"\t")
+            if _number(fields[0].strip(), float32=False) is None:
+                continue  # a header or a bad label: the reader's label check says so
+            for j, field in enumerate(fields[1:1 + num_dense]):
+                field = field.strip()
+                if field:
+                    non_empty[j] += 1
+                    if _number(field) is None:
+                        bad[j].append((number, field, len(fields)))
+    except (EOFError, OSError, zlib.error):
+        return  # a damaged stream: the reader and find_bad_tsv_lines say so
+    finally:
+        lines.close()
+    for j in range(num_dense):
+        if len(bad[j]) >= 2 and 2 * len(bad[j]) > non_empty[j]:
+            number, field, width = bad[j][0]
+            shown = field.decode("utf-8", "backslashreplace")
+            raise ValueError(
+                f"criteo_tsv: dense column I{j + 1} of {path} holds no number on "
+                f"{len(bad[j])} of its first {non_empty[j]} non-empty lines (line {number}: "
+                f"{shown!r}). With num_dense={num_dense} and num_sparse={num_sparse} a line "
+                f"has 1 + {num_dense} + {num_sparse} = {1 + num_dense + num_sparse} "
+                f"tab-separated columns, and line {number} has {width}: check num_dense / "
+                "num_sparse (tf_sfctr.data.find_bad_tsv_lines(paths) lists the lines it "
+                "would refuse)")
+
+
 def find_bad_tsv_lines(
     paths: PathLike | Sequence[PathLike],
     *,
@@ -649,7 +691,10 @@ def criteo_tsv(
     ``"a\\rb"`` gets the id of ``"ab"``. Spaces around a label or dense number are ignored, and a
     dense field of spaces only is empty. A gzip file read without
     ``compression_type="GZIP"``, or a file that is not gzip (zlib) read with
-    ``"GZIP"`` (``"ZLIB"``), is refused up front.
+    ``"GZIP"`` (``"ZLIB"``), is refused up front, and so is a first file
+    whose first 64 lines hold mostly no numbers in a dense column (a
+    ``num_dense`` too large: a ``ValueError`` naming the column, a line and
+    the column counts).
 
     Args:
       paths: one file or a list of files, read in order.
@@ -681,6 +726,7 @@ def criteo_tsv(
     drop_remainder = check_bool("drop_remainder", drop_remainder)
     check_bool("prefetch", prefetch)
     _check_compressed_alike(paths, compression_type, "criteo_tsv")
+    _check_first_lines(paths[0], compression_type, num_dense, num_sparse)
     ds = tf.data.TextLineDataset(paths, compression_type=compression_type or "")
     if num_shards > 1:
         ds = ds.shard(num_shards, index)

@@ -495,6 +495,13 @@ def test_reader_argument_errors(files, tmp_path):
         criteo_tsv(files["tsv"], compression_type="BZ2")
     with pytest.raises(TypeError, match="paths must be a path or a list of paths.*got None"):
         criteo_tsv(None)
+    pq_path = tmp_path / "day.parquet"  # it said "empty label (blank line?)"
+    pq_path.write_bytes(b"PAR1" + bytes(16) + b"PAR1")
+    for reader in (criteo_tsv, find_bad_tsv_lines):
+        with pytest.raises(ValueError, match=r"day.parquet is a Parquet file, not "
+                                             r"tab-separated text; read it with "
+                                             r"tf_sfctr.data.parquet"):
+            reader(str(pq_path))
     for reader, path in zip([criteo_tsv] + ([parquet] if _has_pyarrow() else []),
                             [files["tsv"], files.get("parquet")]):
         # prefetch="no" was taken as true; drop_remainder=1 failed in TF.

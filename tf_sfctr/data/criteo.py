@@ -634,9 +634,13 @@ def _check_compressed_alike(paths: Sequence[str], compression_type: str | None,
     bytes: gzip's magic number, zlib's header check). Empty files pass."""
     for path in paths:
         with tf.io.gfile.GFile(path, "rb") as f:
-            head = f.read(2)
+            head = f.read(4)
         if not head:
             continue
+        if head == b"PAR1":  # (it read as lines of binary; "empty label (blank line?)")
+            raise ValueError(f"{who}: {path} is a Parquet file, not tab-separated text; read "
+                             "it with tf_sfctr.data.parquet")
+        head = head[:2]
         gzip_head = head == b"\x1f\x8b"
         zlib_head = (len(head) == 2 and head[0] & 0x0F == 8 and head[0] >> 4 <= 7
                      and (head[0] << 8 | head[1]) % 31 == 0)

@@ -152,10 +152,25 @@ def test_a_delta_between_a_training_call_and_its_update_is_followed_by_the_updat
         assert sorted(ids.tolist()) == [1, 2]
         np.testing.assert_array_equal(before, emb.lookup_rows(ids))
     tape.gradient(loss, emb.trainable_weights)
+    updated = emb.lookup_rows([1, 2])
     ids, rows = _delta(emb)
     assert sorted(ids.tolist()) == [1, 2]
     np.testing.assert_array_equal(rows, emb.lookup_rows(ids))
     assert np.abs(rows - before).max() > 1e-3
+    # Again, with the updated rows evicted before the next delta: their
+    # write-back carried no use, and no delta held the update (a review).
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.square(call(x) - 2.0))
+        _delta(emb)
+    tape.gradient(loss, emb.trainable_weights)
+    updated = emb.lookup_rows([1, 2])
+    for k in range(3):  # 120 new ids through a cache of 40: 1 and 2 leave it
+        emb(tf.constant(np.arange(100 + 40 * k, 140 + 40 * k).reshape(20, 2)), training=True)
+    assert (emb.store.cache_probe(tf.constant([1, 2], tf.int64)).numpy() < 0).all()
+    ids, rows = _delta(emb)
+    assert {1, 2} <= set(ids.tolist())
+    np.testing.assert_array_equal(rows[np.isin(ids, [1, 2])][np.argsort(ids[np.isin(ids, [1, 2])])],
+                                  updated)
     # A LossScaleOptimizer applies the table's update with the step's
     # gradients: refused between gradient and apply too.
     inp = keras.Input((2,), dtype="int64")

@@ -194,6 +194,23 @@ def test_a_shared_table_keeps_the_ragged_record_of_each_call_structure(rng):
     assert serving_model(model).get_layer("emb").pad_id == [None, 0]  # (again: the same)
 
 
+@pytest.mark.parametrize("as_tuple", [False, True])
+def test_a_list_call_as_a_tuple_gets_its_pads(as_tuple):
+    """A shared table called on a tuple (target, sparse history): pad_id='auto'
+    gave None for the whole call, and the served mean counted the dense
+    rows' padding 0 (a review)."""
+    target_in = keras.Input((1,), dtype="int64", name="target")
+    hist_in = keras.Input((None,), dtype="int64", sparse=True, name="hist")
+    emb = CachedEmbedding(2, cache_capacity=16, seed=0, combiner="mean", name="emb")
+    target, hist = emb((target_in, hist_in) if as_tuple else [target_in, hist_in])
+    model = keras.Model([target_in, hist_in], keras.layers.Concatenate()([target, hist]))
+    emb.assign_rows([0, 5, 6, 7], [[100.0, 100.0], [1.0, 1.0], [2.0, 2.0], [3.0, 3.0]])
+    frozen = serving_model(model)
+    assert frozen.get_layer("emb").pad_id == [None, 0]
+    served = frozen.predict([np.array([[5], [6]]), np.array([[6, 0], [7, 0]])], verbose=0)
+    np.testing.assert_allclose(served, [[1, 1, 2, 2], [2, 2, 3, 3]])
+
+
 def test_a_trained_row_for_id_0_that_served_rows_skip_warns():
     """Trained on sparse ids where 0 is a real id (a StringLookup's
     out-of-vocabulary index), the served model's dense rows skip 0 as

@@ -365,12 +365,12 @@ def _served_pad_id(model: keras.Model, layer: CachedEmbedding) -> Union[int, Non
     inputs = _call_inputs(model, layer)
     pads, unknown = [], []
     for x in inputs:
-        features = x if isinstance(x, list) else [x]
-        graph_pads = _pad_for(x) if isinstance(x, list) else [_pad_for(x)]
+        features = x if isinstance(x, (list, tuple)) else [x]
+        graph_pads = _pad_for(x) if isinstance(x, (list, tuple)) else [_pad_for(x)]
         fed = [_fed_kind(layer, record, len(features), k, t) for k, t in enumerate(features)]
         unknown.append([f is None for f in fed])
         call = [0 if p == 0 or f else None for p, f in zip(graph_pads, fed)]
-        pads.append(call if isinstance(x, list) else call[0])
+        pads.append(call if isinstance(x, (list, tuple)) else call[0])
     if not pads:  # not wired into this graph: as before
         return 0
     if layer.combiner is not None:
@@ -379,7 +379,7 @@ def _served_pad_id(model: keras.Model, layer: CachedEmbedding) -> Union[int, Non
         # a list call): ragged ids fed through a dense variable-length Input
         # leave no trace in the model, and guessing would serve wrong rows.
         for x, pad, blind in zip(inputs, pads, unknown):
-            for k, t in enumerate(x if isinstance(x, list) else [x]):
+            for k, t in enumerate(x if isinstance(x, (list, tuple)) else [x]):
                 p = pad[k] if isinstance(pad, list) else pad
                 shape = getattr(t, "shape", None)
                 if blind[k] and p is None and shape is not None and len(shape) >= 2 \

@@ -342,7 +342,8 @@ void CacheDirectory::Commit(const int64_t* ids, int64_t n, int32_t* slots,
       undo->replaced.back().hint = 0;  // hints last one Commit
     }
     if (s.occupied) {  // the caller removes the id from the map
-      evicted->push_back(Eviction{s.id, slot, s.uses, s.handle});
+      evicted->push_back(Eviction{s.id, slot, s.uses, s.handle, dirty_[slot] != 0});
+      dirty_[slot] = 0;  // the new id's row comes from the host
       --freq_count_[s.freq];
       --size_;
       ++stats_.evictions;
@@ -412,6 +413,7 @@ void CacheDirectory::Rollback(const int64_t* ids, int64_t n, const int32_t* slot
   }
   for (size_t j = undo.first_eviction; j < evicted.size(); ++j) {
     MapInsert(evicted[j].id, evicted[j].slot);
+    dirty_[evicted[j].slot] = evicted[j].dirty ? 1 : 0;  // its row stays there
   }
   // The slots given to misses get their old contents back (latest first).
   for (size_t j = undo.replaced.size(); j-- > 0;) {

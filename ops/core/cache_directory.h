@@ -66,6 +66,7 @@ class CacheDirectory {
     int32_t slot;
     uint32_t uses;        // steps that used the id while it was cached
     uint64_t handle = 0;  // where its host row lives (SetHandle), 0 if unknown
+    bool dirty = false;   // an update changed the row since it was last written back
   };
 
   // What a Commit changed, for Rollback.
@@ -147,9 +148,9 @@ class CacheDirectory {
   // Dirty slots: their rows changed in the cache (a table update) since
   // they were last written back, so a flush must write them. The caller
   // marks a step's slots when its update changes their rows, and clean once
-  // a flush has written them. A slot keeps its flag when another id takes
-  // it (at worst a row written once more than needed); Remove and Clear
-  // drop it. Slots outside [0, capacity) are ignored.
+  // a flush has written them. A Commit that evicts a slot reports its flag
+  // with the eviction and clears it (the new id's row comes from the host);
+  // Remove and Clear drop it. Slots outside [0, capacity) are ignored.
   void MarkDirty(const int32_t* slots, int64_t n);
   void MarkClean(const int32_t* slots, int64_t n);
 

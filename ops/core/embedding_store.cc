@@ -150,6 +150,11 @@ CoreStatus EmbeddingStore::PrepareLocked(const int64_t* ids, int64_t n, PrepareR
   pending_ids_.clear();
   pending_handles_.clear();
   for (const auto& e : evicted) {
+    // A row an update changed after the flush that credited its uses
+    // (a training call's gradient taken after a flush, or a delta): its
+    // write-back carries no use to flag it changed, so it is flagged here
+    // (before the write-back, which comes before any later read).
+    if (e.dirty && e.uses == 0) table_.MarkChanged(e.id);
     r->evict_ids.push_back(e.id);
     r->evict_slots.push_back(e.slot);
     r->evict_uses.push_back(e.uses);

@@ -618,6 +618,15 @@ void HostTable::AddSaturating(const Shard& s, uint32_t row, uint32_t count) cons
   c = static_cast<uint16_t>(sum > kMaxCount ? kMaxCount : sum);
 }
 
+void HostTable::MarkChanged(int64_t id) {
+  std::shared_lock<std::shared_mutex> no_prune(prune_mu_);
+  const uint64_t h = HashId(id);
+  Shard& s = shards_[ShardIndex(h)];
+  std::lock_guard<std::mutex> lock(s.mu);
+  Entry* e = Locate(s, id, h);
+  if (e != nullptr) MetaOf(s, e->row).changed = kChanged;
+}
+
 void HostTable::AddUseCount(int64_t id, uint32_t count) {
   AddUseCounts(&id, 1, &count);
 }

@@ -157,6 +157,8 @@ class HostTable {
   // above 0 are flagged changed too.
   void AddUseCounts(const int64_t* ids, int64_t n, const uint32_t* counts,
                     bool mark_changed = false);
+  // Flags a stored id's row changed (no-op if absent). Allocates nothing.
+  void MarkChanged(int64_t id);
 
   // Snapshot of every stored row, in no particular order.
   void Export(std::vector<int64_t>* ids, std::vector<float>* rows,

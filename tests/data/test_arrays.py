@@ -4,6 +4,7 @@
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tf_sfctr.data import Ragged, dataset_from_arrays, synthetic_criteo
 
@@ -53,3 +54,14 @@ def test_bad_arguments_are_named(features, label, kwargs, error, match):
 def test_synthetic_criteo_flags_are_bools():
     with pytest.raises(TypeError, match="drop_remainder must be True or False, got 1"):
         synthetic_criteo(10, drop_remainder=1)
+
+
+def test_a_shuffled_dataset_made_inside_a_tf_function_is_refused_with_the_fix():
+    @tf.function
+    def make():
+        dataset_from_arrays({"x": np.arange(10)}, np.arange(10), shuffle=True)
+        return tf.constant(0)
+
+    with pytest.raises(RuntimeError, match=r"cannot be made inside a tf.function.*pass "
+                                           r"shuffle=False and add ds.shuffle"):
+        make()

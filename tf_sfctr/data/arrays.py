@@ -60,7 +60,11 @@ def dataset_from_arrays(
     ``seed`` and the pass's number only, not of TensorFlow's global seed: so
     Horovod ranks seeded apart (``keras.utils.set_random_seed(100 + rank)``)
     still shard one order with ``ds.shard(hvd.size(), hvd.rank())``, as long
-    as they make the same passes. The arrays are embedded in the dataset
+    as they make the same passes. The pass count is a ``tf.Variable`` the
+    dataset updates: make a shuffled dataset outside any ``tf.function``,
+    and note that ``tf.train.Checkpoint`` cannot save its iterators (TF
+    refuses the variable's update); for either, pass ``shuffle=False`` and
+    add your own ``ds.shuffle``. The arrays are embedded in the dataset
     graph, so keep them to a few million rows.
 
     Example:
@@ -116,9 +120,15 @@ def _shuffled_rows(num_rows: int, seed: int | None) -> tf.data.Dataset:
     if seed is None:  # a new order per process, as Dataset.shuffle(seed=None) gave
         seed = int(np.random.default_rng().integers(2**62))
     seed = check_int("seed", seed, minimum=-(2**63))
-    with tf.init_scope():  # (the count outlives a tf.function that makes the dataset)
-        passes = tf.Variable(tf.constant(0, tf.int64), trainable=False,
-                             name="dataset_from_arrays_passes")
+    if tf.inside_function():
+        # A tf.function traced twice would make two counters, which TF
+        # refuses with a message that names neither this nor the fix.
+        raise RuntimeError(
+            "dataset_from_arrays(shuffle=True) cannot be made inside a tf.function (its "
+            "pass count is a tf.Variable): make it outside, or pass shuffle=False and "
+            "add ds.shuffle(...) yourself")
+    passes = tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                         name="dataset_from_arrays_passes")
     key = tf.constant(seed % 2**63, tf.int64)
 
     def permutation(_):

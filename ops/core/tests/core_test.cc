@@ -2328,6 +2328,34 @@ TEST_CASE(StoreFlushGivesTheRowsMarkedDirty) {
   CHECK((flush() == std::vector<int64_t>{2}));  // a removed row is not written
 }
 
+TEST_CASE(StoreEvictionOfARowChangedAfterItsFlushFlagsIt) {
+  // An update that lands after the flush that credited its use (a delta
+  // taken between a training call and its gradient) leaves the row dirty
+  // with no cached use; evicted before the next flush, its write-back
+  // carries no count to flag it, so the eviction flags it (a review: the
+  // next delta missed the update for good).
+  StoreOptions o;
+  o.table = Options(2, 0);
+  o.cache_capacity = 4;
+  EmbeddingStore store(o);
+  PrepareResult r;
+  std::vector<int64_t> step = {1, 2}, others = {3, 4, 5, 6};
+  CHECK(store.Prepare(step.data(), 2, &r).ok());
+  std::vector<int64_t> ids;
+  std::vector<int32_t> slots;
+  store.CachedEntries(&ids, &slots);  // the delta's flush: uses credited
+  CHECK((ChangedIds(store.table(), 1000) == std::vector<int64_t>{1, 2}));  // the delta
+  store.MarkDirty(r.slots.data(), 2);  // the update lands now
+  CHECK(store.Prepare(others.data(), 4, &r).ok());  // evicts 1 and 2
+  CHECK_EQ(r.evict_ids.size(), size_t{2});
+  CHECK((r.evict_uses == std::vector<uint32_t>{0, 0}));
+  // 1 and 2, and the new rows (a new row is a change).
+  CHECK((ChangedIds(store.table(), 1000) == std::vector<int64_t>{1, 2, 3, 4, 5, 6}));
+  // The new ids' slots came clean from the host: a flush writes nothing.
+  store.CachedEntries(&ids, &slots);
+  CHECK(ids.empty());
+}
+
 TEST_CASE(HostTablePruneDuringWritesKeepsMaxRows) {
   // Write counts missing ids, reserves, then inserts; a prune in between
   // used to let inserts go unreserved, and max_rows drifted upwards.

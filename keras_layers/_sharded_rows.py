@@ -20,17 +20,20 @@ class ShardedRowsMixin:
     replicated on, Horovod ranks, and the update function of their
     gradients."""
 
-    def _unique_rows(self, unique_ids: tf.Tensor, training: bool):
+    def _unique_rows(self, unique_ids: tf.Tensor, training: bool,
+                     next_ids: Optional[tf.Tensor] = None):
         """Rows of this rank's distinct ids and, when training, the function
         that routes their gradients (per unique id) to the table update.
-        (A local table's training step is in ``call``.)"""
+        (A local table's training step is in ``call``.) ``next_ids``: the
+        next batch's distinct ids (lookahead), used by a data-parallel
+        table."""
         if self._mode == "local":
             return self._inference_rows(unique_ids), None
         if self._mode == "model_parallel":
             route, position, _ = self._route(None, unique_ids, None, training)
             rows, apply_update = self._model_parallel_rows(route, training)
             return _ops.gather_tensor_rows(rows, position), apply_update
-        return self._data_parallel_rows(unique_ids, training)
+        return self._data_parallel_rows(unique_ids, training, next_ids)
 
     def _exchange_name(self, training: bool) -> str:
         return self._collective_name("train" if training else "infer")
@@ -224,23 +227,45 @@ class ShardedRowsMixin:
 
         return rows, apply_update
 
-    def _data_parallel_rows(self, unique_ids: tf.Tensor, training: bool):
+    def _data_parallel_rows(self, unique_ids: tf.Tensor, training: bool,
+                            next_ids: Optional[tf.Tensor] = None):
         if not training:  # every rank holds the whole table
             return self._inference_rows(unique_ids), None
         hvd = _horovod.require()
         name = self._collective_name("dp")
-        all_ids = hvd.allgather(unique_ids, name=f"{name}_ids", ignore_name_scope=True)
+        # Each rank sends its distinct ids and then its next batch's
+        # (lookahead; none without), in one all-gather, and their counts
+        # and whether it has a next batch in another: every rank makes the
+        # same collectives whatever its inputs.
+        has_next = next_ids is not None
+        ahead = next_ids if has_next else tf.zeros([0], tf.int64)
+        all_ids = hvd.allgather(tf.concat([unique_ids, ahead], 0), name=f"{name}_ids",
+                                ignore_name_scope=True)
         # (Computed, not folded: in a trace specialised to a static number of
         # ids, grappler folds a constant's all-gather away.)
         size = tf.size(unique_ids) + tf.cast(
             tf.minimum(self._training_calls.var.read_value(), 0), tf.int32)
-        sizes = hvd.allgather(size[None], name=f"{name}_sizes", ignore_name_scope=True)
+        counts = tf.stack([size, tf.size(ahead), tf.constant(int(has_next), tf.int32)])
+        counts = tf.reshape(hvd.allgather(counts, name=f"{name}_sizes",
+                                          ignore_name_scope=True), [-1, 3])
+        sizes = counts[:, 0]
         offset = tf.reduce_sum(sizes[: hvd.rank()])
+        # Which gathered ids are a next batch's: each rank's block is its
+        # ids, then its next ones.
+        is_next = tf.repeat(tf.tile([False, True], tf.shape(sizes)),
+                            tf.reshape(counts[:, :2], [-1]))
         # Every rank loads the union of the step's ids in the same order, so
-        # the replicas stay identical.
-        glob_ids, glob_inverse, _ = _ops.unique(all_ids)
+        # the replicas stay identical; with every rank's next batch, the
+        # union of those is prepared ahead, the same on every replica.
+        glob_ids, glob_inverse, _ = _ops.unique(tf.boolean_mask(all_ids, ~is_next))
         mine = glob_inverse[offset: offset + tf.size(unique_ids)]
-        slots = self._cached_slots(glob_ids)
+        next_glob = None
+        if has_next:
+            every_rank = tf.reduce_all(counts[:, 2] > 0)
+            next_glob = tf.cond(
+                every_rank, lambda: _ops.unique(tf.boolean_mask(all_ids, is_next))[0],
+                lambda: tf.zeros([0], tf.int64))
+        slots = self._cached_slots(glob_ids, next_glob)
         glob_rows = _ops.gather_rows(self._cache_rows, slots)
         dim, n = self.output_dim, float(self._world_size)
 

@@ -844,7 +844,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             num_unique = tf.shape(rows)[0]
             rows = _ops.gather_tensor_rows(rows, inverse)
         else:
-            rows, apply_update = self._unique_rows(unique_ids, bool(training))
+            rows, apply_update = self._unique_rows(unique_ids, bool(training), next_ids)
             num_unique = tf.size(unique_ids)
             rows = _ops.gather_tensor_rows(rows, inverse)
         if apply_update is not None:

@@ -46,9 +46,11 @@ def results(tmp_path_factory):
     store.header = lambda: np.array([1, *full[1:4]], np.int64)  # format 1 (test only)
     save(tf.train.Checkpoint(model=dp[4]), str(out / "ckpt_v1_1rank"), table_files=False)
     del store.header
+    # (The whole worker takes several minutes on 2 idle cores; the timeout
+    # only guards against a hang, and a busy machine can double the time.)
     proc = subprocess.run(
         [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, WORKER,
-         str(out)], capture_output=True, text=True, timeout=900, env=env)
+         str(out)], capture_output=True, text=True, timeout=1800, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
     def load(name, rank):

@@ -33,6 +33,11 @@ SCENARIOS = {
     "mp_adagrad_shared": ("adagrad", "shared", "model_parallel", "loop"),
     "dp_sgd_dense": ("sgd", "dense", "data_parallel", "loop"),
     "dp_adagrad_ragged": ("adagrad", "ragged", "data_parallel", "loop"),
+    # A data-parallel table with lookahead: the next batch's distinct ids of
+    # every rank ride in the step's all-gather, and every replica prepares
+    # their union.
+    "dp_adagrad_lookahead": ("adagrad", "dense", "data_parallel", "lookahead"),
+    "dp_sgd_ragged_lookahead": ("sgd", "ragged", "data_parallel", "lookahead"),
     # FTRL: two state rows, the per-occurrence squares summed over ranks.
     "mp_ftrl_dense": ("ftrl", "dense", "model_parallel", "loop"),
     "dp_ftrl_dense": ("ftrl", "dense", "data_parallel", "loop"),

@@ -621,6 +621,28 @@ def run_robustness(out_dir, rank, size):
         assert "Mismatched data types" in str(err), str(err)
     np.testing.assert_array_equal(mixed.lookup_rows(v[:30]), mixed_before)
     assert mixed.cache_stats()["host_rows"] == 0
+    # A data-parallel table: the next ids ride in the all-gather, so one
+    # rank without them leaves every replica without a plan, and training
+    # goes on alike.
+    dp_mixed = CachedEmbedding(2, cache_capacity=64, seed=0, name="dp_mixed",
+                               distribution="data_parallel")
+
+    @tf.function
+    def dp_step(f):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(dp_mixed(f, training=True))
+        return tape.gradient(loss, dp_mixed.trainable_weights)
+
+    first = deduplicate(tf.constant(v[rank * 6: rank * 6 + 6].reshape(2, 3)))
+    second = deduplicate(tf.constant(v[20 + rank * 3: 23 + rank * 3].reshape(1, 3)))
+    if rank == 0:
+        first = dict(first, next_unique_ids=second["unique_ids"])
+    dp_step(first)
+    dp_step(second)
+    assert dp_mixed.cache_stats()["prepared_ahead"] == 0, dp_mixed.cache_stats()
+    both = hvd.allgather(tf.constant(dp_mixed.lookup_rows(v[:30]))[None],
+                         name="dp_mixed_rows").numpy()
+    np.testing.assert_array_equal(both[0], both[1])
     # An owner whose host table is full: both ranks hear of it.
     small = CachedEmbedding(2, cache_capacity=8, max_rows=3, seed=0, name="small",
                             distribution="model_parallel")

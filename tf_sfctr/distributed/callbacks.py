@@ -120,16 +120,24 @@ def _table_settings(model) -> list:
     """What every rank's copy of each table must share, by layer name."""
     from tf_sfctr.callbacks import cached_embeddings
 
-    # The update count too (Adam's bias correction and a schedule count it
-    # on each owner): `table_updates` set on one rank only would train the
-    # shards apart.
     return sorted(
         [layer.name, layer.output_dim, layer.distribution, layer.combiner,
          type(layer.table_optimizer).__name__,
          json.dumps(layer.table_optimizer.get_config(), sort_keys=True, default=str),
-         f"table_updates={layer.table_updates}" if getattr(layer, "_store", None) is not None
-         else "not built"]
+         _update_count(layer)]
         for layer in cached_embeddings(model))
+
+
+def _update_count(layer) -> str:
+    """A model-parallel table's update count (Adam's bias correction and a
+    schedule count it on each owner: `table_updates` set on one rank only
+    would train the shards apart). A data-parallel table's replicas are
+    compared whole, with their own message, by _check_replicas_agree."""
+    if getattr(layer, "_store", None) is None:
+        return "not built"
+    if layer.mode != "model_parallel":
+        return ""
+    return f"table_updates={layer.table_updates}"
 
 
 class BroadcastInitialState(keras.callbacks.Callback):

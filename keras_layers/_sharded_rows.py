@@ -234,8 +234,8 @@ class ShardedRowsMixin:
         hvd = _horovod.require()
         name = self._collective_name("dp")
         # Each rank sends its distinct ids and then its next batch's
-        # (lookahead; none without), in one all-gather, and their counts
-        # and whether it has a next batch in another: every rank makes the
+        # (lookahead; none without), in one all-gather, and the two counts
+        # in another: every rank makes the
         # same collectives whatever its inputs.
         has_next = next_ids is not None
         ahead = next_ids if has_next else tf.zeros([0], tf.int64)
@@ -245,15 +245,15 @@ class ShardedRowsMixin:
         # ids, grappler folds a constant's all-gather away.)
         size = tf.size(unique_ids) + tf.cast(
             tf.minimum(self._training_calls.var.read_value(), 0), tf.int32)
-        counts = tf.stack([size, tf.size(ahead), tf.constant(int(has_next), tf.int32)])
+        counts = tf.stack([size, tf.size(ahead)])
         counts = tf.reshape(hvd.allgather(counts, name=f"{name}_sizes",
-                                          ignore_name_scope=True), [-1, 3])
+                                          ignore_name_scope=True), [-1, 2])
         sizes = counts[:, 0]
         offset = tf.reduce_sum(sizes[: hvd.rank()])
         # Which gathered ids are a next batch's: each rank's block is its
         # ids, then its next ones.
         is_next = tf.repeat(tf.tile([False, True], tf.shape(sizes)),
-                            tf.reshape(counts[:, :2], [-1]))
+                            tf.reshape(counts, [-1]))
         # Every rank loads the union of the step's ids in the same order, so
         # the replicas stay identical; with every rank's next batch, the
         # union of those is prepared ahead, the same on every replica.
@@ -261,7 +261,10 @@ class ShardedRowsMixin:
         mine = glob_inverse[offset: offset + tf.size(unique_ids)]
         next_glob = None
         if has_next:
-            every_rank = tf.reduce_all(counts[:, 2] > 0)
+            # Every rank sent next ids: a rank's last batch has an empty
+            # next_unique_ids, and a plan for the others' ids alone would be
+            # thrown away, its early use counts kept (a review).
+            every_rank = tf.reduce_all(counts[:, 1] > 0)
             next_glob = tf.cond(
                 every_rank, lambda: _ops.unique(tf.boolean_mask(all_ids, is_next))[0],
                 lambda: tf.zeros([0], tf.int64))

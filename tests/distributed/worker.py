@@ -640,6 +640,20 @@ def run_robustness(out_dir, rank, size):
     dp_step(first)
     dp_step(second)
     assert dp_mixed.cache_stats()["prepared_ahead"] == 0, dp_mixed.cache_stats()
+    # Next ids on every rank, but none on rank 1 (its last batch): no
+    # replica prepares the others' (a review: a partial plan was made and
+    # thrown away, its early use counts kept).
+    third = deduplicate(tf.constant(v[30 + rank * 3: 33 + rank * 3].reshape(1, 3)))
+    after = (third["unique_ids"] if rank == 0 else tf.zeros([0], tf.int64))
+    dp_step(dict(second, next_unique_ids=after))
+    dp_step(third)
+    stats = dp_mixed.cache_stats()
+    assert stats["prepared_ahead"] == 0, stats
+    # Each of the third batch's ids was used by one step, counted once.
+    parts = list(dp_mixed.export_rows())
+    ids, uses = (np.concatenate([p[k] for p in parts]) for k in (0, 2))
+    third_all = hvd.allgather(third["unique_ids"], name="dp_mixed_third").numpy()
+    assert (uses[np.isin(ids, third_all)] == 1).all(), uses[np.isin(ids, third_all)]
     both = hvd.allgather(tf.constant(dp_mixed.lookup_rows(v[:30]))[None],
                          name="dp_mixed_rows").numpy()
     np.testing.assert_array_equal(both[0], both[1])
@@ -1281,6 +1295,18 @@ def run_one_rank_refusals(out_dir, rank, size):
     counted.table_updates = 100
     model.fit(*data, batch_size=2, verbose=0, callbacks=callbacks())
     assert counted.table_updates == 102, counted.table_updates
+    # A data-parallel table's count set on one rank between two fits that
+    # share one callbacks() list: refused at the second (it trained apart).
+    replica = CachedEmbedding(3, cache_capacity=8, seed=3, name="refusals_replica",
+                              optimizer="adam", distribution="data_parallel")
+    model = keras.Model(x, keras.layers.Dense(1)(keras.layers.Flatten()(replica(x))))
+    model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    shared = callbacks()
+    model.fit(*data, batch_size=2, verbose=0, callbacks=shared)
+    if rank == 1:
+        replica.table_updates = 1000
+    _expect_error(lambda: model.fit(*data, batch_size=2, verbose=0, callbacks=shared),
+                  "set table_updates alike")
     np.savez(os.path.join(out_dir, f"one_rank_refusals_rank{rank}.npz"), ok=np.array(1))
 
 

@@ -188,6 +188,11 @@ class BroadcastInitialState(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._training = weakref.ref(self.model)
         _warn_unless_averaging(self.model)
+        # At every fit, not only before the first broadcast: a replica changed
+        # on one rank between two fits with one callbacks() list (its
+        # table_updates, say) trained apart silently (a review).
+        if self.model.built:
+            _check_replicas_agree(self.model)
         _check_same_tables(self.model)  # before the broadcast, which would hang
         if self._done(self.model) or not (self.model.built and self.model.trainable_variables):
             return  # not built yet: after the first step
@@ -233,8 +238,8 @@ def _check_replicas_agree(model) -> None:
         + ", ".join(lines or ["(the ranks' models hold different tables)"]) + ". Their "
         "rows are not broadcast like the dense weights: every rank must restore the same "
         "checkpoint or load the same weights (tf_sfctr.distributed.restore or "
-        "load_weights on every rank, not on rank 0 only), and prune alike. Nothing was "
-        "broadcast.")
+        "load_weights on every rank, not on rank 0 only), prune alike and set "
+        "table_updates alike. Nothing was broadcast.")
 
 
 def _warn_unless_averaging(model):

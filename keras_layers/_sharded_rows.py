@@ -21,19 +21,19 @@ class ShardedRowsMixin:
     gradients."""
 
     def _unique_rows(self, unique_ids: tf.Tensor, training: bool,
-                     next_ids: Optional[tf.Tensor] = None):
+                     next_ids: Optional[tf.Tensor] = None, hints: Optional[tuple] = None):
         """Rows of this rank's distinct ids and, when training, the function
         that routes their gradients (per unique id) to the table update.
         (A local table's training step is in ``call``.) ``next_ids``: the
-        next batch's distinct ids (lookahead), used by a data-parallel
-        table."""
+        next batch's distinct ids (lookahead), and ``hints``, eviction hints
+        (ids, steps): used by a data-parallel table."""
         if self._mode == "local":
             return self._inference_rows(unique_ids), None
         if self._mode == "model_parallel":
             route, position, _ = self._route(None, unique_ids, None, training)
             rows, apply_update = self._model_parallel_rows(route, training)
             return _ops.gather_tensor_rows(rows, position), apply_update
-        return self._data_parallel_rows(unique_ids, training, next_ids)
+        return self._data_parallel_rows(unique_ids, training, next_ids, hints)
 
     def _exchange_name(self, training: bool) -> str:
         return self._collective_name("train" if training else "infer")
@@ -228,36 +228,39 @@ class ShardedRowsMixin:
         return rows, apply_update
 
     def _data_parallel_rows(self, unique_ids: tf.Tensor, training: bool,
-                            next_ids: Optional[tf.Tensor] = None):
+                            next_ids: Optional[tf.Tensor] = None,
+                            hints: Optional[tuple] = None):
         if not training:  # every rank holds the whole table
             return self._inference_rows(unique_ids), None
         hvd = _horovod.require()
         name = self._collective_name("dp")
-        # Each rank sends its distinct ids and then its next batch's
-        # (lookahead; none without), in one all-gather, and the two counts
-        # in another: every rank makes the
-        # same collectives whatever its inputs.
+        # Each rank sends, in one all-gather, its distinct ids, its next
+        # batch's (lookahead), its eviction hints' ids and their steps (each
+        # part empty when the rank has none), and the four counts in
+        # another: every rank makes the same collectives whatever its inputs.
         has_next = next_ids is not None
         ahead = next_ids if has_next else tf.zeros([0], tf.int64)
-        all_ids = hvd.allgather(tf.concat([unique_ids, ahead], 0), name=f"{name}_ids",
-                                ignore_name_scope=True)
+        hint_ids, hint_steps = hints if hints is not None else (
+            tf.zeros([0], tf.int64), tf.zeros([0], tf.int32))
+        all_ids = hvd.allgather(
+            tf.concat([unique_ids, ahead, hint_ids, tf.cast(hint_steps, tf.int64)], 0),
+            name=f"{name}_ids", ignore_name_scope=True)
         # (Computed, not folded: in a trace specialised to a static number of
         # ids, grappler folds a constant's all-gather away.)
         size = tf.size(unique_ids) + tf.cast(
             tf.minimum(self._training_calls.var.read_value(), 0), tf.int32)
-        counts = tf.stack([size, tf.size(ahead)])
+        counts = tf.stack([size, tf.size(ahead), tf.size(hint_ids), tf.size(hint_steps)])
         counts = tf.reshape(hvd.allgather(counts, name=f"{name}_sizes",
-                                          ignore_name_scope=True), [-1, 2])
+                                          ignore_name_scope=True), [-1, 4])
         sizes = counts[:, 0]
         offset = tf.reduce_sum(sizes[: hvd.rank()])
-        # Which gathered ids are a next batch's: each rank's block is its
-        # ids, then its next ones.
-        is_next = tf.repeat(tf.tile([False, True], tf.shape(sizes)),
-                            tf.reshape(counts, [-1]))
+        # Which part of its rank's block each gathered value is: 0 this
+        # step's ids, 1 the next batch's, 2 hinted ids, 3 their steps.
+        part = tf.repeat(tf.tile(tf.range(4), tf.shape(sizes)), tf.reshape(counts, [-1]))
         # Every rank loads the union of the step's ids in the same order, so
         # the replicas stay identical; with every rank's next batch, the
         # union of those is prepared ahead, the same on every replica.
-        glob_ids, glob_inverse, _ = _ops.unique(tf.boolean_mask(all_ids, ~is_next))
+        glob_ids, glob_inverse, _ = _ops.unique(tf.boolean_mask(all_ids, tf.equal(part, 0)))
         mine = glob_inverse[offset: offset + tf.size(unique_ids)]
         next_glob = None
         if has_next:
@@ -266,9 +269,16 @@ class ShardedRowsMixin:
             # thrown away, its early use counts kept (a review).
             every_rank = tf.reduce_all(counts[:, 1] > 0)
             next_glob = tf.cond(
-                every_rank, lambda: _ops.unique(tf.boolean_mask(all_ids, is_next))[0],
+                every_rank,
+                lambda: _ops.unique(tf.boolean_mask(all_ids, tf.equal(part, 1)))[0],
                 lambda: tf.zeros([0], tf.int64))
-        slots = self._cached_slots(glob_ids, next_glob)
+        # Every rank's hints, on every replica (whether this rank sent any or
+        # not, so that the replicas evict alike); an id hinted by several
+        # ranks keeps its nearest step in the directory. (The steps were
+        # checked to be in [1, 2**31 - 1] on their rank.)
+        glob_hints = (tf.boolean_mask(all_ids, tf.equal(part, 2)),
+                      tf.cast(tf.boolean_mask(all_ids, tf.equal(part, 3)), tf.int32))
+        slots = self._cached_slots(glob_ids, next_glob, glob_hints)
         glob_rows = _ops.gather_rows(self._cache_rows, slots)
         dim, n = self.output_dim, float(self._world_size)
 

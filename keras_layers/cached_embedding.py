@@ -173,14 +173,14 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
     batch (directory update, host fetch of missed rows, copy to the device)
     while it computes, as in ScaleFreeCTR's pipeline; the next step then only
     writes back evicted rows and fills the fetched ones. Results are the same
-    as without lookahead. (Local and model-parallel tables; a model-parallel
-    step also sends the next ids to their owners. Data-parallel tables
-    ignore the key.) With ``"next_hint_ids"`` and ``"next_hint_steps"`` (ids that
+    as without lookahead. (A model-parallel step also sends the next ids to
+    their owners; a data-parallel one gathers every rank's, and each replica
+    prepares their union, only when every rank has a next batch.) With ``"next_hint_ids"`` and ``"next_hint_steps"`` (ids that
     later batches use and how many batches after this one, from
     ``with_unique_ids(..., eviction_hints=k)``) the cache keeps those rows
-    when others can go; values are unchanged. (Local and model-parallel
-    tables; a model-parallel step sends each hint to the owner of its id in
-    the ids all-to-all. Data-parallel tables ignore the keys.)
+    when others can go; values are unchanged. (A model-parallel step sends
+    each hint to the owner of its id in the ids all-to-all; a data-parallel
+    one gathers every rank's hints, and each replica keeps all of them.)
 
     Per-id weights: ``layer(ids, weights=w)``, floats of the ids' structure
     (dense of their shape, ragged of their row lengths, sparse of their
@@ -844,7 +844,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             num_unique = tf.shape(rows)[0]
             rows = _ops.gather_tensor_rows(rows, inverse)
         else:
-            rows, apply_update = self._unique_rows(unique_ids, bool(training), next_ids)
+            rows, apply_update = self._unique_rows(unique_ids, bool(training), next_ids, hints)
             num_unique = tf.size(unique_ids)
             rows = _ops.gather_tensor_rows(rows, inverse)
         if apply_update is not None:

@@ -178,10 +178,11 @@ def test_uneven_and_empty_splits(results):
     assert results("routing", 1)["sent"].tolist() == [2, 0]
 
 
-@pytest.mark.parametrize("kind", ["mp_adagrad", "mp_sgd_ragged"])
+@pytest.mark.parametrize("kind", ["mp_adagrad", "mp_sgd_ragged", "dp_adagrad", "dp_sgd_ragged"])
 def test_hints_raise_the_owners_hit_rate(results, kind):
     """The same run with and without eviction hints (both with lookahead):
-    equal values (test above), the same accesses, more hits on the owners."""
+    equal values (test above), the same accesses, more hits on the owners
+    (model parallel) or on every replica (data parallel)."""
     def total(name, key):
         return sum(int(results(name, r)[key]) for r in range(sc.WORLD))
 

@@ -38,6 +38,10 @@ SCENARIOS = {
     # their union.
     "dp_adagrad_lookahead": ("adagrad", "dense", "data_parallel", "lookahead"),
     "dp_sgd_ragged_lookahead": ("sgd", "ragged", "data_parallel", "lookahead"),
+    # ... and with eviction hints: every rank's hints ride in the all-gather
+    # too, and every replica keeps the union of them.
+    "dp_adagrad_hints": ("adagrad", "dense", "data_parallel", "hints"),
+    "dp_sgd_ragged_hints": ("sgd", "ragged", "data_parallel", "hints"),
     # FTRL: two state rows, the per-occurrence squares summed over ranks.
     "mp_ftrl_dense": ("ftrl", "dense", "model_parallel", "loop"),
     "dp_ftrl_dense": ("ftrl", "dense", "data_parallel", "loop"),

@@ -657,6 +657,35 @@ def run_robustness(out_dir, rank, size):
     both = hvd.allgather(tf.constant(dp_mixed.lookup_rows(v[:30]))[None],
                          name="dp_mixed_rows").numpy()
     np.testing.assert_array_equal(both[0], both[1])
+    # Eviction hints on rank 0 only (data parallel): they ride in the
+    # all-gather, so both replicas keep the hinted ids and stay alike.
+    hinted_ids = v[[40, 42]]
+
+    def reuse_hits(hint: bool) -> int:
+        layer = CachedEmbedding(2, cache_capacity=4, seed=0, name=f"dp_hints_{int(hint)}",
+                                distribution="data_parallel")
+
+        @tf.function
+        def step(f):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(layer(f, training=True))
+            return tape.gradient(loss, layer.trainable_weights)
+
+        step(deduplicate(tf.constant(v[40 + 2 * rank: 42 + 2 * rank].reshape(1, 2))))
+        second = deduplicate(tf.constant(v[[50 + rank]].reshape(1, 1)))
+        if hint and rank == 0:  # (used by the batch after this one)
+            second = dict(second, next_hint_ids=tf.constant(hinted_ids),
+                          next_hint_steps=tf.constant([1, 1], tf.int32))
+        step(second)  # evicts 2 of the 4 cached ids
+        before = layer.cache_stats()["hits"]
+        step(deduplicate(tf.constant(hinted_ids[rank: rank + 1].reshape(1, 1))))
+        rows = hvd.allgather(tf.constant(layer.lookup_rows(v[40:52]))[None],
+                             name=f"dp_hints_rows_{int(hint)}").numpy()
+        np.testing.assert_array_equal(rows[0], rows[1])
+        return layer.cache_stats()["hits"] - before
+
+    assert reuse_hits(True) == 2
+    assert reuse_hits(False) < 2
     # An owner whose host table is full: both ranks hear of it.
     small = CachedEmbedding(2, cache_capacity=8, max_rows=3, seed=0, name="small",
                             distribution="model_parallel")

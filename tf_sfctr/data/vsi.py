@@ -144,9 +144,9 @@ def with_unique_ids(
         of 5% of the ids from 0.84x to 0.93x of Belady's optimum
         (``bench/cache_policy.py``); it helps most when the cache is small,
         and costs a directory probe per hinted id. Use ``vsi_inputs(...,
-        eviction_hints=True)``. Local and model-parallel tables (each hint
-        travels to the owner of its id with the step's ids); data-parallel
-        tables ignore the keys.
+        eviction_hints=True)``. Every kind of table: a model-parallel
+        step sends each hint to the owner of its id with the step's ids; a
+        data-parallel one gathers every rank's hints for every replica.
 
     Raises:
       ValueError: a key is missing, features are not a dict, or a key is

@@ -124,10 +124,15 @@ class ShardedRowsMixin:
         update does."""
         d = self._deferred
         step = self._table_step.read_value()
+        rate = tf.cast(self.table_optimizer.rate_at(step), tf.float32)
+        # A rate the update would refuse (FTRL at 0) refuses this step now:
+        # refused at the next collective, the held update would fail every
+        # later step, read and save (a review).
+        with tf.control_dependencies(self.table_optimizer.rate_checks(rate)):
+            rate = tf.identity(rate)
         saved = [d.payload.assign(payload), d.splits.assign(splits),
                  d.own_inverse.assign(own_inverse), d.own_count.assign(own_count),
-                 d.slots.assign(slots), d.step.assign(step),
-                 d.rate.assign(tf.cast(self.table_optimizer.rate_at(step), tf.float32))]
+                 d.slots.assign(slots), d.step.assign(step), d.rate.assign(rate)]
         with tf.control_dependencies(saved):
             pending = d.pending.assign(True)
         with tf.control_dependencies([pending]):

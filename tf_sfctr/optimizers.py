@@ -80,10 +80,24 @@ def _check_positive(name: str, value: float, allow_zero: bool = False) -> float:
                             "schedules.LearningRateSchedule or set learning_rate again)"
                             if name == "learning_rate"
                             else ")"))
-    value = float(value)
+    bound = ">= 0" if allow_zero else "> 0"
+    try:
+        value = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be a finite number {bound}, got an integer beyond "
+                         f"float range") from None
     if not (value >= 0 if allow_zero else value > 0) or not math.isfinite(value):
-        bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name} must be a finite number {bound}, got {value}")
+    # The table's updates compute in float32, where TF flushes numbers below
+    # the smallest normal one to 0: out of that range a rate would write
+    # infinite rows, or train at 0 (and a saved 0 is refused on load).
+    limit = np.finfo(np.float32)
+    if value > limit.max:
+        raise ValueError(f"{name} must be finite in float32 (at most {float(limit.max):.4g}), "
+                         f"got {value}")
+    if 0 < value < limit.tiny and not allow_zero:
+        raise ValueError(f"{name} must be > 0 in float32, whose computations flush numbers "
+                         f"below {float(limit.tiny):.4g} to 0; got {value}")
     return value
 
 
@@ -284,6 +298,13 @@ class TableOptimizer:
         """The float32 learning rate an update of table step ``step`` uses
         now: the schedule's value at that step, or the number set last."""
         return self._lr(step)
+
+    def rate_checks(self, rate: tf.Tensor) -> list:
+        """Ops that fail when ``apply`` would refuse ``rate`` (a float32
+        scalar), for a caller that stores the rate for a later update (a
+        model-parallel step): it refuses the step then, not the update at
+        the next collective. None by default."""
+        return []
 
     @contextlib.contextmanager
     def rate_fixed(self, rate: tf.Tensor):
@@ -494,8 +515,9 @@ class Adam(TableOptimizer):
                  beta_2: float = 0.999, epsilon: float = 1e-7):
         super().__init__(learning_rate)
         for name, beta in (("beta_1", beta_1), ("beta_2", beta_2)):
-            if _check_positive(name, beta, allow_zero=True) >= 1:
-                raise ValueError(f"{name} must be in [0, 1), got {beta}")
+            if np.float32(_check_positive(name, beta, allow_zero=True)) >= 1:
+                raise ValueError(f"{name} must be in [0, 1) (below 1 in float32, where the "
+                                 f"update computes), got {beta}")
         self.beta_1 = float(beta_1)
         self.beta_2 = float(beta_2)
         self.epsilon = _check_positive("epsilon", epsilon)
@@ -641,6 +663,13 @@ class Ftrl(TableOptimizer):
                 f"|values| must stay below about {3.4e38 / quadratic:.3g} at this learning "
                 f"rate. Nothing was changed.")
         return [np.full(w.shape, n0, np.float32), z]
+
+    def rate_checks(self, rate):
+        # (The same refusal as the update's own: it divides by the rate.)
+        return [tf.debugging.assert_greater(
+            rate, tf.constant(0.0, rate.dtype),
+            message="FTRL's learning rate (from the table optimizer's learning rate or its "
+                    "schedule) must be > 0; the step was refused and no row was changed")]
 
     def apply(self, rows, state, slots, grad, grad_sq, step):
         accum, linear = state

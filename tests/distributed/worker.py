@@ -686,6 +686,34 @@ def run_robustness(out_dir, rank, size):
 
     assert reuse_hits(True) == 2
     assert reuse_hits(False) < 2
+    # A model-parallel FTRL table whose schedule reaches 0: the step at rate
+    # 0 is refused on every rank before anything changes (not its deferred
+    # update at the next collective, which then failed every later step,
+    # read and save: a review), and the table stays usable.
+    ftrl = CachedEmbedding(
+        2, cache_capacity=16, seed=0, name="ftrl_zero", distribution="model_parallel",
+        optimizer=tf_sfctr.optimizers.Ftrl(
+            keras.optimizers.schedules.PiecewiseConstantDecay([1], [0.1, 0.0])))
+    ftrl_ids = tf.constant(v[rank * 4: rank * 4 + 4].reshape(2, 2))
+
+    def ftrl_step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(ftrl(ftrl_ids, training=True))
+        return tape.gradient(loss, ftrl.trainable_weights)
+
+    ftrl_step()
+    ftrl_step()  # step 1, still at 0.1
+    trained = ftrl.lookup_rows(v[:8])
+    for _ in range(2):
+        try:
+            ftrl_step()
+            raise AssertionError("a step at FTRL rate 0 was not refused")
+        except tf.errors.InvalidArgumentError as err:
+            assert "FTRL's learning rate" in str(err) and "must be > 0" in str(err), str(err)
+    assert ftrl.table_updates == 2, ftrl.table_updates
+    np.testing.assert_array_equal(ftrl.lookup_rows(v[:8]), trained)
+    ftrl.flush()
+    save(tf.train.Checkpoint(emb=ftrl), os.path.join(out_dir, "ftrl_zero"))
     # An owner whose host table is full: both ranks hear of it.
     small = CachedEmbedding(2, cache_capacity=8, max_rows=3, seed=0, name="small",
                             distribution="model_parallel")

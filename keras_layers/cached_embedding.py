@@ -299,6 +299,10 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         # must be applied by one thread only (re-entrant: _assign_local
         # settles under it).
         self._assign_lock = threading.RLock()
+        # The training calls traced into each graph (their gradient functions
+        # hold them weakly: see _attach_update).
+        self._traced_calls: "weakref.WeakKeyDictionary[tf.Graph, list]" = (
+            weakref.WeakKeyDictionary())
         # lookup_rows' and flush's TF work as traced functions, made at their
         # first call: eager ops each keep a few hundred bytes in TF 2.16
         # (tensorflow/tensorflow#68196), which a loop of reads accumulated.
@@ -917,7 +921,41 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             # Steps run, skipped ones too (CacheMetrics' per-step rates: the
             # optimizer counts the steps it applied).
             self._steps_run.var.assign_add(1)
+        call = _TrainingCall(apply_update, inverse, num_unique, update_graph, scale,
+                             step_at_call, call_number)
+        # The gradient function holds the layer and the call weakly: TF keeps
+        # the gradient function of every traced tf.custom_gradient in a
+        # global registry for the life of the process, so a strong reference
+        # there kept every traced layer, its host table among it, after its
+        # model was deleted (a review). The layer holds its traced calls,
+        # by graph; eager calls are held by the tape, which goes with them.
+        layer_ref = weakref.ref(self)
+        if tf.executing_eagerly():
+            def get_call():
+                return call
+        else:
+            graph = tf.compat.v1.get_default_graph()
+            self._traced_calls.setdefault(graph, []).append(call)
+            get_call = weakref.ref(call)
 
+        @tf.custom_gradient
+        def with_update(rows_in, trigger_in):
+            def grad(d_rows):
+                layer, this_call = layer_ref(), get_call()
+                if layer is None or this_call is None:
+                    raise RuntimeError(
+                        "CachedEmbedding: the layer of this training call was deleted "
+                        "before its gradient was taken")
+                return layer._backward(this_call, d_rows, trigger_in)
+
+            return tf.identity(rows_in), grad
+
+        return with_update(rows, trigger)
+
+    def _still_latest(self, call: "_TrainingCall") -> tf.Operation:
+        """Fails if the cache changed since ``call`` (another training call,
+        a read that applied a lookahead plan, remove_rows, a restore)."""
+        scaled = call.scale is not None and call.scale.dynamic
         moved = (
             f"CachedEmbedding {self.name!r}: the cache changed between this "
             "training call and its table update. The layer was called again "
@@ -931,89 +969,83 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             "been). Call the layer once per step (features that share the "
             "table go in one call: `a, b = layer([ids_a, ids_b])`), and take "
             "the step's gradient before other uses of the layer")
+        return tf.debugging.assert_equal(
+            self._training_calls.var.read_value(), call.call_number, message=moved + (
+                " (under a LossScaleOptimizer the update runs when the optimizer "
+                "applies the gradients: use the layer after that)" if scaled else ""))
 
-        def still_latest():
-            return tf.debugging.assert_equal(
-                self._training_calls.var.read_value(), call_number, message=moved + (
-                    " (under a LossScaleOptimizer the update runs when the optimizer "
-                    "applies the gradients: use the layer after that)"
-                    if scale is not None and scale.dynamic else ""))
+    def _backward(self, call: "_TrainingCall", d_rows, trigger_in):
+        """The gradient of a training call's (rows, trigger): applies the
+        table update of ``call`` (or stages it for a LossScaleOptimizer)."""
+        scale, apply_update = call.scale, call.apply_update
+        if tf.executing_eagerly():
+            self._eager_update_pending = False  # (staged: again below)
+        latest = self._still_latest(call)
+        with tf.control_dependencies([latest]):
+            step_now = self._table_step.read_value()
+        once = tf.debugging.assert_equal(
+            step_now, call.step_at_call, message=(
+                f"CachedEmbedding {self.name!r}: a second gradient through one "
+                "training call; its table update was already applied with the "
+                "first. Take one gradient per training step (sum the losses "
+                "before tape.gradient); note that any gradient of a loss that a "
+                "training call feeds applies its update"))
+        with tf.control_dependencies([once]):
+            g_occ = tf.cast(tf.convert_to_tensor(d_rows), tf.float32)
+        if scale is not None:
+            # As the Keras optimizer divides the gradients it applies.
+            g_occ = g_occ / scale.value()
+        # Sum per unique id (and of squares for per-occurrence
+        # Adagrad) in one pass over the occurrences.
+        g, g_sq = _ops.segment_sums(
+            g_occ, call.inverse, call.num_unique,
+            squares=self.table_optimizer.needs_squared_occurrences)
+        # One scalar, NaN if any element of g is NaN or Inf or would
+        # square to Inf (an accumulator of squares would store it),
+        # or if a sum of squares is: much cheaper to check than
+        # CheckNumerics on [U, dim].
+        marker = _ops.non_finite_marker(g, squares=True)
+        if g_sq is not None:
+            marker = marker + _ops.non_finite_marker(g_sq)
+        if scale is not None and scale.dynamic:
+            # Dynamic loss scaling: the LossScaleOptimizer skips a step
+            # whose gradients are not finite (and lowers the scale),
+            # often for a dense weight's gradient alone. So the table
+            # updates only when that optimizer applies the step: the
+            # trigger's constraint runs the update (see
+            # _apply_staged_update), and a table gradient that is not
+            # finite makes the trigger's NaN, which skips the step.
+            def staged():
+                # Checked again: the layer may have been used since.
+                with tf.control_dependencies([self._still_latest(call)]):
+                    return apply_update(g, g_sq)
 
-        @tf.custom_gradient
-        def with_update(rows_in, trigger_in):
-            def grad(d_rows):
-                if tf.executing_eagerly():
-                    self._eager_update_pending = False  # (staged: again below)
-                latest = still_latest()
-                with tf.control_dependencies([latest]):
-                    step_now = self._table_step.read_value()
-                once = tf.debugging.assert_equal(
-                    step_now, step_at_call, message=(
-                        f"CachedEmbedding {self.name!r}: a second gradient through one "
-                        "training call; its table update was already applied with the "
-                        "first. Take one gradient per training step (sum the losses "
-                        "before tape.gradient); note that any gradient of a loss that a "
-                        "training call feeds applies its update"))
-                with tf.control_dependencies([once]):
-                    g_occ = tf.cast(tf.convert_to_tensor(d_rows), tf.float32)
-                if scale is not None:
-                    # As the Keras optimizer divides the gradients it applies.
-                    g_occ = g_occ / scale.value()
-                # Sum per unique id (and of squares for per-occurrence
-                # Adagrad) in one pass over the occurrences.
-                g, g_sq = _ops.segment_sums(
-                    g_occ, inverse, num_unique,
-                    squares=self.table_optimizer.needs_squared_occurrences)
-                # One scalar, NaN if any element of g is NaN or Inf or would
-                # square to Inf (an accumulator of squares would store it),
-                # or if a sum of squares is: much cheaper to check than
-                # CheckNumerics on [U, dim].
-                marker = _ops.non_finite_marker(g, squares=True)
-                if g_sq is not None:
-                    marker = marker + _ops.non_finite_marker(g_sq)
-                if scale is not None and scale.dynamic:
-                    # Dynamic loss scaling: the LossScaleOptimizer skips a step
-                    # whose gradients are not finite (and lowers the scale),
-                    # often for a dense weight's gradient alone. So the table
-                    # updates only when that optimizer applies the step: the
-                    # trigger's constraint runs the update (see
-                    # _apply_staged_update), and a table gradient that is not
-                    # finite makes the trigger's NaN, which skips the step.
-                    def staged():
-                        # Checked again: the layer may have been used since.
-                        with tf.control_dependencies([still_latest()]):
-                            return apply_update(g, g_sq)
-
-                    self._stage_update(staged, scale)
-                    if tf.executing_eagerly():
-                        self._eager_update_pending = True
-                    self._update_traced(update_graph)
-                    poison = tf.where(tf.math.is_finite(marker), 0.0, float("nan"))
-                    return None, tf.reshape(tf.cast(poison, trigger_in.dtype),
-                                            tf.shape(trigger_in))
-                finite = tf.debugging.check_numerics(
-                    marker, f"CachedEmbedding {self.name}: the embedding gradient is not "
-                    f"finite (NaN or Inf) or so large that its square overflows float32 "
-                    f"(|g| of about 2**64 or more); the table's rows were not updated (its "
-                    f"forward pass stored new ids and counted their uses), but other "
-                    f"weights of this step may have been (restore a checkpoint)")
-                with tf.control_dependencies([finite]):
-                    g = tf.identity(g)
-                    if g_sq is not None:
-                        g_sq = tf.identity(g_sq)
-                step = apply_update(g, g_sq)
-                self._update_traced(update_graph)  # a later call may follow now
-                # The trigger's gradient must data-depend on the update: Keras
-                # nests its train step in a second tf.function, and after
-                # inlining, grappler folds `x * 0` to a constant and prunes an
-                # update reached only that way. min(step, 0) is exactly 0
-                # (step >= 1) but cannot be folded.
-                zero = tf.minimum(tf.cast(step, trigger_in.dtype), 0.0)
-                return None, tf.reshape(zero, tf.shape(trigger_in))
-
-            return tf.identity(rows_in), grad
-
-        return with_update(rows, trigger)
+            self._stage_update(staged, scale)
+            if tf.executing_eagerly():
+                self._eager_update_pending = True
+            self._update_traced(call.update_graph)
+            poison = tf.where(tf.math.is_finite(marker), 0.0, float("nan"))
+            return None, tf.reshape(tf.cast(poison, trigger_in.dtype),
+                                    tf.shape(trigger_in))
+        finite = tf.debugging.check_numerics(
+            marker, f"CachedEmbedding {self.name}: the embedding gradient is not "
+            f"finite (NaN or Inf) or so large that its square overflows float32 "
+            f"(|g| of about 2**64 or more); the table's rows were not updated (its "
+            f"forward pass stored new ids and counted their uses), but other "
+            f"weights of this step may have been (restore a checkpoint)")
+        with tf.control_dependencies([finite]):
+            g = tf.identity(g)
+            if g_sq is not None:
+                g_sq = tf.identity(g_sq)
+        step = apply_update(g, g_sq)
+        self._update_traced(call.update_graph)  # a later call may follow now
+        # The trigger's gradient must data-depend on the update: Keras
+        # nests its train step in a second tf.function, and after
+        # inlining, grappler folds `x * 0` to a constant and prunes an
+        # update reached only that way. min(step, 0) is exactly 0
+        # (step >= 1) but cannot be folded.
+        zero = tf.minimum(tf.cast(step, trigger_in.dtype), 0.0)
+        return None, tf.reshape(zero, tf.shape(trigger_in))
 
     def _stage_update(self, update, scale: LossScale) -> None:
         """Holds a step's table update (``update()`` applies it) for the
@@ -1275,6 +1307,28 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         config = dict(config)
         config["optimizer"] = _optimizers.get(config.get("optimizer"))
         return cls(**config)
+
+
+class _TrainingCall:
+    """What the gradient of one training call needs (see _attach_update):
+    ``apply_update(g, g_sq)`` applies the table update and returns the new
+    step count; ``inverse`` and ``num_unique`` sum the occurrences' gradient
+    per distinct id; ``update_graph`` is the graph whose pending training
+    call this clears; ``scale`` a LossScale or None; ``step_at_call`` and
+    ``call_number`` are checked when the update runs."""
+
+    __slots__ = ("apply_update", "inverse", "num_unique", "update_graph", "scale",
+                 "step_at_call", "call_number", "__weakref__")
+
+    def __init__(self, apply_update, inverse, num_unique, update_graph, scale, step_at_call,
+                 call_number):
+        self.apply_update = apply_update
+        self.inverse = inverse
+        self.num_unique = num_unique
+        self.update_graph = update_graph
+        self.scale = scale
+        self.step_at_call = step_at_call
+        self.call_number = call_number
 
 
 class _StagedUpdate(keras.constraints.Constraint):

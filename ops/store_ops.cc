@@ -292,6 +292,16 @@ REGISTER_OP("SfctrHostAddCounts")
     })
     .Doc("Adds to the use counters of stored ids (restoring a checkpoint).");
 
+REGISTER_OP("SfctrStoreRelease")
+    .Input("store: resource")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+Frees the memory of a store whose owner is gone (every row of the host table
+and the cache directory) and marks it released: every later op on it fails.
+A function traced before may keep the handle, and with it the resource, alive.
+)doc");
+
 REGISTER_OP("SfctrHostClear")
     .Input("store: resource")
     .SetIsStateful()

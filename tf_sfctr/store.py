@@ -221,6 +221,17 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
                 return super().resource_handle
         return self._resource_handle
 
+    def _destroy_resource(self):
+        """Frees the table's memory when this object goes (TF calls this
+        when it deletes the object): functions traced on it keep its handle,
+        and so the table itself, alive, and TF keeps the gradient function
+        of a layer's every traced training step for the life of the process
+        (a review: each model trained by fit and deleted kept its table).
+        Ops on a released table fail, naming it."""
+        handle = self._resource_handle
+        if handle is not None and tf.executing_eagerly():
+            _ops.load().sfctr_store_release(handle)
+
     def _create_resource(self):
         c = self.config
         return _ops.load().sfctr_store_create(

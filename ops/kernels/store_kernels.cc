@@ -8,6 +8,7 @@
 #define EIGEN_USE_THREADS
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -60,9 +61,14 @@ class StoreResource : public ResourceBase {
   int64_t MemoryUsed() const override {
     return static_cast<int64_t>(store_.table().AllocatedBytes());
   }
+  // Set once by SfctrStoreRelease (the Python object owning the table was
+  // deleted); the handle may live on in functions traced before.
+  bool released() const { return released_.load(std::memory_order_acquire); }
+  bool MarkReleased() { return !released_.exchange(true, std::memory_order_acq_rel); }
 
  private:
   sfctr::EmbeddingStore store_;
+  std::atomic<bool> released_{false};
 };
 
 // `st` as a TF status. The core's errors about the table's room (max_rows,
@@ -94,6 +100,12 @@ class StoreOpKernel : public OpKernel {
     core::RefCountPtr<StoreResource> res;
     OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
     sfctr::EmbeddingStore& store = res->store();
+    OP_REQUIRES(ctx, !res->released(),
+                errors::FailedPrecondition(
+                    store.table().Describe(), " was released: the CachedEmbedding "
+                    "(or EmbeddingStore) that owned it was deleted, and only a function "
+                    "traced before still refers to it. Keep the layer (or its model) alive "
+                    "while its functions run"));
     CatchOutOfMemory(
         ctx,
         [&] {
@@ -726,6 +738,19 @@ class HostSetSeedOp : public StoreOpKernel {
   }
 };
 
+// Not a StoreOpKernel: a second release is a no-op, not an error.
+class StoreReleaseOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+  void Compute(OpKernelContext* ctx) override {
+    core::RefCountPtr<StoreResource> res;
+    OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
+    if (!res->MarkReleased()) return;
+    res->store().ClearHost();
+    res->store().ClearCache();
+  }
+};
+
 class HostClearOp : public StoreOpKernel {
  public:
   using StoreOpKernel::StoreOpKernel;
@@ -901,6 +926,7 @@ SFCTR_CPU_KERNEL("SfctrHostExport", HostExportOp);
 SFCTR_CPU_KERNEL("SfctrHostExportRange", HostExportRangeOp);
 SFCTR_CPU_KERNEL("SfctrHostAddCounts", HostAddCountsOp);
 SFCTR_CPU_KERNEL("SfctrHostClear", HostClearOp);
+SFCTR_CPU_KERNEL("SfctrStoreRelease", StoreReleaseOp);
 SFCTR_CPU_KERNEL("SfctrHostPrune", HostPruneOp);
 SFCTR_CPU_KERNEL("SfctrStoreRemove", StoreRemoveOp);
 SFCTR_CPU_KERNEL("SfctrHostTakeRemoved", HostTakeRemovedOp);

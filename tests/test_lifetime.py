@@ -1,0 +1,68 @@
+"""A deleted layer frees its table: TF keeps the gradient function of every
+traced tf.custom_gradient in a global registry for the life of the process,
+and functions traced on a layer keep its table's handle. Before, each model
+trained with fit and deleted kept its whole host table (a review)."""
+
+import gc
+import weakref
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_sfctr import _ops
+from tf_sfctr.keras_layers import CachedEmbedding
+
+
+def _trained(run_eagerly=False, loss_scale=False):
+    """(weak reference to the layer, its table's handle, a traced predict
+    function of its model) after a fit of 2 steps; nothing else holds the
+    layer or its model."""
+    emb = CachedEmbedding(8, cache_capacity=64, seed=3)
+    inp = keras.Input((3,), dtype="int64")
+    model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
+    opt = keras.optimizers.SGD(0.1)
+    if loss_scale:
+        opt = keras.optimizers.LossScaleOptimizer(opt)
+    model.compile(optimizer=opt, loss="mse", run_eagerly=run_eagerly)
+    x = np.random.default_rng(0).integers(0, 1000, (32, 3))
+    model.fit(x, np.ones((32, 1), np.float32), batch_size=16, verbose=0)
+    emb.assign_rows(np.arange(500), np.ones((500, 8), np.float32))
+    assert int(emb.store.stats()[3]) >= 500
+    predict = tf.function(lambda ids: model(ids, training=False)).get_concrete_function(
+        tf.TensorSpec([None, 3], tf.int64))
+    return weakref.ref(emb), emb.store.resource_handle, predict
+
+
+@pytest.mark.parametrize("run_eagerly,loss_scale", [(False, False), (True, False),
+                                                    (False, True)])
+def test_a_deleted_layer_is_freed_and_releases_its_table(run_eagerly, loss_scale):
+    layer, handle, predict = _trained(run_eagerly, loss_scale)
+    keras.backend.clear_session()
+    gc.collect()
+    # The layer went, though traced functions (the registry's gradient
+    # functions, the concrete function here) outlive it.
+    assert layer() is None
+    # Its table was released: memory freed, and any later use of the handle
+    # (which the concrete function keeps) fails, naming why.
+    with pytest.raises(tf.errors.FailedPreconditionError,
+                       match="was released: the CachedEmbedding .* was deleted"):
+        _ops.load().sfctr_store_stats(handle)
+    with pytest.raises(tf.errors.FailedPreconditionError, match="was released"):
+        predict(tf.constant([[1, 2, 3]], tf.int64))
+
+
+def test_a_live_layer_keeps_training_after_other_layers_were_freed():
+    """Releases touch only the deleted layer's table: a layer alive beside
+    them trains and reads as before (and a second release is a no-op)."""
+    keep = CachedEmbedding(4, cache_capacity=16, seed=1)
+    keep.assign_rows(np.arange(3), np.full((3, 4), 2.0, np.float32))
+    _, handle, _ = _trained()
+    gc.collect()
+    _ops.load().sfctr_store_release(handle)  # again: nothing happens
+    np.testing.assert_array_equal(keep.lookup_rows(np.arange(3)), np.full((3, 4), 2.0))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(keep(tf.constant([[0, 1]], tf.int64), training=True))
+    tape.gradient(loss, keep.trainable_weights)
+    assert keep.table_updates == 1

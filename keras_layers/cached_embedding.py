@@ -543,14 +543,17 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             raise ValueError(
                 f"CachedEmbedding {self.name!r} is called again for training before the "
                 "table update of its previous training call (as when one layer serves two "
-                "inputs of one step, or a training=True call is never differentiated: call "
-                "it with training=False then). Each training call loads its own ids into the cache, "
+                "inputs of one step, or a training call is never differentiated). Each "
+                "training call loads its own ids into the cache, "
                 "so a second call could evict rows the first still has to update (wrong "
                 "rows would be trained). To share one table between features, call the "
                 "layer once on a list of them: `a, b = layer([ids_a, ids_b])` (one output "
                 "each, the same values and updates as a shared keras.layers.Embedding), or "
                 "give each feature its own layer. Inference calls (training=False) may be "
-                "repeated.")
+                "repeated, but in a functional or Sequential model Keras calls every layer "
+                "with the model's own flag (True in fit), whatever flag the model was built "
+                "with: a lookup there that must not train needs a frozen layer "
+                "(trainable=False).")
         pending.add(id(self))
         return graph
 
@@ -697,7 +700,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             # bias correction wrote NaN rows; a review.)
             raise ValueError(f"CachedEmbedding {self.name!r}: table_updates must be in "
                              f"[0, 2**62], got {value!r}")
-        if getattr(self, "_eager_update_pending", False):
+        if self._eager_update_waits():
             raise RuntimeError(
                 f"CachedEmbedding {self.name!r}: table_updates set between a training call and "
                 "its table update (tape.gradient, or a LossScaleOptimizer's apply). Set it "
@@ -893,6 +896,20 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
 
         return unflagged(rows, tf.convert_to_tensor(self._trigger))
 
+    def _eager_update_waits(self) -> bool:
+        """An eager training call's update has not run yet, and can still
+        run: no training call (traced ones too) and no cache change came
+        since (``_training_calls`` counts both), which would void it. A call
+        whose gradient is never taken voids itself so at the next one (a
+        review: it refused table_updates for good)."""
+        pending = getattr(self, "_eager_update_pending", None)
+        if pending is None:
+            return False
+        if pending != int(self._training_calls.var.numpy()):
+            self._eager_update_pending = None
+            return False
+        return True
+
     @property
     def mode(self) -> str:
         """"local", "model_parallel" or "data_parallel" (resolved at build)."""
@@ -916,7 +933,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             # Until its gradient (and, staged, the optimizer's apply) runs:
             # a delta exported meanwhile would lose this update (see
             # export_rows).
-            self._eager_update_pending = True
+            self._eager_update_pending = int(call_number)
         if scale is not None and scale.dynamic:
             # Steps run, skipped ones too (CacheMetrics' per-step rates: the
             # optimizer counts the steps it applied).
@@ -979,7 +996,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         table update of ``call`` (or stages it for a LossScaleOptimizer)."""
         scale, apply_update = call.scale, call.apply_update
         if tf.executing_eagerly():
-            self._eager_update_pending = False  # (staged: again below)
+            self._eager_update_pending = None  # (staged: again below)
         latest = self._still_latest(call)
         with tf.control_dependencies([latest]):
             step_now = self._table_step.read_value()
@@ -1022,7 +1039,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
 
             self._stage_update(staged, scale)
             if tf.executing_eagerly():
-                self._eager_update_pending = True
+                self._eager_update_pending = int(call.call_number)
             self._update_traced(call.update_graph)
             poison = tf.where(tf.math.is_finite(marker), 0.0, float("nan"))
             return None, tf.reshape(tf.cast(poison, trigger_in.dtype),
@@ -1078,7 +1095,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             return
         graph, _, scale, at = staged
         self._staged = None
-        self._eager_update_pending = False
+        self._eager_update_pending = None
         if graph is not None:
             return
         with tf.init_scope():
@@ -1110,7 +1127,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                 f"CachedEmbedding {self.name!r}: the optimizer applies a step whose "
                 f"gradient was taken {where}. {self._SPLIT_STEP}")
         self._staged = None
-        self._eager_update_pending = False
+        self._eager_update_pending = None
         step = update()
         return tf.zeros_like(tf.convert_to_tensor(trigger)) + tf.minimum(
             tf.cast(step, trigger.dtype), 0.0)

@@ -299,3 +299,22 @@ def test_table_updates_is_set_between_steps_only_to_an_int():
             layer.table_updates = 3
     tape.gradient(loss, layer.trainable_weights)  # the update goes through
     assert layer.table_updates == 42
+
+
+def test_a_training_call_never_differentiated_does_not_block_table_updates():
+    """An eager training call whose gradient is never taken (a look at a
+    training-mode forward pass): once a later step ran, it cannot update,
+    and table_updates may be set again (it was refused for good: a review)."""
+    layer = CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=1, optimizer="adam")
+    _step(layer, np.array([[1, 2]]), np.zeros(DIM, np.float32))
+    layer(np.array([[3]]), training=True)  # no tape
+    with pytest.raises(RuntimeError, match="between a training call and its table update"):
+        layer.table_updates = 5
+    inp = keras.Input((2,), dtype="int64")
+    model = keras.Model(inp, layer(inp))
+    model.compile(optimizer="sgd", loss="mse")
+    model.fit(np.array([[1, 2]] * 4), np.zeros((4, 2, DIM), np.float32), batch_size=2,
+              verbose=0)  # traced steps
+    assert layer.table_updates == 3
+    layer.table_updates = 7
+    assert layer.table_updates == 7

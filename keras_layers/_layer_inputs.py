@@ -14,10 +14,11 @@ from tf_sfctr.keras_layers._combine import combine_last_axis, combine_segments
 from tf_sfctr.keras_layers._layer_checks import check_id_dtype
 
 
-def eviction_hints(name: str, inputs: dict) -> Optional[tuple]:
+def eviction_hints(name: str, inputs: dict, check: bool = True) -> Optional[tuple]:
     """(ids, steps) of a de-duplicated feature's eviction hints, or None;
     the tensors wait for the check that they pair up (the caller makes the
-    step wait for them)."""
+    step wait for them). ``check=False``: the caller checks them with
+    ``hint_checks`` (a data-parallel step, on every rank's hints)."""
     has_ids, has_steps = "next_hint_ids" in inputs, "next_hint_steps" in inputs
     if has_ids != has_steps:
         raise ValueError(
@@ -43,19 +44,27 @@ def eviction_hints(name: str, inputs: dict) -> Optional[tuple]:
     if hint_steps.dtype != tf.int32:  # a step beyond 2**31 - 1 is as good as never
         hint_steps = tf.cast(tf.clip_by_value(tf.cast(hint_steps, tf.int64), -2**31, 2**31 - 1),
                              tf.int32)
+    if not check:
+        return hint_ids, hint_steps
     # Checked here, before the step changes anything: a lookahead step reads
     # them only late, after its update (SfctrCachePrepare checks them too).
-    what = (f"CachedEmbedding {name!r}: eviction hints need one 'next_hint_steps' entry per "
-            "'next_hint_ids' entry, each >= 1 (how many batches after this one the id is "
-            "used), as tf_sfctr.data.with_unique_ids(..., eviction_hints=k) gives them. "
-            "Nothing was changed")
-    checks = [
-        tf.debugging.assert_equal(tf.size(hint_ids), tf.size(hint_steps),
-                                  message=what + "; the sizes (ids, steps) are"),
-        tf.debugging.assert_greater_equal(hint_steps, tf.constant(1, tf.int32),
-                                          message=what + "; the steps given are")]
-    with tf.control_dependencies(checks):
+    with tf.control_dependencies(hint_checks(name, tf.size(hint_ids), tf.size(hint_steps),
+                                             hint_steps)):
         return tf.identity(hint_ids), tf.identity(hint_steps)
+
+
+def hint_checks(name: str, num_ids, num_steps, steps, where: str = "") -> list:
+    """Ops that fail unless eviction hints pair up: ``num_ids`` ids and
+    ``num_steps`` steps (scalars, or one of each per rank), every step >= 1."""
+    what = (f"CachedEmbedding {name!r}: eviction hints need one 'next_hint_steps' entry per "
+            f"'next_hint_ids' entry, each >= 1 (how many batches after this one the id is "
+            f"used), as tf_sfctr.data.with_unique_ids(..., eviction_hints=k) gives them"
+            f"{where}. Nothing was changed")
+    return [
+        tf.debugging.assert_equal(num_ids, num_steps,
+                                  message=what + "; the sizes (ids, steps) are"),
+        tf.debugging.assert_greater_equal(steps, tf.constant(1, steps.dtype),
+                                          message=what + "; the steps given are")]
 
 
 VSI_REQUIRED_KEYS = ("ids", "unique_ids", "inverse")

@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from tf_sfctr import _ops
 from tf_sfctr.distributed import _horovod
+from tf_sfctr.keras_layers._layer_inputs import hint_checks
 
 
 class ShardedRowsMixin:
@@ -279,10 +280,14 @@ class ShardedRowsMixin:
                 lambda: tf.zeros([0], tf.int64))
         # Every rank's hints, on every replica (whether this rank sent any or
         # not, so that the replicas evict alike); an id hinted by several
-        # ranks keeps its nearest step in the directory. (The steps were
-        # checked to be in [1, 2**31 - 1] on their rank.)
-        glob_hints = (tf.boolean_mask(all_ids, tf.equal(part, 2)),
-                      tf.cast(tf.boolean_mask(all_ids, tf.equal(part, 3)), tf.int32))
+        # ranks keeps its nearest step in the directory. Checked here, on
+        # every rank alike (each rank's steps were clipped to int32 before).
+        hint_steps_all = tf.boolean_mask(all_ids, tf.equal(part, 3))
+        checks = hint_checks(self.name, counts[:, 2], counts[:, 3], hint_steps_all,
+                             where=" (on every rank; the counts are by rank)")
+        with tf.control_dependencies(checks):
+            glob_hints = (tf.boolean_mask(all_ids, tf.equal(part, 2)),
+                          tf.cast(hint_steps_all, tf.int32))
         slots = self._cached_slots(glob_ids, next_glob, glob_hints)
         glob_rows = _ops.gather_rows(self._cache_rows, slots)
         dim, n = self.output_dim, float(self._world_size)

@@ -812,7 +812,11 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             if next_ids is not None:
                 check_id_dtype(tf.as_dtype(next_ids.dtype), "next_unique_ids")
                 next_ids = tf.reshape(tf.cast(next_ids, tf.int64), [-1])
-            hints = eviction_hints(self.name, inputs)
+            # A data-parallel training step checks every rank's hints, after
+            # its all-gather, on every rank: a rank refusing its own alone
+            # left the others waiting in that all-gather (a review).
+            hints = eviction_hints(self.name, inputs, check=not (
+                training and self._mode == "data_parallel"))
             if hints is not None:
                 with tf.control_dependencies(list(hints)):  # (their check)
                     unique_ids = tf.identity(unique_ids)

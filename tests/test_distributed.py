@@ -759,6 +759,49 @@ except ValueError as err:
 """
 
 
+VSI_KINDS = """
+import os
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import numpy as np, keras, tensorflow as tf
+import horovod.tensorflow as hvd
+hvd.init()
+import tf_sfctr
+from tf_sfctr import data
+from tf_sfctr.keras_layers import CachedEmbedding
+ahead = hvd.rank() == 0  # lookahead on rank 0 only
+inputs = data.vsi_inputs("sparse", (2,), lookahead=ahead)
+emb = CachedEmbedding(4, cache_capacity=64, seed=1, name="emb", distribution="data_parallel")
+model = keras.Model({"sparse": inputs},
+                    keras.layers.Dense(1)(keras.layers.Flatten()(emb(inputs))))
+model.compile(optimizer=tf_sfctr.distributed.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+              loss="mse")
+ds = tf.data.Dataset.from_tensor_slices(({"sparse": np.arange(16).reshape(8, 2)},
+                                         np.ones((8, 1), np.float32))).batch(4)
+try:
+    model.fit(data.with_unique_ids(ds, lookahead=ahead), verbose=0,
+              callbacks=tf_sfctr.distributed.callbacks())
+    print("TRAINED", flush=True)
+except ValueError as err:
+    print("RAISED:", err, flush=True)
+"""
+
+
+def test_ranks_feeding_other_kinds_of_vsi_inputs_are_told_so(tmp_path):
+    """Lookahead on one rank only: fit refuses on every rank, saying that the
+    ranks' de-duplicated inputs differ (it blamed layer names: a review)."""
+    script = tmp_path / "vsi_kinds.py"
+    script.write_text(VSI_KINDS)
+    proc = subprocess.run(
+        [HOROVODRUN, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, str(script)],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("RAISED: The Horovod ranks feed their CachedEmbedding layers "
+                             "different kinds of de-duplicated inputs") == 2, proc.stdout[-4000:]
+    assert "sparse_next_unique_ids" in proc.stdout
+    assert "same tf_sfctr.data.with_unique_ids(...) settings" in proc.stdout
+
+
 @pytest.mark.parametrize("named", [False, True])
 def test_tables_created_in_other_orders_on_the_ranks(tmp_path, named):
     """Auto-named tables created in another order on rank 1 would pair other

@@ -686,6 +686,30 @@ def run_robustness(out_dir, rank, size):
 
     assert reuse_hits(True) == 2
     assert reuse_hits(False) < 2
+    # Bad hints on one rank only: every rank refuses the step (checked after
+    # the all-gather), nothing changes, and no rank is left waiting.
+    bad = CachedEmbedding(2, cache_capacity=8, seed=0, name="dp_bad_hints",
+                          distribution="data_parallel")
+
+    @tf.function
+    def bad_step(f):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(bad(f, training=True))
+        return tape.gradient(loss, bad.trainable_weights)
+
+    bad_step(deduplicate(tf.constant(v[60 + 2 * rank: 62 + 2 * rank].reshape(1, 2))))
+    before = bad.lookup_rows(v[56:70])
+    hinted = dict(deduplicate(tf.constant(v[[64 + rank]].reshape(1, 1))),
+                  next_hint_ids=tf.constant(v[[60, 61]]),
+                  next_hint_steps=tf.constant([0, 2] if rank == 0 else [1, 2], tf.int32))
+    try:
+        bad_step(hinted)
+        raise AssertionError("bad hints on rank 0 were not refused")
+    except tf.errors.InvalidArgumentError as err:
+        assert "eviction hints need one" in str(err), str(err)
+        assert "on every rank" in str(err), str(err)
+    np.testing.assert_array_equal(bad.lookup_rows(v[56:70]), before)
+    assert bad.table_updates == 1
     # A model-parallel FTRL table whose schedule reaches 0: the step at rate
     # 0 is refused on every rank before anything changes (not its deferred
     # update at the next collective, which then failed every later step,

@@ -78,6 +78,13 @@ def _check_same_tables(model) -> None:
     position = {getattr(t, "name", None): k
                 for k, t in enumerate(getattr(model, "inputs", None) or [])}
     key = [(name, sorted(str(position.get(i, i)) for i in fed)) for name, fed in wiring]
+    # The same wiring without the inputs that only some pipelines have
+    # (with_unique_ids' lookahead and eviction hints): told apart in the
+    # message, since layer names are not the problem then (a review).
+    kept = [i for i in position if not _is_vsi_extra(i)]
+    core_position = {i: k for k, i in enumerate(sorted(kept, key=position.get))}
+    core = [(name, sorted(str(core_position.get(i, i)) for i in fed if not _is_vsi_extra(i)))
+            for name, fed in wiring]
     shown = [f"{name} <- " + ", ".join(
         f"input {position[i]} ({i})" if i in position else i for i in fed) for name, fed in wiring]
     # And each table's settings: a learning rate set otherwise on one rank
@@ -93,9 +100,10 @@ def _check_same_tables(model) -> None:
                          name="sfctr_tables_wiring").numpy()
     if most[0] == -most[1]:
         return
-    every = hvd.allgather_object((key, shown, settings), name="sfctr_tables_wiring_detail")
+    every = hvd.allgather_object((key, shown, settings, core),
+                                 name="sfctr_tables_wiring_detail")
     rank = hvd.rank()
-    if all(k == key for k, _, _ in every):
+    if all(k == key for k, _, _, _ in every):
         other = next(r for r, e in enumerate(every) if e[2] != settings)
         differ = [(mine, theirs) for mine, theirs in zip(settings, every[other][2])
                   if mine != theirs] or [(settings, every[other][2])]
@@ -104,8 +112,15 @@ def _check_same_tables(model) -> None:
             f"rank ({rank}) {differ[0][0]}, on rank {other} {differ[0][1]}. Make every rank's "
             f"tables alike (output_dim, table optimizer and its learning rate, distribution, "
             f"combiner, table_updates).")
-    other = next(r for r, (k, _, _) in enumerate(every) if k != key)
+    other = next(r for r, (k, _, _, _) in enumerate(every) if k != key)
     differ = [line for line, pair in zip(shown, key) if pair not in every[other][0]]
+    if all(c == core for _, _, _, c in every):
+        raise ValueError(
+            f"The Horovod ranks feed their CachedEmbedding layers different kinds of "
+            f"de-duplicated inputs: on this rank ({rank}) {differ[:6]}, on rank {other} "
+            f"{[line for line, pair in zip(every[other][1], every[other][0]) if pair not in key][:6]}"
+            f". Give every rank the same tf_sfctr.data.with_unique_ids(...) settings "
+            f"(lookahead, eviction_hints) and the same vsi_inputs(...) model inputs.")
     raise ValueError(
         f"The Horovod ranks' models wire their CachedEmbedding layers differently: on this "
         f"rank ({rank}) {differ[:6]}, on rank {other} "
@@ -114,6 +129,14 @@ def _check_same_tables(model) -> None:
         f"they are created: give each CachedEmbedding its own name= (e.g. "
         f"name=f'emb_{{feature}}'), or create them in the same order on every rank (not by "
         f"iterating over a set).")
+
+
+def _is_vsi_extra(input_name) -> bool:
+    """A model input of with_unique_ids' optional keys (vsi_inputs names
+    them '<feature>_<key>')."""
+    from tf_sfctr.keras_layers._layer_inputs import VSI_OPTIONAL_KEYS
+
+    return isinstance(input_name, str) and input_name.endswith(VSI_OPTIONAL_KEYS)
 
 
 def _table_settings(model) -> list:

@@ -7,6 +7,7 @@ applied later ("settled"), and reads of rows that may be cached or not."""
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Optional
 
 import numpy as np
@@ -83,12 +84,17 @@ class CachePlanMixin:
         shuffle of batches."""
         plan = self._plan
         unused = plan.unused.assign_add(tf.cast(had_plan, plan.unused.dtype), read_value=True)
+        # The warning's function lives in the traced step's graph, which TF
+        # may keep for the life of the process (its gradient registry): it
+        # holds the layer weakly (a review: it kept deleted layers' tables).
+        layer_ref, name, count = weakref.ref(self), self.name, self.UNUSED_PLANS_WARNING
 
         def warn():
-            if not self._warned_unused_plans:
-                self._warned_unused_plans = True
+            layer = layer_ref()
+            if layer is not None and not layer._warned_unused_plans:
+                layer._warned_unused_plans = True
                 warnings.warn(
-                    f"CachedEmbedding {self.name!r}: {self.UNUSED_PLANS_WARNING} training "
+                    f"CachedEmbedding {name!r}: {count} training "
                     "steps in a row could not use the cache their previous step prepared, "
                     "as their ids were not the batch that step named as next "
                     "(next_unique_ids). Each such step prepares the cache twice, and the "

@@ -218,19 +218,32 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         function and give each of its calls a new, empty table."""
         if self._resource_handle is None:
             with tf.init_scope():
-                return super().resource_handle
+                handle = super().resource_handle
+                # Only this object releases the table (_destroy_resource),
+                # not a copy of it: tf.saved_model.save copies resources.
+                self._created_by = id(self)
+                return handle
         return self._resource_handle
 
-    def _destroy_resource(self):
-        """Frees the table's memory when this object goes (TF calls this
-        when it deletes the object): functions traced on it keep its handle,
-        and so the table itself, alive, and TF keeps the gradient function
-        of a layer's every traced training step for the life of the process
-        (a review: each model trained by fit and deleted kept its table).
-        Ops on a released table fail, naming it."""
-        handle = self._resource_handle
-        if handle is not None and tf.executing_eagerly():
-            _ops.load().sfctr_store_release(handle)
+    def __del__(self):
+        """Frees the table's memory when this object goes: functions traced
+        on it keep its handle, and so the table itself, alive, and TF keeps
+        the gradient function of a layer's every traced training step for
+        the life of the process (a review: each model trained by fit and
+        deleted kept its table). Ops on a released table fail, naming it.
+        (Not TF's ``_destroy_resource``, which tf.saved_model.save also
+        traces, on a live object, to build a destroyer function.)"""
+        try:
+            handle = getattr(self, "_resource_handle", None)
+            if (handle is None or tf.is_symbolic_tensor(handle)
+                    or self.__dict__.get("_created_by") != id(self)):
+                return  # none made, one of a graph, or a copy's (see resource_handle)
+            # Eagerly: a layer built inside a graph (a subclassed model's
+            # build) made this object there (a review: never released).
+            with tf.init_scope():
+                _ops.load().sfctr_store_release(handle)
+        except Exception:  # noqa: BLE001 - at interpreter exit TF may be gone
+            pass
 
     def _create_resource(self):
         c = self.config

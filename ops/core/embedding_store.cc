@@ -232,6 +232,14 @@ CoreStatus EmbeddingStore::WriteBackLocked(const int64_t* ids, int64_t n, const 
   return table_.Write(ids, n, rows, counts, mark_changed);
 }
 
+void EmbeddingStore::Release() {
+  std::lock_guard<std::mutex> lock(mu_);
+  table_.Release();
+  directory_.Clear();
+  pending_ids_.clear();
+  pending_handles_.clear();
+}
+
 void EmbeddingStore::ClearHost() {
   std::lock_guard<std::mutex> lock(mu_);
   table_.Clear();

@@ -79,6 +79,10 @@ class EmbeddingStore {
   // Removes every host row (the cache must be cleared or flushed first).
   void ClearHost();
 
+  // Frees the host table (HostTable::Release) and the cache directory's
+  // entries, for a store nothing uses any more.
+  void Release();
+
   // Removes the host rows of ids used in fewer than `min_count` steps
   // (HostTable::Prune), never those of cached ids or of the last Prepare's
   // evictions (their write-back may be pending). Returns how many went.

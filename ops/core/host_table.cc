@@ -1011,23 +1011,36 @@ bool HostTable::TakeRemoved(std::vector<int64_t>* removed,
   return true;
 }
 
-void HostTable::Clear() {
-  // A writer between its reservation and its count would add rows this
-  // clear dropped back onto size_ (a review: 1M rows counted, 172k held).
-  std::unique_lock<std::shared_mutex> no_writes(prune_mu_);
-  // The table is replaced (a restore): its removals are not followed.
+void HostTable::DropAllLocked() {
+  // The table is replaced (a restore) or released: its removals are not
+  // followed.
   StopLoggingRemovalsLocked();
   for (uint64_t k = 0; k <= shard_mask_; ++k) {
     Shard& s = shards_[k];
     std::lock_guard<std::mutex> lock(s.mu);
     decltype(s.entries)().swap(s.entries);
     s.blocks.clear();
-    s.meta_blocks.clear();
-    s.free_rows.clear();
+    decltype(s.meta_blocks)().swap(s.meta_blocks);
+    decltype(s.free_rows)().swap(s.free_rows);
     s.used = 0;
     s.rows = 0;
     ++s.generation;
   }
+}
+
+void HostTable::Release() {
+  std::unique_lock<std::shared_mutex> no_writes(prune_mu_);
+  DropAllLocked();
+  reserved_.fetch_sub(size_.exchange(0));
+  // The blocks held the other references: the file closes here.
+  row_file_.reset();
+}
+
+void HostTable::Clear() {
+  // A writer between its reservation and its count would add rows this
+  // clear dropped back onto size_ (a review: 1M rows counted, 172k held).
+  std::unique_lock<std::shared_mutex> no_writes(prune_mu_);
+  DropAllLocked();
   // Every shard's memory (and row file space) is free before any is sized
   // again: the row file then starts over instead of growing.
   for (uint64_t k = 0; k <= shard_mask_; ++k) {

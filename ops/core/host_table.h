@@ -228,6 +228,12 @@ class HostTable {
   // Removes every row.
   void Clear();
 
+  // Frees everything the table holds, for good: every row, the indexes
+  // (with expected_rows too) and the row file (its descriptor and disk
+  // space). Only for a table nothing uses any more: a later write would
+  // grow indexes from nothing, in memory.
+  void Release();
+
   // The ids removed (Prune, PruneToSize, Remove) since the previous call,
   // except those stored again since, in ascending order, for following the
   // table from outside (a serving store kept up to date with
@@ -338,6 +344,8 @@ class HostTable {
   // instead of the removal failing.
   void ReserveRemovalLogLocked(Shard& s, size_t n);
   void StopLoggingRemovalsLocked();
+  // Clear and Release: drops every row and index (prune_mu_ held).
+  void DropAllLocked();
 
   // The shard takes the hash's low bits, the index position its high bits
   // (HomeOf), so that the two are independent.

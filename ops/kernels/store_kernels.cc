@@ -746,8 +746,7 @@ class StoreReleaseOp : public OpKernel {
     core::RefCountPtr<StoreResource> res;
     OP_REQUIRES_OK(ctx, GetStore(ctx, &res));
     if (!res->MarkReleased()) return;
-    res->store().ClearHost();
-    res->store().ClearCache();
+    res->store().Release();
   }
 };
 

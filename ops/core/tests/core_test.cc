@@ -592,6 +592,34 @@ TEST_CASE(HostTableExportRangeSeesIdsThatChangedBetweenParts) {
   CHECK_EQ(fresh_seen, 100);
 }
 
+TEST_CASE(HostTableReleaseFreesIndexesRowsAndTheRowFile) {
+  // A released table (its owner deleted, its handle kept by traced
+  // functions) holds no memory, no disk space and no descriptor: unlike
+  // Clear, which sizes its indexes (and reserved rows) again.
+  const std::string dir = MakeTempDir();
+  CHECK(!dir.empty());
+  const int fds_before = EntriesIn("/proc/self/fd");
+  HostTableOptions o = Options(32, 1);
+  o.rows_dir = dir;
+  o.expected_rows = 100000;
+  o.reserve_rows = true;
+  HostTable t(o);
+  CHECK_EQ(EntriesIn("/proc/self/fd"), fds_before + 1);
+  std::vector<int64_t> ids(20000);
+  std::iota(ids.begin(), ids.end(), int64_t{1});
+  std::vector<float> rows(ids.size() * 64, 1.5f);
+  CHECK(t.Write(ids.data(), ids.size(), rows.data()).ok());
+  CHECK(t.AllocatedBytes() > 0);
+  CHECK(t.FileBytes() > 0);
+  t.Release();
+  CHECK_EQ(t.size(), 0);
+  CHECK_EQ(t.AllocatedBytes(), size_t{0});
+  CHECK_EQ(t.FileBytes(), size_t{0});
+  CHECK_EQ(t.RowFileLength(), size_t{0});
+  for (size_t e : t.IndexEntries()) CHECK_EQ(e, size_t{0});
+  CHECK_EQ(EntriesIn("/proc/self/fd"), fds_before);
+}
+
 TEST_CASE(HostTableRowsInAFileMatchRowsInMemory) {
   const std::string dir = MakeTempDir();
   CHECK(!dir.empty());

@@ -426,7 +426,8 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         # Training calls so far: a call's update checks that no later call
         # prepared the cache in between (eager code can do that).
         self._training_calls = Counter()
-        # Training calls under dynamic loss scaling (see _attach_update).
+        # Training calls: the steps run, those a LossScaleOptimizer skipped
+        # too; the callbacks count training steps with it.
         self._steps_run = Counter()
         store = EmbeddingStore(StoreConfig(
             dim=self.output_dim,
@@ -938,9 +939,11 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             # a delta exported meanwhile would lose this update (see
             # export_rows).
             self._eager_update_pending = int(call_number)
-        if scale is not None and scale.dynamic:
-            # Steps run, skipped ones too (CacheMetrics' per-step rates: the
-            # optimizer counts the steps it applied).
+        # Steps run (tf_sfctr.callbacks): Keras's optimizer counts the steps
+        # it applied, and may count a step that failed for want of data.
+        # (After the batch's ids: a traced step whose input ran out counts
+        # nothing.)
+        with tf.control_dependencies([num_unique]):
             self._steps_run.var.assign_add(1)
         call = _TrainingCall(apply_update, inverse, num_unique, update_graph, scale,
                              step_at_call, call_number)

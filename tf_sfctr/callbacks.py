@@ -91,31 +91,29 @@ def table_log_names(model: keras.layers.Layer) -> list:
 
 
 class _Steps:
-    """Training steps run so far in a ``fit``, from the optimizer's
-    ``iterations`` as each batch (execution) ends, so that
-    ``steps_per_execution > 1`` counts every step; by batches when the model
-    has no optimizer. Read only at batch ends: on data of unknown size,
-    Keras 3.5 adds one more iteration after the epoch's last batch, which ran
-    no step. The optimizer's own counter is read (``_iterations``): with
-    ``gradient_accumulation_steps=k`` its public ``iterations`` counts
-    updates, one per ``k`` steps. Under a ``LossScaleOptimizer``, the
-    wrapped optimizer's: steps it skipped are not counted."""
+    """Training steps run so far in a ``fit``, counted by the model's
+    trainable ``CachedEmbedding`` tables (each counts its training calls:
+    every step, also one a LossScaleOptimizer skipped and one of a partial
+    last execution of ``steps_per_execution`` steps). Keras's optimizer
+    counter is wrong there: Keras 3.5 calls no batch end for an epoch's
+    partial last execution and may count one more iteration than it ran,
+    and on data of unknown size it counts one more after the epoch's last
+    batch. So each epoch's end counts too. Models with no trainable table
+    fall back to the optimizer's own counter (``_iterations``: its public
+    ``iterations`` counts updates, one per ``k`` steps of
+    ``gradient_accumulation_steps=k``), or to batches without an optimizer."""
 
-    def __init__(self, run: bool = False) -> None:
-        """``run``: count the steps run, also those a LossScaleOptimizer
-        skipped (as its tables count them), not only the ones it applied."""
+    def __init__(self) -> None:
         self.count = 0
-        self._seen: Optional[int] = None
-        self.run = run
+        self._seen: Optional[tuple] = None
 
-    def _count(self, model) -> Optional[int]:
-        if self.run and isinstance(getattr(model, "optimizer", None),
-                                   keras.optimizers.LossScaleOptimizer):
-            runs = [int(layer._steps_run.var.numpy()) for layer in cached_embeddings(model)
-                    if getattr(layer, "_steps_run", None) is not None]
-            if runs:
-                return max(runs)
-        return self._iterations(model)
+    @staticmethod
+    def _count(model) -> tuple:
+        """(steps the tables ran or None, the optimizer's count or None)."""
+        runs = [int(layer._steps_run.var.numpy()) for layer in cached_embeddings(model)
+                if layer.built and layer.trainable
+                and getattr(layer, "_steps_run", None) is not None]
+        return (max(runs) if runs else None), _Steps._iterations(model)
 
     @staticmethod
     def _iterations(model) -> Optional[int]:
@@ -133,12 +131,21 @@ class _Steps:
         """At the start of training or of an epoch."""
         self._seen = self._count(model)
 
-    def batch_end(self, model) -> int:
+    def batch_end(self, model, epoch_end: bool = False) -> int:
+        """At a batch's end, and (``epoch_end``) the epoch's: that counts a
+        partial last execution, which no batch end reported (by the tables
+        only: the optimizer's count is wrong there)."""
         now = self._count(model)
-        if now is None or self._seen is None:
-            self.count += 1
+        seen = self._seen or (None, None)
+        if seen[0] is not None and now[0] is not None:
+            self.count += max(now[0] - seen[0], 0)
+        elif epoch_end:
+            return self.count
+        elif seen[1] is not None and now[1] is not None:
+            # (Also when a subclassed model's table is built in the first step.)
+            self.count += max(now[1] - seen[1], 0)
         else:
-            self.count += max(now - self._seen, 0)
+            self.count += 1
         self._seen = now
         return self.count
 
@@ -178,11 +185,12 @@ class CacheMetrics(keras.callbacks.Callback):
     and validation never change them. With lookahead (``next_unique_ids``)
     each step also prepares the next batch, so a batch's values hold the next
     batch's misses and evictions (the first batch's, its own and the next's;
-    the last batch's, none, as it has no next batch). Steps are counted with
-    the optimizer's iteration counter as batches end (so
-    ``steps_per_execution > 1`` is handled, and so is
-    ``gradient_accumulation_steps``, whose steps each count), or by batches
-    when the model has no optimizer.
+    the last batch's, none, as it has no next batch). Steps are counted by
+    the tables themselves (their training calls), so every step run counts:
+    each of ``steps_per_execution > 1`` (an epoch's partial last execution
+    too, which Keras reports no batch end for: its steps count in the
+    epoch's values), each of ``gradient_accumulation_steps``, and the steps
+    a ``LossScaleOptimizer`` skipped (they missed rows too).
 
     Keras hands one logs dict to each callback in list order and appends its
     own ``History`` and progress bar after the user's callbacks, so the values
@@ -197,19 +205,10 @@ class CacheMetrics(keras.callbacks.Callback):
     non-stateful log, the mean of the batch values so far in the epoch.
     (Because the batch logs then hold keys that are not model metrics, Keras
     3.5 builds the epoch logs from the last batch's logs instead of asking the
-    metrics again; the values are the same, except after an epoch whose last
-    execution of ``steps_per_execution`` steps is partial (see below), and
-    ``CacheMetrics`` replaces its
-    own keys by the epoch values.)
-
-    Not exact when ``steps_per_execution`` does not divide an epoch's number
-    of batches: Keras 3.5 calls no batch end for the epoch's last, partial
-    execution (and counts a whole execution's iterations for it), so the
-    epoch's ``misses_per_step`` and ``evictions_per_step`` divide that
-    execution's misses by too few steps, and the epoch's ``loss`` (and other
-    model metrics) in the logs leave its steps out (a review: 7.47 misses a
-    step for 7.0, loss 0.1233 for 0.1133, with 16 batches and 3 steps per
-    execution). Choose a ``steps_per_execution`` that divides the batches.
+    metrics again, and these leave out an epoch's partial last execution of
+    ``steps_per_execution`` steps; ``CacheMetrics`` puts back the model's
+    metrics as Keras would have, read before ``fit``'s validation resets
+    them, and replaces its own keys by the epoch values.)
 
     Example:
 
@@ -233,7 +232,10 @@ class CacheMetrics(keras.callbacks.Callback):
         self._layers: list = []  # (layer, log name)
         self._batch_start: dict[int, _Snapshot] = {}
         self._epoch_start: dict[int, _Snapshot] = {}
-        self._steps = _Steps(run=True)
+        self._steps = _Steps()
+        self._in_epoch = False
+        self._train_metrics: Optional[dict] = None
+        self._step_keys: Optional[set] = None
 
     # ---------------------------------------------------------- bookkeeping
     def _snapshots(self) -> dict[int, tuple[dict, _Snapshot]]:
@@ -271,7 +273,7 @@ class CacheMetrics(keras.callbacks.Callback):
     # ---------------------------------------------------------------- hooks
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
         self._layers = table_log_names(self.model)
-        self._steps = _Steps(run=True)
+        self._steps = _Steps()
         self._steps.restart(self.model)
         start = {key: snap for key, (_, snap) in self._snapshots().items()}
         self._batch_start = dict(start)
@@ -284,12 +286,39 @@ class CacheMetrics(keras.callbacks.Callback):
         start = {key: snap for key, (_, snap) in self._snapshots().items()}
         self._epoch_start = start
         self._batch_start = dict(start)
+        self._in_epoch = True
+        self._train_metrics = None
+        self._step_keys = None
 
     def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
         self._steps.batch_end(self.model)
+        # The keys Keras would compare with the model's metrics to build the
+        # epoch's logs, had this callback added none.
+        self._step_keys = None if logs is None else set(logs)
         self._report(logs, self._batch_start)
 
+    def on_test_begin(self, logs: Optional[dict] = None) -> None:
+        if self._in_epoch and self._train_metrics is None:
+            # fit's validation: it resets the metrics the epoch's logs need.
+            self._train_metrics = self._metrics_result()
+
+    def _metrics_result(self) -> Optional[dict]:
+        get = getattr(self.model, "get_metrics_result", None)
+        return None if get is None else dict(get())
+
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        self._in_epoch = False
+        # An epoch's partial last execution of steps_per_execution steps
+        # had no batch end.
+        self._steps.batch_end(self.model, epoch_end=True)
+        fresh = self._train_metrics if self._train_metrics is not None \
+            else self._metrics_result()
+        if logs is not None and fresh is not None and self._step_keys == set(fresh):
+            # Keras 3.5 builds the epoch's logs from the model's metrics only
+            # when the last batch's logs hold no other keys; ours are there,
+            # so it took the last batch's, which leave out a partial last
+            # execution's steps. Put back what Keras would have.
+            logs.update(fresh)
         self._report(logs, self._epoch_start)
 
 
@@ -299,22 +328,22 @@ class PruneHostTable(keras.callbacks.Callback):
     or (``to_rows``) the least used ids until each table holds at most
     ``to_rows`` rows (``CachedEmbedding.prune``), at the end of each epoch, or every
     ``every_steps`` training steps when given: after the steps whose count
-    reaches a multiple of ``every_steps`` (counted with the optimizer's
-    iteration counter, so ``steps_per_execution > 1`` prunes as often, the
-    check running after each execution; with ``gradient_accumulation_steps``
-    every step counts, not every update). The count starts from the
+    reaches a multiple of ``every_steps``. Steps are counted by the tables
+    (their training calls), so every step run counts: each of
+    ``steps_per_execution > 1`` (the check runs after each execution, and at
+    the end of an epoch, after a partial last execution that Keras reports
+    no batch end for), each of ``gradient_accumulation_steps``, and the
+    steps a ``LossScaleOptimizer`` skipped. The count starts from the
     optimizer's count when the callback first trains, and adds up over the
     ``fit`` calls the callback is passed to: a stream trained one ``fit`` per
     chunk, each shorter than ``every_steps``, is still pruned every
     ``every_steps`` steps, and a run resumed from a checkpoint prunes after
-    the same steps as the run that never stopped. (Not quite on data of
-    unknown size, where Keras 3.5 counts one iteration more after each
-    epoch's last batch: the restored count includes those. Nor when
-    ``steps_per_execution`` does not divide an epoch's number of batches:
-    Keras 3.5 calls no batch end for the last, partial execution and counts
-    a whole execution's iterations for it, so prunes come late or are
-    skipped (a review: after steps 9, 19, 25, 35 and 44 instead of every 8th
-    of 48); choose one that divides the batches. And with the
+    the same steps as the run that never stopped. (Not quite when Keras's
+    count differs from the steps run, as the restored count is Keras's: on
+    data of unknown size Keras 3.5 counts one iteration more after each
+    epoch's last batch, and may count one more for a partial last execution
+    of ``steps_per_execution`` steps; a ``LossScaleOptimizer``'s count
+    leaves out the steps it skipped. And with the
     cache cold after a restore the rows it removes can differ, since cached
     ids are never pruned.) ``decay`` ages the use counts at each prune
     (see ``CachedEmbedding.prune``): ``PruneHostTable(min_uses=1,
@@ -401,14 +430,19 @@ class PruneHostTable(keras.callbacks.Callback):
             self._steps.count = self._last_prune_step = _Steps._iterations(self.model) or 0
 
     def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
-        step = self._steps.batch_end(self.model)
+        self._count_steps(epoch_end=False)
+
+    def _count_steps(self, epoch_end: bool) -> None:
         if self.every_steps is None:
             return
+        step = self._steps.batch_end(self.model, epoch_end=epoch_end)
         if step // self.every_steps > self._last_prune_step // self.every_steps:
             self._prune()
             self._last_prune_step = step
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        # (An epoch's partial last execution had no batch end.)
+        self._count_steps(epoch_end=True)
         if self.every_steps is None:
             self._prune()
         if logs is not None:

@@ -1376,6 +1376,19 @@ def run_one_rank_refusals(out_dir, rank, size):
     counted.table_updates = 100
     model.fit(*data, batch_size=2, verbose=0, callbacks=callbacks())
     assert counted.table_updates == 102, counted.table_updates
+    # A data-parallel replica with less room than the other (it would refuse
+    # a step the other trains, which then waits in the step's all-reduce).
+    for name, bounds, shown in (
+            ("refusals_capacity", dict(cache_capacity=8 + 4 * rank), "cache_capacity=12"),
+            ("refusals_max_rows", dict(cache_capacity=8, max_rows=None if rank else 100),
+             "max_rows=None")):
+        bounded = CachedEmbedding(3, seed=3, name=name, distribution="data_parallel",
+                                  **bounds)
+        model = keras.Model(x, keras.layers.Dense(1)(keras.layers.Flatten()(bounded(x))))
+        model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+        _expect_error(lambda: model.fit(*data, batch_size=2, verbose=0, callbacks=callbacks()),
+                      shown)
+        assert bounded.cache_stats()["host_rows"] == 0
     # A data-parallel table's count set on one rank between two fits that
     # share one callbacks() list: refused at the second (it trained apart).
     replica = CachedEmbedding(3, cache_capacity=8, seed=3, name="refusals_replica",

@@ -111,7 +111,7 @@ def _check_same_tables(model) -> None:
             f"The Horovod ranks' CachedEmbedding layers have different settings: on this "
             f"rank ({rank}) {differ[0][0]}, on rank {other} {differ[0][1]}. Make every rank's "
             f"tables alike (output_dim, table optimizer and its learning rate, distribution, "
-            f"combiner, table_updates).")
+            f"combiner, table_updates; a data-parallel table's cache_capacity and max_rows).")
     other = next(r for r, (k, _, _, _) in enumerate(every) if k != key)
     differ = [line for line, pair in zip(shown, key) if pair not in every[other][0]]
     if all(c == core for _, _, _, c in every):
@@ -155,9 +155,15 @@ def _update_count(layer) -> str:
     """A model-parallel table's update count (Adam's bias correction and a
     schedule count it on each owner: `table_updates` set on one rank only
     would train the shards apart). A data-parallel table's replicas are
-    compared whole, with their own message, by _check_replicas_agree."""
+    compared whole, with their own message, by _check_replicas_agree; here
+    their cache_capacity and max_rows: each replica prepares every rank's
+    ids, so one with less room than the others refuses a step they train,
+    and they wait for it in the step's all-reduce (a model-parallel owner's
+    refusal is told to every rank)."""
     if getattr(layer, "_store", None) is None:
         return "not built"
+    if layer.mode == "data_parallel":
+        return f"cache_capacity={layer.cache_capacity}, max_rows={layer.max_rows}"
     if layer.mode != "model_parallel":
         return ""
     return f"table_updates={layer.table_updates}"

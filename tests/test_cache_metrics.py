@@ -180,6 +180,23 @@ def test_cache_metrics_do_not_change_loss_or_training(rng, steps_per_execution, 
     assert np.array_equal(runs[0][1], runs[1][1])
 
 
+def test_metrics_set_by_an_earlier_callback_are_left_alone(rng):
+    """A callback before CacheMetrics that sets the epoch's metrics (as
+    tf_sfctr.distributed.callbacks() sets the ranks' global values) keeps
+    them: CacheMetrics puts back the model's (local) metrics only where the
+    epoch's logs are still the last batch's."""
+    class SetLoss(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            logs["loss"] = 123.0 + epoch
+
+    ids, label = _data(rng)
+    model, _, _ = _model()
+    model.compile(optimizer="adam", loss="binary_crossentropy", steps_per_execution=3)
+    history = model.fit(ids, label, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                        callbacks=[SetLoss(), CacheMetrics()])
+    assert history.history["loss"] == [123.0, 124.0]
+
+
 def test_values_reach_tensorboard_and_the_progress_bar(rng, tmp_path, capsys):
     model, items, users = _model()
     model.compile(optimizer="adam", loss="binary_crossentropy")

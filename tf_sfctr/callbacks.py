@@ -235,7 +235,7 @@ class CacheMetrics(keras.callbacks.Callback):
         self._steps = _Steps()
         self._in_epoch = False
         self._train_metrics: Optional[dict] = None
-        self._step_keys: Optional[set] = None
+        self._step_logs: Optional[dict] = None
 
     # ---------------------------------------------------------- bookkeeping
     def _snapshots(self) -> dict[int, tuple[dict, _Snapshot]]:
@@ -288,13 +288,13 @@ class CacheMetrics(keras.callbacks.Callback):
         self._batch_start = dict(start)
         self._in_epoch = True
         self._train_metrics = None
-        self._step_keys = None
+        self._step_logs = None
 
     def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
         self._steps.batch_end(self.model)
-        # The keys Keras would compare with the model's metrics to build the
-        # epoch's logs, had this callback added none.
-        self._step_keys = None if logs is None else set(logs)
+        # The logs Keras would compare with the model's metrics to build the
+        # epoch's logs, had this callback added no keys.
+        self._step_logs = None if logs is None else dict(logs)
         self._report(logs, self._batch_start)
 
     def on_test_begin(self, logs: Optional[dict] = None) -> None:
@@ -313,11 +313,15 @@ class CacheMetrics(keras.callbacks.Callback):
         self._steps.batch_end(self.model, epoch_end=True)
         fresh = self._train_metrics if self._train_metrics is not None \
             else self._metrics_result()
-        if logs is not None and fresh is not None and self._step_keys == set(fresh):
+        last = self._step_logs
+        if (logs is not None and fresh is not None and last is not None
+                and set(last) == set(fresh) and all(logs.get(k) == last[k] for k in last)):
             # Keras 3.5 builds the epoch's logs from the model's metrics only
             # when the last batch's logs hold no other keys; ours are there,
             # so it took the last batch's, which leave out a partial last
-            # execution's steps. Put back what Keras would have.
+            # execution's steps. Put back what Keras would have, unless a
+            # callback before this one already set them (AverageMetrics: the
+            # ranks' global values).
             logs.update(fresh)
         self._report(logs, self._epoch_start)
 

@@ -208,7 +208,8 @@ class CacheMetrics(keras.callbacks.Callback):
     metrics again, and these leave out an epoch's partial last execution of
     ``steps_per_execution`` steps; ``CacheMetrics`` puts back the model's
     metrics as Keras would have, read before ``fit``'s validation resets
-    them, and replaces its own keys by the epoch values.)
+    them, where no callback before it changed them, and replaces its own
+    keys by the epoch values.)
 
     Example:
 

@@ -156,6 +156,69 @@ def test_steps_count_with_gradient_accumulation():
     assert per_step == [[2.0], [2.0]]
 
 
+def test_a_table_read_without_training_does_not_hide_the_steps_of_others():
+    """A teacher table trained first (30 steps), then read with
+    training=False beside a new student table: the steps were counted by
+    the change of the largest table count (the teacher's, which stayed at
+    30), so the student's rates read 0.0 and PruneHostTable never pruned (a
+    review)."""
+    from tf_sfctr.callbacks import PruneHostTable
+
+    def tower(name):
+        ids = keras.Input(shape=(2,), dtype="int64")
+        emb = CachedEmbedding(2, cache_capacity=64, seed=0, name=name)
+        return keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(emb(ids)))), emb
+
+    teacher, _ = tower("teacher")
+    teacher.compile(optimizer="sgd", loss="mse")
+    teacher.fit(np.arange(60).reshape(30, 2) + 10_000, np.zeros((30, 1)), batch_size=1,
+                verbose=0)
+
+    class Distiller(keras.Model):
+        def __init__(self):
+            super().__init__(name="distiller")
+            self.student, self.emb = tower("student")
+            self.teacher = teacher
+
+        def call(self, x, training=None):
+            return self.student(x, training=training) + 0.0 * self.teacher(x, training=False)
+
+    model = Distiller()
+    model.compile(optimizer="sgd", loss="mse")
+    calls = []
+
+    class Prune(PruneHostTable):
+        def _prune(self):
+            calls.append(self._steps.count)
+            super()._prune()
+
+    history = model.fit(np.arange(16).reshape(8, 2), np.zeros((8, 1)), batch_size=1, epochs=3,
+                        shuffle=False, verbose=0,
+                        callbacks=[CacheMetrics(), Prune(min_uses=100, every_steps=4)])
+    assert history.history["student/misses_per_step"] == [2.0, 0.0, 0.0]
+    assert calls == [4, 8, 12, 16, 20, 24]
+
+
+def test_an_evaluating_callback_before_cache_metrics_keeps_its_logs(rng):
+    """A callback before CacheMetrics that evaluates the model at the end of
+    each epoch resets the model's metrics: they were put back into the
+    epoch's logs, which then held the evaluation's loss (a review)."""
+    class Holdout(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            self.model.evaluate(ids[:128], label[:128], verbose=0)
+
+    ids, label = _data(rng)
+    runs = []
+    for callbacks in ([Holdout()], [Holdout(), CacheMetrics()]):
+        keras.utils.set_random_seed(7)
+        model, _, _ = _model()
+        model.compile(optimizer="adam", loss="binary_crossentropy")
+        history = model.fit(ids, label, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                            callbacks=callbacks)
+        runs.append(history.history["loss"])
+    assert runs[0] == runs[1]
+
+
 @pytest.mark.parametrize("steps_per_execution,validate", [(1, False), (3, False), (3, True)])
 def test_cache_metrics_do_not_change_loss_or_training(rng, steps_per_execution, validate):
     """Nor the epoch's loss when a partial last execution is left (10

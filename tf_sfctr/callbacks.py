@@ -109,11 +109,12 @@ class _Steps:
 
     @staticmethod
     def _count(model) -> tuple:
-        """(steps the tables ran or None, the optimizer's count or None)."""
-        runs = [int(layer._steps_run.var.numpy()) for layer in cached_embeddings(model)
+        """({id(table): steps it ran} or None, the optimizer's count or None)."""
+        runs = {id(layer): int(layer._steps_run.var.numpy())
+                for layer in cached_embeddings(model)
                 if layer.built and layer.trainable
-                and getattr(layer, "_steps_run", None) is not None]
-        return (max(runs) if runs else None), _Steps._iterations(model)
+                and getattr(layer, "_steps_run", None) is not None}
+        return (runs or None), _Steps._iterations(model)
 
     @staticmethod
     def _iterations(model) -> Optional[int]:
@@ -137,8 +138,12 @@ class _Steps:
         only: the optimizer's count is wrong there)."""
         now = self._count(model)
         seen = self._seen or (None, None)
-        if seen[0] is not None and now[0] is not None:
-            self.count += max(now[0] - seen[0], 0)
+        common = [] if seen[0] is None or now[0] is None else \
+            [k for k in now[0] if k in seen[0]]
+        if common:
+            # The table that ran the most steps since: a trainable one read
+            # with training=False (distillation's teacher) runs none.
+            self.count += max(max(now[0][k] - seen[0][k] for k in common), 0)
         elif epoch_end:
             return self.count
         elif seen[1] is not None and now[1] is not None:
@@ -206,10 +211,13 @@ class CacheMetrics(keras.callbacks.Callback):
     (Because the batch logs then hold keys that are not model metrics, Keras
     3.5 builds the epoch logs from the last batch's logs instead of asking the
     metrics again, and these leave out an epoch's partial last execution of
-    ``steps_per_execution`` steps; ``CacheMetrics`` puts back the model's
-    metrics as Keras would have, read before ``fit``'s validation resets
-    them, where no callback before it changed them, and replaces its own
-    keys by the epoch values.)
+    ``steps_per_execution`` steps; ``CacheMetrics`` then puts back the
+    model's metrics as Keras would have, read before ``fit``'s validation
+    resets them, where no callback before it changed them, and replaces its
+    own keys by the epoch values. Callbacks before it see the last batch's
+    loss and metrics then; and one before it that evaluates the model
+    itself, in a ``fit`` without validation, leaves the evaluation's metrics
+    to be put back.)
 
     Example:
 
@@ -311,19 +319,21 @@ class CacheMetrics(keras.callbacks.Callback):
         self._in_epoch = False
         # An epoch's partial last execution of steps_per_execution steps
         # had no batch end.
-        self._steps.batch_end(self.model, epoch_end=True)
-        fresh = self._train_metrics if self._train_metrics is not None \
-            else self._metrics_result()
+        before = self._steps.count
+        partial = self._steps.batch_end(self.model, epoch_end=True) > before
         last = self._step_logs
-        if (logs is not None and fresh is not None and last is not None
-                and set(last) == set(fresh) and all(logs.get(k) == last[k] for k in last)):
+        if partial and logs is not None and last is not None \
+                and all(logs.get(k) == last[k] for k in last):
             # Keras 3.5 builds the epoch's logs from the model's metrics only
             # when the last batch's logs hold no other keys; ours are there,
-            # so it took the last batch's, which leave out a partial last
+            # so it took the last batch's, which leave out the partial last
             # execution's steps. Put back what Keras would have, unless a
             # callback before this one already set them (AverageMetrics: the
             # ranks' global values).
-            logs.update(fresh)
+            fresh = self._train_metrics if self._train_metrics is not None \
+                else self._metrics_result()
+            if fresh is not None and set(last) == set(fresh):
+                logs.update(fresh)
         self._report(logs, self._epoch_start)
 
 

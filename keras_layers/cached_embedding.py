@@ -69,6 +69,7 @@ from tf_sfctr.keras_layers._layer_inputs import (
     is_feature_list,
     is_ids_and_values,
 )
+from tf_sfctr.keras_layers._serving_scope import serving_twin
 from tf_sfctr.keras_layers._sharded_rows import ShardedRowsMixin
 from tf_sfctr.keras_layers._step_state import Counter, DeferredUpdate, DeviceCache, Plan
 from tf_sfctr.keras_layers._table_access import TableAccessMixin
@@ -776,6 +777,11 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                 f"CachedEmbedding {self.name!r}: training must be True, False or None (a "
                 f"Python value when traced: the table's update is part of the traced step "
                 f"or not), got {training!r}")
+        twin = serving_twin(self)
+        if twin is not None:
+            # export_for_serving traces a model it cannot rebuild: the
+            # served function reads the frozen rows, with stock ops.
+            return twin(inputs, weights=weights)
         # A frozen layer (trainable=False) serves its rows like inference.
         training = bool(flag) and self.trainable
         scale = None

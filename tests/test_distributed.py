@@ -500,8 +500,10 @@ def test_one_rank_checkpoint_restores_on_two_ranks(results):
     assert total == ref_emb.cache_stats()["host_rows"]
 
 
-def test_export_under_horovod_is_one_complete_savedmodel(results, tmp_path):
-    served = tf.saved_model.load(str(results("served_2ranks", None)))
+@pytest.mark.parametrize("export", ["served_2ranks", "served_2ranks_traced"])
+def test_export_under_horovod_is_one_complete_savedmodel(results, tmp_path, export):
+    """Also of a subclassed model, exported by tracing."""
+    served = tf.saved_model.load(str(results(export, None)))
     x = np.concatenate([b[0] for b in sc.global_batches("dense")])
     got = served.serve(tf.constant(x)).numpy()
     np.testing.assert_allclose(got, results("ckpt", 0)["predictions"], rtol=1e-6, atol=1e-6)

@@ -6,6 +6,7 @@ import gc
 import json
 import subprocess
 import sys
+import tempfile
 import textwrap
 import weakref
 
@@ -33,13 +34,18 @@ LOADER = textwrap.dedent("""
 """)
 
 
-def _serve_in_subprocess(tmp_path, export_dir, x):
-    np.save(tmp_path / "x.npy", x)
+def _serve_in_subprocess(tmp_path, export_dir, x, loader=LOADER):
+    """Runs ``loader`` on the SavedModel with ``x`` (an array, or a dict of
+    them saved as .npz) in a process that never imports tf_sfctr."""
+    data = tmp_path / ("x.npz" if isinstance(x, dict) else "x.npy")
+    if isinstance(x, dict):
+        np.savez(data, **x)
+    else:
+        np.save(data, x)
     script = tmp_path / "load.py"
-    script.write_text(LOADER)
+    script.write_text(loader)
     result = subprocess.run(
-        [sys.executable, str(script), str(export_dir), str(tmp_path / "x.npy"),
-         str(tmp_path / "out.npy")],
+        [sys.executable, str(script), str(export_dir), str(data), str(tmp_path / "out.npy")],
         cwd=tmp_path, capture_output=True, text=True, check=True,
         env={"TF_CPP_MIN_LOG_LEVEL": "2", "PATH": "/usr/bin:/bin"})
     flags = json.loads(result.stdout.strip().splitlines()[-1])
@@ -570,7 +576,7 @@ def test_mixed_bfloat16_combiners_serve_like_predict(rng):
         keras.config.set_dtype_policy(previous)
 
 
-def test_subclassed_models_and_bad_export_dirs_are_refused_with_what_to_do(tmp_path):
+def test_bad_export_arguments_are_refused_with_what_to_do(tmp_path):
     class Tower(keras.Model):
         def __init__(self):
             super().__init__()
@@ -581,10 +587,18 @@ def test_subclassed_models_and_bad_export_dirs_are_refused_with_what_to_do(tmp_p
 
     model = Tower()
     model(np.array([[1, 2]], np.int64))
-    with pytest.raises(ValueError, match=r"subclassed model \(Tower\): build a functional "
-                                         r"model from its layers"):
+    with pytest.raises(ValueError, match=r"subclassed model \(Tower\) needs input_signature"):
         tf_sfctr.export_for_serving(model, str(tmp_path / "served"))
+    with pytest.raises(ValueError, match="input_signature must be what the model is called on"):
+        tf_sfctr.export_for_serving(model, str(tmp_path / "served"),
+                                    input_signature=[(None, 2)])
+    with pytest.raises(ValueError, match="needs a keras.Model"):
+        tf_sfctr.export_for_serving(model.emb, str(tmp_path / "served"))
     functional = _identity_model(CachedEmbedding(3, cache_capacity=8, seed=0))
+    with pytest.raises(ValueError, match="input_signature is for models it traces"):
+        tf_sfctr.export_for_serving(functional, str(tmp_path / "served"),
+                                    input_signature=tf.TensorSpec((None, 2), tf.int64))
+    assert not (tmp_path / "served").exists()
     a_file = tmp_path / "a_file"
     a_file.write_text("")
     for bad, match in (("", "non-empty path"), (None, "non-empty path"), (3, "non-empty path"),
@@ -758,3 +772,155 @@ def test_export_leaves_no_garbage_cycles(tmp_path):
     assert gc.collect() < 100
     assert served is not None
 
+
+
+DICT_LOADER = textwrap.dedent("""
+    import json, sys
+    import numpy as np, tensorflow as tf
+    served = tf.saved_model.load(sys.argv[1])
+    x = dict(np.load(sys.argv[2]))
+    out = served.signatures["serving_default"](**{k: tf.constant(v) for k, v in x.items()})
+    np.save(sys.argv[3], next(iter(out.values())).numpy())
+    print(json.dumps({"tf_sfctr_imported": any(m.startswith("tf_sfctr") for m in sys.modules),
+                      "endpoints": sorted(served.signatures)}))
+""")
+
+
+class _TwoTower(keras.Model):
+    """A subclassed retrieval-style model: a user tower (one id), an item
+    tower (5 item ids, mean of their rows; id 0 is a real item) and tags
+    (ragged while training, sum of their rows)."""
+
+    def __init__(self):
+        super().__init__(name="two_tower")
+        self.users = CachedEmbedding(6, cache_capacity=64, seed=1, name="users")
+        self.items = CachedEmbedding(6, cache_capacity=64, seed=2, name="items", combiner="mean")
+        self.tags = CachedEmbedding(6, cache_capacity=64, seed=3, name="tags", combiner="sum")
+        self.mlp = keras.layers.Dense(6, name="user_mlp")
+
+    def call(self, x, training=None):
+        user = self.mlp(self.users(x["user"], training=training)[:, 0])
+        item = self.items(x["items"], training=training) + self.tags(x["tags"],
+                                                                      training=training)
+        return keras.ops.sum(user * item, axis=-1, keepdims=True)
+
+
+def _two_tower_data(rng, n=96):
+    lengths = rng.integers(1, 4, n)
+    tags = tf.RaggedTensor.from_row_lengths(rng.integers(1, 30, lengths.sum()), lengths)
+    x = {"user": rng.integers(0, 40, (n, 1)), "items": rng.integers(0, 60, (n, 5)),
+         "tags": tags}
+    return x, rng.random((n, 1)).astype("float32")
+
+
+def test_a_subclassed_model_is_traced_and_serves_like_predict(rng, tmp_path):
+    """It was refused ("build a functional model from its layers"). Traced on
+    input_signature, each table read through its frozen copy: the SavedModel
+    serves without tf_sfctr what predict gives, ragged-trained tags as dense
+    rows padded with 0 (skipped), dense item rows with every id counted."""
+    x, y = _two_tower_data(rng)
+    model = _TwoTower()
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=2, verbose=0)
+    expected = model.predict(tf.data.Dataset.from_tensor_slices(x).batch(32), verbose=0)
+    signature = {"user": tf.TensorSpec((None, 1), tf.int64, name="user"),
+                 "items": tf.TensorSpec((None, 5), tf.int64, name="items"),
+                 "tags": tf.TensorSpec((None, None), tf.int64, name="tags")}
+    before = model.items.lookup_rows(np.arange(60))
+    served_fn = tf_sfctr.export_for_serving(model, str(tmp_path / "served"),
+                                            input_signature=signature)
+    dense = {"user": x["user"], "items": x["items"], "tags": x["tags"].to_tensor().numpy()}
+    np.testing.assert_allclose(served_fn(dense).numpy(), expected, rtol=1e-5, atol=1e-6)
+    served, flags = _serve_in_subprocess(tmp_path, tmp_path / "served", dense, DICT_LOADER)
+    assert flags == {"tf_sfctr_imported": False, "endpoints": ["serve", "serving_default"]}
+    np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-6)
+    # The trained model is as it was, and still trains.
+    np.testing.assert_array_equal(model.items.lookup_rows(np.arange(60)), before)
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=1, verbose=0)
+    assert not np.array_equal(model.items.lookup_rows(np.arange(60)), before)
+
+
+def test_a_traced_export_keeps_max_rows_and_each_table_once(rng, tmp_path):
+    x, y = _two_tower_data(rng)
+    model = _TwoTower()
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), verbose=0)
+    signature = {"user": tf.TensorSpec((None, 1), tf.int64, name="user"),
+                 "items": tf.TensorSpec((None, 5), tf.int64, name="items"),
+                 "tags": tf.TensorSpec((None, None), tf.int64, name="tags")}
+    fn = tf_sfctr.export_for_serving(model, str(tmp_path / "served"), max_rows=3,
+                                     input_signature=signature)
+    for name in ("users", "items", "tags"):
+        keys = [v for v in fn.get_concrete_function().variables if v.name == f"{name}/keys:0"]
+        assert len(keys) == 1 and keys[0].shape[0] == 4, (name, keys)  # 3 rows + the miss slot
+    # Each frozen table is stored once in the SavedModel's checkpoint.
+    stored = tf.train.list_variables(str(tmp_path / "served" / "variables" / "variables"))
+    assert sorted(shape for _, shape in stored if shape in ([4, 6], [4])) == \
+        [[4]] * 3 + [[4, 6]] * 3, stored
+
+
+def test_a_table_inside_a_subclassed_layer_of_a_functional_model_is_traced(rng, tmp_path):
+    """Refused before ("cannot freeze tables inside a subclassed layer"):
+    traced on the functional model's own inputs."""
+    class Tower(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.emb = CachedEmbedding(3, cache_capacity=64, seed=0, combiner="sum", name="e")
+            self.dense = keras.layers.Dense(2)
+
+        def call(self, x, training=None):
+            return self.dense(self.emb(x, training=training))
+
+    inp = keras.Input((4,), dtype="int64", name="ids")
+    model = keras.Model(inp, keras.layers.Dense(1)(Tower(name="tower")(inp)))
+    model.compile(optimizer="sgd", loss="mse")
+    x = rng.integers(0, 50, (64, 4))
+    model.fit(x, rng.random((64, 1)), batch_size=16, verbose=0)
+    fn = tf_sfctr.export_for_serving(model, str(tmp_path / "served"))
+    expected = model.predict(x, verbose=0)
+    np.testing.assert_allclose(fn(tf.constant(x)).numpy(), expected, rtol=1e-5, atol=1e-6)
+    served, flags = _serve_in_subprocess(tmp_path, tmp_path / "served", {"ids": x},
+                                         DICT_LOADER)
+    assert not flags["tf_sfctr_imported"]
+    np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_table_inside_a_subclassed_layer_fed_de_duplicated_features_is_refused(tmp_path):
+    """Plain ids are served in place of a with_unique_ids feature only by
+    rebuilding the graph; a traced model would take the pipeline's keys."""
+    from tf_sfctr.data import vsi_inputs
+
+    class Tower(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.emb = CachedEmbedding(3, cache_capacity=64, seed=0, combiner="sum", name="e")
+
+        def call(self, x, training=None):
+            return self.emb(x, training=training)
+
+    feature = vsi_inputs("sparse", (4,))
+    model = keras.Model(feature, Tower(name="tower")(feature))
+    with pytest.raises(ValueError, match=r"inside subclassed layers \(\['e'\]\) and takes "
+                                         r"de-duplicated features"):
+        tf_sfctr.export_for_serving(model, str(tmp_path / "served"))
+    assert not (tmp_path / "served").exists()
+
+
+def test_a_traced_combiner_table_needs_pad_id_when_no_call_tells():
+    """pad_id='auto' reads what reached each combiner table in this process;
+    a model built without a real call (a loaded or restored one) has no
+    record: export asks for pad_id rather than guess."""
+    model = _TwoTower()
+    for layer in (model.users, model.items, model.tags):
+        layer.build(None)
+    model.mlp.build((None, 6))
+    signature = {"user": tf.TensorSpec((None, 1), tf.int64, name="user"),
+                 "items": tf.TensorSpec((None, 5), tf.int64, name="items"),
+                 "tags": tf.TensorSpec((None, None), tf.int64, name="tags")}
+    with tempfile.TemporaryDirectory() as out:
+        with pytest.raises(ValueError, match=r"CachedEmbedding 'items' \(combiner='mean'\).*"
+                                             r"Pass pad_id=0"):
+            tf_sfctr.export_for_serving(model, out + "/a", input_signature=signature)
+        assert not tf.io.gfile.exists(out + "/a")
+        tf_sfctr.export_for_serving(model, out + "/b", pad_id=0, input_signature=signature)
+        assert tf.io.gfile.exists(out + "/b/saved_model.pb")

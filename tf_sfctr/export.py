@@ -271,9 +271,9 @@ def _refuse_hidden_tables(model: keras.Model) -> None:
         if inner:
             raise ValueError(
                 f"export_for_serving: layer {layer.name!r} ({type(layer).__name__}) holds "
-                f"CachedEmbedding layers {inner}; export rebuilds functional and Sequential "
-                "models only, so it cannot freeze tables inside a subclassed layer. Call "
-                "the CachedEmbedding in a functional model instead.")
+                f"CachedEmbedding layers {inner}; serving_model rebuilds functional and "
+                "Sequential models only, so it cannot freeze tables inside a subclassed "
+                "layer. export_for_serving traces such a model instead.")
 
 
 def _twin(layer: keras.layers.Layer) -> keras.layers.Layer:
@@ -402,6 +402,151 @@ def _served_pad_id(model: keras.Model, layer: CachedEmbedding) -> Union[int, Non
     return pads[0]
 
 
+def _frozen_layer(layer: CachedEmbedding, max_rows: Optional[int], pad_id: Any,
+                  auto_pad) -> ServingEmbedding:
+    """The frozen copy of ``layer`` (``auto_pad()`` gives pad_id='auto''s)."""
+    ids, rows = _frozen_rows(layer, max_rows)
+    pad = auto_pad() if isinstance(pad_id, str) else pad_id
+    if isinstance(pad_id, str) and layer.combiner is not None and (
+            0 in (pad if isinstance(pad, list) else [pad])) and np.any(ids == 0):
+        warnings.warn(
+            f"export_for_serving: table {layer.name!r} was trained on sparse or "
+            "ragged ids and has a row for id 0, but served dense rows skip id 0 "
+            "(pad_id='auto': 0 is what to_dense()/to_tensor() pad with), so its row "
+            "is left out of served sums and means. If 0 is a real id (e.g. a "
+            "StringLookup's out-of-vocabulary index), pad served rows with an id "
+            "the table never saw, say -1, and pass pad_id=-1.", stacklevel=4)
+    return ServingEmbedding(ids, rows, combiner=layer.combiner, pad_id=pad,
+                            mask_zero=layer.mask_zero, name=layer.name,
+                            dtype=layer.dtype_policy)
+
+
+def _recorded_pad_id(layer: CachedEmbedding) -> Union[int, None, list]:
+    """pad_id='auto' for a table of a traced model (no graph to read): from
+    the kinds of ids that reached the layer's calls in this process. Ragged
+    or sparse ids: their dense served rows are padded with 0, which the
+    combiner skips; dense rows: every position counts."""
+    if layer.combiner is None:
+        return 0  # (only a combiner reads it)
+    record = layer._fed_sparse or {}
+    kinds = {bool(f) for fed in record.values() for f in fed}
+    if len(kinds) == 1:
+        return 0 if kinds.pop() else None
+    if len(record) == 1:  # one list call, its features of both kinds
+        (fed,) = record.values()
+        return [0 if f else None for f in fed]
+    if not kinds:
+        why = ("no call of it in this process tells whether it was trained on ragged or "
+               "sparse ids (their dense served rows are padded with 0, which the served "
+               "layer must skip) or on dense rows (every position counts, 0 included): a "
+               "model restored or loaded before its export does not record it")
+    else:
+        why = "its calls took ragged or sparse ids in some structures and dense ids in others"
+    raise ValueError(
+        f"export_for_serving: CachedEmbedding {layer.name!r} (combiner={layer.combiner!r}) "
+        f"of a model exported by tracing: {why}. Pass pad_id=0 for ragged or sparse "
+        "training ids, pad_id=None for dense ones.")
+
+
+def _hidden_tables(model: keras.Model) -> list:
+    """Names of the CachedEmbedding layers inside layers that are not graph
+    models (subclassed layers), which export cannot swap for frozen copies
+    by rebuilding the graph."""
+    found = []
+    for layer in model.layers:
+        if isinstance(layer, CachedEmbedding):
+            continue
+        if _is_graph_model(layer):
+            found += _hidden_tables(layer)
+            continue
+        found += [x.name for x in layer._flatten_layers(include_self=False)
+                  if isinstance(x, CachedEmbedding)]
+    return found
+
+
+def _check_input_signature(signature: Any) -> None:
+    leaves = keras.tree.flatten(signature) if signature is not None else []
+    if signature is not None and (not leaves or not all(
+            isinstance(x, tf.TypeSpec) for x in leaves)):
+        raise ValueError(
+            "input_signature must be what the model is called on, as tf.TensorSpec (or "
+            "tf.RaggedTensorSpec, tf.SparseTensorSpec): one spec, or a dict or list of "
+            "them, e.g. {'ids': tf.TensorSpec((None, 26), tf.int64, name='ids')}; got "
+            f"{signature!r}")
+
+
+def _traced_signature(model: keras.Model, input_signature: Any) -> Any:
+    """The structure the serving function takes for a model exported by
+    tracing: ``input_signature``, or a functional model's inputs."""
+    if input_signature is not None:
+        return input_signature
+    if _is_graph_model(model):
+        structure = model.inputs[0] if isinstance(model, keras.Sequential) else model.input
+        return keras.tree.map_structure(
+            lambda x: tf.TensorSpec((None,) + tuple(x.shape[1:]), x.dtype, name=x.name),
+            structure)
+    raise ValueError(
+        "export_for_serving of a subclassed model "
+        f"({type(model).__name__}) needs input_signature: what the model is called on, as "
+        "tf.TensorSpec (a dict or list of them for several inputs), e.g. "
+        "input_signature={'user': tf.TensorSpec((None, 1), tf.int64, name='user'), "
+        "'items': tf.TensorSpec((None, 5), tf.int64, name='items')}. Give plain ids where "
+        "a feature was trained through with_unique_ids (the served tables read them "
+        "directly). (A functional or Sequential model needs none.)")
+
+
+def traced_serving(model: keras.Model, input_signature: Any = None,
+                   max_rows: Optional[int] = None, pad_id: Union[int, None, str] = "auto"):
+    """``(serve, twins)`` for a model export cannot rebuild (a subclassed
+    model, or tables inside subclassed layers): ``serve`` is
+    ``model(inputs, training=False)`` traced once on ``input_signature`` with
+    every CachedEmbedding reading a frozen ``ServingEmbedding`` (``twins``,
+    by id of the layer) instead of its table. Collective under Horovod (the
+    tables are gathered, in ``cached_embeddings`` order)."""
+    from tf_sfctr.callbacks import cached_embeddings
+    from tf_sfctr.keras_layers._serving_scope import serving_twins
+
+    signature = _traced_signature(model, input_signature)
+    if _is_graph_model(model) and any(True for _ in _vsi_features(model.input)):
+        raise ValueError(
+            "export_for_serving: this model holds CachedEmbedding layers inside subclassed "
+            f"layers ({_hidden_tables(model)}) and takes de-duplicated features "
+            "(vsi_inputs), which export serves as plain ids only by rebuilding the graph. "
+            "Call the CachedEmbedding layers in the functional model itself.")
+    twins = {}
+    for layer in cached_embeddings(model):
+        twin = _frozen_layer(layer, max_rows, pad_id, lambda layer=layer: _recorded_pad_id(layer))
+        twin.build(None)  # (its variables made here, not inside the trace)
+        twins[id(layer)] = twin
+
+    def serve(inputs):
+        return model(inputs, training=False)
+
+    fn = tf.function(serve, input_signature=[signature], autograph=False)
+    with serving_twins(twins):
+        fn.get_concrete_function()
+    return fn, twins
+
+
+def _write_traced(model: keras.Model, fn, twins: dict, export_dir) -> None:
+    """The SavedModel of a traced serving function: its ``serve`` and
+    ``serving_default`` endpoints. Leaf layers are tracked (a lookup layer's
+    vocabulary is an asset); the frozen tables and other weights reach it
+    as the variables the function captures, each once."""
+    from tf_sfctr.keras_layers._serving_scope import serving_twins
+
+    archive = keras.export.ExportArchive()
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if isinstance(layer, CachedEmbedding) or any(
+                True for _ in layer._flatten_layers(include_self=False)):
+            continue
+        if layer.built or layer.weights:  # (tracking refuses unbuilt layers)
+            archive.track(layer)
+    with serving_twins(twins):  # (should anything trace again)
+        archive.add_endpoint("serve", fn)
+        archive.write_out(os.fspath(export_dir))
+
+
 def _check_serving_arguments(max_rows: Any, pad_id: Any) -> None:
     if max_rows is not None and (isinstance(max_rows, (bool, np.bool_))
                                  or not isinstance(max_rows, (int, np.integer))
@@ -461,20 +606,8 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None,
             # Keras recurses one level only: models deeper down come here.
             return keras.models.clone_model(layer, clone_function=clone, recursive=True)
         if isinstance(layer, CachedEmbedding):
-            ids, rows = _frozen_rows(layer, max_rows)
-            pad = _served_pad_id(model, layer) if isinstance(pad_id, str) else pad_id
-            if isinstance(pad_id, str) and layer.combiner is not None and (
-                    0 in (pad if isinstance(pad, list) else [pad])) and np.any(ids == 0):
-                warnings.warn(
-                    f"export_for_serving: table {layer.name!r} was trained on sparse or "
-                    "ragged ids and has a row for id 0, but served dense rows skip id 0 "
-                    "(pad_id='auto': 0 is what to_dense()/to_tensor() pad with), so its row "
-                    "is left out of served sums and means. If 0 is a real id (e.g. a "
-                    "StringLookup's out-of-vocabulary index), pad served rows with an id "
-                    "the table never saw, say -1, and pass pad_id=-1.", stacklevel=3)
-            return ServingEmbedding(ids, rows, combiner=layer.combiner, pad_id=pad,
-                                    mask_zero=layer.mask_zero, name=layer.name,
-                                    dtype=layer.dtype_policy)
+            return _frozen_layer(layer, max_rows, pad_id,
+                                 lambda: _served_pad_id(model, layer))
         if isinstance(layer, keras.layers.Layer) and not layer.weights:
             # Stateless (Flatten, Dropout, Lambda, lookups, ...): the frozen
             # model calls the layer itself. A copy through from_config loses
@@ -518,7 +651,8 @@ def _write_saved_model(frozen: keras.Model, export_dir) -> None:
 
 def export_for_serving(model: keras.Model, export_dir: str,
                        max_rows: Optional[int] = None,
-                       pad_id: Union[int, None, str] = "auto") -> keras.Model:
+                       pad_id: Union[int, None, str] = "auto",
+                       input_signature: Any = None) -> Any:
     """Writes a SavedModel of ``model`` that uses only stock TensorFlow ops.
 
     Its ``serving_default`` signature takes the model's inputs (a feature
@@ -537,7 +671,20 @@ def export_for_serving(model: keras.Model, export_dir: str,
     for id 0), one trained on dense rows counts every position, id 0
     included, as training did. An int or ``None`` applies to every layer.
     Returns the frozen Keras model that was exported (it takes what the
-    SavedModel takes: multi-hot features as dense padded rows). Under Horovod, call it
+    SavedModel takes: multi-hot features as dense padded rows).
+
+    A subclassed model (or a functional one holding tables inside
+    subclassed layers) cannot be rebuilt with frozen tables: it is traced
+    instead, ``model(inputs, training=False)`` on ``input_signature`` (what
+    the model is called on, as ``tf.TensorSpec``: one, or a dict or list of
+    them; a functional model's inputs by default), with each
+    ``CachedEmbedding`` reading its frozen copy. The SavedModel then has the
+    same ``serve`` and ``serving_default`` endpoints, and the traced
+    ``tf.function`` is returned. Its ``pad_id="auto"`` comes from the kinds
+    of ids that reached each table with a combiner in this process (pass
+    ``pad_id`` for a model restored or loaded before its export).
+
+    Under Horovod, call it
     on every rank: the sharded tables are gathered and rank 0 writes one
     complete SavedModel (every rank holds the whole frozen tables meanwhile, so
     each takes the export's memory). Not while another thread trains the
@@ -551,7 +698,7 @@ def export_for_serving(model: keras.Model, export_dir: str,
         served.serve(ids)
     """
     size, rank = _horovod.world()
-    refused = None
+    refused, traced = None, False
     try:
         if not isinstance(export_dir, (str, os.PathLike)) or not os.fspath(export_dir):
             raise ValueError(f"export_dir must be a non-empty path, got {export_dir!r}")
@@ -562,6 +709,17 @@ def export_for_serving(model: keras.Model, export_dir: str,
             raise ValueError(f"export_dir {export_dir!r} is a file; a SavedModel is a "
                              "directory")
         _check_serving_arguments(max_rows, pad_id)
+        _check_input_signature(input_signature)
+        if not isinstance(model, keras.Model):
+            raise ValueError("export_for_serving needs a keras.Model (functional, Sequential "
+                             f"or subclassed), got {type(model).__name__}")
+        traced = not _is_graph_model(model) or bool(_hidden_tables(model))
+        if input_signature is not None and not traced:
+            raise ValueError(
+                "export_for_serving: input_signature is for models it traces (subclassed "
+                "ones); a functional or Sequential model is served on its inputs.")
+        if traced:
+            _traced_signature(model, input_signature)  # (refuses a missing one)
     except ValueError as err:
         refused = err
     if size > 1:
@@ -571,7 +729,7 @@ def export_for_serving(model: keras.Model, export_dir: str,
         try:
             told = _horovod.require().allgather_object(
                 (refused is not None, None if max_rows is None else int(max_rows),
-                 repr(pad_id)), name="sfctr_export_arguments")
+                 repr(pad_id), repr(input_signature)), name="sfctr_export_arguments")
         except tf.errors.OpError as err:
             _horovod.explain_shutdown(err, "export_for_serving")
             raise
@@ -583,13 +741,18 @@ def export_for_serving(model: keras.Model, export_dir: str,
                              "their errors). Nothing was written.")
         if len({t[1:] for t in told}) > 1:
             raise ValueError(
-                "export_for_serving was given different max_rows or pad_id on the ranks "
+                "export_for_serving was given different max_rows, pad_id or input_signature "
+                "on the ranks "
                 f"({[t[1:] for t in told]} by rank); give every rank the same. Nothing was "
                 "written.")
     elif refused is not None:
         raise refused
+    twins = None
     try:
-        frozen = serving_model(model, max_rows, pad_id)
+        if traced:
+            frozen, twins = traced_serving(model, input_signature, max_rows, pad_id)
+        else:
+            frozen = serving_model(model, max_rows, pad_id)
     except tf.errors.OpError as err:
         # (Model-parallel tables are gathered from every rank, and every
         # rank waits for rank 0 to finish writing.)
@@ -604,7 +767,10 @@ def export_for_serving(model: keras.Model, export_dir: str,
             was_logging = keras.config.is_interactive_logging_enabled()
             keras.config.disable_interactive_logging()  # Keras prints every signature
             try:
-                _write_saved_model(frozen, export_dir)
+                if traced:
+                    _write_traced(model, frozen, twins, export_dir)
+                else:
+                    _write_saved_model(frozen, export_dir)
             finally:
                 if was_logging:
                     keras.config.enable_interactive_logging()

@@ -483,6 +483,18 @@ def run_checkpoint_and_export(out_dir, rank, size):
     # part at a time and sends its own 50 most used).
     tf_sfctr.export_for_serving(model, os.path.join(out_dir, "served_2ranks_top50"),
                                 max_rows=50)
+
+    class Wrapper(keras.Model):  # a subclassed model: exported by tracing
+        def __init__(self, inner):
+            super().__init__(name="wrapper")
+            self.inner = inner
+
+        def call(self, x, training=None):
+            return self.inner(x, training=training)
+
+    spec = tf.TensorSpec((None,) + tuple(model.inputs[0].shape[1:]), tf.int64, name="ids")
+    tf_sfctr.export_for_serving(Wrapper(model), os.path.join(out_dir, "served_2ranks_traced"),
+                                input_signature=spec)
     # An export that rank 0, the writer, fails (the directory's parent is a
     # file): every rank raises, and their next collectives stay paired (rank 1
     # returned as if it had written, and the next collective hung).

@@ -1353,7 +1353,7 @@ def run_one_rank_refusals(out_dir, rank, size):
         "pad_id must be" if rank == 1 else "rank(s) [1] refused their arguments")
     _expect_error(lambda: tf_sfctr.export_for_serving(model, served,
                                                       max_rows=5 if rank == 0 else None),
-                  "different max_rows or pad_id")
+                  "different max_rows, pad_id or input_signature")
     assert not os.path.exists(served)
     model.compile(optimizer="sgd", loss="mse")
     data = (v[:8].reshape(4, 2), np.ones((4, 1), np.float32))

@@ -135,11 +135,14 @@ class InputsMixin:
     into one vector with a layout, checks de-duplicated features, and
     combines the gathered rows back into the call's output structure."""
 
-    def _note_input_kinds(self, inputs: Any) -> None:
+    def _note_input_kinds(self, inputs: Any, training: bool = False) -> None:
         """Records which features got ragged or sparse ids (_fed_sparse),
         apart for each call structure (a list call's features and a call on
         one of them alone are other structures: a review found a tower's
-        call on its history alone overwrote the list call's record)."""
+        call on its history alone overwrote the list call's record); those
+        of training calls apart too (_trained_sparse: a traced export's
+        pad_id, which a dense call made only to build a model must not
+        decide)."""
         if isinstance(inputs, dict):
             features = [inputs.get("ids")]
         elif is_feature_list(inputs):
@@ -147,12 +150,11 @@ class InputsMixin:
         else:
             features = [inputs]
         fed = [isinstance(x, (tf.RaggedTensor, tf.SparseTensor)) for x in features]
-        record = dict(self._fed_sparse or {})
-        seen = record.get(len(fed))
-        if seen is not None:
-            fed = [a or b for a, b in zip(seen, fed)]
-        record[len(fed)] = fed
-        self._fed_sparse = record
+        for name in ("_fed_sparse", "_trained_sparse") if training else ("_fed_sparse",):
+            record = dict(getattr(self, name, None) or {})
+            seen = record.get(len(fed))
+            record[len(fed)] = fed if seen is None else [a or b for a, b in zip(seen, fed)]
+            setattr(self, name, record)
 
     def _checked_vsi(self, ids: tf.Tensor, unique_ids: Any, inverse: Any):
         """(unique_ids int64, inverse int32) of a de-duplicated feature, once

@@ -315,6 +315,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         # and feature: whether ragged or sparse ids reached a call, whatever
         # its Input said. export_for_serving's pad_id="auto" reads it.
         self._fed_sparse: Optional[dict[int, list]] = None
+        self._trained_sparse: Optional[dict[int, list]] = None
 
     def _usable_host_rows_dir(self) -> str:
         """host_rows_dir, checked when the table is created: "" for none."""
@@ -781,7 +782,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         if twin is not None:
             # export_for_serving traces a model it cannot rebuild: the
             # served function reads the frozen rows, with stock ops.
-            return twin(inputs, weights=weights)
+            return twin(self, inputs, weights)
         # A frozen layer (trainable=False) serves its rows like inference.
         training = bool(flag) and self.trainable
         scale = None
@@ -802,7 +803,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             else:
                 inputs = float_as_ids(inputs)
         else:
-            self._note_input_kinds(inputs)
+            self._note_input_kinds(inputs, training=bool(flag))
         if isinstance(inputs, dict):
             # Virtual Sparse Ids computed in the input pipeline
             # (tf_sfctr.data.with_unique_ids): skip de-duplication here.

@@ -407,45 +407,82 @@ def _frozen_layer(layer: CachedEmbedding, max_rows: Optional[int], pad_id: Any,
     """The frozen copy of ``layer`` (``auto_pad()`` gives pad_id='auto''s)."""
     ids, rows = _frozen_rows(layer, max_rows)
     pad = auto_pad() if isinstance(pad_id, str) else pad_id
-    if isinstance(pad_id, str) and layer.combiner is not None and (
-            0 in (pad if isinstance(pad, list) else [pad])) and np.any(ids == 0):
+    _warn_row_for_id_0(layer, ids, pad if isinstance(pad_id, str) else None)
+    return ServingEmbedding(ids, rows, combiner=layer.combiner, pad_id=pad,
+                            mask_zero=layer.mask_zero, name=layer.name,
+                            dtype=layer.dtype_policy)
+
+
+def _warn_row_for_id_0(layer: CachedEmbedding, ids: np.ndarray, auto: Any) -> None:
+    """``auto``: the pads pad_id='auto' chose (None when given)."""
+    if layer.combiner is not None and 0 in (auto if isinstance(auto, list) else [auto]) \
+            and np.any(ids == 0):
         warnings.warn(
             f"export_for_serving: table {layer.name!r} was trained on sparse or "
             "ragged ids and has a row for id 0, but served dense rows skip id 0 "
             "(pad_id='auto': 0 is what to_dense()/to_tensor() pad with), so its row "
             "is left out of served sums and means. If 0 is a real id (e.g. a "
             "StringLookup's out-of-vocabulary index), pad served rows with an id "
-            "the table never saw, say -1, and pass pad_id=-1.", stacklevel=4)
-    return ServingEmbedding(ids, rows, combiner=layer.combiner, pad_id=pad,
-                            mask_zero=layer.mask_zero, name=layer.name,
-                            dtype=layer.dtype_policy)
+            "the table never saw, say -1, and pass pad_id=-1.", stacklevel=5)
 
 
-def _recorded_pad_id(layer: CachedEmbedding) -> Union[int, None, list]:
-    """pad_id='auto' for a table of a traced model (no graph to read): from
-    the kinds of ids that reached the layer's calls in this process. Ragged
-    or sparse ids: their dense served rows are padded with 0, which the
-    combiner skips; dense rows: every position counts."""
+def _training_record(layer: CachedEmbedding) -> Optional[dict]:
+    """pad_id='auto' for a table of a traced model (no graph to read): the
+    kinds of ids its training calls took in this process, per call
+    structure (number of features), as ``{n: [sparse or ragged?, ...]}``;
+    None for a table without a combiner (no pad is read). Ragged or sparse
+    ids: their dense served rows are padded with 0, which the combiner
+    skips; dense rows: every position counts."""
     if layer.combiner is None:
-        return 0  # (only a combiner reads it)
-    record = layer._fed_sparse or {}
-    kinds = {bool(f) for fed in record.values() for f in fed}
-    if len(kinds) == 1:
-        return 0 if kinds.pop() else None
-    if len(record) == 1:  # one list call, its features of both kinds
-        (fed,) = record.values()
-        return [0 if f else None for f in fed]
-    if not kinds:
-        why = ("no call of it in this process tells whether it was trained on ragged or "
-               "sparse ids (their dense served rows are padded with 0, which the served "
-               "layer must skip) or on dense rows (every position counts, 0 included): a "
-               "model restored or loaded before its export does not record it")
-    else:
-        why = "its calls took ragged or sparse ids in some structures and dense ids in others"
-    raise ValueError(
-        f"export_for_serving: CachedEmbedding {layer.name!r} (combiner={layer.combiner!r}) "
-        f"of a model exported by tracing: {why}. Pass pad_id=0 for ragged or sparse "
-        "training ids, pad_id=None for dense ones.")
+        return None
+    record = layer._trained_sparse or {}
+    if not record:
+        raise ValueError(
+            f"export_for_serving: CachedEmbedding {layer.name!r} "
+            f"(combiner={layer.combiner!r}) of a model exported by tracing has no training "
+            "call in this process to tell whether it was trained on ragged or sparse ids "
+            "(their dense served rows are padded with 0, which the served layer must skip) "
+            "or on dense rows (every position counts, 0 included): a model restored or "
+            "loaded before its export does not record it. Pass pad_id=0 for ragged or "
+            "sparse training ids, pad_id=None for dense ones.")
+    return {n: list(fed) for n, fed in record.items()}
+
+
+class _FrozenCall:
+    """What a CachedEmbedding's call returns while a traced export runs
+    (``keras_layers/_serving_scope.py``): its frozen copy's output, with
+    the pad ids of this call's structure when pad_id='auto'."""
+
+    def __init__(self, twin: ServingEmbedding, record: Optional[dict]):
+        self.twin = twin
+        self.record = record
+
+    def __call__(self, layer: CachedEmbedding, inputs: Any, weights: Any) -> Any:
+        from tf_sfctr.keras_layers._layer_checks import check_id_dtype
+        from tf_sfctr.keras_layers._layer_inputs import is_feature_list, is_ids_and_values
+
+        ids = inputs["ids"] if isinstance(inputs, dict) else inputs
+        listed = is_feature_list(ids) and not (
+            isinstance(ids, (list, tuple)) and len(ids) == 2 and is_ids_and_values(*ids))
+        for x in (ids if listed else [ids]):
+            x = x["ids"] if isinstance(x, dict) else x
+            # The traced signature's dtype: float ids would be cast, and
+            # large ones rounded onto other ids' rows (a review).
+            check_id_dtype(tf.as_dtype(x.dtype))
+        if self.record is not None:
+            n = len(ids) if listed else 1
+            fed = self.record.get(n)
+            if fed is None:
+                raise ValueError(
+                    f"export_for_serving: CachedEmbedding {layer.name!r} "
+                    f"(combiner={layer.combiner!r}) is called here on {n} feature(s), a call "
+                    f"no training call of this process made (it trained on "
+                    f"{sorted(self.record)} at a time), so pad_id='auto' cannot tell whether "
+                    "served dense rows are padded with 0. Pass pad_id=0 for ragged or sparse "
+                    "training ids, pad_id=None for dense ones.")
+            pads = [0 if f else None for f in fed]
+            self.twin.pad_id = pads if listed else pads[0]
+        return self.twin(inputs, weights=weights)
 
 
 def _hidden_tables(model: keras.Model) -> list:
@@ -469,10 +506,44 @@ def _check_input_signature(signature: Any) -> None:
     if signature is not None and (not leaves or not all(
             isinstance(x, tf.TypeSpec) for x in leaves)):
         raise ValueError(
-            "input_signature must be what the model is called on, as tf.TensorSpec (or "
-            "tf.RaggedTensorSpec, tf.SparseTensorSpec): one spec, or a dict or list of "
-            "them, e.g. {'ids': tf.TensorSpec((None, 26), tf.int64, name='ids')}; got "
+            "input_signature must be what the model is called on, as tf.TensorSpec: one "
+            "spec, or a dict or list of them, e.g. "
+            "{'ids': tf.TensorSpec((None, 26), tf.int64, name='ids')}; got "
             f"{signature!r}")
+    if any(not isinstance(x, tf.TensorSpec) for x in leaves):
+        raise ValueError(
+            "input_signature: serving signatures take dense tensors (TF Serving and "
+            "signatures['serving_default'] would get a ragged or sparse input as unnamed "
+            "component tensors). Give multi-hot features as tf.TensorSpec((None, L), "
+            "tf.int64) rows padded with pad_id (0 by default for a table trained on ragged "
+            f"or sparse ids); got {signature!r}")
+
+
+def _named_signature(signature: Any) -> Any:
+    """``signature`` with each unnamed spec named after its place (a dict's
+    key path, a list's index), so that ``serving_default`` takes those names
+    (TF named them inputs, inputs_1, ...); refuses two inputs of one name
+    (TF renamed the second)."""
+    def name(x, path):
+        if isinstance(x, dict):
+            return {k: name(v, path + (k,)) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(name(v, path + (i,)) for i, v in enumerate(x))
+        if x.name:
+            return x
+        given = "_".join(str(p) for p in path) or "inputs"
+        if not given[0].isalpha():
+            given = f"input_{given}"
+        return tf.TensorSpec(x.shape, x.dtype, name=given)
+
+    named = name(signature, ())
+    names = [x.name for x in keras.tree.flatten(named)]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(
+            f"input_signature: several inputs are named {repeated}; serving_default takes "
+            "each input by its name, so give every tf.TensorSpec its own name=.")
+    return named
 
 
 def _traced_signature(model: keras.Model, input_signature: Any) -> Any:
@@ -481,7 +552,7 @@ def _traced_signature(model: keras.Model, input_signature: Any) -> Any:
     if input_signature is not None:
         return input_signature
     if _is_graph_model(model):
-        structure = model.inputs[0] if isinstance(model, keras.Sequential) else model.input
+        structure = _model_input(model)
         return keras.tree.map_structure(
             lambda x: tf.TensorSpec((None,) + tuple(x.shape[1:]), x.dtype, name=x.name),
             structure)
@@ -495,37 +566,71 @@ def _traced_signature(model: keras.Model, input_signature: Any) -> Any:
         "directly). (A functional or Sequential model needs none.)")
 
 
-def traced_serving(model: keras.Model, input_signature: Any = None,
-                   max_rows: Optional[int] = None, pad_id: Union[int, None, str] = "auto"):
-    """``(serve, twins)`` for a model export cannot rebuild (a subclassed
-    model, or tables inside subclassed layers): ``serve`` is
-    ``model(inputs, training=False)`` traced once on ``input_signature`` with
-    every CachedEmbedding reading a frozen ``ServingEmbedding`` (``twins``,
-    by id of the layer) instead of its table. Collective under Horovod (the
-    tables are gathered, in ``cached_embeddings`` order)."""
-    from tf_sfctr.callbacks import cached_embeddings
-    from tf_sfctr.keras_layers._serving_scope import serving_twins
-
-    signature = _traced_signature(model, input_signature)
-    if _is_graph_model(model) and any(True for _ in _vsi_features(model.input)):
+def _checked_traced_signature(model: keras.Model, input_signature: Any) -> Any:
+    """The named signature a traced export serves; refuses what it cannot."""
+    signature = _named_signature(_traced_signature(model, input_signature))
+    if _is_graph_model(model) and any(True for _ in _vsi_features(_model_input(model))):
         raise ValueError(
             "export_for_serving: this model holds CachedEmbedding layers inside subclassed "
             f"layers ({_hidden_tables(model)}) and takes de-duplicated features "
             "(vsi_inputs), which export serves as plain ids only by rebuilding the graph. "
             "Call the CachedEmbedding layers in the functional model itself.")
-    twins = {}
+    return signature
+
+
+def _model_input(model: keras.Model) -> Any:
+    """A graph model's input structure (a Sequential has only its one input)."""
+    return model.inputs[0] if isinstance(model, keras.Sequential) else model.input
+
+
+def _serving_pads(model: keras.Model, pad_id: Any, traced: bool) -> dict:
+    """Per table (by id), what pad_id='auto' gives: a pad (graph models) or
+    a record of training calls (traced ones). Local (no collective): run
+    before the tables are gathered, so a refusal can be agreed on first."""
+    from tf_sfctr.callbacks import cached_embeddings
+
+    if not isinstance(pad_id, str):
+        return {}
+    if traced:
+        return {id(layer): _training_record(layer) for layer in cached_embeddings(model)}
+    return {id(layer): _served_pad_id(model, layer) for layer in cached_embeddings(model)}
+
+
+def traced_serving(model: keras.Model, input_signature: Any = None,
+                   max_rows: Optional[int] = None, pad_id: Union[int, None, str] = "auto",
+                   pads: Optional[dict] = None):
+    """``(serve, calls)`` for a model export cannot rebuild (a subclassed
+    model, or tables inside subclassed layers): ``serve`` is
+    ``model(inputs, training=False)`` traced once on ``input_signature`` with
+    every CachedEmbedding returning its frozen ``ServingEmbedding``'s output
+    (``calls``: ``_FrozenCall`` by id of the layer) instead of reading its
+    table. Collective under Horovod (the tables are gathered, in
+    ``cached_embeddings`` order). ``pads``: ``_serving_pads``, if known."""
+    from tf_sfctr.callbacks import cached_embeddings
+    from tf_sfctr.keras_layers._serving_scope import serving_twins
+
+    signature = _checked_traced_signature(model, input_signature)
+    if pads is None:
+        pads = _serving_pads(model, pad_id, traced=True)
+    calls = {}
     for layer in cached_embeddings(model):
-        twin = _frozen_layer(layer, max_rows, pad_id, lambda layer=layer: _recorded_pad_id(layer))
+        record = pads.get(id(layer))
+        chosen = sorted({0 if f else None for fed in (record or {}).values() for f in fed},
+                        key=str)
+        twin = _frozen_layer(layer, max_rows, pad_id if record is None else None,
+                             lambda: None)
+        if record is not None:
+            _warn_row_for_id_0(layer, twin._initial[0], chosen)
         twin.build(None)  # (its variables made here, not inside the trace)
-        twins[id(layer)] = twin
+        calls[id(layer)] = _FrozenCall(twin, record)
 
     def serve(inputs):
         return model(inputs, training=False)
 
     fn = tf.function(serve, input_signature=[signature], autograph=False)
-    with serving_twins(twins):
+    with serving_twins(calls):
         fn.get_concrete_function()
-    return fn, twins
+    return fn, calls
 
 
 def _write_traced(model: keras.Model, fn, twins: dict, export_dir) -> None:
@@ -536,12 +641,19 @@ def _write_traced(model: keras.Model, fn, twins: dict, export_dir) -> None:
     from tf_sfctr.keras_layers._serving_scope import serving_twins
 
     archive = keras.export.ExportArchive()
-    for layer in model._flatten_layers(include_self=False, recursive=True):
-        if isinstance(layer, CachedEmbedding) or any(
-                True for _ in layer._flatten_layers(include_self=False)):
-            continue
-        if layer.built or layer.weights:  # (tracking refuses unbuilt layers)
-            archive.track(layer)
+
+    def track(layer):
+        """The largest layers holding no CachedEmbedding, whole (a
+        TextVectorization's vocabulary sits in an unbuilt sublayer)."""
+        for inner in layer._flatten_layers(include_self=False, recursive=False):
+            if isinstance(inner, CachedEmbedding):
+                continue
+            if any(isinstance(x, CachedEmbedding) for x in inner._flatten_layers()):
+                track(inner)
+            elif inner.built or inner.weights:  # (tracking refuses unbuilt layers)
+                archive.track(inner)
+
+    track(model)
     with serving_twins(twins):  # (should anything trace again)
         archive.add_endpoint("serve", fn)
         archive.write_out(os.fspath(export_dir))
@@ -558,7 +670,8 @@ def _check_serving_arguments(max_rows: Any, pad_id: Any) -> None:
 
 
 def serving_model(model: keras.Model, max_rows: Optional[int] = None,
-                  pad_id: Union[int, None, str] = "auto") -> keras.Model:
+                  pad_id: Union[int, None, str] = "auto",
+                  pads: Optional[dict] = None) -> keras.Model:
     """A copy of ``model`` whose CachedEmbedding layers are frozen
     ServingEmbedding layers (same names, same outputs for known ids). Layers
     with weights are copied; stateless ones (no weights) share their
@@ -587,7 +700,7 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None,
             "e.g. keras.Model(inputs, outputs) with the CachedEmbedding called on inputs")
 
     # A Sequential model has no `input` structure (Keras raises), only its one input.
-    structure = model.inputs[0] if isinstance(model, keras.Sequential) else model.input
+    structure = _model_input(model)
     plain = None  # (inputs, feed) when de-duplicated features are served as plain ids
     if any(True for _ in _vsi_features(structure)):
         _check_vsi_consumers(model)
@@ -606,8 +719,8 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None,
             # Keras recurses one level only: models deeper down come here.
             return keras.models.clone_model(layer, clone_function=clone, recursive=True)
         if isinstance(layer, CachedEmbedding):
-            return _frozen_layer(layer, max_rows, pad_id,
-                                 lambda: _served_pad_id(model, layer))
+            return _frozen_layer(layer, max_rows, pad_id, lambda: (
+                pads[id(layer)] if pads is not None else _served_pad_id(model, layer)))
         if isinstance(layer, keras.layers.Layer) and not layer.weights:
             # Stateless (Flatten, Dropout, Lambda, lookups, ...): the frozen
             # model calls the layer itself. A copy through from_config loses
@@ -679,10 +792,12 @@ def export_for_serving(model: keras.Model, export_dir: str,
     the model is called on, as ``tf.TensorSpec``: one, or a dict or list of
     them; a functional model's inputs by default), with each
     ``CachedEmbedding`` reading its frozen copy. The SavedModel then has the
-    same ``serve`` and ``serving_default`` endpoints, and the traced
-    ``tf.function`` is returned. Its ``pad_id="auto"`` comes from the kinds
-    of ids that reached each table with a combiner in this process (pass
-    ``pad_id`` for a model restored or loaded before its export).
+    same ``serve`` and ``serving_default`` endpoints (each input named after
+    its spec's ``name``, else its key path), and None is returned: load the
+    SavedModel to serve it. Its ``pad_id="auto"`` comes from the kinds of ids
+    each table with a combiner took in this process's training calls, per
+    call structure (pass ``pad_id`` for a model restored or loaded before
+    its export).
 
     Under Horovod, call it
     on every rank: the sharded tables are gathered and rank 0 writes one
@@ -719,7 +834,7 @@ def export_for_serving(model: keras.Model, export_dir: str,
                 "export_for_serving: input_signature is for models it traces (subclassed "
                 "ones); a functional or Sequential model is served on its inputs.")
         if traced:
-            _traced_signature(model, input_signature)  # (refuses a missing one)
+            _checked_traced_signature(model, input_signature)  # (refuses what it cannot)
     except ValueError as err:
         refused = err
     if size > 1:
@@ -747,18 +862,32 @@ def export_for_serving(model: keras.Model, export_dir: str,
                 "written.")
     elif refused is not None:
         raise refused
+    # What pad_id='auto' gives each table, decided before any table is
+    # gathered: a refusal on one rank only (its own record of calls) left
+    # the others' collectives paired out of step (a review).
+    pads = error = None
+    try:
+        pads = _serving_pads(model, pad_id, traced)
+    except ValueError as err:
+        error = err
+    _agree_on(error, size, "sfctr_export_pads")
     twins = None
     try:
         if traced:
-            frozen, twins = traced_serving(model, input_signature, max_rows, pad_id)
+            frozen, twins = traced_serving(model, input_signature, max_rows, pad_id, pads)
         else:
-            frozen = serving_model(model, max_rows, pad_id)
+            frozen = serving_model(model, max_rows, pad_id, pads)
     except tf.errors.OpError as err:
         # (Model-parallel tables are gathered from every rank, and every
         # rank waits for rank 0 to finish writing.)
         _horovod.explain_shutdown(err, "export_for_serving")
         raise
-    error = None
+    except Exception as err:  # noqa: BLE001 - agreed on below, then raised
+        if size == 1:
+            raise
+        error = err
+    # (A trace that failed on one rank only: rank 0 wrote alone.)
+    _agree_on(error, size, "sfctr_export_frozen")
     if rank == 0:
         try:
             parent = os.path.dirname(export_dir.rstrip("/"))
@@ -783,22 +912,40 @@ def export_for_serving(model: keras.Model, export_dir: str,
         # The others wait until the SavedModel is complete, and learn whether
         # rank 0 wrote it: they returned as if it had, and the ranks' next
         # collectives were paired out of step (found by a review).
-        hvd = _horovod.require()
-        try:
-            failed = hvd.allreduce(tf.constant(0 if error is None else 1), op=hvd.Sum,
-                                   name="sfctr_export_done")
-        except tf.errors.OpError as err:
-            _horovod.explain_shutdown(err, "export_for_serving")
-            raise
-        if error is not None:
-            raise error
-        if int(failed) > 0:
-            raise RuntimeError(
-                f"export_for_serving: rank 0, which writes the SavedModel, failed to write "
-                f"{export_dir!r} (its error says why); it may be incomplete.")
+        _agree_on(error, size, "sfctr_export_done", RuntimeError(
+            f"export_for_serving: rank 0, which writes the SavedModel, failed to write "
+            f"{export_dir!r} (its error says why); it may be incomplete."))
+    if traced:
+        # The traced function reads the trained model's dense weights as
+        # they are when called, beside tables frozen now, and holds the
+        # model: returned, it would serve neither what was exported nor
+        # what the model computes after more training (a review).
+        frozen = twins = None
     # The functions traced for the model and the SavedModel are left in
     # reference cycles (TF's and Keras's): collected now, each export held
     # ~7 MiB more until Python's next full collection, which a long training
     # run making few new objects may not reach for long.
     gc.collect()
     return frozen
+
+
+def _agree_on(error: Optional[Exception], size: int, name: str,
+              elsewhere: Optional[Exception] = None) -> None:
+    """Under Horovod, every rank learns whether a rank failed before the
+    next collective: raises this rank's error, or ``elsewhere`` (by default
+    that another rank failed)."""
+    if size == 1:
+        if error is not None:
+            raise error
+        return
+    hvd = _horovod.require()
+    try:
+        failed = hvd.allreduce(tf.constant(0 if error is None else 1), op=hvd.Sum, name=name)
+    except tf.errors.OpError as err:
+        _horovod.explain_shutdown(err, "export_for_serving")
+        raise
+    if error is not None:
+        raise error
+    if int(failed) > 0:
+        raise elsewhere or ValueError("export_for_serving failed on another rank (its error "
+                                      "says why). Nothing was written.")

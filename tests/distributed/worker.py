@@ -1355,6 +1355,33 @@ def run_one_rank_refusals(out_dir, rank, size):
                                                       max_rows=5 if rank == 0 else None),
                   "different max_rows, pad_id or input_signature")
     assert not os.path.exists(served)
+    # pad_id='auto' refused on one rank only (rank 1 lacks the record of the
+    # table's training calls, as after a restore there): every rank raises
+    # before a table is gathered, and the next collective stays paired (the
+    # other rank's wait for the SavedModel took rank 1's next collective).
+    bag = CachedEmbedding(3, cache_capacity=16, seed=4, combiner="mean",
+                          name="refusals_bag", distribution="data_parallel")
+
+    class Bag(keras.Model):
+        def __init__(self):
+            super().__init__(name="bag_model")
+            self.bag = bag
+
+        def call(self, ids, training=None):
+            return self.bag(ids, training=training)
+
+    bagged = Bag()
+    bagged.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    bagged.fit(v[:8].reshape(4, 2), np.ones((4, 3), np.float32), batch_size=2, verbose=0,
+               callbacks=callbacks())
+    if rank == 1:
+        bag._trained_sparse = None
+    _expect_error(lambda: tf_sfctr.export_for_serving(
+        bagged, os.path.join(out_dir, "refusals_bag"),
+        input_signature=tf.TensorSpec((None, 2), tf.int64, name="ids")),
+        "has no training call" if rank == 1 else "failed on another rank")
+    assert int(hvd.allreduce(tf.constant(rank + 1), op=hvd.Sum, name="after_bag")) == 3
+    assert not os.path.exists(os.path.join(out_dir, "refusals_bag"))
     model.compile(optimizer="sgd", loss="mse")
     data = (v[:8].reshape(4, 2), np.ones((4, 1), np.float32))
     for callback, what in (

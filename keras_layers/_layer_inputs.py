@@ -136,13 +136,16 @@ class InputsMixin:
     combines the gathered rows back into the call's output structure."""
 
     def _note_input_kinds(self, inputs: Any, training: bool = False) -> None:
-        """Records which features got ragged or sparse ids (_fed_sparse),
-        apart for each call structure (a list call's features and a call on
-        one of them alone are other structures: a review found a tower's
-        call on its history alone overwrote the list call's record); those
-        of training calls apart too (_trained_sparse: a traced export's
-        pad_id, which a dense call made only to build a model must not
-        decide)."""
+        """Records which features of a training call got ragged or sparse
+        ids (_trained_sparse, read by export's pad_id='auto'), apart for
+        each call structure (a list call's features and a call on one of
+        them alone are other structures: a review found a tower's call on
+        its history alone overwrote the list call's record). Inference
+        calls are not recorded: a dense call made only to build a restored
+        model, or a ragged predict after dense training, decided the pads
+        of an export (a review)."""
+        if not training:
+            return
         if isinstance(inputs, dict):
             features = [inputs.get("ids")]
         elif is_feature_list(inputs):
@@ -150,11 +153,10 @@ class InputsMixin:
         else:
             features = [inputs]
         fed = [isinstance(x, (tf.RaggedTensor, tf.SparseTensor)) for x in features]
-        for name in ("_fed_sparse", "_trained_sparse") if training else ("_fed_sparse",):
-            record = dict(getattr(self, name, None) or {})
-            seen = record.get(len(fed))
-            record[len(fed)] = fed if seen is None else [a or b for a, b in zip(seen, fed)]
-            setattr(self, name, record)
+        record = dict(self._trained_sparse or {})
+        seen = record.get(len(fed))
+        record[len(fed)] = fed if seen is None else [a or b for a, b in zip(seen, fed)]
+        self._trained_sparse = record
 
     def _checked_vsi(self, ids: tf.Tensor, unique_ids: Any, inverse: Any):
         """(unique_ids int64, inverse int32) of a de-duplicated feature, once

@@ -314,7 +314,6 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         # Per call structure (its number of features: 1, or a list call's)
         # and feature: whether ragged or sparse ids reached a call, whatever
         # its Input said. export_for_serving's pad_id="auto" reads it.
-        self._fed_sparse: Optional[dict[int, list]] = None
         self._trained_sparse: Optional[dict[int, list]] = None
 
     def _usable_host_rows_dir(self) -> str:

@@ -94,7 +94,7 @@ def test_sequential_and_dense_multi_hot_rows_serve_like_training(rng, tmp_path):
     np.testing.assert_allclose(skipping.get_layer("emb")(x[:1]).numpy()[0], rows.mean(0),
                                rtol=1e-6)
     for bad in (True, 1.5, "0"):
-        with pytest.raises(ValueError, match="pad_id must be 'auto', None or an int"):
+        with pytest.raises(ValueError, match="pad_id must be 'auto', None, an int id"):
             tf_sfctr.export_for_serving(model, str(tmp_path / "x"), pad_id=bad)
     tf_sfctr.export_for_serving(model, str(tmp_path / "capped"), max_rows=np.int64(2))
 
@@ -142,10 +142,19 @@ def test_a_restored_model_with_a_variable_length_dense_input_needs_pad_id(rng, t
     tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
     restored = make()
     tf.train.Checkpoint(model=restored).read(str(tmp_path / "ckpt")).expect_partial()
-    with pytest.raises(ValueError, match="Pass pad_id=0 for the first, pad_id=None"):
+    with pytest.raises(ValueError, match="Pass pad_id=0 for ragged or sparse training ids"):
         serving_model(restored)
+    # Nor does a predict on padded rows tell (it decided the pads: the
+    # served means counted the padding; a review).
+    restored.predict(ragged.to_tensor().numpy(), verbose=0)
     with pytest.raises(ValueError, match="does not record it"):
         tf_sfctr.export_for_serving(restored, str(tmp_path / "served"))
+    # A pad per table.
+    frozen = serving_model(restored, pad_id={"emb": 0})
+    np.testing.assert_allclose(frozen.predict(ragged.to_tensor().numpy(), verbose=0), expected,
+                               rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"pad_id names tables \['emm'\] the model does not "):
+        tf_sfctr.export_for_serving(restored, str(tmp_path / "served"), pad_id={"emm": 0})
     frozen = serving_model(restored, pad_id=0)
     np.testing.assert_allclose(frozen.predict(ragged.to_tensor().numpy(), verbose=0), expected,
                                rtol=1e-5, atol=1e-6)
@@ -955,6 +964,16 @@ def test_a_restored_traced_model_called_on_a_dense_batch_still_needs_pad_id(rng,
         tf_sfctr.export_for_serving(fresh, str(tmp_path / "a"),
                                     input_signature=TWO_TOWER_SIGNATURE)
     assert not (tmp_path / "a").exists()
+    # One pad per table: dense items count every position (id 0 is an
+    # item), the ragged-trained tags skip the 0 their served rows are
+    # padded with; neither pad_id=0 nor None alone serves both (a review).
+    assert (x["items"] == 0).any()
+    tf_sfctr.export_for_serving(fresh, str(tmp_path / "b"), pad_id={"items": None, "tags": 0},
+                                input_signature=TWO_TOWER_SIGNATURE)
+    served = tf.saved_model.load(str(tmp_path / "b"))
+    dense = {"user": x["user"], "items": x["items"], "tags": x["tags"].to_tensor().numpy()}
+    expected = trained.predict(tf.data.Dataset.from_tensor_slices(x).batch(32), verbose=0)
+    np.testing.assert_allclose(served.serve(dense).numpy(), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_traced_signatures_are_named_dense_and_integer(rng, tmp_path):
@@ -970,9 +989,27 @@ def test_traced_signatures_are_named_dense_and_integer(rng, tmp_path):
     expected = model.predict(tf.data.Dataset.from_tensor_slices(x).batch(32), verbose=0)
     np.testing.assert_allclose(next(iter(out.values())).numpy(), expected, rtol=1e-5,
                                atol=1e-6)
+    keyed = {"user-id": tf.TensorSpec((None, 1), tf.int64), **{
+        k: v for k, v in TWO_TOWER_SIGNATURE.items() if k != "user"}}
+
+    class Keyed(keras.Model):  # the same model under another key
+        def __init__(self, inner):
+            super().__init__(name="keyed")
+            self.inner = inner
+
+        def call(self, x, training=None):
+            return self.inner({"user": x["user-id"], "items": x["items"], "tags": x["tags"]},
+                              training=training)
+
+    tf_sfctr.export_for_serving(Keyed(model), str(tmp_path / "keyed"), input_signature=keyed)
+    signature = tf.saved_model.load(str(tmp_path / "keyed")).signatures["serving_default"]
+    assert sorted(signature.structured_input_signature[1]) == ["items", "tags", "user_id"]
     for signature, match in (
             ({**TWO_TOWER_SIGNATURE, "items": tf.TensorSpec((None, 5), tf.int64, name="user")},
              r"several inputs are named \['user'\]"),
+            ({**TWO_TOWER_SIGNATURE, "items": tf.TensorSpec((None, 5), tf.int64,
+                                                            name="item id")},
+             r"the input names \['item id'\] are not Python identifiers"),
             ({**TWO_TOWER_SIGNATURE, "tags": tf.RaggedTensorSpec((None, None), tf.int64)},
              "serving signatures take dense tensors"),
             ({**TWO_TOWER_SIGNATURE, "user": tf.TensorSpec((None, 1), tf.float32)},
@@ -1065,3 +1102,46 @@ def test_traced_exports_of_text_vectorization_and_sequential_models(rng, tmp_pat
     served = tf.saved_model.load(str(tmp_path / "sequential"))
     np.testing.assert_allclose(served.serve(tf.constant(ids)).numpy(),
                                sequential.predict(ids, verbose=0), rtol=1e-6, atol=1e-6)
+
+
+def test_a_table_read_inside_an_inner_traced_function_is_named(rng, tmp_path):
+    """A tf.function with an input_signature inside the model's call keeps
+    its earlier trace, which reads the live table: the export failed with
+    TF's "untracked resource" (a review). Now it says what and why."""
+    class Encoder(keras.Model):
+        def __init__(self):
+            super().__init__(name="encoder")
+            self.emb = CachedEmbedding(3, cache_capacity=64, seed=0, combiner="sum", name="e")
+
+        @tf.function(input_signature=[tf.TensorSpec((None, 3), tf.int64)])
+        def encode(self, ids):
+            return self.emb(ids)
+
+        def call(self, ids, training=None):
+            return self.encode(ids)
+
+    model = Encoder()
+    model.predict(rng.integers(0, 20, (8, 3)), verbose=0)
+    with pytest.raises(ValueError, match=r"still reads CachedEmbedding tables \(ops \['Sfctr"):
+        tf_sfctr.export_for_serving(model, str(tmp_path / "served"), pad_id=0,
+                                    input_signature=tf.TensorSpec((None, 3), tf.int64,
+                                                                  name="ids"))
+    assert not (tmp_path / "served").exists()
+
+
+def test_a_dense_shared_table_called_alone_and_in_a_list_call_exports(rng, tmp_path):
+    """Pads [None, None] of a list call and None of a call alone mean the
+    same; the export refused them as "inputs of different kinds" (a
+    review)."""
+    a, b = keras.Input((2,), dtype="int64"), keras.Input((2,), dtype="int64")
+    emb = CachedEmbedding(3, cache_capacity=64, seed=0, combiner="mean", name="shared")
+    left, right = emb([a, b])
+    model = keras.Model([a, b], keras.layers.Dense(1)(left + right))
+    model.compile(optimizer="sgd", loss="mse")
+    x = [rng.integers(0, 30, (32, 2)), rng.integers(0, 30, (32, 2))]
+    model.fit(x, rng.random((32, 1)), batch_size=8, verbose=0)
+    # Served: the score and the candidates' vectors (the table alone).
+    both = keras.Model([a, b], [model.output, emb(b)])
+    frozen = tf_sfctr.export_for_serving(both, str(tmp_path / "served"))
+    for got, want in zip(frozen.predict(x, verbose=0), both.predict(x, verbose=0)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import tempfile
 import warnings
 from typing import Any, Optional, Union
@@ -361,7 +362,7 @@ def _served_pad_id(model: keras.Model, layer: CachedEmbedding) -> Union[int, Non
     list call. Read from the calls in ``model``'s graph, and from what reached
     the layer's calls: ragged ids fed through a dense ``keras.Input((None,))``
     train on their values only, so their dense clients pad too."""
-    record = layer._fed_sparse or {}
+    record = layer._trained_sparse or {}
     inputs = _call_inputs(model, layer)
     pads, unknown = [], []
     for x in inputs:
@@ -393,13 +394,30 @@ def _served_pad_id(model: keras.Model, layer: CachedEmbedding) -> Union[int, Non
                         "skip) or on dense rows (every position counts, 0 included): a "
                         "model restored or loaded before its export does not record it, "
                         "nor does a sub-model that calls the layer on a new Input. "
-                        "Pass pad_id=0 for the first, pad_id=None for the second.")
+                        + _PAD_FIX)
+    if layer.combiner is None:
+        return 0  # (only a combiner reads it)
+    # A list call's pads that are all one value read as that value in any
+    # call (a table trained in emb([a, b]) and called on c alone, all dense).
+    pads = [p[0] if isinstance(p, list) and p and all(q == p[0] for q in p) else p
+            for p in pads]
     if any(p != pads[0] for p in pads[1:]):
         raise ValueError(
             f"export_for_serving: CachedEmbedding {layer.name!r} is called on inputs of "
             f"different kinds in this model (padding rules {pads}), so pad_id='auto' has "
-            "no single answer; pass pad_id=0 (or another id) or pad_id=None")
+            "no single answer. " + _PAD_FIX)
     return pads[0]
+
+
+_PAD_FIX = ("Pass pad_id=0 for ragged or sparse training ids, pad_id=None for dense ones, or one per table (pad_id={'<table>': 0, ...}); where id 0 is a real id, an id the table never saw (say -1), which clients then pad with.")
+
+
+def _layer_pad(pad_id: Any, layer: CachedEmbedding) -> Any:
+    """The pad_id given for ``layer``: one for every table, or its entry of
+    a dict by table name ("auto" when it has none)."""
+    if isinstance(pad_id, dict):
+        return pad_id.get(layer.name, "auto")
+    return pad_id
 
 
 def _frozen_layer(layer: CachedEmbedding, max_rows: Optional[int], pad_id: Any,
@@ -443,8 +461,7 @@ def _training_record(layer: CachedEmbedding) -> Optional[dict]:
             "call in this process to tell whether it was trained on ragged or sparse ids "
             "(their dense served rows are padded with 0, which the served layer must skip) "
             "or on dense rows (every position counts, 0 included): a model restored or "
-            "loaded before its export does not record it. Pass pad_id=0 for ragged or "
-            "sparse training ids, pad_id=None for dense ones.")
+            "loaded before its export does not record it. " + _PAD_FIX)
     return {n: list(fed) for n, fed in record.items()}
 
 
@@ -478,8 +495,7 @@ class _FrozenCall:
                     f"(combiner={layer.combiner!r}) is called here on {n} feature(s), a call "
                     f"no training call of this process made (it trained on "
                     f"{sorted(self.record)} at a time), so pad_id='auto' cannot tell whether "
-                    "served dense rows are padded with 0. Pass pad_id=0 for ragged or sparse "
-                    "training ids, pad_id=None for dense ones.")
+                    "served dense rows are padded with 0. " + _PAD_FIX)
             pads = [0 if f else None for f in fed]
             self.twin.pad_id = pads if listed else pads[0]
         return self.twin(inputs, weights=weights)
@@ -531,13 +547,19 @@ def _named_signature(signature: Any) -> Any:
             return type(x)(name(v, path + (i,)) for i, v in enumerate(x))
         if x.name:
             return x
-        given = "_".join(str(p) for p in path) or "inputs"
+        given = re.sub(r"\W", "_", "_".join(str(p) for p in path)) or "inputs"
         if not given[0].isalpha():
             given = f"input_{given}"
         return tf.TensorSpec(x.shape, x.dtype, name=given)
 
     named = name(signature, ())
     names = [x.name for x in keras.tree.flatten(named)]
+    odd = sorted(n for n in set(names) if not n.isidentifier())
+    if odd:
+        raise ValueError(
+            f"input_signature: the input names {odd} are not Python identifiers, which "
+            "serving_default takes its inputs as (TF renames some and refuses others): name "
+            "them with letters, digits and _ (tf.TensorSpec(..., name='user_id')).")
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         raise ValueError(
@@ -589,11 +611,11 @@ def _serving_pads(model: keras.Model, pad_id: Any, traced: bool) -> dict:
     before the tables are gathered, so a refusal can be agreed on first."""
     from tf_sfctr.callbacks import cached_embeddings
 
-    if not isinstance(pad_id, str):
-        return {}
+    auto = [layer for layer in cached_embeddings(model)
+            if isinstance(_layer_pad(pad_id, layer), str)]
     if traced:
-        return {id(layer): _training_record(layer) for layer in cached_embeddings(model)}
-    return {id(layer): _served_pad_id(model, layer) for layer in cached_embeddings(model)}
+        return {id(layer): _training_record(layer) for layer in auto}
+    return {id(layer): _served_pad_id(model, layer) for layer in auto}
 
 
 def traced_serving(model: keras.Model, input_signature: Any = None,
@@ -617,8 +639,8 @@ def traced_serving(model: keras.Model, input_signature: Any = None,
         record = pads.get(id(layer))
         chosen = sorted({0 if f else None for fed in (record or {}).values() for f in fed},
                         key=str)
-        twin = _frozen_layer(layer, max_rows, pad_id if record is None else None,
-                             lambda: None)
+        twin = _frozen_layer(layer, max_rows,
+                             _layer_pad(pad_id, layer) if record is None else None, lambda: None)
         if record is not None:
             _warn_row_for_id_0(layer, twin._initial[0], chosen)
         twin.build(None)  # (its variables made here, not inside the trace)
@@ -629,8 +651,25 @@ def traced_serving(model: keras.Model, input_signature: Any = None,
 
     fn = tf.function(serve, input_signature=[signature], autograph=False)
     with serving_twins(calls):
-        fn.get_concrete_function()
+        concrete = fn.get_concrete_function()
+    live = sorted({node.op for node in _graph_nodes(concrete.graph.as_graph_def())
+                   if node.op.startswith("Sfctr")})
+    if live:
+        raise ValueError(
+            f"export_for_serving: the traced serving function still reads CachedEmbedding "
+            f"tables (ops {live}): a tf.function inside the model's call that was traced "
+            "before (one with an input_signature, or reduce_retracing=True) keeps its trace "
+            "of the live table. Call the CachedEmbedding outside that tf.function, or give "
+            "it no input_signature. Nothing was written.")
     return fn, calls
+
+
+def _graph_nodes(graph_def) -> list:
+    """The nodes of a GraphDef and of every function in its library."""
+    nodes = list(graph_def.node)
+    for function in graph_def.library.function:
+        nodes += list(function.node_def)
+    return nodes
 
 
 def _write_traced(model: keras.Model, fn, twins: dict, export_dir) -> None:
@@ -664,9 +703,29 @@ def _check_serving_arguments(max_rows: Any, pad_id: Any) -> None:
                                  or not isinstance(max_rows, (int, np.integer))
                                  or max_rows < 0):
         raise ValueError(f"max_rows must be None or an int >= 0, got {max_rows!r}")
-    if pad_id is not None and pad_id != "auto" and (
-            isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer))):
-        raise ValueError(f"pad_id must be 'auto', None or an int id, got {pad_id!r}")
+    def bad(p):
+        return p is not None and not (isinstance(p, str) and p == "auto") and (
+            isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, np.integer)))
+
+    if isinstance(pad_id, dict):
+        if not pad_id or any(not isinstance(k, str) or bad(v) for k, v in pad_id.items()):
+            raise ValueError(f"pad_id as a dict maps table names to 'auto', None or an int "
+                             f"id, got {pad_id!r}")
+    elif bad(pad_id):
+        raise ValueError(f"pad_id must be 'auto', None, an int id, or a dict of them by "
+                         f"table name, got {pad_id!r}")
+
+
+def _check_pad_tables(model: keras.Model, pad_id: Any) -> None:
+    """A dict pad_id names tables of the model."""
+    from tf_sfctr.callbacks import cached_embeddings
+
+    if isinstance(pad_id, dict):
+        names = [layer.name for layer in cached_embeddings(model)]
+        unknown = sorted(set(pad_id) - set(names))
+        if unknown:
+            raise ValueError(f"pad_id names tables {unknown} the model does not have (its "
+                             f"CachedEmbedding layers: {sorted(names)})")
 
 
 def serving_model(model: keras.Model, max_rows: Optional[int] = None,
@@ -719,7 +778,7 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None,
             # Keras recurses one level only: models deeper down come here.
             return keras.models.clone_model(layer, clone_function=clone, recursive=True)
         if isinstance(layer, CachedEmbedding):
-            return _frozen_layer(layer, max_rows, pad_id, lambda: (
+            return _frozen_layer(layer, max_rows, _layer_pad(pad_id, layer), lambda: (
                 pads[id(layer)] if pads is not None else _served_pad_id(model, layer)))
         if isinstance(layer, keras.layers.Layer) and not layer.weights:
             # Stateless (Flatten, Dropout, Lambda, lookups, ...): the frozen
@@ -777,7 +836,8 @@ def export_for_serving(model: keras.Model, export_dir: str,
     65535, so rows used in more steps tie, broken by id, with a warning when
     that decides the cut); the others, like never-seen ids, get zeros.
     Multi-hot inputs (layers with a combiner) may reach the served model as
-    dense rows; ``pad_id`` says which id their combiner skips. ``"auto"``
+    dense rows; ``pad_id`` (one for every table, or a dict of them by table
+    name, the tables it leaves out "auto") says which id their combiner skips. ``"auto"``
     (default) serves each layer as it was trained: one trained on sparse or
     ragged ids skips 0 (what ``tf.sparse.to_dense`` and
     ``RaggedTensor.to_tensor()`` pad with; it warns when the table has a row
@@ -829,6 +889,7 @@ def export_for_serving(model: keras.Model, export_dir: str,
             raise ValueError("export_for_serving needs a keras.Model (functional, Sequential "
                              f"or subclassed), got {type(model).__name__}")
         traced = not _is_graph_model(model) or bool(_hidden_tables(model))
+        _check_pad_tables(model, pad_id)
         if input_signature is not None and not traced:
             raise ValueError(
                 "export_for_serving: input_signature is for models it traces (subclassed "
@@ -844,7 +905,8 @@ def export_for_serving(model: keras.Model, export_dir: str,
         try:
             told = _horovod.require().allgather_object(
                 (refused is not None, None if max_rows is None else int(max_rows),
-                 repr(pad_id), repr(input_signature)), name="sfctr_export_arguments")
+                 repr(sorted(pad_id.items()) if isinstance(pad_id, dict) else pad_id),
+                 repr(input_signature)), name="sfctr_export_arguments")
         except tf.errors.OpError as err:
             _horovod.explain_shutdown(err, "export_for_serving")
             raise
@@ -877,14 +939,14 @@ def export_for_serving(model: keras.Model, export_dir: str,
             frozen, twins = traced_serving(model, input_signature, max_rows, pad_id, pads)
         else:
             frozen = serving_model(model, max_rows, pad_id, pads)
-    except tf.errors.OpError as err:
-        # (Model-parallel tables are gathered from every rank, and every
-        # rank waits for rank 0 to finish writing.)
-        _horovod.explain_shutdown(err, "export_for_serving")
-        raise
     except Exception as err:  # noqa: BLE001 - agreed on below, then raised
+        # (Also an OpError: a collective that failed, or a read of this
+        # rank's table that did, out of memory, say; a review saw the
+        # other rank's next collective taken by the agreement.)
         if size == 1:
             raise
+        if isinstance(err, tf.errors.OpError):
+            _horovod.explain_shutdown(err, "export_for_serving")
         error = err
     # (A trace that failed on one rank only: rank 0 wrote alone.)
     _agree_on(error, size, "sfctr_export_frozen")
@@ -942,6 +1004,8 @@ def _agree_on(error: Optional[Exception], size: int, name: str,
     try:
         failed = hvd.allreduce(tf.constant(0 if error is None else 1), op=hvd.Sum, name=name)
     except tf.errors.OpError as err:
+        if error is not None:  # (the collectives failed: this rank's own cause first)
+            raise error from err
         _horovod.explain_shutdown(err, "export_for_serving")
         raise
     if error is not None:

@@ -528,7 +528,7 @@ def run_checkpoint_and_export(out_dir, rank, size):
 def _expect_error(fn, match):
     try:
         fn()
-    except (ValueError, TypeError, RuntimeError) as err:
+    except (ValueError, TypeError, RuntimeError, tf.errors.ResourceExhaustedError) as err:
         assert match in str(err), str(err)
         return
     raise AssertionError(f"no error (wanted {match!r})")
@@ -1381,6 +1381,22 @@ def run_one_rank_refusals(out_dir, rank, size):
         input_signature=tf.TensorSpec((None, 2), tf.int64, name="ids")),
         "has no training call" if rank == 1 else "failed on another rank")
     assert int(hvd.allreduce(tf.constant(rank + 1), op=hvd.Sum, name="after_bag")) == 3
+    assert not os.path.exists(os.path.join(out_dir, "refusals_bag"))
+    # A read of the table that fails on one rank only (out of memory, say;
+    # injected here): agreed on too (the other rank's agreement took this
+    # rank's next collective).
+    def fail(*args, **kwargs):
+        raise tf.errors.ResourceExhaustedError(None, None, "simulated failed read")
+
+    if rank == 1:
+        bag._store.host_export = fail
+    _expect_error(lambda: tf_sfctr.export_for_serving(
+        bagged, os.path.join(out_dir, "refusals_bag"), pad_id=0,
+        input_signature=tf.TensorSpec((None, 2), tf.int64, name="ids")),
+        "simulated failed read" if rank == 1 else "failed on another rank")
+    if rank == 1:
+        del bag._store.host_export
+    assert int(hvd.allreduce(tf.constant(rank + 1), op=hvd.Sum, name="after_bag_read")) == 3
     assert not os.path.exists(os.path.join(out_dir, "refusals_bag"))
     model.compile(optimizer="sgd", loss="mse")
     data = (v[:8].reshape(4, 2), np.ones((4, 1), np.float32))

@@ -476,11 +476,10 @@ class _FrozenCall:
 
     def __call__(self, layer: CachedEmbedding, inputs: Any, weights: Any) -> Any:
         from tf_sfctr.keras_layers._layer_checks import check_id_dtype
-        from tf_sfctr.keras_layers._layer_inputs import is_feature_list, is_ids_and_values
+        from tf_sfctr.keras_layers._layer_inputs import is_feature_list
 
         ids = inputs["ids"] if isinstance(inputs, dict) else inputs
-        listed = is_feature_list(ids) and not (
-            isinstance(ids, (list, tuple)) and len(ids) == 2 and is_ids_and_values(*ids))
+        listed = is_feature_list(ids)
         for x in (ids if listed else [ids]):
             x = x["ids"] if isinstance(x, dict) else x
             # The traced signature's dtype: float ids would be cast, and

@@ -18,6 +18,32 @@ from tf_sfctr.distributed import _horovod
 from tf_sfctr.keras_layers._layer_checks import check_id_dtype
 
 
+def _kth_smallest_over_ranks(values: np.ndarray, k: int, total) -> Optional[int]:
+    """The ``k``-th smallest (from 1) of the int64 values of all ranks
+    (``values``: this rank's, ascending; ``total(counts, round)`` sums an
+    int64 vector over the ranks), or the largest if there are fewer; None if
+    there are none. Eight rounds of one all-reduce of 256 counts: each finds
+    the next byte of the answer, from the most significant."""
+    flip = 1 << 63  # int64 -> uint64 keeping the order
+    keys = values.astype(np.int64).view(np.uint64) ^ np.uint64(flip)
+    prefix = 0
+    for i, shift in enumerate(range(56, -8, -8)):
+        starts = [prefix + (b << shift) for b in range(257)]
+        positions = np.searchsorted(keys, np.array(starts[:256], np.uint64), side="left")
+        end = np.searchsorted(keys, np.uint64(starts[256]), side="left") \
+            if starts[256] < 1 << 64 else len(keys)
+        cumulative = np.cumsum(total(np.diff(np.append(positions, end)), i))
+        if i == 0:
+            if cumulative[-1] == 0:
+                return None
+            k = min(k, int(cumulative[-1]))
+        byte = int(np.searchsorted(cumulative, k, side="left"))
+        k -= int(cumulative[byte - 1]) if byte else 0
+        prefix += byte << shift
+    value = prefix ^ flip
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
 def check_prune_bound(min_uses: Any, to_rows: Any, decay: Any = None) -> None:
     """Exactly one of a prune's bounds, each in its range, and its decay."""
     if (min_uses is None) == (to_rows is None):
@@ -480,7 +506,9 @@ class TableAccessMixin:
           remain (ids of one use count in the order of their values, so
           data-parallel replicas remove the same ones), as a bounded table
           of the most used ids (TFRA's ``restrict``). A model-parallel table
-          bounds each rank's shard to ``ceil(to_rows / ranks)`` rows. Cached
+          bounds the rows of all its shards together: the ids that go are
+          those one process holding the whole table would remove (a
+          collective; each rank returns its own shard's count). Cached
           ids stay, so a table can stay above ``to_rows`` by up to
           ``cache_capacity`` (twice that between lookahead steps, whose
           prepared plan's evictions wait to be written back).
@@ -507,10 +535,12 @@ class TableAccessMixin:
         later ids (the process keeps their memory). For tables fed an
         endless stream of new ids, most of them seen once: prune between
         epochs, or every N steps (``tf_sfctr.callbacks.PruneHostTable``).
-        Model-parallel tables prune this rank's shard only: call it on
-        every rank, each with the same arguments (without ``decay`` it is
-        not a collective; with one it is, and a rank that gives no
-        ``decay`` beside one that does leaves the other waiting).
+        Model-parallel tables: call it on every rank, each with the same
+        arguments. With ``min_uses`` and no ``decay`` each rank prunes its
+        own shard and no collective runs; with ``to_rows`` or a ``decay`` it
+        is a collective (arguments that differ between ranks are refused on
+        every rank), and a rank that gives ``min_uses`` without a ``decay``
+        beside one that does not leaves the other waiting.
 
         Example:
 
@@ -528,11 +558,22 @@ class TableAccessMixin:
             check_prune_bound(min_uses, to_rows, decay)
         except (TypeError, ValueError) as err:
             error = err
-        if decay is not None and self._mode == "model_parallel":
-            # The flush below is collective: every rank goes on, or none
-            # (a rank refusing its arguments left the others in the flush).
+        collective = self._mode == "model_parallel" and (
+            decay is not None or to_rows is not None)
+        if collective:
+            # The flush and the bound over all shards are collective: every
+            # rank goes on, or none (a rank refusing its arguments left the
+            # others waiting), and with the same bound.
             with self._one_collective_call():
                 error = self._agree(error, "prune")
+                if error is None:
+                    from tf_sfctr.distributed.checkpoints import same_on_every_rank
+
+                    same_on_every_rank(f"{self.name}.prune", (
+                        min_uses if min_uses is None else int(min_uses),
+                        to_rows if to_rows is None else int(to_rows),
+                        decay if decay is None else float(decay)),
+                        "min_uses, to_rows and decay")
         if error is not None:
             raise error
         if decay is not None:
@@ -542,9 +583,38 @@ class TableAccessMixin:
         decay = decay_value(decay)
         if min_uses is not None:
             return int(self._store.host_prune(int(min_uses), decay))
-        shard = -(-int(to_rows) // self._world_size) if self.mode == "model_parallel" \
-            else int(to_rows)
-        return int(self._store.host_prune_to_size(min(shard, 2**63 - 1), decay)[0])
+        if collective:
+            with self._one_collective_call():
+                return self._prune_shards_to_rows(int(to_rows), decay)
+        return int(self._store.host_prune_to_size(min(int(to_rows), 2**63 - 1), decay)[0])
+
+    def _prune_shards_to_rows(self, to_rows: int, decay: float) -> int:
+        """prune(to_rows) of a model-parallel table: the ids that go are
+        those one process holding every shard would remove (the least used,
+        ties by value), chosen from the use counts of all shards. Returns
+        this rank's count."""
+        hvd = _horovod.require()
+
+        def total(values: np.ndarray, what: str) -> np.ndarray:
+            return hvd.allreduce(tf.constant(values, tf.int64), op=hvd.Sum,
+                                 name=f"sfctr_{self.name}_prune_{what}",
+                                 ignore_name_scope=True).numpy()
+
+        held, per_count = self._store.host_use_count_histogram()
+        counts = total(np.concatenate([[int(held)], per_count.numpy()]), "counts")
+        excess = int(counts[0]) - to_rows
+        if excess <= 0:
+            return int(self._store.host_prune_below(0, None, decay))
+        # Every id used fewer than `below` times goes, and the `rest` of
+        # those used exactly `below` times with the smallest values.
+        cumulative = np.cumsum(counts[1:])
+        below = int(np.searchsorted(cumulative, excess, side="right"))
+        rest = excess - (int(cumulative[below - 1]) if below else 0)
+        if below == len(cumulative) or rest == 0:
+            return int(self._store.host_prune_below(below, None, decay))
+        tied = self._store.host_tied_ids(below).numpy()
+        last = _kth_smallest_over_ranks(tied, rest, lambda v, i: total(v, f"tied{i}"))
+        return int(self._store.host_prune_below(below, last, decay))
 
     def remove_rows(self, ids: Sequence[int] | np.ndarray | tf.Tensor) -> int:
         """Removes ``ids`` from the table, cache and host table alike; returns

@@ -392,6 +392,60 @@ id removed, plus one (0 if none was). Then decay scales the remaining use
 counts as in SfctrHostPrune.
 )doc");
 
+REGISTER_OP("SfctrHostUseCountHistogram")
+    .Input("store: resource")
+    .Output("held: int64")
+    .Output("per_count: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      c->set_output(1, c->Vector(65536));
+      return OkStatus();
+    })
+    .Doc(R"doc(
+The rows the host table holds, and per use count c (0..65535) how many of its
+ids that a prune could remove (not cached, no pending write-back) have it:
+the first part of SfctrHostPruneToSize, for a table sharded over processes.
+)doc");
+
+REGISTER_OP("SfctrHostTiedIds")
+    .Input("store: resource")
+    .Input("count: int64")
+    .Output("ids: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &unused));
+      c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
+      return OkStatus();
+    })
+    .Doc(R"doc(
+The ids of the host table that a prune could remove and that were used exactly
+count times, ascending.
+)doc");
+
+REGISTER_OP("SfctrHostPruneBelow")
+    .Input("store: resource")
+    .Input("below: int64")
+    .Input("decay: double")
+    .Input("last: int64")
+    .Output("removed: int64")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 0, &unused));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 1, &unused));
+      c->set_output(0, c->Scalar());
+      return OkStatus();
+    })
+    .Doc(R"doc(
+Removes from the host table the ids used fewer than below times and, when last
+holds an id, those used exactly below times whose value is at most it; never
+ids in the cache or evictions whose write-back is pending. Returns how many
+were removed. Then decay scales the remaining use counts as in SfctrHostPrune.
+)doc");
+
 REGISTER_OP("SfctrHostSetSeed")
     .Input("store: resource")
     .Input("seed: int64")

@@ -54,6 +54,11 @@ def _cases(store):
                                  S([1], I64)),
         "SfctrHostPruneToSize decay": (lambda x: m.sfctr_host_prune_to_size(h, 1, x),
                                        S([1], tf.float64)),
+        "SfctrHostTiedIds": (lambda x: m.sfctr_host_tied_ids(h, x), S([1], I64)),
+        "SfctrHostPruneBelow": (lambda x: m.sfctr_host_prune_below(h, x, one, no_counts),
+                                S([1], I64)),
+        "SfctrHostPruneBelow last": (lambda x: m.sfctr_host_prune_below(h, 1, one, x),
+                                     S([], I64)),
         "SfctrFrame": (lambda x: m.sfctr_frame([x], [tf.ones([1], tf.int32)]),
                        S([1, 1], tf.float64)),
         "SfctrUnframe": (lambda x: m.sfctr_unframe(x, tf.ones([1], tf.int32), N=1),
@@ -65,7 +70,9 @@ def _cases(store):
                                   "SfctrHostWrite rows", "SfctrHostAssign",
                                   "SfctrHostAddCounts", "SfctrHostPrune",
                                   "SfctrHostPrune decay", "SfctrHostPruneToSize",
-                                  "SfctrHostPruneToSize decay", "SfctrFrame",
+                                  "SfctrHostPruneToSize decay", "SfctrHostTiedIds",
+                                  "SfctrHostPruneBelow", "SfctrHostPruneBelow last",
+                                  "SfctrFrame",
                                   "SfctrUnframe"])
 def test_a_wrong_static_shape_fails_the_trace_naming_the_op(store, case):
     fn, spec = _cases(store)[case]

@@ -172,6 +172,90 @@ def test_to_rows_removes_the_same_ids_whatever_the_insertion_order():
     assert layers[0] == set(ids[uses == 2].tolist()) | set(ones[22:])
 
 
+def _ranks_at_once(values_by_rank, k):
+    """_kth_smallest_over_ranks run by one thread per simulated rank, their
+    all-reduces summed at a barrier (as Horovod's would be)."""
+    import threading
+
+    from tf_sfctr.keras_layers._table_access import _kth_smallest_over_ranks
+
+    n = len(values_by_rank)
+    barrier, sent, results = threading.Barrier(n), [None] * n, [None] * n
+
+    def total(rank):
+        def reduce(vector, round_):
+            sent[rank] = (round_, np.asarray(vector, np.int64))
+            barrier.wait()
+            assert len({r for r, _ in sent}) == 1  # every rank in the same round
+            summed = np.sum([v for _, v in sent], axis=0)
+            barrier.wait()
+            return summed
+        return reduce
+
+    def run(rank):
+        results[rank] = _kth_smallest_over_ranks(values_by_rank[rank], k, total(rank))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(results)) == 1, results
+    return results[0]
+
+
+def test_the_kth_smallest_tied_id_over_ranks(rng):
+    """The cut between the tied ids that go and those that stay, found over a
+    model-parallel table's shards a byte at a time: checked against sorting
+    every shard's ids together, with extremes, shared prefixes, empty shards
+    and k past the end."""
+    close = np.int64(2**40) + np.arange(300, dtype=np.int64) * 3  # long shared prefixes
+    extremes = np.array([-2**63, -1, 0, 1, 2**63 - 1], np.int64)
+    pool = np.unique(np.concatenate([
+        rng.integers(-2**63, 2**63 - 1, size=700, dtype=np.int64), close, extremes]))
+    shards = np.array_split(rng.permutation(pool), 3)
+    shards[2] = shards[2][:40]  # uneven
+    every = np.sort(np.concatenate(shards))
+    for k in (1, 2, 17, len(every) // 2, len(every) - 1, len(every)):
+        got = _ranks_at_once([np.sort(s) for s in shards], k)
+        assert got == int(every[k - 1]), k
+    assert _ranks_at_once([np.sort(s) for s in shards], len(every) + 9) == int(every[-1])
+    empty = np.zeros(0, np.int64)
+    assert _ranks_at_once([empty, np.sort(extremes)], 1) == -2**63
+    assert _ranks_at_once([np.sort(extremes), empty], 5) == 2**63 - 1
+    assert _ranks_at_once([empty, empty], 3) is None
+
+
+def test_the_parts_of_prune_to_size_on_one_store(rng):
+    """The ops a model-parallel prune(to_rows) runs (histogram, tied ids,
+    prune below) on a one-process store give what prune_to_size gives, and
+    refuse bad arguments naming them."""
+    vocab = random_vocab(rng, 1500)
+    layers = [_layer(), _layer()]
+    for layer in layers:
+        layer.assign_rows(vocab, np.ones((len(vocab), DIM), np.float32))
+        layer.store.host_add_counts(tf.constant(vocab), tf.constant(np.abs(vocab) % 5))
+        layer(tf.constant(vocab[:30][None]), training=True)  # 30 cached ids stay
+    a, b = (layer.store for layer in layers)
+    held, per_count = (t.numpy() for t in a.host_use_count_histogram())
+    assert held == 1500 and per_count.shape == (65536,) and per_count.sum() == 1470
+    excess = 1500 - 1000
+    cumulative = np.cumsum(per_count)
+    below = int(np.searchsorted(cumulative, excess, side="right"))
+    tied = a.host_tied_ids(below).numpy()
+    assert np.all(np.diff(tied) > 0) and len(tied) == per_count[below]
+    last = int(tied[excess - cumulative[below - 1] - 1])
+    assert int(a.host_prune_below(below, last)) == 500
+    assert int(b.host_prune_to_size(1000)[0]) == 500
+    assert _host_ids(layers[0]) == _host_ids(layers[1])
+    for call, match in ((lambda: a.host_tied_ids(65537), "count must be in \\[0, 65536\\]"),
+                        (lambda: a.host_prune_below(-1), "below must be in \\[0, 65536\\]"),
+                        (lambda: a.host_prune_below(0, decay=1.5), "decay must be in")):
+        with pytest.raises(tf.errors.InvalidArgumentError, match=match):
+            call()
+    assert len(_host_ids(layers[0])) == 1000
+
+
 @pytest.mark.parametrize("bound", [dict(min_uses=3), dict(to_rows=150)])
 @pytest.mark.parametrize("decay", [0.5, 0.0, 0.9])
 def test_decay_ages_the_use_counts_of_the_ids_that_stay(rng, bound, decay):

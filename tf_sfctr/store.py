@@ -413,6 +413,33 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
                 self.resource_handle, tf.constant(max_rows, tf.int64),
                 tf.constant(decay, tf.float64))
 
+    def host_use_count_histogram(self) -> tuple[tf.Tensor, tf.Tensor]:
+        """(rows the host table holds, int64 [65536]: per use count, how many
+        of its ids a prune could remove, not cached and with no write-back
+        pending). With ``host_tied_ids`` and ``host_prune_below``:
+        ``host_prune_to_size`` in parts, for a table sharded over ranks."""
+        with self._prune_lock:
+            return _ops.load().sfctr_host_use_count_histogram(self.resource_handle)
+
+    def host_tied_ids(self, count: int) -> tf.Tensor:
+        """The ids a prune could remove that were used exactly ``count``
+        times, ascending."""
+        with self._prune_lock:
+            return _ops.load().sfctr_host_tied_ids(self.resource_handle,
+                                                  tf.constant(count, tf.int64))
+
+    def host_prune_below(self, below: int, last: Optional[int] = None,
+                         decay: float = 1.0) -> tf.Tensor:
+        """Removes the uncached ids used fewer than ``below`` times and, if
+        ``last`` is given, those used exactly ``below`` times whose value is
+        at most ``last``; returns how many went. ``decay`` as for
+        ``host_prune``."""
+        with self._prune_lock:
+            return _ops.load().sfctr_host_prune_below(
+                self.resource_handle, tf.constant(below, tf.int64),
+                tf.constant(decay, tf.float64),
+                tf.constant([] if last is None else [last], tf.int64))
+
     # Counters ----------------------------------------------------------------
     def stats(self) -> tf.Tensor:
         """[hits, misses, evictions, host_rows, cache_capacity, cached_rows,

@@ -269,6 +269,22 @@ int64_t EmbeddingStore::PruneHostToSize(int64_t max_rows, uint32_t* min_count, d
   return table_.PruneToSize(max_rows, PruneKeepLocked(), min_count, decay);
 }
 
+std::vector<int64_t> EmbeddingStore::HostUseCountHistogram(int64_t* held) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return table_.UseCountHistogram(PruneKeepLocked(), held);
+}
+
+std::vector<int64_t> EmbeddingStore::HostTiedIds(uint32_t count) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return table_.TiedIds(count, PruneKeepLocked());
+}
+
+int64_t EmbeddingStore::PruneHostBelow(uint32_t below, bool has_last, int64_t last,
+                                       double decay) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return table_.PruneBelow(below, has_last, last, PruneKeepLocked(), decay);
+}
+
 int64_t EmbeddingStore::Remove(const int64_t* ids, int64_t n, int64_t* cached) {
   std::lock_guard<std::mutex> lock(mu_);
   // Every cached id has a host row (admitting an id inserts it), so the host

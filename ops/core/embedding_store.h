@@ -93,6 +93,14 @@ class EmbeddingStore {
   // (HostTable::PruneToSize); `*min_count` as there.
   int64_t PruneHostToSize(int64_t max_rows, uint32_t* min_count, double decay = 1.0);
 
+  // PruneHostToSize in parts (HostTable::UseCountHistogram, TiedIds and
+  // PruneBelow), for a table sharded over processes that bounds the rows of
+  // all its shards: the same ids stay (cached ones, pending evictions) as
+  // long as nothing trains the store between the parts.
+  std::vector<int64_t> HostUseCountHistogram(int64_t* held);
+  std::vector<int64_t> HostTiedIds(uint32_t count);
+  int64_t PruneHostBelow(uint32_t below, bool has_last, int64_t last, double decay = 1.0);
+
   // Removes `ids` from the cache (their rows are dropped, not written back)
   // and from the host table; returns how many of them the host table held
   // (every cached id has a host row). Out of memory (std::bad_alloc) it

@@ -778,17 +778,8 @@ int64_t HostTable::PruneToSize(int64_t max_rows, const std::unordered_set<int64_
   std::unique_lock<std::shared_mutex> no_writes(prune_mu_);
   *min_count = 0;
   // Rows per use count, of the ids that may go.
-  std::vector<int64_t> per_count(size_t{kMaxCount} + 1, 0);
   int64_t held = 0;
-  for (uint64_t k = 0; k <= shard_mask_; ++k) {
-    Shard& s = shards_[k];
-    std::lock_guard<std::mutex> lock(s.mu);
-    for (const Entry& e : s.entries) {
-      if (e.row == kEmptyRow) continue;
-      ++held;
-      if (keep.count(int64_t{e.id}) == 0) ++per_count[CountOf(s, e.row)];
-    }
-  }
+  const std::vector<int64_t> per_count = UseCountHistogramLocked(keep, &held);
   int64_t excess = held - std::max<int64_t>(max_rows, 0);
   if (excess <= 0) {
     if (decay >= 1.0) return 0;
@@ -813,16 +804,8 @@ int64_t HostTable::PruneToSize(int64_t max_rows, const std::unordered_set<int64_
     return PruneLocked([below](uint32_t count, int64_t) { return count < below; }, keep,
                        decay);
   }
-  std::vector<int64_t> tied;
-  tied.reserve(static_cast<size_t>(per_count[below]));
-  for (uint64_t k = 0; k <= shard_mask_; ++k) {
-    Shard& s = shards_[k];
-    std::lock_guard<std::mutex> lock(s.mu);
-    for (const Entry& e : s.entries) {
-      if (e.row != kEmptyRow && CountOf(s, e.row) == below && keep.count(int64_t{e.id}) == 0)
-        tied.push_back(int64_t{e.id});  // a copy: Entry is packed
-    }
-  }
+  std::vector<int64_t> tied =
+      TiedIdsLocked(below, keep, static_cast<size_t>(per_count[below]));
   // (Counts added meanwhile, by a restore's HostAddCounts, can leave fewer.)
   if (tied.empty()) {
     *min_count = most_used_below(below);
@@ -833,6 +816,66 @@ int64_t HostTable::PruneToSize(int64_t max_rows, const std::unordered_set<int64_
   std::nth_element(tied.begin(), tied.begin() + nth, tied.end());
   const int64_t last = tied[nth];
   *min_count = below + 1;
+  return PruneLocked(
+      [below, last](uint32_t count, int64_t id) {
+        return count < below || (count == below && id <= last);
+      },
+      keep, decay);
+}
+
+std::vector<int64_t> HostTable::UseCountHistogramLocked(
+    const std::unordered_set<int64_t>& keep, int64_t* held) const {
+  std::vector<int64_t> per_count(size_t{kMaxCount} + 1, 0);
+  *held = 0;
+  for (uint64_t k = 0; k <= shard_mask_; ++k) {
+    const Shard& s = shards_[k];
+    std::lock_guard<std::mutex> lock(s.mu);
+    for (const Entry& e : s.entries) {
+      if (e.row == kEmptyRow) continue;
+      ++*held;
+      if (keep.count(int64_t{e.id}) == 0) ++per_count[CountOf(s, e.row)];
+    }
+  }
+  return per_count;
+}
+
+std::vector<int64_t> HostTable::TiedIdsLocked(uint32_t count,
+                                              const std::unordered_set<int64_t>& keep,
+                                              size_t expected) const {
+  std::vector<int64_t> tied;
+  tied.reserve(expected);
+  for (uint64_t k = 0; k <= shard_mask_; ++k) {
+    const Shard& s = shards_[k];
+    std::lock_guard<std::mutex> lock(s.mu);
+    for (const Entry& e : s.entries) {
+      if (e.row != kEmptyRow && CountOf(s, e.row) == count && keep.count(int64_t{e.id}) == 0)
+        tied.push_back(int64_t{e.id});  // a copy: Entry is packed
+    }
+  }
+  return tied;
+}
+
+std::vector<int64_t> HostTable::UseCountHistogram(const std::unordered_set<int64_t>& keep,
+                                                  int64_t* held) const {
+  std::shared_lock<std::shared_mutex> no_prune(prune_mu_);
+  return UseCountHistogramLocked(keep, held);
+}
+
+std::vector<int64_t> HostTable::TiedIds(uint32_t count,
+                                        const std::unordered_set<int64_t>& keep) const {
+  std::shared_lock<std::shared_mutex> no_prune(prune_mu_);
+  std::vector<int64_t> tied = TiedIdsLocked(count, keep, 0);
+  std::sort(tied.begin(), tied.end());
+  return tied;
+}
+
+int64_t HostTable::PruneBelow(uint32_t below, bool has_last, int64_t last,
+                              const std::unordered_set<int64_t>& keep, double decay) {
+  std::unique_lock<std::shared_mutex> no_writes(prune_mu_);
+  if (!has_last) {
+    return PruneLocked([below](uint32_t count, int64_t) { return count < below; }, keep,
+                       decay);
+  }
   return PruneLocked(
       [below, last](uint32_t count, int64_t id) {
         return count < below || (count == below && id <= last);

@@ -225,6 +225,21 @@ class HostTable {
   int64_t PruneToSize(int64_t max_rows, const std::unordered_set<int64_t>& keep,
                       uint32_t* min_count, double decay = 1.0);
 
+  // PruneToSize in parts, for a table sharded over processes that bounds
+  // their total (each part takes its own locks; nothing else may write the
+  // table between them for the parts to agree):
+  // UseCountHistogram gives the rows held (kept ones too) and, per use
+  // count c (0..65535), how many ids not in `keep` have it;
+  std::vector<int64_t> UseCountHistogram(const std::unordered_set<int64_t>& keep,
+                                         int64_t* held) const;
+  // TiedIds the ids not in `keep` used exactly `count` times, ascending;
+  std::vector<int64_t> TiedIds(uint32_t count, const std::unordered_set<int64_t>& keep) const;
+  // PruneBelow removes the ids not in `keep` used fewer than `below` times,
+  // and, with `has_last`, those used exactly `below` times whose value is
+  // at most `last`; returns how many went. `decay` as for Prune.
+  int64_t PruneBelow(uint32_t below, bool has_last, int64_t last,
+                     const std::unordered_set<int64_t>& keep, double decay = 1.0);
+
   // Removes every row.
   void Clear();
 
@@ -346,6 +361,12 @@ class HostTable {
   void StopLoggingRemovalsLocked();
   // Clear and Release: drops every row and index (prune_mu_ held).
   void DropAllLocked();
+  // UseCountHistogram and TiedIds (unsorted; `expected` ids reserved)
+  // with prune_mu_ held by the caller.
+  std::vector<int64_t> UseCountHistogramLocked(const std::unordered_set<int64_t>& keep,
+                                               int64_t* held) const;
+  std::vector<int64_t> TiedIdsLocked(uint32_t count, const std::unordered_set<int64_t>& keep,
+                                     size_t expected) const;
 
   // The shard takes the hash's low bits, the index position its high bits
   // (HomeOf), so that the two are independent.

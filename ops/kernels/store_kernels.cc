@@ -818,6 +818,70 @@ class HostPruneToSizeOp : public StoreOpKernel {
   }
 };
 
+class HostUseCountHistogramOp : public StoreOpKernel {
+ public:
+  using StoreOpKernel::StoreOpKernel;
+
+ protected:
+  void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
+    int64_t held = 0;
+    const std::vector<int64_t> per_count = store.HostUseCountHistogram(&held);
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() = held;
+    OutputVector(ctx, 1, per_count);
+  }
+};
+
+// The `count` input (1) of SfctrHostTiedIds and SfctrHostPruneBelow: a use
+// count in [0, 65536] (counters saturate at 65535; 65536 is above all).
+Status GetUseCount(OpKernelContext* ctx, const char* name, uint32_t* count) {
+  const Tensor& t = ctx->input(1);
+  if (!TensorShapeUtils::IsScalar(t.shape())) {
+    return errors::InvalidArgument(name, " must be a scalar");
+  }
+  const int64_t value = t.scalar<int64_t>()();
+  if (value < 0 || value > 65536) {
+    return errors::InvalidArgument(name, " must be in [0, 65536], got ", value);
+  }
+  *count = static_cast<uint32_t>(value);
+  return OkStatus();
+}
+
+class HostTiedIdsOp : public StoreOpKernel {
+ public:
+  using StoreOpKernel::StoreOpKernel;
+
+ protected:
+  void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
+    uint32_t count = 0;
+    OP_REQUIRES_OK(ctx, GetUseCount(ctx, "count", &count));
+    OutputVector(ctx, 0, store.HostTiedIds(count));
+  }
+};
+
+class HostPruneBelowOp : public StoreOpKernel {
+ public:
+  using StoreOpKernel::StoreOpKernel;
+
+ protected:
+  void ComputeOnStore(OpKernelContext* ctx, sfctr::EmbeddingStore& store) override {
+    uint32_t below = 0;
+    OP_REQUIRES_OK(ctx, GetUseCount(ctx, "below", &below));
+    double decay = 1.0;
+    OP_REQUIRES_OK(ctx, GetDecay(ctx, &decay));
+    const Tensor& last = ctx->input(3);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(last.shape()) && last.NumElements() <= 1,
+                errors::InvalidArgument("last must be a vector of 0 or 1 ids, got shape ",
+                                        last.shape().DebugString()));
+    const bool has_last = last.NumElements() == 1;
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<int64_t>()() =
+        store.PruneHostBelow(below, has_last, has_last ? last.vec<int64_t>()(0) : 0, decay);
+  }
+};
+
 class HostTakeRemovedOp : public StoreOpKernel {
  public:
   using StoreOpKernel::StoreOpKernel;
@@ -930,6 +994,9 @@ SFCTR_CPU_KERNEL("SfctrHostPrune", HostPruneOp);
 SFCTR_CPU_KERNEL("SfctrStoreRemove", StoreRemoveOp);
 SFCTR_CPU_KERNEL("SfctrHostTakeRemoved", HostTakeRemovedOp);
 SFCTR_CPU_KERNEL("SfctrHostPruneToSize", HostPruneToSizeOp);
+SFCTR_CPU_KERNEL("SfctrHostUseCountHistogram", HostUseCountHistogramOp);
+SFCTR_CPU_KERNEL("SfctrHostTiedIds", HostTiedIdsOp);
+SFCTR_CPU_KERNEL("SfctrHostPruneBelow", HostPruneBelowOp);
 SFCTR_CPU_KERNEL("SfctrHostSetSeed", HostSetSeedOp);
 SFCTR_CPU_KERNEL("SfctrStoreStats", StoreStatsOp);
 SFCTR_CPU_KERNEL("SfctrStoreSetCounters", StoreSetCountersOp);

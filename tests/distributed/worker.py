@@ -345,7 +345,49 @@ def run_remove(out_dir, rank, size):
                       "remove_rows failed on another rank" if rank == 0
                       else "ids must be integers")
         assert a.cache_stats()["host_rows"] == rows
+    check_prune_to_rows(rank, size)
     np.savez(os.path.join(out_dir, f"remove_rank{rank}.npz"), ok=np.array(1))
+
+
+def check_prune_to_rows(rank, size):
+    """prune(to_rows=N) of a model-parallel table bounds all its shards
+    together: the ids left are those one process holding the whole table
+    keeps (the least used go, ties by value; cached ids stay), on shards of
+    2:1 sizes, where bounding each shard by N / ranks kept unused rows of
+    the small one and removed used rows of the large one."""
+    emb = CachedEmbedding(2, cache_capacity=8, optimizer=tf_sfctr.optimizers.SGD(1.0),
+                          seed=4, name="prune_to_rows", distribution="model_parallel")
+    emb.build(None)
+    rng = np.random.default_rng(7)  # the same ids on every rank
+    ids = np.unique(rng.integers(-2**63, 2**63 - 1, size=3000, dtype=np.int64))
+    owners = owner_of(ids, size)
+    ids = np.concatenate([ids[owners == 0], ids[owners != 0][:len(ids) // 5]])
+    mine = ids[owner_of(ids, size) == rank]
+    emb.assign_rows(mine, np.ones((len(mine), 2), np.float32))
+    # Uses 0..3 (many ties), each rank adding its own shard's.
+    emb.store.host_add_counts(tf.constant(mine), tf.constant(mine % 4))
+    # A training call caches a few ids (of both owners): they stay.
+    emb(tf.constant(ids[::400][None]), training=True)
+
+    def table():
+        held, _, counts = [t.numpy() for t in emb.store.host_export(columns=2)]
+        cached = emb.store.cache_probe(tf.constant(held)).numpy() >= 0
+        return [hvd.allgather(tf.constant(x)).numpy() for x in (held, counts, cached)]
+
+    for bound in (len(ids) * 3 // 4, len(ids) // 3, 5):
+        held, counts, cached = table()
+        assert cached.sum() > 0 and len(held) == len(np.unique(held))
+        order = np.lexsort((held[~cached], counts[~cached]))  # by count, then id
+        gone = held[~cached][order][:max(len(held) - bound, 0)]
+        want = np.setdiff1d(held, gone)
+        removed = emb.prune(to_rows=bound)
+        after = table()[0]
+        np.testing.assert_array_equal(np.sort(after), want, err_msg=f"to_rows={bound}")
+        assert hvd.allreduce(tf.constant(removed), op=hvd.Sum).numpy() == len(gone)
+    # Arguments that differ between ranks: refused on every rank, nothing removed.
+    rows = emb.cache_stats()["host_rows"]
+    _expect_error(lambda: emb.prune(to_rows=4 + rank), "different min_uses, to_rows and decay")
+    assert emb.cache_stats()["host_rows"] == rows
 
 
 def run_dp_traces(out_dir, rank):

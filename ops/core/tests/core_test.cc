@@ -2020,6 +2020,80 @@ TEST_CASE(HostTablePruneToSizeRemovesTheLeastUsedAndBreaksTiesById) {
   CHECK_EQ(min_count, uint32_t{6});
 }
 
+TEST_CASE(HostTablePruneInPartsOverShardsMatchesPruneToSizeOfTheWhole) {
+  // One table, and the same ids split over two tables (a sharded table's
+  // processes): the histogram, tied ids and PruneBelow over both remove what
+  // PruneToSize removes from the one.
+  HostTable whole(Options(2, 0)), part0(Options(2, 0)), part1(Options(2, 0));
+  std::mt19937_64 rng(5);
+  std::vector<int64_t> ids[2];
+  std::vector<uint32_t> counts[2];
+  for (int i = 0; i < 2000; ++i) {
+    const int64_t id = static_cast<int64_t>(rng());
+    const uint32_t c = static_cast<uint32_t>(rng() % 4) + (i % 97 == 0 ? 70000 : 0);
+    const int k = i % 3 == 0 ? 1 : 0;  // uneven shards, 2:1
+    ids[k].push_back(id);
+    counts[k].push_back(c);
+  }
+  std::vector<float> rows(4000, 1.0f);
+  for (int k = 0; k < 2; ++k) {
+    CHECK(whole.Write(ids[k].data(), ids[k].size(), rows.data(), counts[k].data()).ok());
+    HostTable& part = k == 0 ? part0 : part1;
+    CHECK(part.Write(ids[k].data(), ids[k].size(), rows.data(), counts[k].data()).ok());
+  }
+  const std::unordered_set<int64_t> keep0 = {ids[0][3], ids[0][4]}, keep1 = {ids[1][7]};
+  std::unordered_set<int64_t> keep = keep0;
+  keep.insert(keep1.begin(), keep1.end());
+  for (int64_t max_rows : {int64_t{1400}, int64_t{1000}, int64_t{0}}) {
+    int64_t held0 = 0, held1 = 0;
+    const std::vector<int64_t> h0 = part0.UseCountHistogram(keep0, &held0);
+    const std::vector<int64_t> h1 = part1.UseCountHistogram(keep1, &held1);
+    CHECK_EQ(h0.size(), size_t{65536});
+    int64_t excess = held0 + held1 - max_rows;
+    uint32_t below = 0;
+    while (excess > 0 && below <= 65535 && h0[below] + h1[below] <= excess) {
+      excess -= h0[below] + h1[below];
+      ++below;
+    }
+    bool has_last = false;
+    int64_t last = 0;
+    if (excess > 0 && below <= 65535) {
+      std::vector<int64_t> tied = part0.TiedIds(below, keep0);
+      CHECK(std::is_sorted(tied.begin(), tied.end()));
+      const std::vector<int64_t> t1 = part1.TiedIds(below, keep1);
+      CHECK_EQ(static_cast<int64_t>(tied.size() + t1.size()), h0[below] + h1[below]);
+      tied.insert(tied.end(), t1.begin(), t1.end());
+      std::sort(tied.begin(), tied.end());
+      has_last = true;
+      last = tied[static_cast<size_t>(excess) - 1];
+    }
+    const int64_t removed = part0.PruneBelow(below, has_last, last, keep0) +
+                            part1.PruneBelow(below, has_last, last, keep1);
+    uint32_t min_count = 0;
+    CHECK_EQ(removed, whole.PruneToSize(max_rows, keep, &min_count));
+    std::vector<int64_t> left, left0, left1;
+    std::vector<float> unused_rows;
+    std::vector<uint32_t> unused_counts;
+    whole.Export(&left, &unused_rows, &unused_counts);
+    part0.Export(&left0, &unused_rows, &unused_counts);
+    part1.Export(&left1, &unused_rows, &unused_counts);
+    left0.insert(left0.end(), left1.begin(), left1.end());
+    std::sort(left.begin(), left.end());
+    std::sort(left0.begin(), left0.end());
+    CHECK(left == left0);
+    CHECK_EQ(static_cast<int64_t>(left.size()), std::max<int64_t>(max_rows, 3));
+  }
+  // Decay without removal: every count is halved, nothing goes.
+  std::vector<int64_t> before_ids, after_ids;
+  std::vector<float> unused_rows;
+  std::vector<uint32_t> before, after;
+  part0.Export(&before_ids, &unused_rows, &before);
+  CHECK_EQ(part0.PruneBelow(0, false, 0, {}, 0.5), int64_t{0});
+  part0.Export(&after_ids, &unused_rows, &after);
+  CHECK(before_ids == after_ids && before_ids.size() == 2);
+  for (size_t i = 0; i < 2; ++i) CHECK_EQ(after[i], before[i] / 2);
+}
+
 TEST_CASE(HostTableRemoveDeletesInPlaceAndReusesRows) {
   // Many ids in few shards, so that probe runs are long and the backward
   // shift of later entries is exercised; checked against a map model.

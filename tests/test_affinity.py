@@ -19,8 +19,12 @@ def test_cores_are_split_into_contiguous_slices():
     slices = [cores_of(r, 3, cores) for r in range(3)]
     assert slices == [[0, 1], [2, 3, 4], [5, 6, 7]]
     assert [cores_of(r, 2, [5, 3]) for r in range(2)] == [[3], [5]]
-    # More ranks than cores: ranks share cores round-robin.
-    assert [cores_of(r, 3, [0, 1]) for r in range(3)] == [[0], [1], [0]]
+    # More ranks than cores: round-robin when it is even; otherwise no
+    # binding (two ranks on one core beside one alone: each step would wait
+    # for the pair).
+    assert [cores_of(r, 4, [0, 1]) for r in range(4)] == [[0], [1], [0], [1]]
+    assert [cores_of(r, 3, [0, 1]) for r in range(3)] == [[0, 1]] * 3
+    assert [cores_of(r, 5, [0, 1, 2]) for r in range(5)] == [[0, 1, 2]] * 5
 
 
 @pytest.mark.parametrize("rank,size", [(-1, 2), (2, 2), (0, 0)])
@@ -67,6 +71,19 @@ def test_binds_every_thread_and_sizes_tf_pools(rank):
     assert got["masks"] == [want]  # every thread of the process, TF's included
     assert got["intra"] == len(want)
     assert got["warnings"] == []
+
+
+def test_uneven_oversubscription_binds_nothing_and_says_so():
+    allowed = sorted(os.sched_getaffinity(0))
+    size = len(allowed) + 1  # never a multiple of the cores (for 2 or more)
+    got = _run(BIND.format(before="", args=f"local_rank=0, local_size={size}"))
+    if len(allowed) == 1:
+        assert got["mine"] == allowed and not got["warnings"]
+        return
+    assert got["mine"] == allowed and got["masks"] == [allowed]
+    assert got["intra"] == 1
+    assert any(f"{size} local ranks for {len(allowed)} cores do not share them evenly" in w
+               for w in got["warnings"]), got["warnings"]
 
 
 def test_reads_horovodrun_environment_and_warns_when_tf_started():

@@ -52,8 +52,11 @@ def _local_rank_and_size(local_rank: Optional[int], local_size: Optional[int]):
 
 def cores_of(local_rank: int, local_size: int, cores: list[int]) -> list[int]:
     """The slice of ``cores`` that local rank ``local_rank`` of ``local_size``
-    gets: contiguous, near-equal slices; with fewer cores than ranks, ranks
-    share cores round-robin."""
+    gets: contiguous, near-equal slices. With fewer cores than ranks, ranks
+    share cores round-robin when each core gets as many ranks as the next
+    (the number of ranks a multiple of the cores); otherwise every rank gets
+    every core, as binding would leave some ranks a core alone while others
+    share one, and each synchronous step waits for the slowest."""
     if local_size < 1 or not 0 <= local_rank < local_size:
         raise ValueError(
             f"local_rank must be in [0, local_size) and local_size >= 1, got "
@@ -63,7 +66,7 @@ def cores_of(local_rank: int, local_size: int, cores: list[int]) -> list[int]:
     if n == 0:
         raise ValueError("no cores to share")
     if local_size >= n:
-        return [cores[local_rank % n]]
+        return [cores[local_rank % n]] if local_size % n == 0 else cores
     return cores[local_rank * n // local_size:(local_rank + 1) * n // local_size]
 
 
@@ -81,8 +84,11 @@ def share_host_cores(local_rank: Optional[int] = None, local_size: Optional[int]
     call (calling it again re-binds, it does not slice further). Do not call
     it when the launcher already binds each rank to its cores (e.g. MPI's
     ``--bind-to core``): it would share that rank's cores among all local
-    ranks. Returns the cores of this rank, or None where the OS has no
-    affinity call (not Linux), with a warning.
+    ranks. More local ranks than cores share them round-robin when their
+    number is a multiple of the cores; otherwise no rank is bound (a
+    warning says so) and TensorFlow's pools get one thread each. Returns the
+    cores of this rank, or None where the OS has no affinity call (not
+    Linux), with a warning.
 
     Example, in a script run by ``horovodrun -np 2 -H localhost:2 --gloo``::
 
@@ -100,6 +106,13 @@ def share_host_cores(local_rank: Optional[int] = None, local_size: Optional[int]
     if _process_cores is None:
         _process_cores = sorted(os.sched_getaffinity(0))
     mine = cores_of(rank, size, _process_cores)
+    if size > len(_process_cores) and len(mine) > 1:
+        warnings.warn(
+            f"share_host_cores: {size} local ranks for {len(_process_cores)} cores do not "
+            "share them evenly, so no rank is bound to a core (some would run a core alone "
+            "while others shared one, and every step waits for the slowest); TensorFlow's "
+            "pools get one thread each. Run a multiple of the cores as ranks per host to "
+            "bind them.", RuntimeWarning, stacklevel=2)
     # Threads started later inherit the mask of the thread that starts them,
     # so bind every existing thread (twice: one may have started meanwhile).
     for _ in range(2):
@@ -112,8 +125,9 @@ def share_host_cores(local_rank: Optional[int] = None, local_size: Optional[int]
         import tensorflow as tf
 
         try:
-            tf.config.threading.set_intra_op_parallelism_threads(len(mine))
-            tf.config.threading.set_inter_op_parallelism_threads(len(mine))
+            threads = len(mine) if size <= len(_process_cores) else 1
+            tf.config.threading.set_intra_op_parallelism_threads(threads)
+            tf.config.threading.set_inter_op_parallelism_threads(threads)
         except RuntimeError:
             warnings.warn(
                 "share_host_cores: TensorFlow already started its thread pools, so they keep "

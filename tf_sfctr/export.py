@@ -433,15 +433,20 @@ def _frozen_layer(layer: CachedEmbedding, max_rows: Optional[int], pad_id: Any,
 
 def _warn_row_for_id_0(layer: CachedEmbedding, ids: np.ndarray, auto: Any) -> None:
     """``auto``: the pads pad_id='auto' chose (None when given)."""
-    if layer.combiner is not None and 0 in (auto if isinstance(auto, list) else [auto]) \
-            and np.any(ids == 0):
+    pads = auto if isinstance(auto, list) else [auto]
+    if layer.combiner is not None and 0 in pads and np.any(ids == 0):
+        mixed = None in pads
         warnings.warn(
             f"export_for_serving: table {layer.name!r} was trained on sparse or "
-            "ragged ids and has a row for id 0, but served dense rows skip id 0 "
-            "(pad_id='auto': 0 is what to_dense()/to_tensor() pad with), so its row "
-            "is left out of served sums and means. If 0 is a real id (e.g. a "
-            "StringLookup's out-of-vocabulary index), pad served rows with an id "
-            "the table never saw, say -1, and pass pad_id=-1.", stacklevel=5)
+            "ragged ids and has a row for id 0, but served dense rows "
+            + ("of those features " if mixed else "")
+            + "skip id 0 (pad_id='auto': 0 is what to_dense()/to_tensor() pad with), so "
+            "its row is left out of their served sums and means"
+            + ("; the features trained on dense ids keep it, so if id 0 came only from "
+               "them, nothing is lost" if mixed else "")
+            + ". If 0 is a real id (e.g. a StringLookup's out-of-vocabulary index), pad "
+            "served rows with an id the table never saw, say -1, and pass pad_id=-1.",
+            stacklevel=5)
 
 
 def _training_record(layer: CachedEmbedding) -> Optional[dict]:

@@ -102,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the table's own optimizer, if not the same as --optimizer "
                         "(ftrl: FTRL-Proximal with L1 1e-4)")
     p.add_argument("--table-learning-rate", type=float, default=None,
-                   help="of the table optimizer (default: --learning-rate)")
+                   help="of the table optimizer (the default, None: --learning-rate)")
     p.add_argument("--vsi", action="store_true",
                    help="de-duplicate ids in the input pipeline and prepare the next "
                         "batch's cache during each step (with_unique_ids(lookahead=True))")
@@ -139,7 +139,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _count_tsv_rows(path: str) -> int:
-    opener = gzip.open if path.endswith(".gz") else open
+    with open(path, "rb") as f:
+        gzipped = f.read(2) == b"\x1f\x8b"
+    if gzipped != path.endswith(".gz"):
+        # (The reader takes the compression from the name.)
+        raise SystemExit(f"--tsv {path} is {'' if gzipped else 'not '}gzip-compressed but "
+                         f"its name {'does not end' if gzipped else 'ends'} in .gz: rename it "
+                         "(gzip files end in .gz, plain ones do not)")
+    opener = gzip.open if gzipped else open
     with opener(path, "rb") as f:
         return sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
 
@@ -250,7 +257,10 @@ def main(argv: list[str] | None = None) -> int:
         export(model, args.export)
     if world.chief:
         trained = len(result.history["loss"])  # fewer than --epochs after a resume
-        rows_per_s = steps * args.batch_size * world.size * trained / result.seconds
+        rows_per_epoch = steps * args.batch_size * world.size
+        if not (args.tsv or args.parquet):  # (its last batch may be short)
+            rows_per_epoch = min(rows_per_epoch, args.rows)
+        rows_per_s = rows_per_epoch * trained / result.seconds
         opt_name, opt_lr = table_optimizer_args(args)
         lines = [
             ("data", source),

@@ -69,8 +69,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=3, help="passes over the training rows")
     p.add_argument("--batch-size", type=int, default=256, help="per rank under Horovod")
     p.add_argument("--embedding-dim", type=int, default=16, help="output_dim of every table")
-    p.add_argument("--cache-capacity", type=int, default=2048,
-                   help="device-cache rows of the id table (the data has ~9,800 ids)")
+    p.add_argument("--cache-capacity", type=int, default=None,
+                   help="device-cache rows of the id table (the data has ~9,800 ids); by "
+                        "default 2048, or with --history K the most distinct ids a batch "
+                        "can hold, batch size x (3 + K), if that is more")
     p.add_argument("--optimizer", choices=("adagrad", "adam"), default="adam",
                    help="of the dense layers and of the tables (tf_sfctr.optimizers.Adam "
                         "is lazy: only rows used by a step move)")
@@ -92,6 +94,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="write a SavedModel for serving (stock TF ops only) to DIR "
                         "(--embedding cached only)")
     args = p.parse_args(argv)
+    if args.cache_capacity is None:
+        # A step's distinct ids must fit in the cache: a batch of 256 with 20
+        # history movies held 2605.
+        args.cache_capacity = max(2048, args.batch_size * (NUM_FIELDS + args.history))
     for name in ("epochs", "batch_size", "embedding_dim", "cache_capacity"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")

@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="ids deleted before each day after the first (remove_rows)")
     p.add_argument("--learning-rate", type=float, default=2e-3)
     p.add_argument("--workdir", default=None,
-                   help="checkpoints and the serving store (default: a new temporary "
+                   help="checkpoints and the serving store (None: a new temporary "
                         "directory); give the same one again to resume")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -87,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.remove < 0:
         p.error("--remove must be at least 0")
+    if not 0.0 <= args.count_decay <= 1.0:
+        p.error(f"--count-decay must be in [0, 1] (1: no ageing), got {args.count_decay}")
     return args
 
 
@@ -176,20 +178,33 @@ def check_store(table: CachedEmbedding, store: ServingStore) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if int(os.environ.get("HOROVOD_SIZE", "1")) > 1:
+        # Every rank would run the whole stream and write the same workdir.
+        raise SystemExit("online_training.py runs in one process, not under horovodrun; "
+                         "see movielens.py and criteo_dlrm.py for horovodrun")
+    if args.workdir:
+        os.makedirs(args.workdir, exist_ok=True)
+        return run(args, args.workdir)
+    # Nothing to resume from later: the directory goes at the end.
+    with tempfile.TemporaryDirectory(prefix="sfctr_online_") as workdir:
+        return run(args, workdir)
+
+
+def run(args: argparse.Namespace, workdir: str) -> int:
     keras.utils.set_random_seed(args.seed)
-    workdir = args.workdir or tempfile.mkdtemp(prefix="sfctr_online_")
-    os.makedirs(workdir, exist_ok=True)
     ckpt_dir = os.path.join(workdir, "ckpts")
     model, table = build_model(args)
     store = ServingStore(os.path.join(workdir, "store.npz"), args.embedding_dim)
     ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
     first_day = tf_sfctr.distributed.resume(ckpt, ckpt_dir)
+    # (first_day: the days done, so the number of the next one; days count from 0.)
     if first_day >= args.days:
-        raise SystemExit(f"{workdir} holds a save after day {first_day} already; ask for "
-                         f"more than {first_day} --days")
-    print(f"online training in {workdir}: days {first_day}..{args.days - 1}, "
-          f"{args.rows_per_day:,} rows each"
-          + (f" (resumed after day {first_day})" if first_day else ""), flush=True)
+        raise SystemExit(f"{workdir} holds a save after day {first_day - 1} already (days "
+                         f"0..{first_day - 1} trained); ask for more than {first_day} --days")
+    print(f"online training in {workdir}"
+          + ("" if args.workdir else " (temporary: removed at the end)")
+          + f": days {first_day}..{args.days - 1}, {args.rows_per_day:,} rows each"
+          + (f" (resumed after day {first_day - 1})" if first_day else ""), flush=True)
     prune = tf_sfctr.callbacks.PruneHostTable(to_rows=args.table_rows,
                                               every_steps=args.prune_every,
                                               decay=args.count_decay)

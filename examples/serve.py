@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache-capacity", type=int, default=16_384)
     p.add_argument("--check-rows", type=int, default=512, help="rows predicted by both")
     p.add_argument("--export", metavar="DIR", default=None,
-                   help="SavedModel directory (default: a temporary one)")
+                   help="SavedModel directory (None: a temporary one)")
     p.add_argument("--save", metavar="PATH.keras", default=None,
                    help="also save the trained Keras model (table included)")
     p.add_argument("--load", metavar="PATH.keras", default=None,
@@ -100,6 +100,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             # Keras also writes legacy .h5 files, without the table.
             p.error(f"--{name} takes a .keras file (the Keras format holds the table; "
                     f"a legacy .h5 file does not), got {path!r}")
+    if args.load:
+        # These shape or save the model trained here: with --load they would
+        # do nothing.
+        unused = [name for name in ("save", "epochs", "embedding_dim", "cache_capacity")
+                  if getattr(args, name) != p.get_default(name)]
+        if unused:
+            p.error("--load exports the loaded model as it is, so "
+                    + ", ".join(f"--{n.replace('_', '-')}" for n in unused)
+                    + " would do nothing: leave them out (the model is saved already)")
     return args
 
 

@@ -51,7 +51,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="train without the popularity correction of the in-batch softmax")
     p.add_argument("--export", default=None,
                    help="directory for a serving SavedModel of the query tower")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("epochs", "batch_size", "dim", "top_k"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
 
 
 class QueryTower(keras.Model):
@@ -165,6 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     train = positive_pairs(data.train_features, data.train_label)
     test = positive_pairs(data.test_features, data.test_label)
     print(f"{len(train['user'])} training pairs, {len(test['user'])} test pairs", flush=True)
+    # (Whole batches only: the in-batch softmax's negatives are the batch.)
+    if args.batch_size > len(train["user"]):
+        raise SystemExit(f"--batch-size {args.batch_size} is more than the "
+                         f"{len(train['user'])} training pairs: no whole batch to train on")
+    movies = len(np.unique(np.concatenate([train["movie"], test["movie"]])))
+    if args.top_k > movies:
+        raise SystemExit(f"--top-k {args.top_k} is more than the {movies} movies to rank")
 
     model = TwoTower(args.dim, args.seed)
     model.compile(optimizer=keras.optimizers.Adam(1e-3),

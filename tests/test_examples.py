@@ -8,6 +8,7 @@ import math
 import os
 import re
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 
@@ -279,6 +280,31 @@ def test_criteo_dlrm_refuses_gzip_and_plain_tsv_together(capsys):
         assert criteo_dlrm.parse_args(["--tsv", *paths]).tsv == paths
 
 
+def test_criteo_dlrm_names_a_tsv_file_whose_name_hides_its_compression(tmp_path):
+    """A review: a gzip file named .tsv got the reader's advice to pass
+    compression_type (the example has no such flag), and a plain file named
+    .gz a raw BadGzipFile traceback."""
+    import gzip
+    import shutil
+
+    criteo_dlrm = _import_example("criteo_dlrm")
+    plain = _criteo_file(tmp_path, "tsv", 300, seed=3)
+    packed = tmp_path / "packed.tsv"
+    with open(plain, "rb") as src, gzip.open(packed, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    shutil.copy(plain, tmp_path / "plain.tsv.gz")
+    for path, what in ((packed, "is gzip-compressed but its name does not end in .gz"),
+                       (tmp_path / "plain.tsv.gz", "is not gzip-compressed but its name ends "
+                                                   "in .gz")):
+        args = criteo_dlrm.parse_args(["--tsv", str(path)])
+        with pytest.raises(SystemExit, match=f"--tsv {path} {what}: rename it"):
+            criteo_dlrm.datasets(args, criteo_dlrm.World())
+    shutil.move(packed, tmp_path / "packed.tsv.gz")
+    args = criteo_dlrm.parse_args(["--tsv", str(tmp_path / "packed.tsv.gz"),
+                                   "--batch-size", "32"])
+    assert criteo_dlrm.datasets(args, criteo_dlrm.World())[3].startswith("300 rows")
+
+
 def test_serve_example_predictions_match(tmp_path):
     out = _example("serve.py", "--rows", "4000", "--check-rows", "256",
                    "--export", str(tmp_path / "served"))
@@ -298,6 +324,18 @@ def test_serve_example_takes_only_keras_files(flag, capsys):
         serve.parse_args([flag, "/tmp/dlrm.h5"])
     assert f"{flag} takes a .keras file" in capsys.readouterr().err
     assert getattr(serve.parse_args([flag, "/tmp/dlrm.keras"]), flag[2:]) == "/tmp/dlrm.keras"
+
+
+def test_serve_example_refuses_flags_that_load_would_ignore(capsys):
+    """--load with --save wrote nothing and said nothing (a review); the
+    training flags did nothing either."""
+    serve = _import_example("serve")
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--load", "/tmp/m.keras", "--save", "/tmp/n.keras", "--epochs", "3"])
+    err = capsys.readouterr().err
+    assert "--save, --epochs would do nothing" in err, err
+    args = serve.parse_args(["--load", "/tmp/m.keras", "--rows", "9000"])  # --rows is read
+    assert args.load == "/tmp/m.keras" and args.rows == 9000
 
 
 def test_serve_example_refuses_several_ranks(tmp_path, monkeypatch):
@@ -333,13 +371,23 @@ def test_movielens_under_horovodrun_two_ranks(tmp_path):
 def test_movielens_history_shares_the_id_table():
     """--history K: the user's earlier movies are embedded by the id table (a
     list call), so no third table appears; the Keras baseline takes it too."""
-    out = _example("movielens.py", *MOVIELENS_FLAGS, "--history", "10")
+    # (20, as the example's docstring runs it: a batch then holds more
+    # distinct ids than the cache's 2048 rows of a run without history.)
+    out = _example("movielens.py", *MOVIELENS_FLAGS, "--history", "20")
     summary = _summary(out)
-    assert summary["history"].startswith("the user's latest 10 earlier movies"), summary
+    assert summary["history"].startswith("the user's latest 20 earlier movies"), summary
     _check_cached_summary(summary, {"ids", "genre_bag"}, min_auc=0.65)
     keras_run = _summary(_example("movielens.py", *MOVIELENS_FLAGS, "--history", "10",
                                   "--embedding", "keras"))
     assert 0.65 < _number(keras_run["test AUC"]) <= 1.0, keras_run
+
+
+def test_movielens_sizes_the_cache_for_a_batch_with_history():
+    movielens = _import_example("movielens")
+    assert movielens.parse_args([]).cache_capacity == 2048
+    assert movielens.parse_args(["--history", "20"]).cache_capacity == 256 * 23
+    assert movielens.parse_args(["--history", "20", "--cache-capacity", "99"]
+                                ).cache_capacity == 99
 
 
 def test_movielens_rows_does_what_its_help_says(capsys):
@@ -444,7 +492,8 @@ def test_online_training_pushes_deltas_that_keep_the_store_current_and_resumes(t
     deleted = summary["deleted from store"]
     assert _number(deleted.replace(",", "")) > 2 * 50 and "; 1 rebuild(s)" in deleted, summary
     out = _example("online_training.py", "--days", "3", "--workdir", work, *ONLINE_FLAGS)
-    assert "resumed after day 2" in out, out
+    # Days count from 0: days 0 and 1 were done, day 2 is next.
+    assert "days 2..2" in out and "(resumed after day 1)" in out, out
     summary = _summary(out)
     # The restored table is the one the store was last pushed: the ids
     # removed before day 1 did not come back with it.
@@ -457,6 +506,32 @@ def test_online_training_pushes_deltas_that_keep_the_store_current_and_resumes(t
     # steps since the last one (fewer than 10 x 1024 x 26 ids).
     assert held < 40_000 + 20_000 + 10 * 1024 * 26, summary
     assert _number(summary["delta pushes"]) >= 4, summary
+    with pytest.raises(AssertionError, match="holds a save after day 2 already \\(days "
+                       "0..2 trained\\); ask for more than 3 --days"):
+        _example("online_training.py", "--days", "3", "--workdir", work, *ONLINE_FLAGS)
+
+
+def test_online_training_checks_its_flags_and_cleans_up_its_temporary_directory(
+        tmp_path, monkeypatch, capsys):
+    """A review: --count-decay 2 failed in the library after the model was
+    built, the script ran under horovodrun as two runs writing one
+    directory, and every run without --workdir left its checkpoints in
+    /tmp."""
+    online = _import_example("online_training")
+    with pytest.raises(SystemExit):
+        online.parse_args(["--count-decay", "2"])
+    assert "--count-decay must be in [0, 1]" in capsys.readouterr().err
+    monkeypatch.setenv("HOROVOD_SIZE", "2")
+    with pytest.raises(SystemExit, match="one process, not under horovodrun"):
+        online.main(["--workdir", str(tmp_path / "unused")])
+    assert not (tmp_path / "unused").exists()
+    monkeypatch.delenv("HOROVOD_SIZE")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert online.main(["--days", "1", "--rows-per-day", "4096", "--batch-size", "256",
+                        "--vocab-size", "5000",
+                        "--cache-capacity", "8000", "--table-rows", "6000"]) == 0
+    assert "(temporary: removed at the end)" in capsys.readouterr().out
+    assert not list(tmp_path.glob("sfctr_online_*"))  # (TF's autograph writes here too)
 
 
 def test_two_tower_retrieval_beats_popularity_and_its_query_tower_serves(tmp_path):
@@ -474,3 +549,19 @@ def test_two_tower_retrieval_beats_popularity_and_its_query_tower_serves(tmp_pat
                     out)
     assert gap and float(gap.group(1)) < 1e-5, out
     assert (tmp_path / "query" / "saved_model.pb").exists()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--epochs", "0"], "--epochs must be >= 1"),
+    (["--top-k", "-1"], "--top-k must be >= 1"),
+    (["--batch-size", "50000"], "--batch-size 50000 is more than the 41136 training pairs"),
+    (["--top-k", "7000"], "--top-k 7000 is more than the 6170 movies to rank"),
+])
+def test_two_tower_refuses_values_it_cannot_train_or_rank_with(flags, message, capsys):
+    """A review: --epochs 0 and a batch larger than the data failed in a
+    KeyError, --top-k -1 printed a recall of 1.0, and --top-k 7000 failed
+    in NumPy after training."""
+    two_tower = _import_example("two_tower")
+    with pytest.raises(SystemExit) as stop:
+        two_tower.main(flags)
+    assert message in f"{stop.value.code}{capsys.readouterr().err}"

@@ -277,16 +277,18 @@ class TableAccessMixin:
             raise error
 
     def _agree(self, error: Optional[Exception], what: str,
-               changed: bool = False) -> Optional[Exception]:
+               changed: Union[bool, str] = False) -> Optional[Exception]:
         """Collective: returns this rank's error, or one saying that another
         rank failed, so that every rank raises when any does (and none waits
-        in a collective for a rank that gave up)."""
+        in a collective for a rank that gave up). ``changed``: whether the
+        ranks that did not fail changed their rows (a string: how)."""
         hvd = _horovod.require()
         failed = hvd.allreduce(tf.constant(0 if error is None else 1, tf.int32), op=hvd.Sum,
                                name=f"sfctr_{self.name}_{what}_agree", ignore_name_scope=True)
         if error is None and int(failed) > 0:
             error = ValueError(
                 f"{what} failed on another rank (see its error). " + (
+                    changed if isinstance(changed, str) else
                     "Rows owned by ranks that did not fail were set; rows owned by a rank "
                     "that failed were not." if changed else "Nothing was changed."))
         return error
@@ -507,11 +509,12 @@ class TableAccessMixin:
           data-parallel replicas remove the same ones), as a bounded table
           of the most used ids (TFRA's ``restrict``). A model-parallel table
           bounds the rows of all its shards together: the ids that go are
-          those one process holding the whole table would remove (a
-          collective; each rank returns its own shard's count). Cached
+          those one process holding the whole table would remove. Cached
           ids stay, so a table can stay above ``to_rows`` by up to
           ``cache_capacity`` (twice that between lookahead steps, whose
-          prepared plan's evictions wait to be written back).
+          prepared plan's evictions wait to be written back); a
+          model-parallel table by that on each rank, whose caches are
+          each its own.
 
         ``decay`` (in [0, 1]) then multiplies the use count of every id
         that stays by ``decay``, rounded down, so that counts weigh recent
@@ -522,10 +525,8 @@ class TableAccessMixin:
         ``floor(log2(uses)) + 2``-th prune without use (any count c >= 1 becomes at
         most c - 1, so every unused id reaches 0). With a ``decay``, prune
         flushes the cache first (``flush``), so that the uses cached ids
-        gathered count before the decay: collective then in model-parallel
-        mode (every rank calls it, with a ``decay``; its arguments are
-        checked on every rank before the flush), and not while another
-        thread trains the layer.
+        gathered count before the decay (not while another thread trains
+        the layer).
 
         Uses are counted over the table's whole history (checkpoints keep
         them; they saturate at 65535); ids new to the table that
@@ -535,12 +536,11 @@ class TableAccessMixin:
         later ids (the process keeps their memory). For tables fed an
         endless stream of new ids, most of them seen once: prune between
         epochs, or every N steps (``tf_sfctr.callbacks.PruneHostTable``).
-        Model-parallel tables: call it on every rank, each with the same
-        arguments. With ``min_uses`` and no ``decay`` each rank prunes its
-        own shard and no collective runs; with ``to_rows`` or a ``decay`` it
-        is a collective (arguments that differ between ranks are refused on
-        every rank), and a rank that gives ``min_uses`` without a ``decay``
-        beside one that does not leaves the other waiting.
+        Model-parallel tables: collective, every rank calls it, with the
+        same arguments (checked on every rank first: arguments that are bad
+        on one rank, or differ between ranks, are refused on all of them,
+        and nothing is removed), and every rank gets the count removed from
+        all the shards.
 
         Example:
 
@@ -558,12 +558,13 @@ class TableAccessMixin:
             check_prune_bound(min_uses, to_rows, decay)
         except (TypeError, ValueError) as err:
             error = err
-        collective = self._mode == "model_parallel" and (
-            decay is not None or to_rows is not None)
-        if collective:
-            # The flush and the bound over all shards are collective: every
-            # rank goes on, or none (a rank refusing its arguments left the
-            # others waiting), and with the same bound.
+        sharded = self._mode == "model_parallel"
+        if sharded:
+            # Collective for a model-parallel table, whatever the arguments
+            # (a decay's flush and a bound over all shards need every rank;
+            # a rank whose own arguments needed no collective went on alone
+            # and its next collective met the others' check): every rank
+            # goes on, or none, and with the same arguments.
             with self._one_collective_call():
                 error = self._agree(error, "prune")
                 if error is None:
@@ -572,7 +573,7 @@ class TableAccessMixin:
                     same_on_every_rank(f"{self.name}.prune", (
                         min_uses if min_uses is None else int(min_uses),
                         to_rows if to_rows is None else int(to_rows),
-                        decay if decay is None else float(decay)),
+                        decay if decay is None else decay_value(decay)),
                         "min_uses, to_rows and decay")
         if error is not None:
             raise error
@@ -581,40 +582,65 @@ class TableAccessMixin:
             # them (else an id cached now would keep uses of long ago).
             self.flush()
         decay = decay_value(decay)
+        if sharded:
+            with self._one_collective_call(), self._store.pruning():
+                return self._prune_shards(min_uses, to_rows, decay)
         if min_uses is not None:
             return int(self._store.host_prune(int(min_uses), decay))
-        if collective:
-            with self._one_collective_call():
-                return self._prune_shards_to_rows(int(to_rows), decay)
         return int(self._store.host_prune_to_size(min(int(to_rows), 2**63 - 1), decay)[0])
 
-    def _prune_shards_to_rows(self, to_rows: int, decay: float) -> int:
-        """prune(to_rows) of a model-parallel table: the ids that go are
-        those one process holding every shard would remove (the least used,
-        ties by value), chosen from the use counts of all shards. Returns
-        this rank's count."""
+    def _prune_shards(self, min_uses: Optional[int], to_rows: Optional[int],
+                      decay: float) -> int:
+        """prune of a model-parallel table (collective): ``min_uses`` on
+        each shard, or ``to_rows`` over all shards, where the ids that go
+        are those one process holding the whole table would remove (the
+        least used, ties by value), chosen from the use counts of all
+        shards. A failure on one rank (out of memory) is agreed on after
+        each local step. Returns the count removed from all shards."""
         hvd = _horovod.require()
 
-        def total(values: np.ndarray, what: str) -> np.ndarray:
+        def total(values, what: str) -> np.ndarray:
             return hvd.allreduce(tf.constant(values, tf.int64), op=hvd.Sum,
                                  name=f"sfctr_{self.name}_prune_{what}",
                                  ignore_name_scope=True).numpy()
 
-        held, per_count = self._store.host_use_count_histogram()
-        counts = total(np.concatenate([[int(held)], per_count.numpy()]), "counts")
-        excess = int(counts[0]) - to_rows
+        def local(step, changed: bool = False):
+            result, error = None, None
+            try:
+                result = step()
+            except tf.errors.OpError as err:
+                error = err
+            error = self._agree(error, "prune", changed=changed)
+            if error is not None:
+                raise error
+            return result
+
+        def prune_below(below: int, last: Optional[int] = None) -> int:
+            removed = local(lambda: int(self._store.host_prune_below(below, last, decay)),
+                            changed=pruned)
+            return int(total([removed], "removed")[0])
+
+        pruned = ("The shards of the ranks that did not fail were pruned; the shard of a "
+                  "rank that failed was not.")
+        if min_uses is not None:
+            return int(total([local(lambda: int(self._store.host_prune(int(min_uses), decay)),
+                                    changed=pruned)], "removed")[0])
+        held, per_count = local(lambda: [t.numpy()
+                                         for t in self._store.host_use_count_histogram()])
+        counts = total(np.concatenate([[int(held)], per_count]), "counts")
+        excess = int(counts[0]) - int(to_rows)
         if excess <= 0:
-            return int(self._store.host_prune_below(0, None, decay))
+            return prune_below(0)  # (the decay only)
         # Every id used fewer than `below` times goes, and the `rest` of
         # those used exactly `below` times with the smallest values.
         cumulative = np.cumsum(counts[1:])
         below = int(np.searchsorted(cumulative, excess, side="right"))
         rest = excess - (int(cumulative[below - 1]) if below else 0)
         if below == len(cumulative) or rest == 0:
-            return int(self._store.host_prune_below(below, None, decay))
-        tied = self._store.host_tied_ids(below).numpy()
-        last = _kth_smallest_over_ranks(tied, rest, lambda v, i: total(v, f"tied{i}"))
-        return int(self._store.host_prune_below(below, last, decay))
+            return prune_below(below)
+        tied = local(lambda: self._store.host_tied_ids(below).numpy())
+        return prune_below(below, _kth_smallest_over_ranks(
+            tied, rest, lambda v, i: total(v, f"tied{i}")))
 
     def remove_rows(self, ids: Sequence[int] | np.ndarray | tf.Tensor) -> int:
         """Removes ``ids`` from the table, cache and host table alike; returns

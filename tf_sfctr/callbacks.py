@@ -371,10 +371,10 @@ class PruneHostTable(keras.callbacks.Callback):
     Frozen tables (``trainable = False``) are left alone: they count no
     uses (a pretrained table would lose every row it does not cache).
 
-    Under Horovod every rank runs its callbacks: with ``min_uses`` each rank
-    prunes its own shard of a model-parallel table, and with ``to_rows`` the
-    ranks bound the whole table together, as one process would (see
-    ``CachedEmbedding.prune``). Give every rank the same
+    Under Horovod every rank runs its callbacks, and the ranks prune a
+    model-parallel table together (with ``to_rows``, bounding the whole
+    table, as one process would; see ``CachedEmbedding.prune``); the rows
+    removed are counted over all shards. Give every rank the same
     ``PruneHostTable``: ``fit`` raises on every rank when their arguments
     differ (a decaying prune is collective, and data-parallel replicas must
     prune alike).

@@ -844,6 +844,12 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
                 f"{np.asarray(counters).ravel()[:3].tolist()} are negative; it is corrupt. "
                 "The current table was left untouched.")
 
+    def pruning(self):
+        """Held around the parts of a prune over shards (histogram, tied
+        ids, prune below), so that no save reads and no restore loads the
+        table between them."""
+        return self._prune_lock
+
     def loading(self):
         """Held around a restore, from ``begin_load`` to ``end_load``: a
         prune waits for it (rows are loaded before their use counts)."""

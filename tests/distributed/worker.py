@@ -383,11 +383,36 @@ def check_prune_to_rows(rank, size):
         removed = emb.prune(to_rows=bound)
         after = table()[0]
         np.testing.assert_array_equal(np.sort(after), want, err_msg=f"to_rows={bound}")
-        assert hvd.allreduce(tf.constant(removed), op=hvd.Sum).numpy() == len(gone)
-    # Arguments that differ between ranks: refused on every rank, nothing removed.
+        assert removed == len(gone), (removed, len(gone))  # over all shards
+    # Arguments that differ between ranks, also where one rank's alone would
+    # need no collective (a review: it went on alone and its next collective
+    # met the other's check), or that are bad on one: refused on every rank,
+    # nothing removed, and the next collective pairs as it should.
     rows = emb.cache_stats()["host_rows"]
     _expect_error(lambda: emb.prune(to_rows=4 + rank), "different min_uses, to_rows and decay")
+    _expect_error(lambda: emb.prune(min_uses=2) if rank == 0 else emb.prune(to_rows=5),
+                  "different min_uses, to_rows and decay")
+    _expect_error(lambda: emb.prune() if rank == 0 else emb.prune(to_rows=5),
+                  "prune takes one of" if rank == 0 else "prune failed on another rank")
+    # A float32 decay and a float one of the same value prune alike.
+    emb.prune(to_rows=len(ids), decay=np.float32(0.5) if rank else 0.5)
+    # A part failing on one rank (out of memory) is agreed on: every rank
+    # raises, none waits in the next all-reduce, nothing is removed.
+    emb.assign_rows(mine, np.ones((len(mine), 2), np.float32))  # (rows to remove)
+    emb.store.host_add_counts(tf.constant(mine), tf.constant(np.ones(len(mine), np.int64)))
+    rows = emb.cache_stats()["host_rows"]
+    table_rows = int(hvd.allreduce(tf.constant(rows), op=hvd.Sum).numpy())
+    if rank == 0:
+        def fail(count):
+            raise tf.errors.ResourceExhaustedError(None, None, "test: no memory for tied ids")
+        emb.store.host_tied_ids = fail
+    _expect_error(lambda: emb.prune(to_rows=table_rows - 1),  # one of the tied ids goes
+                  "no memory for tied ids" if rank == 0 else "prune failed on another rank")
+    if rank == 0:
+        del emb.store.host_tied_ids
     assert emb.cache_stats()["host_rows"] == rows
+    assert hvd.allreduce(tf.constant(1), op=hvd.Sum).numpy() == size
+    assert emb.prune(to_rows=table_rows - 1) == 1  # and then it works
 
 
 def run_dp_traces(out_dir, rank):
@@ -618,12 +643,14 @@ def run_robustness(out_dir, rank, size):
                           [sc.local_part(b, rank) for b in sc.global_batches(kind)[:1]])
     restore(tf.train.Checkpoint(model=model3), os.path.join(out_dir, "ckpt_v1_1rank"))
     np.savez(os.path.join(out_dir, f"robust_v1_rank{rank}.npz"), rows=emb3.lookup_rows(v))
-    # Pruning a model-parallel table: each rank prunes its own shard (no
-    # collective), and every rank then reads a pruned id as its initial row.
+    # Pruning a model-parallel table: each rank prunes its own shard (a
+    # collective: every rank gets the total), and every rank then reads a
+    # pruned id as its initial row.
     rows3 = emb3.lookup_rows(v)
     host3 = emb3.cache_stats()["host_rows"]
-    removed = emb3.prune(min_uses=65536)  # every uncached id on this rank
-    assert removed > 0 and emb3.cache_stats()["host_rows"] == host3 - removed
+    removed = emb3.prune(min_uses=65536)  # every uncached id, of all shards
+    mine = host3 - emb3.cache_stats()["host_rows"]
+    assert mine > 0 and removed == hvd.allreduce(tf.constant(mine), op=hvd.Sum).numpy()
     fresh3, _, _ = sc.build(opt_name, kind, "model_parallel")
     fresh3.build(None)
     initial = fresh3.lookup_rows(v)

@@ -1076,7 +1076,7 @@ def _load_repartitioned(store: EmbeddingStore, parts: list, size: int, name: str
     # (out of memory, say): the others would wait for it in the next round.
     # It goes on sending its parts, so that the others' tables are whole.
     error = None
-    with store.loading():  # (a prune on this rank waits; it joins no collective)
+    with store.loading():  # (a prune on this rank waits: eager collectives come from one thread)
         try:
             store.begin_load(header, received)
         except Exception as err:  # noqa: BLE001 - raised after the rounds

@@ -232,7 +232,9 @@ class InputsMixin:
                          "indices outside [0, dense_shape[0]); every entry's first index "
                          "must be a row of the batch"))
             with tf.control_dependencies([inside]):
-                return tf.cast(inputs.values, tf.int64), {
+                # (tf.identity: a cast of int64 values is no op, and waits
+                # for nothing.)
+                return tf.identity(tf.cast(inputs.values, tf.int64)), {
                     "kind": "rows", "row_ids": tf.identity(rows), "nrows": nrows}
         if isinstance(inputs, (str, bytes)):
             raise TypeError(f"CachedEmbedding expects integer ids, got a string {inputs!r}")

@@ -1021,7 +1021,9 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                 "before tape.gradient); note that any gradient of a loss that a "
                 "training call feeds applies its update"))
         with tf.control_dependencies([once]):
-            g_occ = tf.cast(tf.convert_to_tensor(d_rows), tf.float32)
+            # (tf.identity: a cast of float32 gradients is no op, and would
+            # wait for nothing.)
+            g_occ = tf.identity(tf.cast(tf.convert_to_tensor(d_rows), tf.float32))
         if scale is not None:
             # As the Keras optimizer divides the gradients it applies.
             g_occ = g_occ / scale.value()
@@ -1062,7 +1064,10 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             f"finite (NaN or Inf) or so large that its square overflows float32 "
             f"(|g| of about 2**64 or more); the table's rows were not updated (its "
             f"forward pass stored new ids and counted their uses), but other "
-            f"weights of this step may have been (restore a checkpoint)")
+            f"weights of this step may have been: in model.fit with a Keras optimizer the "
+            f"dense weights usually took this step's gradients, which are then not finite "
+            f"either, and every later step fails here too. Restore a checkpoint, and "
+            f"find the batch or learning rate that made it")
         with tf.control_dependencies([finite]):
             g = tf.identity(g)
             if g_sq is not None:

@@ -487,6 +487,23 @@ def test_sparse_ids_with_rows_outside_the_batch(row, training):
     _assert_unchanged(layer, snap)
 
 
+@pytest.mark.parametrize("dtype", [tf.int64, tf.int32])
+def test_sparse_ids_with_rows_outside_the_batch_in_a_traced_step(dtype):
+    """A review: traced (as in fit), the refused step had stored the new ids
+    already, since tf.cast of int64 values to int64 is no op and so waited
+    for no check."""
+    layer = CachedEmbedding(4, cache_capacity=16, seed=0, combiner="sum")
+    layer(tf.sparse.from_dense(tf.constant([[3, 1]], tf.int64)), training=True)
+    snap = _snapshot(layer)
+    step = tf.function(lambda x: layer(x, training=True))
+    bad = tf.SparseTensor(indices=[[0, 0], [5, 1]], values=tf.constant([100, 104], dtype),
+                          dense_shape=[4, 2])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"row indices outside \[0, "):
+        step(bad)
+    _assert_unchanged(layer, snap)
+    assert layer.cache_stats()["host_rows"] == 2
+
+
 @pytest.mark.parametrize("initializer,value", [
     (keras.initializers.Constant(-3.0e38), -3.0e38),
     (keras.initializers.RandomUniform(2.5, 2.5), 2.5),
@@ -581,3 +598,26 @@ def test_a_string_input_says_to_hash_without_the_sequential_hint():
     with pytest.raises(TypeError, match="got string.*hash strings to int64") as info:
         CachedEmbedding(2, cache_capacity=4)(keras.Input((2,), dtype="string"))
     assert "Sequential" not in str(info.value)
+
+
+@pytest.mark.parametrize("too_small", ["cache_capacity", "max_rows"])
+def test_a_refused_step_in_fit_names_the_table(too_small):
+    """A review: with 26 tables, a step refused for one table's cache or
+    max_rows said neither which table nor how to find it (only TF's node
+    path, functional_1/item_1/...)."""
+    user_in = keras.Input((2,), dtype="int64", name="u")
+    item_in = keras.Input((2,), dtype="int64", name="i")
+    small = dict(cache_capacity=4) if too_small == "cache_capacity" else \
+        dict(cache_capacity=64, max_rows=10)
+    user = CachedEmbedding(2, cache_capacity=64, seed=0, name="user")
+    item = CachedEmbedding(2, seed=0, name="item", **small)
+    x = keras.layers.Concatenate()([user(user_in), item(item_in)])
+    model = keras.Model([user_in, item_in], keras.layers.Dense(1)(keras.layers.Flatten()(x)))
+    model.compile(optimizer="sgd", loss="mse")
+    ids = np.arange(16).reshape(8, 2)
+    want = ("table 'item': this step uses 16 distinct ids but cache_capacity is 4"
+            if too_small == "cache_capacity" else "host table 'item' is full|table 'item': "
+            "host table is full")
+    with pytest.raises(Exception, match=want):
+        model.fit([ids, ids], np.ones((8, 1)), batch_size=8, verbose=0)
+    assert item.cache_stats()["host_rows"] == 0

@@ -71,19 +71,25 @@ class StoreResource : public ResourceBase {
   std::atomic<bool> released_{false};
 };
 
-// `st` as a TF status. The core's errors about the table's room (max_rows,
-// memory) name the table; with `ctx` they also name the op.
-Status ToTf(const sfctr::CoreStatus& st, OpKernelContext* ctx = nullptr) {
+// `st` as a TF status. With `ctx` the errors about the table's room
+// (max_rows, memory) name the op; with `table` (the owning layer's name) a
+// message that does not name the table yet starts with it, so that a model
+// of many tables says which one to enlarge.
+Status ToTf(const sfctr::CoreStatus& st, OpKernelContext* ctx = nullptr,
+            const std::string& table = "") {
+  if (st.ok()) return OkStatus();
+  std::string message = st.message();
+  if (!table.empty() && message.find("'" + table + "'") == std::string::npos) {
+    message = "table '" + table + "': " + message;
+  }
   switch (st.code()) {
-    case sfctr::CoreStatus::Code::kOk:
-      return OkStatus();
     case sfctr::CoreStatus::Code::kResourceExhausted:
       if (ctx != nullptr) {
-        return errors::ResourceExhausted(ctx->op_kernel().type_string(), ": ", st.message());
+        return errors::ResourceExhausted(ctx->op_kernel().type_string(), ": ", message);
       }
-      return errors::ResourceExhausted(st.message());
+      return errors::ResourceExhausted(message);
     default:
-      return errors::InvalidArgument(st.message());
+      return errors::InvalidArgument(message);
   }
 }
 
@@ -352,12 +358,14 @@ class CachePrepareOp : public StoreOpKernel {
     // new ids may have got their initial host rows), so a refused plan can
     // be skipped.
     const bool skipped = !st.ok() && skip_if_refused_;
-    if (!skipped) OP_REQUIRES_OK(ctx, ToTf(st, ctx));
+    if (!skipped) OP_REQUIRES_OK(ctx, ToTf(st, ctx, store.table().name()));
     if (skipped) {
       // The caller reports the refusal by a code (other ranks too); the
-      // reason (max_rows, memory, the disk of host_rows_dir) is only here.
-      LOG(WARNING) << "SfctrCachePrepare: the plan of " << ids.NumElements()
-                   << " ids was refused and nothing changed: " << st.message();
+      // reason (max_rows, memory, the disk of host_rows_dir) is only here:
+      // an error log, which TF_CPP_MIN_LOG_LEVEL=2 still shows.
+      LOG(ERROR) << "SfctrCachePrepare, " << store.table().Describe() << ": the plan of "
+                 << ids.NumElements() << " ids was refused and nothing changed: "
+                 << st.message();
       r = sfctr::PrepareResult();
       r.slots.assign(ids.NumElements(), -1);
     }
@@ -434,7 +442,7 @@ class HostWriteOp : public StoreOpKernel {
     OP_REQUIRES_OK(ctx, ToTf(store.WriteBack(ids.flat<int64_t>().data(), n, rows,
                                              add.empty() ? nullptr : add.data(),
                                              mark_changed_),
-                             ctx));
+                             ctx, store.table().name()));
   }
 
  private:

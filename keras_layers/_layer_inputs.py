@@ -67,6 +67,12 @@ def hint_checks(name: str, num_ids, num_steps, steps, where: str = "") -> list:
                                           message=what + "; the steps given are")]
 
 
+def _unquoted_when_traced(message: str) -> str:
+    """A traced assertion prints its message escaped (\\' for '): its quotes
+    go there."""
+    return message if tf.executing_eagerly() else message.replace("'", "")
+
+
 VSI_REQUIRED_KEYS = ("ids", "unique_ids", "inverse")
 VSI_OPTIONAL_KEYS = ("next_unique_ids", "next_hint_ids", "next_hint_steps")
 
@@ -183,7 +189,8 @@ class InputsMixin:
             "gets the wrong tensors: Keras matches the entries of a dict by position. "
             "Nothing was changed")
         bad = _ops.first_bad_inverse(ids, unique_ids, inverse)
-        checked = tf.debugging.assert_equal(bad, tf.constant(-1, tf.int64), message=message)
+        checked = tf.debugging.assert_equal(bad, tf.constant(-1, tf.int64),
+                                            message=_unquoted_when_traced(message))
         with tf.control_dependencies([checked]):
             return tf.identity(unique_ids), tf.cast(inverse, tf.int32)
 
@@ -228,9 +235,10 @@ class InputsMixin:
             inside = tf.debugging.assert_equal(
                 tf.logical_or(tf.equal(tf.size(rows), 0), tf.logical_and(
                     tf.reduce_min(rows) >= 0, tf.reduce_max(rows) < nrows)), True,
-                message=(f"CachedEmbedding {self.name!r}: a tf.SparseTensor of ids has row "
-                         "indices outside [0, dense_shape[0]); every entry's first index "
-                         "must be a row of the batch"))
+                message=_unquoted_when_traced(
+                    f"CachedEmbedding {self.name!r}: a tf.SparseTensor of ids has row "
+                    "indices outside [0, dense_shape[0]); every first index of an entry "
+                    "must be a row of the batch"))
             with tf.control_dependencies([inside]):
                 # (tf.identity: a cast of int64 values is no op, and waits
                 # for nothing.)
@@ -335,7 +343,11 @@ class InputsMixin:
             # assert_equal's guard is a cond, for which grappler's loop
             # optimizer logs a warning at every trace; no quotes in its
             # text, which it prints escaped.
-            checked = tf.debugging.Assert(same, [message.replace(repr(self.name), self.name)])
+            text = message.replace(repr(self.name), self.name)
+            if told == "shape":  # (with both shapes, as the eager error gives them)
+                text = tf.strings.format(text + ": ids of shape {}, weights of shape {}",
+                                         (tf.shape(ids), tf.shape(values)))
+            checked = tf.debugging.Assert(same, [text])
             with tf.control_dependencies([checked]):
                 values = tf.identity(values)
             # And so does the step's cache prepare (weight_checks): a refused

@@ -498,8 +498,11 @@ def test_sparse_ids_with_rows_outside_the_batch_in_a_traced_step(dtype):
     step = tf.function(lambda x: layer(x, training=True))
     bad = tf.SparseTensor(indices=[[0, 0], [5, 1]], values=tf.constant([100, 104], dtype),
                           dense_shape=[4, 2])
-    with pytest.raises(tf.errors.InvalidArgumentError, match=r"row indices outside \[0, "):
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"row indices outside \[0, ") \
+            as refused:
         step(bad)
+    # (No quotes: a traced assertion printed them escaped, \'.)
+    assert f"CachedEmbedding {layer.name}: a tf.SparseTensor" in str(refused.value)
     _assert_unchanged(layer, snap)
     assert layer.cache_stats()["host_rows"] == 2
 

@@ -129,7 +129,7 @@ class ShardedRowsMixin:
         # A rate the update would refuse (FTRL at 0) refuses this step now:
         # refused at the next collective, the held update would fail every
         # later step, read and save (a review).
-        with tf.control_dependencies(self.table_optimizer.rate_checks(rate)):
+        with tf.control_dependencies(self.table_optimizer.rate_checks(rate, self.name)):
             rate = tf.identity(rate)
         saved = [d.payload.assign(payload), d.splits.assign(splits),
                  d.own_inverse.assign(own_inverse), d.own_count.assign(own_count),
@@ -233,6 +233,29 @@ class ShardedRowsMixin:
 
         return rows, apply_update
 
+    def _union_fits(self, union: tf.Tensor, sizes: tf.Tensor) -> tf.Tensor:
+        """Refuses (on every replica alike, before anything changes) a
+        data-parallel step whose ranks' batches hold more distinct ids
+        together than cache_capacity: the cache prepare's own refusal counts
+        them without saying they are every rank's, which a rank's batch of
+        fewer ids than cache_capacity made puzzling. ``sizes``: each rank's
+        distinct ids."""
+        cap = self.cache_capacity
+        # (No quotes in the text: Assert prints its strings escaped.)
+        text = (f"CachedEmbedding {self.name} (data parallel): the batches of this step on "
+                f"the {self._world_size} ranks hold more distinct ids together than "
+                f"cache_capacity={cap}. Each replica caches the distinct ids of the batches of "
+                f"every rank, not of its own only: raise cache_capacity to at least their "
+                f"union, or use smaller batches. Nothing was changed. Distinct ids of all "
+                f"ranks, then of each rank:")
+        if tf.executing_eagerly():
+            if int(union) > cap:
+                raise tf.errors.InvalidArgumentError(
+                    None, None, f"{text} {int(union)}, {sizes.numpy().tolist()}")
+            return tf.constant(True)
+        return tf.debugging.Assert(union <= cap, [text, union, sizes],
+                                   summarize=self._world_size)
+
     def _data_parallel_rows(self, unique_ids: tf.Tensor, training: bool,
                             next_ids: Optional[tf.Tensor] = None,
                             hints: Optional[tuple] = None):
@@ -285,6 +308,7 @@ class ShardedRowsMixin:
         hint_steps_all = tf.boolean_mask(all_ids, tf.equal(part, 3))
         checks = hint_checks(self.name, counts[:, 2], counts[:, 3], hint_steps_all,
                              where=" (on every rank; the counts are by rank)")
+        checks.append(self._union_fits(tf.size(glob_ids), sizes))
         with tf.control_dependencies(checks):
             glob_hints = (tf.boolean_mask(all_ids, tf.equal(part, 2)),
                           tf.cast(hint_steps_all, tf.int32))

@@ -349,7 +349,8 @@ def sparse_apply_ftrl(var: tf.Variable, accum: tf.Variable, linear: tf.Variable,
     # lr, and lr = 0 (a schedule decayed to zero) would write NaN rows.
     checks = [
         tf.debugging.Assert(lr > 0.0, ["FTRL's learning rate must be > 0, got", lr,
-                                       "; no row was changed"]),
+                                       f"(rows variable '{var.name.split(':')[0]}'); no row "
+                                       "was changed"]),
         tf.debugging.Assert(tf.reduce_all(tf.stack([l1 >= 0.0, l2 >= 0.0,
                                                     l2_shrinkage >= 0.0])),
                             ["FTRL's l1, l2 (with beta / (2 lr)) and l2_shrinkage must be "

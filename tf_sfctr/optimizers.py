@@ -299,11 +299,12 @@ class TableOptimizer:
         now: the schedule's value at that step, or the number set last."""
         return self._lr(step)
 
-    def rate_checks(self, rate: tf.Tensor) -> list:
+    def rate_checks(self, rate: tf.Tensor, table: str = "") -> list:
         """Ops that fail when ``apply`` would refuse ``rate`` (a float32
         scalar), for a caller that stores the rate for a later update (a
         model-parallel step): it refuses the step then, not the update at
-        the next collective. None by default."""
+        the next collective. ``table`` names the table in the error. None by
+        default."""
         return []
 
     @contextlib.contextmanager
@@ -664,12 +665,14 @@ class Ftrl(TableOptimizer):
                 f"rate. Nothing was changed.")
         return [np.full(w.shape, n0, np.float32), z]
 
-    def rate_checks(self, rate):
+    def rate_checks(self, rate, table=""):
         # (The same refusal as the update's own: it divides by the rate.)
+        where = f" of table '{table}'" if table else ""
         return [tf.debugging.assert_greater(
             rate, tf.constant(0.0, rate.dtype),
-            message="FTRL's learning rate (from the table optimizer's learning rate or its "
-                    "schedule) must be > 0; the step was refused and no row was changed")]
+            message=f"FTRL's learning rate{where} (from the table optimizer's learning rate "
+                    "or its schedule) must be > 0; the step was refused and no row was "
+                    "changed")]
 
     def apply(self, rows, state, slots, grad, grad_sq, step):
         accum, linear = state

@@ -31,6 +31,19 @@
 namespace tensorflow {
 namespace {
 
+// The variable behind resource input `input` as its creator named it
+// ("user_table/cache_rows"), for an error that names the table: eager
+// handles carry a "/<uid>" suffix, dropped here.
+std::string VariableLabel(OpKernelContext* ctx, int input) {
+  std::string name = HandleFromInput(ctx, input).name();
+  const size_t slash = name.rfind('/');
+  if (slash != std::string::npos && slash + 1 < name.size() &&
+      name.find_first_not_of("0123456789", slash + 1) == std::string::npos) {
+    name.resize(slash);
+  }
+  return name;
+}
+
 using sfctr_kernels::CatchOutOfMemory;
 using sfctr_kernels::CheckFloatVariable;
 
@@ -511,7 +524,8 @@ class SparseApplyFtrlOp : public OpKernel {
     OP_REQUIRES(ctx, p.lr > 0.0f,
                 errors::InvalidArgument("FTRL's learning rate must be > 0, got ", p.lr,
                                         " (from the table optimizer's learning rate or "
-                                        "its schedule); no row was changed"));
+                                        "its schedule; rows variable '",
+                                        VariableLabel(ctx, 0), "'); no row was changed"));
     OP_REQUIRES(ctx, p.l1 >= 0.0f && p.l2 >= 0.0f && p.l2_shrinkage >= 0.0f,
                 errors::InvalidArgument("FTRL's l1, l2 (with beta / (2 lr)) and "
                                         "l2_shrinkage must be >= 0, got ", p.l1, ", ", p.l2,

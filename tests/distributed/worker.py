@@ -814,11 +814,39 @@ def run_robustness(out_dir, rank, size):
             ftrl_step()
             raise AssertionError("a step at FTRL rate 0 was not refused")
         except tf.errors.InvalidArgumentError as err:
-            assert "FTRL's learning rate" in str(err) and "must be > 0" in str(err), str(err)
+            assert "FTRL's learning rate of table 'ftrl_zero'" in str(err), str(err)
+            assert "must be > 0" in str(err), str(err)
     assert ftrl.table_updates == 2, ftrl.table_updates
     np.testing.assert_array_equal(ftrl.lookup_rows(v[:8]), trained)
     ftrl.flush()
     save(tf.train.Checkpoint(emb=ftrl), os.path.join(out_dir, "ftrl_zero"))
+    # A data-parallel cache holds every rank's ids: batches that fit it one by
+    # one but not together are refused on both ranks, by a message that says
+    # so (the prepare's own named only the union's count), eager and traced.
+    dp_small = CachedEmbedding(2, cache_capacity=6, seed=0, name="dp_small",
+                               distribution="data_parallel")
+    dp_ids = tf.constant(v[rank * 4: rank * 4 + 4].reshape(2, 2))
+
+    def dp_step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(dp_small(x, training=True))
+        return tape.gradient(loss, dp_small.trainable_weights)
+
+    dp_step(tf.constant(v[:4].reshape(2, 2)))  # 4 ids in all: fits
+    trained = dp_small.lookup_rows(v[:8])
+    for traced in (False, True):
+        try:
+            (tf.function(dp_step) if traced else dp_step)(dp_ids)
+            raise AssertionError("8 distinct ids over 2 ranks were not refused")
+        except tf.errors.InvalidArgumentError as err:
+            text = " ".join(str(err).split())
+            assert "(data parallel): the batches of this step on the 2 ranks hold more " \
+                "distinct ids together than cache_capacity=6" in text, text
+            # (eager "...: 8, [4, 4]", traced "...:] [8] [4 4]")
+            assert re.search(r"Distinct ids of all ranks, then of each rank:\]? \[?8\]?,? "
+                             r"\[4,? 4\]", text), text
+    assert dp_small.table_updates == 1, dp_small.table_updates
+    np.testing.assert_array_equal(dp_small.lookup_rows(v[:8]), trained)
     # An owner whose host table is full: both ranks hear of it.
     small = CachedEmbedding(2, cache_capacity=8, max_rows=3, seed=0, name="small",
                             distribution="model_parallel")

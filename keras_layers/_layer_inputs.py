@@ -53,6 +53,18 @@ def eviction_hints(name: str, inputs: dict, check: bool = True) -> Optional[tupl
         return tf.identity(hint_ids), tf.identity(hint_steps)
 
 
+def _first_difference(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
+    """The first position along axis 0 where int64 ``a`` and ``b`` (vectors,
+    or matrices of one width) differ, or the shorter length when one is a
+    prefix of the other (int64 scalar), for a mismatch's error."""
+    n = tf.minimum(tf.shape(a, tf.int64)[0], tf.shape(b, tf.int64)[0])
+    differs = tf.not_equal(a[:n], b[:n])
+    if differs.shape.rank == 2:
+        differs = tf.reduce_any(differs, axis=1)
+    return tf.where(tf.reduce_any(differs),
+                    tf.argmax(tf.cast(differs, tf.int32), output_type=tf.int64), n)
+
+
 def hint_checks(name: str, num_ids, num_steps, steps, where: str = "") -> list:
     """Ops that fail unless eviction hints pair up: ``num_ids`` ids and
     ``num_steps`` steps (scalars, or one of each per rank), every step >= 1."""
@@ -312,15 +324,28 @@ class InputsMixin:
             raise TypeError(f"{what} must be floats (float16/32/64 or bfloat16), got "
                             f"{values.dtype.name}")
         values = tf.cast(values, tf.float32)
+        # The error gives what differs: each side's rows and values (ragged),
+        # values and dense_shape (sparse) or shape (dense).
         if ids_kind is tf.RaggedTensor:
             # (int32 or int64 row splits, on either side.)
             same = _ops.ids_equal(tf.cast(weights.row_splits, tf.int64),
                                   tf.cast(ids.row_splits, tf.int64))
             told = "row lengths"
+            lengths = [tf.cast(x.row_lengths(), tf.int64) for x in (ids, weights)]
+            detail = (": ids of {} rows, {} values, row lengths {}; weights of {} rows, {} "
+                      "values, row lengths {}; first row that differs: {}",
+                      [n for x, length in zip((ids, weights), lengths)
+                       for n in (x.nrows(out_type=tf.int64), tf.size(x.values, tf.int64),
+                                 length)] + [_first_difference(*lengths)])
         elif ids_kind is tf.SparseTensor:
             same = tf.logical_and(_ops.ids_equal(weights.indices, ids.indices),
                                   _ops.ids_equal(weights.dense_shape, ids.dense_shape))
             told = "indices and dense_shape"
+            detail = (": ids of {} values and dense_shape {}, weights of {} values and "
+                      "dense_shape {}; first entry of indices that differs: {}",
+                      [n for x in (ids, weights)
+                       for n in (tf.shape(x.indices, tf.int64)[0], x.dense_shape)]
+                      + [_first_difference(ids.indices, weights.indices)])
         else:
             ids_shape = tf.convert_to_tensor(ids).shape
             if values.shape.rank is not None and ids_shape.rank is not None and (
@@ -330,10 +355,12 @@ class InputsMixin:
             same = _ops.ids_equal(tf.shape(values, out_type=tf.int64),
                                   tf.shape(ids, out_type=tf.int64))
             told = "shape"
+            detail = (": ids of shape {}, weights of shape {}", [tf.shape(ids), tf.shape(values)])
         message = f"CachedEmbedding {self.name!r}: weights must have the {told} of the ids"
         if tf.executing_eagerly():
             if not bool(same):
-                raise tf.errors.InvalidArgumentError(None, None, message)
+                raise tf.errors.InvalidArgumentError(
+                    None, None, message + tf.strings.format(*detail, summarize=8).numpy().decode())
         else:
             # Everything that uses the weights waits for the check. Dense
             # weights keep their shape (_combine does not reshape them):
@@ -343,10 +370,8 @@ class InputsMixin:
             # assert_equal's guard is a cond, for which grappler's loop
             # optimizer logs a warning at every trace; no quotes in its
             # text, which it prints escaped.
-            text = message.replace(repr(self.name), self.name)
-            if told == "shape":  # (with both shapes, as the eager error gives them)
-                text = tf.strings.format(text + ": ids of shape {}, weights of shape {}",
-                                         (tf.shape(ids), tf.shape(values)))
+            text = tf.strings.format(message.replace(repr(self.name), self.name) + detail[0],
+                                     detail[1], summarize=8)
             checked = tf.debugging.Assert(same, [text])
             with tf.control_dependencies([checked]):
                 values = tf.identity(values)

@@ -235,7 +235,11 @@ def test_weights_that_do_not_match_the_ids_are_refused(rng):
         (tf.ragged.map_flat_values(lambda v: tf.cast(v * 4, tf.int32), w), TypeError,
          "must be floats"),
         (tf.ragged.constant([[1.0] * 4, [1.0], [1.0], [1.0] * 6, [1.0, 1.0], []]),
-         tf.errors.InvalidArgumentError, "must have the row lengths of the ids"),
+         tf.errors.InvalidArgumentError,
+         # with what differs (a review): counts, row lengths, the first row
+         r"must have the row lengths of the ids: ids of 6 rows, 13 values, row lengths "
+         r"\[4 0 1 6 2 0\]; weights of 6 rows, 14 values, row lengths \[4 1 1 6 2 0\]; "
+         r"first row that differs: 1"),
     ]
     for bad, error, message in cases:
         for training in (False, True):
@@ -243,8 +247,16 @@ def test_weights_that_do_not_match_the_ids_are_refused(rng):
                 _sgd_step(layer, ids, bad, 1.0) if training else layer(ids, weights=bad)
     sparse_ids = ids.to_sparse()
     shifted = tf.SparseTensor(sparse_ids.indices[::-1], w.values, sparse_ids.dense_shape)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="must have the indices and dense_shape of the ids"):
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"must have the indices and dense_shape of the ids: ids of 13 "
+                             r"values and dense_shape \[6 6\], weights of 13 values and "
+                             r"dense_shape \[6 6\]; first entry of indices that differs: 0"):
         layer(sparse_ids, weights=shifted)
+    # One entry fewer: the first that differs is where the shorter one ends.
+    fewer = tf.SparseTensor(sparse_ids.indices[:-1], w.values[:-1], sparse_ids.dense_shape)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"weights of 12 values .*; first entry of indices that differs: 12"):
+        layer(sparse_ids, weights=fewer)
     dense = _layer("sum")
     with pytest.raises(ValueError, match="must have the shape of the ids"):
         dense(vocab[:6].reshape(2, 3), weights=np.ones((3, 2), "float32"))
@@ -291,7 +303,10 @@ def test_traced_training_step_with_mismatched_weights_changes_nothing(rng):
 
     step(ids, w)  # a valid step first: the same trace runs the bad one
     before = layer.lookup_rows(vocab)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="must have the row lengths"):
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"must have the row lengths of the ids: ids of 6 rows, 13 values, "
+                             r"row lengths \[4 0 1 6 2 0\]; weights of 6 rows, 13 values, row "
+                             r"lengths \[1 3 1 6 2 0\]; first row that differs: 0"):
         step(ids, regrouped)
     np.testing.assert_array_equal(layer.lookup_rows(vocab), before)
     assert layer.cache_stats()["host_rows"] + layer.cache_stats()["cached_rows"] > 0

@@ -84,6 +84,19 @@ def zero_mask(inputs: Any) -> Any:
     return keras.ops.not_equal(inputs, 0)
 
 
+def check_float_policy(layer: keras.layers.Layer) -> None:
+    """Refuses a dtype policy whose compute dtype is not a float: the rows
+    cast to int32 truncated to zeros, to bool to True, silently (Keras's own
+    Embedding fails on such a policy)."""
+    compute = layer.dtype_policy.compute_dtype
+    if not tf.as_dtype(compute).is_floating:
+        raise ValueError(
+            f"{type(layer).__name__} {layer.name!r}: dtype must be a float policy "
+            f"(float32, float64, bfloat16, float16, mixed_float16 or mixed_bfloat16; the "
+            f"layer's own dtype argument or keras.config.set_dtype_policy), got "
+            f"{layer.dtype_policy.name!r}, whose outputs would be {compute}")
+
+
 def check_mask_zero(mask_zero: Any, combiner: Optional[str]) -> bool:
     if not isinstance(mask_zero, bool):
         raise ValueError(f"mask_zero must be True or False, got {mask_zero!r}")

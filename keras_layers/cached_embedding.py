@@ -48,7 +48,12 @@ from tf_sfctr import initializers as _initializers
 from tf_sfctr import optimizers as _optimizers
 from tf_sfctr.distributed import _horovod
 from tf_sfctr.keras_layers._cache_plan import CachePlanMixin
-from tf_sfctr.keras_layers._combine import check_mask_zero, output_shape, zero_mask
+from tf_sfctr.keras_layers._combine import (
+    check_float_policy,
+    check_mask_zero,
+    output_shape,
+    zero_mask,
+)
 from tf_sfctr.keras_layers._loss_scale import LossScale, found_optimizer, loss_scale
 from tf_sfctr.keras_layers._layer_checks import (
     KERAS_EMBEDDING_ONLY,
@@ -248,6 +253,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         # "mean" or "sqrtn" then gave NaN or zeros (a review).
         kwargs.setdefault("autocast", False)
         super().__init__(name=name, **kwargs)
+        check_float_policy(self)
         self.output_dim = self._positive_int("output_dim", output_dim)
         if self.output_dim > MAX_OUTPUT_DIM:
             raise ValueError(f"output_dim must be at most 2**24 ({MAX_OUTPUT_DIM:,} floats, "

@@ -20,6 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sfctr.keras_layers._combine import (
+    check_float_policy,
     check_mask_zero,
     combine_last_axis,
     combine_segments,
@@ -67,6 +68,7 @@ class ServingEmbedding(keras.layers.Layer):
         # does; Keras's autocast would gather bfloat16 rows and sum in bfloat16.
         kwargs.setdefault("autocast", False)
         super().__init__(**kwargs)
+        check_float_policy(self)
         if keys is not None:
             keys = np.asarray(keys, np.int64)
             rows = np.asarray(rows, np.float32)
@@ -113,8 +115,14 @@ class ServingEmbedding(keras.layers.Layer):
 
         self.keys = self.add_weight(shape=(self.num_keys + 1,), dtype="int64",
                                     initializer=given(keys), trainable=False, name="keys")
+        # float32 whatever the layer's dtype policy, and read as such: a
+        # float16 or bfloat16 variable (the layer's own dtype="float16", say)
+        # rounded the trained rows and overflowed to inf above 65504, and
+        # Keras autocasts a variable read inside a call whose layer has a
+        # mixed policy of its own (autocast=False on the layer or not).
         self.rows = self.add_weight(shape=(self.num_keys + 1, self.output_dim),
-                                    initializer=given(rows), trainable=False, name="rows")
+                                    initializer=given(rows), trainable=False, name="rows",
+                                    dtype="float32", autocast=False)
         self._initial = (None, None)
 
     def _lookup(self, flat_ids: tf.Tensor) -> tf.Tensor:

@@ -585,6 +585,42 @@ def test_mixed_bfloat16_combiners_serve_like_predict(rng):
         keras.config.set_dtype_policy(previous)
 
 
+@pytest.mark.parametrize("dtype", ["mixed_float16", "mixed_bfloat16", "float16", "bfloat16",
+                                   "float64"])
+def test_a_layer_dtype_of_its_own_serves_like_predict(rng, dtype):
+    """The layer's own policy under a float32 global one (a review): the
+    served rows were read under Keras's autocast of a mixed-policy layer and
+    summed in float16 / bfloat16, or stored in a plain float16 / bfloat16 /
+    float64 layer's dtype (float16 overflowed a row of 500 to inf, a mean to
+    NaN). Now they are float32, read and combined as in training."""
+    x = rng.integers(1, 200, size=(256, 8)).astype("int64")
+    w = rng.uniform(0.5, 2.0, size=(256, 8)).astype("float32")
+    ids_in = keras.Input((8,), dtype="int64", name="ids")
+    w_in = keras.Input((8,), name="w")
+    out = {c: CachedEmbedding(4, cache_capacity=256, seed=0, combiner=c, dtype=dtype,
+                              name=f"emb_{c}")(ids_in, weights=w_in)
+           for c in ("sum", "mean")}
+    out["none"] = CachedEmbedding(4, cache_capacity=256, seed=0, dtype=dtype,
+                                  name="emb_none")(ids_in)
+    model = keras.Model({"ids": ids_in, "w": w_in}, out)
+    ids = np.arange(1, 200, dtype=np.int64)
+    for c in out:  # rows in the host table (predict does not add them)
+        rows = rng.uniform(-1, 1, (len(ids), 4)).astype("float32")
+        rows[0, 0] = 500.0  # (float16 rows served a mean of it as NaN)
+        model.get_layer(f"emb_{c}").assign_rows(ids, rows)
+    x[:, 0] = 1  # every row uses id 1, whose first value is 500
+    expected = model.predict({"ids": x, "w": w}, verbose=0)
+    frozen = serving_model(model, pad_id=None)
+    for layer in frozen.layers:
+        if isinstance(layer, tf_sfctr.keras_layers.ServingEmbedding):
+            assert layer.rows.dtype == "float32", layer.rows.dtype
+    got = frozen.predict({"ids": x, "w": w}, verbose=0)
+    for c in expected:
+        assert got[c].dtype == expected[c].dtype, c
+        assert np.isfinite(got[c]).all(), c
+        np.testing.assert_array_equal(got[c], expected[c], err_msg=c)
+
+
 def test_bad_export_arguments_are_refused_with_what_to_do(tmp_path):
     class Tower(keras.Model):
         def __init__(self):

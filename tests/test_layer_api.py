@@ -446,6 +446,28 @@ def test_mixed_precision_outputs_take_the_compute_dtype(policy):
         keras.config.set_dtype_policy(old)
 
 
+@pytest.mark.parametrize("dtype", ["int32", "bool", "int64"])
+def test_a_dtype_policy_that_is_not_a_float_is_refused(dtype):
+    """An int32 layer gave rows truncated to zeros, a bool one True, with no
+    error (a review); keras.layers.Embedding fails on them too."""
+    from tf_sfctr.keras_layers import ServingEmbedding
+
+    with pytest.raises(ValueError, match=rf"CachedEmbedding 'ints': dtype must be a float "
+                                         rf"policy \(float32, .*got '{dtype}'"):
+        CachedEmbedding(4, cache_capacity=8, dtype=dtype, name="ints")
+    with pytest.raises(ValueError, match=rf"ServingEmbedding .*got '{dtype}'"):
+        ServingEmbedding(np.array([1]), np.ones((1, 4), "float32"), dtype=dtype)
+    old = keras.config.dtype_policy()
+    try:
+        keras.config.set_dtype_policy(dtype)
+        with pytest.raises(ValueError, match="set_dtype_policy"):
+            CachedEmbedding(4, cache_capacity=8)
+    finally:
+        keras.config.set_dtype_policy(old)
+    assert CachedEmbedding(4, cache_capacity=8, dtype="float64", seed=0)(
+        tf.constant([[1]], tf.int64)).dtype == tf.float64
+
+
 @keras.saving.register_keras_serializable("tf_sfctr_tests")
 class SubclassedModel(keras.Model):
     def __init__(self, **kwargs):

@@ -619,7 +619,10 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         if keras_shape_inference():
             return None
         scale = loss_scale(self)
-        if scale is not None or found_optimizer(self) is not None:
+        opt = found_optimizer(self)
+        if opt is not None:
+            self._warn_if_accumulating(opt)
+        if scale is not None or opt is not None:
             return scale
         where = [w for w, policy in (("this layer's", self.dtype_policy),
                                      ("the global (keras.config.dtype_policy())",
@@ -636,6 +639,23 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                 "step's gradients (model.compile(optimizer=...), also for a custom "
                 "training loop), or train under 'mixed_bfloat16' or float32.")
         return None
+
+    def _warn_if_accumulating(self, opt: keras.optimizers.Optimizer) -> None:
+        """Warns once when the model's optimizer accumulates gradients over
+        several steps: the table's update runs in every step's backward pass,
+        so it trains N times as often as the dense layers (a review saw the
+        rows move twice as far as a keras.layers.Embedding's, silently)."""
+        inner = getattr(opt, "inner_optimizer", opt)
+        steps = getattr(inner, "gradient_accumulation_steps", None)
+        if not steps or steps <= 1 or getattr(self, "_warned_accumulation", False):
+            return
+        self._warned_accumulation = True
+        warnings.warn(
+            f"CachedEmbedding {self.name!r}: the model's optimizer has "
+            f"gradient_accumulation_steps={steps}, which the table's own optimizer does not "
+            f"follow: the table takes a step at every batch, the dense layers at every "
+            f"{steps}th. Train with gradient_accumulation_steps=None (larger batches "
+            f"instead), or expect the table to move {steps} times as often.", stacklevel=2)
 
     @property
     def table_optimizer(self) -> _optimizers.TableOptimizer:

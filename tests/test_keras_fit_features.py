@@ -2,6 +2,8 @@
 table's gradient as they reach the dense weights', and BackupAndRestore
 resumes an interrupted fit with the table (save_weights holds it)."""
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -131,3 +133,23 @@ def test_a_table_rate_set_from_a_callback_reaches_the_traced_step(rng, run_eager
     assert ours.table_optimizer.learning_rate == pytest.approx(0.3 / 16)
     np.testing.assert_allclose(ours.lookup_rows(np.arange(VOCAB)), theirs.get_weights()[0],
                                rtol=1e-5, atol=1e-7)
+
+
+def test_gradient_accumulation_of_the_compiled_optimizer_warns_once(rng):
+    """The table steps at every batch, the dense layers at every Nth under
+    gradient_accumulation_steps=N: the rows moved twice as far as a
+    keras.layers.Embedding's with no word (a review). Now it warns, once."""
+    x, y = _data(rng)
+    emb = CachedEmbedding(4, cache_capacity=256, seed=0, name="acc_emb",
+                          optimizer=tf_sfctr.optimizers.SGD(0.1))
+    model = _model(emb, keras.optimizers.SGD(0.1, gradient_accumulation_steps=2))
+    with pytest.warns(UserWarning, match=r"'acc_emb': the model's optimizer has "
+                                         r"gradient_accumulation_steps=2") as seen:
+        model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    assert sum("gradient_accumulation_steps" in str(w.message) for w in seen) == 1
+    assert emb.table_updates == 2 * len(x) // 8  # (every batch, as the warning says)
+    plain = _model(CachedEmbedding(4, cache_capacity=256, seed=0),
+                   keras.optimizers.SGD(0.1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain.fit(x, y, batch_size=8, epochs=1, verbose=0)

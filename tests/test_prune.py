@@ -454,6 +454,60 @@ def test_a_resumed_run_prunes_after_the_steps_an_uninterrupted_run_does():
     assert later.at == [15, 20, 25, 30]
 
 
+class _Interrupt(keras.callbacks.Callback):
+    """Raises at batch 9 of epoch 1 (step 25 of 16-step epochs)."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.epoch == 1 and batch == 9:
+            raise RuntimeError("interrupted")
+
+
+@pytest.mark.parametrize("order", ["prune_first", "backup_first"])
+@pytest.mark.parametrize("same_instances", [False, True])
+def test_a_run_resumed_by_backup_and_restore_prunes_after_the_same_steps(
+        tmp_path, order, same_instances):
+    """keras.callbacks.BackupAndRestore restores the optimizer's count in
+    its on_train_begin: listed after PruneHostTable, the count was read
+    before (0), and a resumed run pruned after steps 23, 30, 37, 44 (a
+    review); retried with the same callbacks (Keras's documented pattern),
+    the count kept the steps the restore rolled back (18, 25, ...). Both
+    now prune after the steps of the run that never stopped."""
+    def model():
+        inp = keras.Input((2,), dtype="int64")
+        emb = CachedEmbedding(2, cache_capacity=32, seed=0, name="items")
+        made = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
+        made.compile(optimizer="sgd", loss="mse")
+        return made
+
+    x, y = np.arange(256, dtype=np.int64).reshape(128, 2) % 90, np.ones((128, 1))
+    feed = dict(x=x, y=y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+    whole = _CountingPrune(min_uses=2, every_steps=7)
+    model().fit(**feed, callbacks=[whole])
+    assert whole.at == [7, 14, 21, 28, 35, 42]
+
+    def callbacks(prune, backup):
+        return [prune, backup] if order == "prune_first" else [backup, prune]
+
+    prune = _CountingPrune(min_uses=2, every_steps=7)
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path))
+    first = model()
+    with pytest.raises(RuntimeError, match="interrupted"):
+        first.fit(**feed, callbacks=callbacks(prune, backup) + [_Interrupt()])
+    assert prune.at == [7, 14, 21]
+    if same_instances:
+        again = first
+    else:  # a new process
+        again, prune = model(), _CountingPrune(min_uses=2, every_steps=7)
+        backup = keras.callbacks.BackupAndRestore(str(tmp_path))
+    prune.at = []
+    again.fit(**feed, callbacks=callbacks(prune, backup))
+    # (Backed up at epoch 0's end, step 16: the resumed run trains steps 17-48.)
+    assert prune.at == [21, 28, 35, 42]
+
+
 def test_every_steps_counts_steps_with_gradient_accumulation():
     """With gradient_accumulation_steps=4 the optimizer's public `iterations`
     counts updates: every_steps=4 pruned once in 16 steps, not 4 times."""

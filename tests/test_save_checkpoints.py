@@ -158,6 +158,53 @@ def test_a_save_of_a_step_that_has_a_complete_save_is_refused(tmp_path):
     np.testing.assert_array_equal(again_emb.lookup_rows(vocab), old_emb.lookup_rows(vocab))
 
 
+class _Interrupt(keras.callbacks.Callback):
+    """Raises at batch 3 of epoch 1 (step 9 of 5-step epochs)."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.epoch == 1 and batch == 3:
+            raise RuntimeError("interrupted")
+
+
+def test_with_backup_and_restore_after_it_the_start_is_the_restored_step(tmp_path):
+    """keras.callbacks.BackupAndRestore listed after SaveCheckpoints restores
+    the optimizer's count in its own on_train_begin: the start was read
+    before it (step 0), so the refusal to overwrite the interrupted run's
+    save of step 6 blamed another run started at step 0 (a review). The
+    start is now the restored step, the message names BackupAndRestore, and
+    the save stays as it was. Retried with the same callbacks, the run
+    saves over its own saves, with no warning."""
+    import json
+    import warnings
+
+    vocab, x, y = _data()
+    saves, backups = tmp_path / "saves", str(tmp_path / "backup")
+    first, _ = _model()
+    saver = SaveCheckpoints(None, str(saves), every_steps=2, keep=None)
+    backup = keras.callbacks.BackupAndRestore(backups)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _fit(first, x, y, epochs=3, callbacks=[saver, backup, _Interrupt()])
+    assert sorted(p.name for p in saves.iterdir()) == [f"ckpt-{s:012d}" for s in (2, 4, 6, 8)]
+    manifest = saves / f"ckpt-{6:012d}" / "manifest.json"
+    before = json.loads(manifest.read_text())
+    new, _ = _model()  # a new process, resumed by BackupAndRestore (at step 5)
+    with pytest.warns(UserWarning, match="holds saves of later steps than this run's 5"), \
+            pytest.raises(FileExistsError, match=r"save of step 6, made by another run \(this "
+                                                 r"run started at step 5\), or by this job "
+                                                 r"before a keras.callbacks.BackupAndRestore"):
+        _fit(new, x, y, epochs=3, callbacks=[SaveCheckpoints(None, str(saves), every_steps=2),
+                                             keras.callbacks.BackupAndRestore(backups)])
+    assert json.loads(manifest.read_text()) == before
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _fit(first, x, y, epochs=3, callbacks=[saver, backup])
+    assert int(first.optimizer.iterations.numpy()) == 3 * STEPS
+    assert read_metadata(latest_checkpoint(str(saves)))["step"] == 3 * STEPS
+
+
 def test_resume_of_a_damaged_newest_save_names_the_one_before(tmp_path):
     """A crash while a save was written can leave it damaged (a review):
     resume's error says so and names the next older save; moved out of

@@ -413,6 +413,8 @@ class PruneHostTable(keras.callbacks.Callback):
         self._epoch_rows: dict = {}
         self._steps = _Steps()
         self._started = False
+        self._sync_pending = False
+        self._seen_iterations: Optional[int] = None  # the optimizer's count, last read
         self._last_prune_step = 0
 
     def _prune(self) -> None:
@@ -426,6 +428,8 @@ class PruneHostTable(keras.callbacks.Callback):
             self._epoch_rows[name] = self._epoch_rows.get(name, 0) + removed
 
     def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
+        if self._sync_pending:
+            self._sync()
         # The count goes on from the previous epoch or fit call (restarted
         # here only where the optimizer's counter is read from).
         self._steps.restart(self.model)
@@ -439,12 +443,26 @@ class PruneHostTable(keras.callbacks.Callback):
         same_on_every_rank("PruneHostTable",
                            (self.min_uses, self.to_rows, self.decay, self.every_steps),
                            "min_uses, to_rows, decay and every_steps")
-        if not self._started:
-            # Where the model's training stands (a restored optimizer's count),
-            # so that a resumed run prunes after the steps an uninterrupted
-            # one would.
+        # Where training stands is read at the first epoch's begin, after
+        # every callback's on_train_begin (a keras.callbacks.BackupAndRestore
+        # listed after this one restores the optimizer's count in its own).
+        self._sync_pending = True
+
+    def _sync(self) -> None:
+        """Takes the count from where the model's training stands (a
+        restored optimizer's count), so that a resumed run prunes after the
+        steps an uninterrupted one would: when this callback first trains,
+        and when the optimizer's count went back since this callback last
+        read it (BackupAndRestore's retry of an interrupted fit with the
+        same callbacks: the steps it rolled back are counted again). A
+        count that went on (one fit per chunk of a stream) adds up."""
+        self._sync_pending = False
+        now = _Steps._iterations(self.model) or 0
+        if not self._started or (self._seen_iterations is not None
+                                 and now < self._seen_iterations):
             self._started = True
-            self._steps.count = self._last_prune_step = _Steps._iterations(self.model) or 0
+            self._steps.count = self._last_prune_step = now
+        self._seen_iterations = now
 
     def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
         self._count_steps(epoch_end=False)
@@ -453,6 +471,7 @@ class PruneHostTable(keras.callbacks.Callback):
         if self.every_steps is None:
             return
         step = self._steps.batch_end(self.model, epoch_end=epoch_end)
+        self._seen_iterations = _Steps._iterations(self.model)
         if step // self.every_steps > self._last_prune_step // self.every_steps:
             self._prune()
             self._last_prune_step = step

@@ -194,12 +194,20 @@ class SaveCheckpoints(keras.callbacks.Callback):
         if self.checkpoint is None:
             self.checkpoint = tf.train.Checkpoint(model=self.model,
                                                   optimizer=self.model.optimizer)
-        self._last_step = self._begin_step = _steps_done(self.model)
         same_on_every_rank("SaveCheckpoints", (self.every_steps, self.keep),
                            "every_steps and keep")
+        # Where training stands is read at the first epoch's begin, after
+        # every callback's on_train_begin: a keras.callbacks.BackupAndRestore
+        # listed after this one restores the optimizer's count in its own (a
+        # review saw the start taken as step 0, and a wrong message).
+        self._last_step = self._begin_step = None
+
+    def _start(self) -> None:
+        self._last_step = self._begin_step = _steps_done(self.model)
         _, rank = world()
         later = [path for step, path, done in _saves(self.directory)
-                 if done and step > self._last_step] if rank == 0 else []
+                 if done and step > self._last_step and path not in self.saved] \
+            if rank == 0 else []
         if later:
             warnings.warn(
                 f"SaveCheckpoints: {self.directory} holds saves of later steps than this "
@@ -210,6 +218,8 @@ class SaveCheckpoints(keras.callbacks.Callback):
                 stacklevel=2)
 
     def on_epoch_begin(self, epoch, logs=None):
+        if self._begin_step is None:
+            self._start()
         self._epoch = epoch
         self._reported = 0
 
@@ -308,9 +318,11 @@ class SaveCheckpoints(keras.callbacks.Callback):
                 lambda: tf.io.gfile.exists(os.path.join(path, MANIFEST)), "sfctr_save_exists"):
             raise FileExistsError(
                 f"SaveCheckpoints: {path} already holds a complete save of step {step}, made "
-                f"by another run (this run started at step {self._begin_step}); it is not "
-                f"overwritten. Resume from the directory's saves "
-                f"(tf_sfctr.distributed.resume), or give this run a directory of its own.")
+                f"by another run (this run started at step {self._begin_step}), or by this "
+                f"job before a keras.callbacks.BackupAndRestore took it back to an earlier "
+                f"step; it is not overwritten. Resume from the directory's saves "
+                f"(tf_sfctr.distributed.resume) rather than with BackupAndRestore, or give "
+                f"this run a directory of its own.")
         save(self.checkpoint, path, metadata={"step": step, "epochs": epochs})
         self.saved.append(path)
         self._saved_step = step

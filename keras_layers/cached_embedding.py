@@ -118,7 +118,9 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             "adagrad", "adam", "ftrl". Default: ``Adagrad(learning_rate=0.01)``.
         embeddings_initializer: initial value of a new id; zeros, ones,
             constant, uniform, normal or truncated normal (Keras objects or
-            names). The value is a function of ``(seed, id)`` only.
+            names), or ``VarianceScaling(mode="fan_out")`` (its fan is
+            ``output_dim``). The value is a function of ``(seed, id)`` only;
+            an initializer's own int ``seed`` is the seed when ``seed`` is None.
         combiner: ``None`` (one vector per id: ``[B, ...] -> [B, ..., D]``) or
             "sum" / "mean" / "sqrtn" to reduce each row of a ``tf.RaggedTensor``
             or ``tf.SparseTensor`` (or the last axis of a dense input) to one
@@ -262,7 +264,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         if self.cache_capacity >= 2**31:
             raise ValueError(f"cache_capacity must be below 2**31, got {cache_capacity}")
         self.table_optimizer = _optimizers.get(optimizer)
-        self._init_spec = _initializers.resolve(embeddings_initializer)
+        self._init_spec = _initializers.resolve(embeddings_initializer, self.output_dim)
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
         if combiner is not None and combiner not in COMBINERS:
             raise ValueError(f"combiner must be None or one of {COMBINERS}, got {combiner!r}")
@@ -283,6 +285,11 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         self.host_rows_dir = check_host_rows_dir(host_rows_dir)
         # A drawn seed is replaced by rank 0's when the layer is built under
         # Horovod (`build`); an explicit one is the user's to keep equal.
+        if seed is None:
+            # A seed set on the initializer (RandomNormal(seed=3)) is the
+            # user's, as keras.layers.Embedding takes it: a review saw two
+            # such layers start from different rows.
+            seed = _initializers.own_seed(self.embeddings_initializer)
         self._seed_drawn = seed is None
         if seed is None:
             seed = random.SystemRandom().randrange(2**31)
@@ -750,6 +757,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                 f"CachedEmbedding {self.name!r}: the seed is fixed once the layer is built "
                 "(rows of unseen ids already follow it); make a new layer with seed=...")
         self._seed = self._checked_seed(value)
+        self._seed_drawn = False  # (set: kept by get_config and by a Horovod build)
 
     @staticmethod
     def _checked_seed(seed: Any) -> int:
@@ -1348,8 +1356,14 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             "expected_rows": self.expected_rows,
             "reserve_rows": self.reserve_rows,
             "host_rows_dir": self.host_rows_dir,
-            # A restored checkpoint brings its own seed.
-            "seed": self.seed,
+            # A restored checkpoint brings its own seed. A drawn one is left
+            # out until the layer is built (under Horovod rank 0's replaces it
+            # then): copied into a config, it became an explicit seed that
+            # differs per rank, and data-parallel replicas started apart (a
+            # review). A layer made from the config draws its own, as a
+            # keras.layers.Embedding made from one does.
+            "seed": None if self._seed_drawn and getattr(self, "_store", None) is None
+            else self.seed,
             "distribution": self.distribution,
             "mask_zero": self.mask_zero,
         })

@@ -284,7 +284,16 @@ def test_ragged_without_combiner(trained):
      "is a Keras optimizer; a table needs a sparse table optimizer"),
     (dict(output_dim=4, cache_capacity=4, optimizer="rmsprop"), "not a table optimizer"),
     (dict(output_dim=4, cache_capacity=4, embeddings_initializer="glorot_uniform"),
-     "GlorotUniform is not supported.*supported: zeros"),
+     "GlorotUniform \\(mode='fan_avg'\\) needs the vocabulary's size.*RandomUniform"
+     ".*Supported: zeros"),
+    (dict(output_dim=4, cache_capacity=4, embeddings_initializer="he_normal"),
+     "HeNormal \\(mode='fan_in'\\) needs the vocabulary's size"),
+    (dict(output_dim=4, cache_capacity=4, embeddings_initializer="orthogonal"),
+     "Orthogonal(Initializer)? is not supported.*supported: zeros"),
+    (dict(output_dim=4, cache_capacity=4, embeddings_initializer=None),
+     "embeddings_initializer must be given \\(None is not an initializer\\)"),
+    (dict(output_dim=4, cache_capacity=4, embeddings_initializer=lambda shape, dtype=None: 0),
+     "is a function: CachedEmbedding makes each row from \\(seed, id\\).*assign_rows"),
 ])
 def test_bad_constructor_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -1,5 +1,6 @@
 #include "initializer.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "mix.h"
@@ -54,9 +55,12 @@ void RowInitializer::Fill(int64_t id, int dim, float* out) const {
       for (int j = 0; j < dim; ++j) out[j] = spec_.a;
       return;
     case InitKind::kUniform: {
+      // [a, b), as Keras's RandomUniform: a + span * u, u < 1, rounds to b
+      // for some ranges ([1, 2) gave b for 8 of 2**26 values, a review).
       const float span = spec_.b - spec_.a;
+      const float top = spec_.b > spec_.a ? std::nextafter(spec_.b, spec_.a) : spec_.b;
       for (int j = 0; j < dim; ++j) {
-        out[j] = spec_.a + span * UnitFloat(Mix2(base, j));
+        out[j] = std::min(spec_.a + span * UnitFloat(Mix2(base, j)), top);
       }
       return;
     }

@@ -153,3 +153,73 @@ def test_gradient_accumulation_of_the_compiled_optimizer_warns_once(rng):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         plain.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize("order", ["scheduler_first", "follower_first"])
+def test_follow_keras_learning_rate_matches_an_embedding_under_a_scheduler(rng, order):
+    """tf_sfctr.callbacks.FollowKerasLearningRate gives the table the Keras
+    optimizer's rate changes, whatever the callbacks' order: with equal
+    rates the table trains as a keras.layers.Embedding under the same
+    LearningRateScheduler (a review: Keras's rate callbacks never reach the
+    table, and only a hand-written callback made them)."""
+    from tf_sfctr.callbacks import FollowKerasLearningRate
+
+    ids, labels = _data(rng)
+    ours = CachedEmbedding(DIM, cache_capacity=BATCH * FIELDS, seed=3,
+                           optimizer=tf_sfctr.optimizers.SGD(0.3))
+    theirs = keras.layers.Embedding(VOCAB, DIM)
+    model, ref = _model(ours, keras.optimizers.SGD(0.3)), _model(theirs, keras.optimizers.SGD(0.3))
+    theirs.set_weights([ours.lookup_rows(np.arange(VOCAB))])
+
+    def schedule():
+        return keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.3 * 4.0**-epoch)
+
+    follow = FollowKerasLearningRate()
+    callbacks = [schedule(), follow] if order == "scheduler_first" else [follow, schedule()]
+    model.fit(ids, labels, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+              callbacks=callbacks)
+    ref.fit(ids, labels, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
+            callbacks=[schedule()])
+    assert ours.table_optimizer.learning_rate == pytest.approx(0.3 / 16)
+    np.testing.assert_allclose(ours.lookup_rows(np.arange(VOCAB)), theirs.get_weights()[0],
+                               rtol=1e-5, atol=1e-7)
+
+
+def test_follow_keras_learning_rate_keeps_each_tables_ratio(rng):
+    """A table at 10x Keras's rate stays at 10x through ReduceLROnPlateau's
+    cuts, over fit calls (the ratio is the first fit's); a frozen table is
+    left alone; a table with a schedule of its own is refused."""
+    from tf_sfctr.callbacks import FollowKerasLearningRate
+
+    ids, labels = _data(rng)
+    fast = CachedEmbedding(DIM, cache_capacity=BATCH * FIELDS, seed=3, name="fast",
+                           optimizer=tf_sfctr.optimizers.Adagrad(0.5))
+    model = _model(fast, keras.optimizers.Adam(0.05))
+    follow = FollowKerasLearningRate()
+    # min_delta=1: every epoch counts as no improvement, so each halves.
+    plateau = keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0,
+                                                min_delta=1.0)
+    model.fit(ids, labels, batch_size=BATCH, epochs=3, verbose=0, callbacks=[plateau, follow])
+    assert follow.ratios == {"fast": pytest.approx(10.0)}
+    keras_rate = float(model.optimizer.learning_rate)
+    assert keras_rate == pytest.approx(0.05 / 4)  # cut after epochs 2 and 3
+    # The cut after the last epoch comes after its last batch: the table got
+    # the rate before it, and the next fit's first batch gives it the cut.
+    assert fast.table_optimizer.learning_rate == pytest.approx(10.0 * 2 * keras_rate)
+    model.fit(ids, labels, batch_size=BATCH, epochs=1, verbose=0, callbacks=[plateau, follow])
+    # (ReduceLROnPlateau starts over at each fit: no cut after its first epoch.)
+    assert float(model.optimizer.learning_rate) == pytest.approx(keras_rate)
+    assert fast.table_optimizer.learning_rate == pytest.approx(10.0 * keras_rate)
+    assert follow.ratios == {"fast": pytest.approx(10.0)}
+    frozen = CachedEmbedding(DIM, cache_capacity=BATCH * FIELDS, seed=3,
+                             optimizer=tf_sfctr.optimizers.SGD(0.2))
+    frozen.trainable = False
+    frozen_model = _model(frozen, keras.optimizers.SGD(0.1))
+    frozen_model.fit(ids, labels, batch_size=BATCH, epochs=2, verbose=0, callbacks=[
+        keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.01), FollowKerasLearningRate()])
+    assert frozen.table_optimizer.learning_rate == pytest.approx(0.2)
+    scheduled = CachedEmbedding(DIM, cache_capacity=BATCH * FIELDS, seed=3, name="own", optimizer=(
+        tf_sfctr.optimizers.SGD(keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5))))
+    with pytest.raises(ValueError, match="table 'own' has a learning-rate schedule of its own"):
+        _model(scheduled).fit(ids, labels, batch_size=BATCH, verbose=0,
+                              callbacks=[FollowKerasLearningRate()])

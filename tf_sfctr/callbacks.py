@@ -4,7 +4,9 @@ pruning of rarely used ids.
 ``CacheMetrics`` adds, for every ``CachedEmbedding`` of the model, its cache hit
 rate, misses and evictions per training step and host-table size to the logs
 of each training batch and epoch, so they show up in the progress bar,
-``History`` and ``TensorBoard`` next to the loss.
+``History`` and ``TensorBoard`` next to the loss. ``FollowKerasLearningRate``
+moves the tables' learning rates with the Keras optimizer's (which
+``LearningRateScheduler`` and ``ReduceLROnPlateau`` change).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from typing import Optional
 import keras
 import numpy as np
 
-__all__ = ["CacheMetrics", "PruneHostTable", "cached_embeddings", "table_log_names"]
+__all__ = ["CacheMetrics", "FollowKerasLearningRate", "PruneHostTable", "cached_embeddings",
+           "table_log_names"]
 
 #: The suffixes ``CacheMetrics`` appends to a layer's name to make log keys.
 METRICS = ("hit_rate", "misses_per_step", "evictions_per_step", "host_rows")
@@ -484,3 +487,81 @@ class PruneHostTable(keras.callbacks.Callback):
         if logs is not None:
             for name, removed in self._epoch_rows.items():
                 logs[f"{name}/pruned_rows"] = removed
+
+
+class FollowKerasLearningRate(keras.callbacks.Callback):
+    """Moves the learning rate of every trainable ``CachedEmbedding``'s table
+    optimizer with the model's Keras optimizer: each table keeps the ratio of
+    its rate to Keras's it had when this callback first trained, so a rate
+    that ``LearningRateScheduler``, ``ReduceLROnPlateau`` or a Keras
+    ``LearningRateSchedule`` changes (which never reach a table, whose
+    optimizer is its own) moves the tables' rates by the same factor. A table
+    at 0.05 beside Adam at 1e-3 is at 0.025 once Keras's rate is halved.
+
+    The rate is read before each batch (execution), after every callback's
+    ``on_epoch_begin``, so the order of the callbacks does not matter; a
+    changed rate is set as ``layer.table_optimizer.learning_rate``, which the
+    next step uses and checkpoints keep. Under Horovod every rank computes
+    the same rates. Refused: a table optimizer whose rate is a schedule of
+    its own, and a Keras rate of 0 to start from (no ratio to keep).
+
+    Example:
+
+    >>> import keras, numpy as np, tf_sfctr
+    >>> from tf_sfctr.keras_layers import CachedEmbedding
+    >>> ids = keras.Input(shape=(2,), dtype="int64")
+    >>> emb = CachedEmbedding(2, cache_capacity=8, seed=0,
+    ...                       optimizer=tf_sfctr.optimizers.Adagrad(0.1))
+    >>> model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(emb(ids))))
+    >>> model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    >>> halve = keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr / 2 if epoch else lr)
+    >>> _ = model.fit(np.arange(8).reshape(4, 2), np.ones((4, 1)), epochs=2, verbose=0,
+    ...               callbacks=[halve, FollowKerasLearningRate()])
+    >>> round(emb.table_optimizer.learning_rate, 6)
+    0.05
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ratios: dict = {}  # table name -> its rate / Keras's, from the first fit
+        self._layers: list = []
+        self._last: Optional[float] = None
+
+    def _keras_rate(self) -> float:
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is None:
+            raise ValueError("FollowKerasLearningRate: the model has no optimizer; compile "
+                             "it first")
+        return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        keras_rate = self._keras_rate()
+        self._layers = []
+        for layer, name in table_log_names(self.model):
+            if not layer.trainable:
+                continue
+            rate = layer.table_optimizer.learning_rate
+            if callable(rate):
+                raise ValueError(
+                    f"FollowKerasLearningRate: table {name!r} has a learning-rate schedule "
+                    f"of its own ({type(rate).__name__}); give its optimizer a number to "
+                    f"follow the Keras optimizer's rate, or leave this callback out.")
+            if name not in self.ratios:
+                if not keras_rate > 0:
+                    raise ValueError(
+                        f"FollowKerasLearningRate: the Keras optimizer's learning rate is "
+                        f"{keras_rate} when training starts, so table {name!r} has no ratio "
+                        f"to keep to it; start from a rate > 0.")
+                self.ratios[name] = float(rate) / keras_rate
+            self._layers.append((layer, name))
+        self._last = None
+
+    def on_train_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:
+        keras_rate = self._keras_rate()
+        if keras_rate == self._last:
+            return
+        self._last = keras_rate
+        for layer, name in self._layers:
+            wanted = self.ratios[name] * keras_rate
+            if wanted > 0 and layer.table_optimizer.learning_rate != wanted:
+                layer.table_optimizer.learning_rate = wanted

@@ -502,8 +502,10 @@ class FollowKerasLearningRate(keras.callbacks.Callback):
     ``on_epoch_begin``, so the order of the callbacks does not matter; a
     changed rate is set as ``layer.table_optimizer.learning_rate``, which the
     next step uses and checkpoints keep. Under Horovod every rank computes
-    the same rates. Refused: a table optimizer whose rate is a schedule of
-    its own, and a Keras rate of 0 to start from (no ratio to keep).
+    the same rates. A Keras rate that reaches 0 leaves the tables at their
+    last rate (a table's must stay > 0). Refused: a table optimizer whose
+    rate is a schedule of its own, and a Keras rate of 0 to start from (no
+    ratio to keep).
 
     Example:
 

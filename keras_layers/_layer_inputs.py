@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import numpy as np
 import tensorflow as tf
 
 from tf_sfctr import _ops
@@ -53,16 +54,50 @@ def eviction_hints(name: str, inputs: dict, check: bool = True) -> Optional[tupl
         return tf.identity(hint_ids), tf.identity(hint_steps)
 
 
-def _first_difference(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
-    """The first position along axis 0 where int64 ``a`` and ``b`` (vectors,
-    or matrices of one width) differ, or the shorter length when one is a
-    prefix of the other (int64 scalar), for a mismatch's error."""
-    n = tf.minimum(tf.shape(a, tf.int64)[0], tf.shape(b, tf.int64)[0])
-    differs = tf.not_equal(a[:n], b[:n])
-    if differs.shape.rank == 2:
-        differs = tf.reduce_any(differs, axis=1)
-    return tf.where(tf.reduce_any(differs),
-                    tf.argmax(tf.cast(differs, tf.int32), output_type=tf.int64), n)
+def _first_difference(a: np.ndarray, b: np.ndarray) -> int:
+    """The first position along axis 0 where ``a`` and ``b`` (vectors, or
+    matrices of one width) differ, or the shorter length when one is a
+    prefix of the other, for a mismatch's error."""
+    n = min(len(a), len(b))
+    differs = a[:n] != b[:n]
+    if differs.ndim == 2:
+        differs = differs.any(axis=1)
+    return int(np.argmax(differs)) if differs.any() else n
+
+
+def _listed(values: np.ndarray, most: int = 8) -> str:
+    """``[4 0 1 6]``, or the first and last ``most // 2`` with ``...`` between."""
+    values = np.asarray(values).ravel()
+    if values.size > most:
+        half = most // 2
+        return f"[{' '.join(map(str, values[:half]))} ... {' '.join(map(str, values[-half:]))}]"
+    return f"[{' '.join(map(str, values))}]"
+
+
+def _mismatch_detail(kind: Any, ids: Any, weights: Any, values: tf.Tensor) -> str:
+    """What differs between eager ``ids`` and their ``weights`` (after the
+    check failed): each side's rows, values and row lengths and the first
+    row that differs (ragged); values and dense_shape and the first indices
+    entry that differs, or that only dense_shape does (sparse); shapes."""
+    if kind is tf.RaggedTensor:
+        lengths = [x.row_lengths().numpy() for x in (ids, weights)]
+        sides = [f"{len(n)} rows, {int(n.sum())} values, row lengths {_listed(n)}"
+                 for n in lengths]
+        return (f": ids of {sides[0]}; weights of {sides[1]}; first row that differs: "
+                f"{_first_difference(*lengths)}")
+    if kind is tf.SparseTensor:
+        index = [x.indices.numpy() for x in (ids, weights)]
+        sides = [f"{len(i)} values and dense_shape {_listed(x.dense_shape.numpy())}"
+                 for i, x in zip(index, (ids, weights))]
+        text = f": ids of {sides[0]}, weights of {sides[1]}"
+        if index[0].shape[1:] != index[1].shape[1:]:
+            return (f"{text}; indices of {index[0].shape[1]} and {index[1].shape[1]} "
+                    f"dimensions")
+        if index[0].shape == index[1].shape and np.array_equal(*index):
+            return f"{text}; the indices are equal, dense_shape differs"
+        return f"{text}; first entry of indices that differs: {_first_difference(*index)}"
+    return (f": ids of shape {_listed(tf.shape(ids).numpy())}, weights of shape "
+            f"{_listed(tf.shape(values).numpy())}")
 
 
 def hint_checks(name: str, num_ids, num_steps, steps, where: str = "") -> list:
@@ -324,28 +359,27 @@ class InputsMixin:
             raise TypeError(f"{what} must be floats (float16/32/64 or bfloat16), got "
                             f"{values.dtype.name}")
         values = tf.cast(values, tf.float32)
-        # The error gives what differs: each side's rows and values (ragged),
-        # values and dense_shape (sparse) or shape (dense).
+        # The error gives what differs: each side's rows, values and row
+        # lengths (ragged), values and dense_shape (sparse) or shape (dense).
+        # Traced, as int32 data of the Assert (no formatting in the step,
+        # which an unguarded Assert would run at every step); eager, worked
+        # out only once the check failed.
         if ids_kind is tf.RaggedTensor:
             # (int32 or int64 row splits, on either side.)
             same = _ops.ids_equal(tf.cast(weights.row_splits, tf.int64),
                                   tf.cast(ids.row_splits, tf.int64))
             told = "row lengths"
-            lengths = [tf.cast(x.row_lengths(), tf.int64) for x in (ids, weights)]
-            detail = (": ids of {} rows, {} values, row lengths {}; weights of {} rows, {} "
-                      "values, row lengths {}; first row that differs: {}",
-                      [n for x, length in zip((ids, weights), lengths)
-                       for n in (x.nrows(out_type=tf.int64), tf.size(x.values, tf.int64),
-                                 length)] + [_first_difference(*lengths)])
+            traced = ("(rows, values) of the ids and of the weights, then their row lengths:",
+                      lambda: [tf.cast(tf.stack([x.nrows(), tf.size(x.values, tf.int64)]),
+                                       tf.int32) for x in (ids, weights)]
+                      + [tf.cast(x.row_lengths(), tf.int32) for x in (ids, weights)])
         elif ids_kind is tf.SparseTensor:
             same = tf.logical_and(_ops.ids_equal(weights.indices, ids.indices),
                                   _ops.ids_equal(weights.dense_shape, ids.dense_shape))
             told = "indices and dense_shape"
-            detail = (": ids of {} values and dense_shape {}, weights of {} values and "
-                      "dense_shape {}; first entry of indices that differs: {}",
-                      [n for x in (ids, weights)
-                       for n in (tf.shape(x.indices, tf.int64)[0], x.dense_shape)]
-                      + [_first_difference(ids.indices, weights.indices)])
+            traced = ("values of the ids and of the weights, then their dense_shape:",
+                      lambda: [tf.shape(x.indices)[0] for x in (ids, weights)]
+                      + [tf.cast(x.dense_shape, tf.int32) for x in (ids, weights)])
         else:
             ids_shape = tf.convert_to_tensor(ids).shape
             if values.shape.rank is not None and ids_shape.rank is not None and (
@@ -355,24 +389,24 @@ class InputsMixin:
             same = _ops.ids_equal(tf.shape(values, out_type=tf.int64),
                                   tf.shape(ids, out_type=tf.int64))
             told = "shape"
-            detail = (": ids of shape {}, weights of shape {}", [tf.shape(ids), tf.shape(values)])
+            traced = ("shape of the ids, then of the weights:",
+                      lambda: [tf.shape(ids), tf.shape(values)])
         message = f"CachedEmbedding {self.name!r}: weights must have the {told} of the ids"
         if tf.executing_eagerly():
             if not bool(same):
                 raise tf.errors.InvalidArgumentError(
-                    None, None, message + tf.strings.format(*detail, summarize=8).numpy().decode())
+                    None, None, message + _mismatch_detail(ids_kind, ids, weights, values))
         else:
             # Everything that uses the weights waits for the check. Dense
             # weights keep their shape (_combine does not reshape them):
             # grappler dropped this control dependency when it merged a
             # reshape here with one after it, and a traced step failed on
-            # the mismatch elsewhere, with TF's message. A bare Assert:
-            # assert_equal's guard is a cond, for which grappler's loop
-            # optimizer logs a warning at every trace; no quotes in its
-            # text, which it prints escaped.
-            text = tf.strings.format(message.replace(repr(self.name), self.name) + detail[0],
-                                     detail[1], summarize=8)
-            checked = tf.debugging.Assert(same, [text])
+            # the mismatch elsewhere, with TF's message. A bare Assert (its
+            # data strings and int32 only): assert_equal's guard is a cond,
+            # for which grappler's loop optimizer logs a warning at every
+            # trace; no quotes in its text, which it prints escaped.
+            text = f"{message.replace(repr(self.name), self.name)}. {traced[0]}"
+            checked = tf.debugging.Assert(same, [text, *traced[1]()], summarize=8)
             with tf.control_dependencies([checked]):
                 values = tf.identity(values)
             # And so does the step's cache prepare (weight_checks): a refused

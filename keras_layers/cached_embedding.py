@@ -155,10 +155,13 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             stay in memory. Disk space is reserved as the table grows; a full
             disk fails the step like a full memory (nothing lost). Each
             process (each Horovod rank) has its own file.
-        seed: seed of the per-id initializer; drawn at random (and kept in the
-            config) when ``None``. Under Horovod with more than one rank, a
-            drawn seed is rank 0's, sent to every rank when the layer is built
-            (a collective), so data-parallel replicas start equal; an explicit
+        seed: seed of the per-id initializer; when ``None``, the
+            initializer's own int seed, else drawn at random (kept in the
+            config once the layer is built; a layer made from the config of
+            an unbuilt one draws its own, so pass ``seed=`` for rows that
+            repeat). Under Horovod with more than one rank, a drawn seed is
+            rank 0's, sent to every rank when the layer is built (a
+            collective), so data-parallel replicas start equal; an explicit
             seed must be the same on every rank.
         mask_zero: as in ``keras.layers.Embedding``: id 0 is padding, and
             the output carries a mask (``ids != 0``) for the layers after it

@@ -2,6 +2,7 @@
 table's gradient as they reach the dense weights', and BackupAndRestore
 resumes an interrupted fit with the table (save_weights holds it)."""
 
+import os
 import warnings
 
 import keras
@@ -211,6 +212,28 @@ def test_follow_keras_learning_rate_keeps_each_tables_ratio(rng):
     assert float(model.optimizer.learning_rate) == pytest.approx(keras_rate)
     assert fast.table_optimizer.learning_rate == pytest.approx(10.0 * keras_rate)
     assert follow.ratios == {"fast": pytest.approx(10.0)}
+    # The ratio is taken at the first batch with a Keras rate > 0, after the
+    # schedulers' on_epoch_begin: an absolute schedule starting from 0 (a
+    # warm-up) leaves the table at its rate, then halves it with Keras's (a
+    # review: the ratio was taken from the compiled rate, and a rate of 0
+    # refused).
+    warm = CachedEmbedding(DIM, cache_capacity=BATCH * FIELDS, seed=3, name="warm",
+                           optimizer=tf_sfctr.optimizers.Adagrad(0.05))
+    seen = []
+    rates = [0.0, 0.01, 0.005]
+
+    class Watch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 0:
+                seen.append(warm.table_optimizer.learning_rate)
+
+    warm_follow = FollowKerasLearningRate()
+    _model(warm, keras.optimizers.Adam(1e-3)).fit(
+        ids, labels, batch_size=BATCH, epochs=3, verbose=0, callbacks=[
+            warm_follow, keras.callbacks.LearningRateScheduler(lambda epoch: rates[epoch]),
+            Watch()])
+    assert seen == pytest.approx([0.05, 0.05, 0.025])
+    assert warm_follow.ratios == {"warm": pytest.approx(5.0)}
     frozen = CachedEmbedding(DIM, cache_capacity=BATCH * FIELDS, seed=3,
                              optimizer=tf_sfctr.optimizers.SGD(0.2))
     frozen.trainable = False
@@ -223,3 +246,52 @@ def test_follow_keras_learning_rate_keeps_each_tables_ratio(rng):
     with pytest.raises(ValueError, match="table 'own' has a learning-rate schedule of its own"):
         _model(scheduled).fit(ids, labels, batch_size=BATCH, verbose=0,
                               callbacks=[FollowKerasLearningRate()])
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_early_stopping_restores_the_table_with_the_best_epoch(rng, tmp_path, optimizer):
+    """keras.callbacks.EarlyStopping(restore_best_weights=True) restores the
+    Keras weights only: the best epoch's dense layers beside the last
+    epoch's table (a review: predictions 0.04 off the reference's). Ours
+    restores the table too: rows and predictions equal a
+    keras.layers.Embedding model's under Keras's callback."""
+    from tf_sfctr.callbacks import EarlyStopping
+
+    ids, labels = _data(rng)
+    table_opt = (tf_sfctr.optimizers.SGD(0.3) if optimizer == "sgd"
+                 else tf_sfctr.optimizers.Adagrad(0.3, epsilon=1e-7))
+    ours = CachedEmbedding(DIM, cache_capacity=BATCH * FIELDS, seed=3, optimizer=table_opt)
+    theirs = keras.layers.Embedding(VOCAB, DIM)
+    keras_opt = {"sgd": lambda: keras.optimizers.SGD(0.3),
+                 "adagrad": lambda: keras.optimizers.Adagrad(0.3, epsilon=1e-7)}[optimizer]
+    model, ref = _model(ours, keras_opt()), _model(theirs, keras_opt())
+    theirs.set_weights([ours.lookup_rows(np.arange(VOCAB))])
+    # Best at epoch 1 (loss is watched for a maximum, and falls): restored
+    # after epochs 1-3 trained on.
+    feed = dict(x=ids, y=labels, batch_size=BATCH, epochs=6, shuffle=False, verbose=0)
+    kwargs = dict(monitor="loss", mode="max", patience=2, start_from_epoch=1,
+                  restore_best_weights=True)
+    best_rows = {}
+
+    class Keep(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            best_rows.setdefault(epoch, ours.lookup_rows(np.arange(VOCAB)))
+
+    stop = EarlyStopping(directory=str(tmp_path), **kwargs)
+    model.fit(**feed, callbacks=[stop, Keep()])
+    ref.fit(**feed, callbacks=[keras.callbacks.EarlyStopping(**kwargs)])
+    assert stop.best_epoch == 1 and stop.stopped_epoch == 3
+    rows = ours.lookup_rows(np.arange(VOCAB))
+    np.testing.assert_array_equal(rows, best_rows[1])
+    np.testing.assert_allclose(rows, theirs.get_weights()[0], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(model.predict(ids, verbose=0), ref.predict(ids, verbose=0),
+                               rtol=1e-5, atol=1e-6)
+    assert ours.table_updates == 2 * (len(ids) // BATCH)
+    # Without restore_best_weights it is Keras's callback: the last epoch stays.
+    plain = EarlyStopping(monitor="loss", mode="max", patience=1)
+    model.fit(**feed, callbacks=[plain, Keep()])
+    assert plain.stopped_epoch == 1
+    # A temporary directory of its own is removed when training ends.
+    made = EarlyStopping(monitor="loss", mode="max", patience=1, restore_best_weights=True)
+    model.fit(**feed, callbacks=[made])
+    assert made._made_dir is None and not os.path.exists(os.path.dirname(made._file))

@@ -508,6 +508,22 @@ def test_a_run_resumed_by_backup_and_restore_prunes_after_the_same_steps(
     assert prune.at == [21, 28, 35, 42]
 
 
+def test_every_steps_counts_on_over_fit_calls_that_compile_again():
+    """One fit per chunk, the model compiled again before each (a new
+    optimizer, counting from 0): the count must add up, not start over as
+    after BackupAndRestore's rollback (a review: no prune in 3 fits of 2
+    steps every 3, where the code before pruned after steps 3 and 6)."""
+    inp = keras.Input((2,), dtype="int64")
+    emb = CachedEmbedding(2, cache_capacity=8, seed=0, name="items")
+    model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
+    prune = _CountingPrune(min_uses=2, every_steps=3)
+    for chunk in range(3):
+        model.compile(optimizer="sgd", loss="mse")
+        x = np.arange(4, dtype=np.int64).reshape(2, 2) + 10 * chunk
+        model.fit(x, np.ones((2, 1)), batch_size=1, verbose=0, callbacks=[prune])
+    assert prune.at == [3, 6]
+
+
 def test_every_steps_counts_steps_with_gradient_accumulation():
     """With gradient_accumulation_steps=4 the optimizer's public `iterations`
     counts updates: every_steps=4 pruned once in 16 steps, not 4 times."""

@@ -257,6 +257,29 @@ def test_weights_that_do_not_match_the_ids_are_refused(rng):
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=r"weights of 12 values .*; first entry of indices that differs: 12"):
         layer(sparse_ids, weights=fewer)
+    # Only dense_shape differs: said so (not an entry of the equal indices).
+    wider = tf.SparseTensor(sparse_ids.indices, w.values, [6, 7])
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"dense_shape \[6 7\]; the indices are equal, dense_shape differs"):
+        layer(sparse_ids, weights=wider)
+    # Weights of another rank: the refusal, not a TF error comparing indices
+    # of other widths (a review).
+    deeper = tf.SparseTensor(tf.concat([sparse_ids.indices, tf.zeros([13, 1], tf.int64)], 1),
+                             w.values, [6, 6, 1])
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"must have the indices and dense_shape of the ids: .*indices of 2 "
+                             r"and 3 dimensions"):
+        layer(sparse_ids, weights=deeper)
+
+    @tf.function
+    def traced(x, weights):
+        return layer(x, weights=weights)
+
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"must have the indices and dense_shape of the ids. values of the "
+                             r"ids and of the weights, then their dense_shape:\] \[13\] \[13\] "
+                             r"\[6 6\] \[6 6 1\]"):
+        traced(sparse_ids, deeper)
     dense = _layer("sum")
     with pytest.raises(ValueError, match="must have the shape of the ids"):
         dense(vocab[:6].reshape(2, 3), weights=np.ones((3, 2), "float32"))
@@ -281,8 +304,8 @@ def test_weights_traced_with_unknown_shapes(rng):
                                params[0] + 2 * params[1] + 0.5 * params[2], rtol=1e-6)
     # With both shapes, as the eager error gives them (a review).
     with pytest.raises(tf.errors.InvalidArgumentError,
-                       match=r"must have the shape of the ids: ids of shape \[1 3\], "
-                             r"weights of shape \[1 2\]"):
+                       match=r"must have the shape of the ids. shape of the ids, then of the "
+                             r"weights:\] \[1 3\] \[1 2\]"):
         f(vocab[None, :3], np.ones((1, 2), "float32"))
 
 
@@ -304,9 +327,9 @@ def test_traced_training_step_with_mismatched_weights_changes_nothing(rng):
     step(ids, w)  # a valid step first: the same trace runs the bad one
     before = layer.lookup_rows(vocab)
     with pytest.raises(tf.errors.InvalidArgumentError,
-                       match=r"must have the row lengths of the ids: ids of 6 rows, 13 values, "
-                             r"row lengths \[4 0 1 6 2 0\]; weights of 6 rows, 13 values, row "
-                             r"lengths \[1 3 1 6 2 0\]; first row that differs: 0"):
+                       match=r"must have the row lengths of the ids. \(rows, values\) of the ids "
+                             r"and of the weights, then their row lengths:\] \[6 13\] \[6 13\] "
+                             r"\[4 0 1 6 2 0\] \[1 3 1 6 2 0\]"):
         step(ids, regrouped)
     np.testing.assert_array_equal(layer.lookup_rows(vocab), before)
     assert layer.cache_stats()["host_rows"] + layer.cache_stats()["cached_rows"] > 0

@@ -6,18 +6,23 @@ rate, misses and evictions per training step and host-table size to the logs
 of each training batch and epoch, so they show up in the progress bar,
 ``History`` and ``TensorBoard`` next to the loss. ``FollowKerasLearningRate``
 moves the tables' learning rates with the Keras optimizer's (which
-``LearningRateScheduler`` and ``ReduceLROnPlateau`` change).
+``LearningRateScheduler`` and ``ReduceLROnPlateau`` change). ``EarlyStopping`` is
+Keras's, with a ``restore_best_weights`` that restores the tables too.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+import weakref
 from typing import Optional
 
 import keras
 import numpy as np
 
-__all__ = ["CacheMetrics", "FollowKerasLearningRate", "PruneHostTable", "cached_embeddings",
-           "table_log_names"]
+__all__ = ["CacheMetrics", "EarlyStopping", "FollowKerasLearningRate", "PruneHostTable",
+           "cached_embeddings", "table_log_names"]
 
 #: The suffixes ``CacheMetrics`` appends to a layer's name to make log keys.
 METRICS = ("hit_rate", "misses_per_step", "evictions_per_step", "host_rows")
@@ -418,6 +423,7 @@ class PruneHostTable(keras.callbacks.Callback):
         self._started = False
         self._sync_pending = False
         self._seen_iterations: Optional[int] = None  # the optimizer's count, last read
+        self._seen_optimizer: Optional[weakref.ref] = None  # (that optimizer)
         self._last_prune_step = 0
 
     def _prune(self) -> None:
@@ -455,17 +461,23 @@ class PruneHostTable(keras.callbacks.Callback):
         """Takes the count from where the model's training stands (a
         restored optimizer's count), so that a resumed run prunes after the
         steps an uninterrupted one would: when this callback first trains,
-        and when the optimizer's count went back since this callback last
-        read it (BackupAndRestore's retry of an interrupted fit with the
-        same callbacks: the steps it rolled back are counted again). A
-        count that went on (one fit per chunk of a stream) adds up."""
+        and when the same optimizer's count went back since this callback
+        last read it (BackupAndRestore's retry of an interrupted fit with the
+        same callbacks: the steps it rolled back are counted again). A count
+        that went on (one fit per chunk of a stream) adds up, and so does
+        one of a new optimizer (a model compiled again for each chunk, whose
+        count starts at 0: a review saw it never prune)."""
         self._sync_pending = False
         now = _Steps._iterations(self.model) or 0
-        if not self._started or (self._seen_iterations is not None
-                                 and now < self._seen_iterations):
+        optimizer = getattr(self.model, "optimizer", None)
+        # (A weak reference: an id could be a freed optimizer's, reused.)
+        same = self._seen_optimizer is not None and self._seen_optimizer() is optimizer
+        rolled_back = same and self._seen_iterations is not None and now < self._seen_iterations
+        if not self._started or rolled_back:
             self._started = True
             self._steps.count = self._last_prune_step = now
         self._seen_iterations = now
+        self._seen_optimizer = None if optimizer is None else weakref.ref(optimizer)
 
     def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
         self._count_steps(epoch_end=False)
@@ -492,7 +504,9 @@ class PruneHostTable(keras.callbacks.Callback):
 class FollowKerasLearningRate(keras.callbacks.Callback):
     """Moves the learning rate of every trainable ``CachedEmbedding``'s table
     optimizer with the model's Keras optimizer: each table keeps the ratio of
-    its rate to Keras's it had when this callback first trained, so a rate
+    its rate to Keras's at the first batch this callback sees (after every
+    callback's ``on_epoch_begin``: a ``LearningRateScheduler``'s first rate
+    is the one the table's own is measured against), so a rate
     that ``LearningRateScheduler``, ``ReduceLROnPlateau`` or a Keras
     ``LearningRateSchedule`` changes (which never reach a table, whose
     optimizer is its own) moves the tables' rates by the same factor. A table
@@ -502,10 +516,11 @@ class FollowKerasLearningRate(keras.callbacks.Callback):
     ``on_epoch_begin``, so the order of the callbacks does not matter; a
     changed rate is set as ``layer.table_optimizer.learning_rate``, which the
     next step uses and checkpoints keep. Under Horovod every rank computes
-    the same rates. A Keras rate that reaches 0 leaves the tables at their
-    last rate (a table's must stay > 0). Refused: a table optimizer whose
-    rate is a schedule of its own, and a Keras rate of 0 to start from (no
-    ratio to keep).
+    the same rates. A Keras rate of 0 (a warm-up's start) leaves the tables
+    where they are: a table's ratio is taken at the first batch whose Keras
+    rate is > 0, and a rate that comes back to 0 leaves the tables at their
+    last one (a table's must stay > 0). Refused: a table optimizer whose
+    rate is a schedule of its own.
 
     Example:
 
@@ -537,7 +552,7 @@ class FollowKerasLearningRate(keras.callbacks.Callback):
         return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
 
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
-        keras_rate = self._keras_rate()
+        self._keras_rate()  # (a compiled model)
         self._layers = []
         for layer, name in table_log_names(self.model):
             if not layer.trainable:
@@ -548,22 +563,124 @@ class FollowKerasLearningRate(keras.callbacks.Callback):
                     f"FollowKerasLearningRate: table {name!r} has a learning-rate schedule "
                     f"of its own ({type(rate).__name__}); give its optimizer a number to "
                     f"follow the Keras optimizer's rate, or leave this callback out.")
-            if name not in self.ratios:
-                if not keras_rate > 0:
-                    raise ValueError(
-                        f"FollowKerasLearningRate: the Keras optimizer's learning rate is "
-                        f"{keras_rate} when training starts, so table {name!r} has no ratio "
-                        f"to keep to it; start from a rate > 0.")
-                self.ratios[name] = float(rate) / keras_rate
             self._layers.append((layer, name))
         self._last = None
 
     def on_train_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:
         keras_rate = self._keras_rate()
-        if keras_rate == self._last:
+        if keras_rate == self._last or not keras_rate > 0:
             return
         self._last = keras_rate
         for layer, name in self._layers:
+            if name not in self.ratios:  # the first positive Keras rate: kept as it is
+                self.ratios[name] = float(layer.table_optimizer.learning_rate) / keras_rate
+                continue
             wanted = self.ratios[name] * keras_rate
-            if wanted > 0 and layer.table_optimizer.learning_rate != wanted:
+            if layer.table_optimizer.learning_rate != wanted:
                 layer.table_optimizer.learning_rate = wanted
+
+
+class EarlyStopping(keras.callbacks.EarlyStopping):
+    """``keras.callbacks.EarlyStopping`` whose ``restore_best_weights=True``
+    restores the ``CachedEmbedding`` tables with the other layers.
+
+    Keras's keeps the best epoch's ``model.get_weights()``, which hold no
+    table (its rows are not Keras weights): it restored the best epoch's
+    dense layers beside the last epoch's table, a model that never existed.
+    This one saves the best epoch with ``model.save_weights`` to a
+    ``.weights.h5`` file (the tables' rows, optimizer state and update counts
+    included) and loads it when training ends. The Keras optimizer's state
+    comes back with it (Keras's own callback leaves that at the last epoch),
+    so training on goes on from the best epoch as a whole. Each save writes
+    every table whole, as a ``ModelCheckpoint(save_best_only=True)`` would.
+
+    The arguments are Keras's; ``directory`` is where the file goes (a new
+    temporary directory by default, removed when training ends; one file per
+    Horovod rank). Under Horovod a data-parallel table works on every rank
+    (each keeps its replica's file); model-parallel tables are refused, since
+    Keras weight files of them are: save them with
+    ``tf_sfctr.distributed.SaveCheckpoints`` and ``restore`` the best save.
+
+    Example:
+
+    >>> import keras, numpy as np
+    >>> from tf_sfctr.keras_layers import CachedEmbedding
+    >>> ids = keras.Input(shape=(2,), dtype="int64")
+    >>> emb = CachedEmbedding(2, cache_capacity=8, seed=0)
+    >>> model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(emb(ids))))
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> first = emb.lookup_rows(np.arange(8))
+    >>> stop = EarlyStopping(monitor="loss", mode="max", patience=1, restore_best_weights=True)
+    >>> _ = model.fit(np.arange(8).reshape(4, 2), np.ones((4, 1)), epochs=5, verbose=0,
+    ...               callbacks=[stop])
+    >>> stop.best_epoch, emb.table_updates  # the loss fell each epoch: epoch 0 was "best"
+    (0, 1)
+    """
+
+    def __init__(self, monitor: str = "val_loss", min_delta: float = 0, patience: int = 0,
+                 verbose: int = 0, mode: str = "auto", baseline: Optional[float] = None,
+                 restore_best_weights: bool = False, start_from_epoch: int = 0,
+                 directory: Optional[str] = None):
+        super().__init__(monitor=monitor, min_delta=min_delta, patience=patience,
+                         verbose=verbose, mode=mode, baseline=baseline,
+                         restore_best_weights=False, start_from_epoch=start_from_epoch)
+        # Keras's own restore stays off: it would set the Keras weights of
+        # its epoch over the ones loaded here.
+        self.restore_best_tables = bool(restore_best_weights)
+        self.directory = None if directory is None else str(directory)
+        self._file: Optional[str] = None
+        self._made_dir: Optional[str] = None
+        self._saved = False
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        super().on_train_begin(logs)
+        self._saved = False
+        if not self.restore_best_tables:
+            return
+        sharded = [name for layer, name in table_log_names(self.model)
+                   if getattr(layer, "_mode", None) == "model_parallel"]
+        if sharded:
+            raise ValueError(
+                f"tf_sfctr.callbacks.EarlyStopping(restore_best_weights=True) keeps the best "
+                f"epoch in a Keras weight file, which model-parallel tables ({sharded}) "
+                f"cannot be written to (each rank holds a shard). Save them with "
+                f"tf_sfctr.distributed.SaveCheckpoints and restore the best save, or use "
+                f"restore_best_weights=False.")
+        from tf_sfctr.distributed import world
+
+        _, rank = world()
+        folder = self.directory
+        if folder is None:
+            folder = self._made_dir = tempfile.mkdtemp(prefix="tf_sfctr_best_")
+        else:
+            os.makedirs(folder, exist_ok=True)
+        self._file = os.path.join(folder, f"best_epoch.rank{rank}.weights.h5")
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        best_before = getattr(self, "best", None)  # (Keras sets it at the first epoch end)
+        super().on_epoch_end(epoch, logs)
+        if not self.restore_best_tables:
+            return
+        current = (logs or {}).get(self.monitor)
+        if current is None or epoch < self.start_from_epoch:
+            return
+        # As Keras's: the first epoch watched is kept, then each improvement
+        # (it sets `best` to the improved value).
+        if not self._saved or self.best != best_before:
+            self.model.save_weights(self._file)
+            self._saved = True
+            self._saved_epoch = epoch
+
+    def on_train_end(self, logs: Optional[dict] = None) -> None:
+        super().on_train_end(logs)
+        try:
+            if self.restore_best_tables and self._saved:
+                if self.verbose > 0:
+                    print(
+                        f"Restoring the model (tables included) from the end of the best "
+                        f"epoch: {self._saved_epoch + 1}.")
+                self.model.load_weights(self._file)
+        finally:
+            if self._made_dir is not None:
+                shutil.rmtree(self._made_dir, ignore_errors=True)
+                self._made_dir = None

@@ -847,6 +847,21 @@ def run_robustness(out_dir, rank, size):
                              r"\[4,? 4\]", text), text
     assert dp_small.table_updates == 1, dp_small.table_updates
     np.testing.assert_array_equal(dp_small.lookup_rows(v[:8]), trained)
+    # tf_sfctr.callbacks.EarlyStopping keeps the best epoch in a Keras weight
+    # file, which model-parallel tables cannot be written to: refused on
+    # every rank when fit starts, before any step.
+    from tf_sfctr.callbacks import EarlyStopping
+
+    mp_in = keras.Input((2,), dtype="int64")
+    mp_emb = CachedEmbedding(2, cache_capacity=16, seed=0, name="mp_stop",
+                             distribution="model_parallel")
+    mp_model = keras.Model(mp_in, keras.layers.Dense(1)(keras.layers.Flatten()(mp_emb(mp_in))))
+    mp_model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    _expect_error(lambda: mp_model.fit(
+        v[:8].reshape(4, 2), np.ones((4, 1)), verbose=0,
+        callbacks=[EarlyStopping(monitor="loss", restore_best_weights=True)]),
+        "model-parallel tables (['mp_stop']) cannot be written to")
+    assert mp_emb.table_updates == 0
     # An owner whose host table is full: both ranks hear of it.
     small = CachedEmbedding(2, cache_capacity=8, max_rows=3, seed=0, name="small",
                             distribution="model_parallel")

@@ -204,9 +204,9 @@ def test_follow_keras_learning_rate_keeps_each_tables_ratio(rng):
     assert follow.ratios == {"fast": pytest.approx(10.0)}
     keras_rate = float(model.optimizer.learning_rate)
     assert keras_rate == pytest.approx(0.05 / 4)  # cut after epochs 2 and 3
-    # The cut after the last epoch comes after its last batch: the table got
-    # the rate before it, and the next fit's first batch gives it the cut.
-    assert fast.table_optimizer.learning_rate == pytest.approx(10.0 * 2 * keras_rate)
+    # The cut after the last epoch comes after its last batch: the table
+    # gets it when training ends (in step between fit calls, a review).
+    assert fast.table_optimizer.learning_rate == pytest.approx(10.0 * keras_rate)
     model.fit(ids, labels, batch_size=BATCH, epochs=1, verbose=0, callbacks=[plateau, follow])
     # (ReduceLROnPlateau starts over at each fit: no cut after its first epoch.)
     assert float(model.optimizer.learning_rate) == pytest.approx(keras_rate)
@@ -295,3 +295,98 @@ def test_early_stopping_restores_the_table_with_the_best_epoch(rng, tmp_path, op
     made = EarlyStopping(monitor="loss", mode="max", patience=1, restore_best_weights=True)
     model.fit(**feed, callbacks=[made])
     assert made._made_dir is None and not os.path.exists(os.path.dirname(made._file))
+
+
+def test_follow_keras_learning_rate_with_a_given_ratio(rng):
+    """A warm-up from 0 measured the ratio at its first small rate (the
+    table then ran 10x its rate at the peak), and a run resumed into a new
+    callback measured the restored table rate against Keras's next one (a
+    review): ratio= sets it. A bad ratio is refused."""
+    from tf_sfctr.callbacks import FollowKerasLearningRate
+
+    ids, labels = _data(rng)
+    tables = {name: CachedEmbedding(DIM, cache_capacity=BATCH * FIELDS, seed=3, name=name,
+                                    optimizer=tf_sfctr.optimizers.Adagrad(0.05))
+              for name in ("a", "b")}
+    inp = keras.Input((FIELDS,), dtype="int64")
+    out = keras.layers.Dense(1)(keras.layers.Concatenate()(
+        [keras.layers.Flatten()(t(inp)) for t in tables.values()]))
+    model = keras.Model(inp, out)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="mse")
+    seen = []
+    rates = [0.0, 0.001, 0.01]
+
+    class Watch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 0:
+                seen.append({n: t.table_optimizer.learning_rate for n, t in tables.items()})
+
+    model.fit(ids, labels, batch_size=BATCH, epochs=3, verbose=0, callbacks=[
+        keras.callbacks.LearningRateScheduler(lambda epoch: rates[epoch]),
+        FollowKerasLearningRate(ratio={"a": 5.0, "b": 2.0}), Watch()])
+    assert seen == [{"a": 0.05, "b": 0.05},  # Keras at 0: left as they were
+                    {"a": pytest.approx(0.005), "b": pytest.approx(0.002)},
+                    {"a": pytest.approx(0.05), "b": pytest.approx(0.02)}]
+    one = FollowKerasLearningRate(ratio=3)
+    model.fit(ids, labels, batch_size=BATCH, epochs=1, verbose=0, callbacks=[one])
+    assert one.ratios == {"a": 3.0, "b": 3.0}
+    assert tables["a"].table_optimizer.learning_rate == pytest.approx(0.03)
+    for bad in (0, -1.0, float("nan"), True, "2", {"a": 0.0}):
+        with pytest.raises(ValueError, match="ratio must be None, a number > 0 or a dict"):
+            FollowKerasLearningRate(ratio=bad)
+
+
+def test_early_stopping_leaves_the_keras_optimizer_unless_asked_and_cleans_up(rng):
+    """Restoring the best epoch rewound the Keras optimizer (a
+    ReduceLROnPlateau cut undone, iterations back) where Keras's callback
+    leaves it (a review): now only with restore_optimizer=True. A fit that
+    raises leaves the temporary file, which the next fit removes."""
+    from tf_sfctr.callbacks import EarlyStopping
+
+    ids, labels = _data(rng)
+    emb = CachedEmbedding(DIM, cache_capacity=BATCH * FIELDS, seed=3,
+                          optimizer=tf_sfctr.optimizers.SGD(0.3))
+    model = _model(emb, keras.optimizers.SGD(0.3))
+    feed = dict(x=ids, y=labels, batch_size=BATCH, epochs=4, shuffle=False, verbose=0)
+    steps = len(ids) // BATCH
+
+    def run(**kwargs):
+        stop = EarlyStopping(monitor="loss", mode="max", patience=3, restore_best_weights=True,
+                             **kwargs)
+        cut = keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0,
+                                                min_delta=1.0)
+        start = int(model.optimizer.iterations.numpy())
+        model.fit(**feed, callbacks=[stop, cut])
+        return stop, start
+
+    stop, start = run()
+    assert int(model.optimizer.iterations.numpy()) == start + 4 * steps  # as Keras leaves it
+    assert float(model.optimizer.learning_rate) == pytest.approx(0.3 / 8)
+    assert stop.best_epoch == 0 and emb.table_updates == start + steps
+    stop, start = run(restore_optimizer=True)
+    assert int(model.optimizer.iterations.numpy()) == start + steps  # the best epoch's
+    assert float(model.optimizer.learning_rate) == pytest.approx(0.3 / 8)  # (then cut 3x)
+
+    class Fail(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise RuntimeError("stopped")
+
+    failing = EarlyStopping(monitor="loss", restore_best_weights=True)
+    with pytest.raises(RuntimeError, match="stopped"):
+        model.fit(**feed, callbacks=[failing, Fail()])
+    left = os.path.dirname(failing._file)
+    assert os.path.exists(left)
+    model.fit(**{**feed, "epochs": 1}, callbacks=[failing])
+    assert not os.path.exists(left) and failing._made_dir is None
+    # The first epoch watched is best_epoch also when it is no improvement
+    # (a NaN loss), as Keras names it.
+    nan = EarlyStopping(monitor="loss", restore_best_weights=True, patience=5,
+                        start_from_epoch=1)
+    model.fit(**{**feed, "epochs": 2}, callbacks=[_NanLoss(), nan])
+    assert nan.best_epoch == 1 and nan._saved
+
+
+class _NanLoss(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        logs["loss"] = float("nan")

@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 import weakref
-from typing import Optional
+from typing import Any, Optional
 
 import keras
 import numpy as np
@@ -503,23 +503,29 @@ class PruneHostTable(keras.callbacks.Callback):
 
 class FollowKerasLearningRate(keras.callbacks.Callback):
     """Moves the learning rate of every trainable ``CachedEmbedding``'s table
-    optimizer with the model's Keras optimizer: each table keeps the ratio of
-    its rate to Keras's at the first batch this callback sees (after every
-    callback's ``on_epoch_begin``: a ``LearningRateScheduler``'s first rate
-    is the one the table's own is measured against), so a rate
-    that ``LearningRateScheduler``, ``ReduceLROnPlateau`` or a Keras
+    optimizer with the model's Keras optimizer, at a fixed ratio, so that a
+    rate ``LearningRateScheduler``, ``ReduceLROnPlateau`` or a Keras
     ``LearningRateSchedule`` changes (which never reach a table, whose
-    optimizer is its own) moves the tables' rates by the same factor. A table
+    optimizer is its own) moves the tables' rates by the same factor: a table
     at 0.05 beside Adam at 1e-3 is at 0.025 once Keras's rate is halved.
 
-    The rate is read before each batch (execution), after every callback's
-    ``on_epoch_begin``, so the order of the callbacks does not matter; a
-    changed rate is set as ``layer.table_optimizer.learning_rate``, which the
-    next step uses and checkpoints keep. Under Horovod every rank computes
-    the same rates. A Keras rate of 0 (a warm-up's start) leaves the tables
-    where they are: a table's ratio is taken at the first batch whose Keras
-    rate is > 0, and a rate that comes back to 0 leaves the tables at their
-    last one (a table's must stay > 0). Refused: a table optimizer whose
+    ``ratio``: the table's rate over Keras's, one number for every table or a
+    dict by table name (``table_log_names``). Give it when the rates at the
+    start are not the pair to keep: a run resumed from a checkpoint (the
+    table's restored rate is the previous epoch's, Keras's may already be
+    the next one's) or a warm-up (its first small rate is no reference).
+    Without it, each table's ratio is measured at the first batch this
+    callback sees with a Keras rate above 0 (after every callback's
+    ``on_epoch_begin``, so a ``LearningRateScheduler``'s first rate is the
+    reference) and kept in ``self.ratios`` for later ``fit`` calls.
+
+    The rate is read before each batch (execution), at each epoch's end
+    (after a ``ReduceLROnPlateau`` listed before this callback) and when
+    training ends, so the tables stay in step with Keras between ``fit``
+    calls; a changed rate is set as ``layer.table_optimizer.learning_rate``,
+    which the next step uses and checkpoints keep. Under Horovod every rank
+    computes the same rates. A Keras rate of 0 leaves the tables at their
+    last rate (a table's must stay > 0). Refused: a table optimizer whose
     rate is a schedule of its own.
 
     Example:
@@ -538,9 +544,18 @@ class FollowKerasLearningRate(keras.callbacks.Callback):
     0.05
     """
 
-    def __init__(self) -> None:
+    def __init__(self, ratio: Any = None) -> None:
         super().__init__()
-        self.ratios: dict = {}  # table name -> its rate / Keras's, from the first fit
+        given = ratio if isinstance(ratio, dict) else {} if ratio is None else None
+        values = list(given.values()) if given is not None else [ratio]
+        for value in values:
+            if isinstance(value, (bool, np.bool_)) or not isinstance(
+                    value, (int, float, np.integer, np.floating)) or not 0 < value < np.inf:
+                raise ValueError(f"FollowKerasLearningRate: ratio must be None, a number > 0 "
+                                 f"or a dict of them by table name, got {ratio!r}")
+        self._every = None if given is not None else float(ratio)
+        # table name -> its rate / Keras's (given, or measured in the first fit)
+        self.ratios: dict = {name: float(r) for name, r in (given or {}).items()}
         self._layers: list = []
         self._last: Optional[float] = None
 
@@ -563,10 +578,12 @@ class FollowKerasLearningRate(keras.callbacks.Callback):
                     f"FollowKerasLearningRate: table {name!r} has a learning-rate schedule "
                     f"of its own ({type(rate).__name__}); give its optimizer a number to "
                     f"follow the Keras optimizer's rate, or leave this callback out.")
+            if self._every is not None:
+                self.ratios[name] = self._every
             self._layers.append((layer, name))
-        self._last = None
+        self._last = None  # (first read before the first batch, after the schedulers)
 
-    def on_train_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:
+    def _follow(self) -> None:
         keras_rate = self._keras_rate()
         if keras_rate == self._last or not keras_rate > 0:
             return
@@ -579,6 +596,15 @@ class FollowKerasLearningRate(keras.callbacks.Callback):
             if layer.table_optimizer.learning_rate != wanted:
                 layer.table_optimizer.learning_rate = wanted
 
+    def on_train_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:
+        self._follow()
+
+    def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
+        self._follow()
+
+    def on_train_end(self, logs: Optional[dict] = None) -> None:
+        self._follow()
+
 
 class EarlyStopping(keras.callbacks.EarlyStopping):
     """``keras.callbacks.EarlyStopping`` whose ``restore_best_weights=True``
@@ -588,17 +614,24 @@ class EarlyStopping(keras.callbacks.EarlyStopping):
     table (its rows are not Keras weights): it restored the best epoch's
     dense layers beside the last epoch's table, a model that never existed.
     This one saves the best epoch with ``model.save_weights`` to a
-    ``.weights.h5`` file (the tables' rows, optimizer state and update counts
-    included) and loads it when training ends. The Keras optimizer's state
-    comes back with it (Keras's own callback leaves that at the last epoch),
-    so training on goes on from the best epoch as a whole. Each save writes
-    every table whole, as a ``ModelCheckpoint(save_best_only=True)`` would.
+    ``.weights.h5`` file and loads it when training ends: every layer, and
+    each table's rows with their optimizer state (which is stored with them)
+    and update count. The Keras optimizer (its iterations, learning rate and
+    slots, a ``ReduceLROnPlateau`` cut or a schedule's position) and the
+    tables' learning rates stay where training left them, as with Keras's
+    callback; ``restore_optimizer=True`` brings the best epoch's back too.
+    Each save writes every table whole, as ``ModelCheckpoint(save_best_only=True)``
+    would. (``restore_best_tables`` holds the ``restore_best_weights`` given:
+    Keras's own attribute stays False, as its restore must not run.)
 
-    The arguments are Keras's; ``directory`` is where the file goes (a new
-    temporary directory by default, removed when training ends; one file per
-    Horovod rank). Under Horovod a data-parallel table works on every rank
-    (each keeps its replica's file); model-parallel tables are refused, since
-    Keras weight files of them are: save them with
+    The other arguments are Keras's; ``directory`` is where the file goes (by
+    default a temporary directory made at the first save and removed when
+    training ends, also when ``fit`` raises at the next ``fit`` or when the
+    callback is freed; one file per Horovod rank). Under Horovod a
+    data-parallel table works on every rank (each keeps its replica's file);
+    model-parallel tables are refused when training starts (or, in a
+    subclassed model built by its first step, after that step), since Keras
+    weight files of them are: save them with
     ``tf_sfctr.distributed.SaveCheckpoints`` and ``restore`` the best save.
 
     Example:
@@ -609,7 +642,6 @@ class EarlyStopping(keras.callbacks.EarlyStopping):
     >>> emb = CachedEmbedding(2, cache_capacity=8, seed=0)
     >>> model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Flatten()(emb(ids))))
     >>> model.compile(optimizer="sgd", loss="mse")
-    >>> first = emb.lookup_rows(np.arange(8))
     >>> stop = EarlyStopping(monitor="loss", mode="max", patience=1, restore_best_weights=True)
     >>> _ = model.fit(np.arange(8).reshape(4, 2), np.ones((4, 1)), epochs=5, verbose=0,
     ...               callbacks=[stop])
@@ -620,23 +652,28 @@ class EarlyStopping(keras.callbacks.EarlyStopping):
     def __init__(self, monitor: str = "val_loss", min_delta: float = 0, patience: int = 0,
                  verbose: int = 0, mode: str = "auto", baseline: Optional[float] = None,
                  restore_best_weights: bool = False, start_from_epoch: int = 0,
-                 directory: Optional[str] = None):
+                 directory: Optional[str] = None, restore_optimizer: bool = False):
         super().__init__(monitor=monitor, min_delta=min_delta, patience=patience,
                          verbose=verbose, mode=mode, baseline=baseline,
                          restore_best_weights=False, start_from_epoch=start_from_epoch)
         # Keras's own restore stays off: it would set the Keras weights of
         # its epoch over the ones loaded here.
         self.restore_best_tables = bool(restore_best_weights)
+        self.restore_optimizer = bool(restore_optimizer)
         self.directory = None if directory is None else str(directory)
         self._file: Optional[str] = None
         self._made_dir: Optional[str] = None
+        self._cleanup: Optional[weakref.finalize] = None
         self._saved = False
+        self._checked_tables = False
 
-    def on_train_begin(self, logs: Optional[dict] = None) -> None:
-        super().on_train_begin(logs)
-        self._saved = False
-        if not self.restore_best_tables:
-            return
+    def _remove_made_dir(self) -> None:
+        if self._cleanup is not None:
+            self._cleanup()  # (removes the directory, once)
+            self._cleanup = None
+        self._made_dir = None
+
+    def _refuse_sharded_tables(self) -> None:
         sharded = [name for layer, name in table_log_names(self.model)
                    if getattr(layer, "_mode", None) == "model_parallel"]
         if sharded:
@@ -646,15 +683,35 @@ class EarlyStopping(keras.callbacks.EarlyStopping):
                 f"cannot be written to (each rank holds a shard). Save them with "
                 f"tf_sfctr.distributed.SaveCheckpoints and restore the best save, or use "
                 f"restore_best_weights=False.")
+
+    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+        super().on_train_begin(logs)
+        self._saved = False
+        self._remove_made_dir()  # a previous fit's, left by an exception
+        if not self.restore_best_tables:
+            return
+        self._refuse_sharded_tables()
+        # Layers a subclassed model builds in its first step: checked after it.
+        self._checked_tables = all(layer.built for layer in cached_embeddings(self.model))
+
+    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        if self.restore_best_tables and not self._checked_tables:
+            self._checked_tables = True
+            self._refuse_sharded_tables()
+
+    def _path(self) -> str:
         from tf_sfctr.distributed import world
 
-        _, rank = world()
         folder = self.directory
         if folder is None:
-            folder = self._made_dir = tempfile.mkdtemp(prefix="tf_sfctr_best_")
+            if self._made_dir is None:
+                self._made_dir = tempfile.mkdtemp(prefix="tf_sfctr_best_")
+                self._cleanup = weakref.finalize(self, shutil.rmtree, self._made_dir, True)
+            folder = self._made_dir
         else:
             os.makedirs(folder, exist_ok=True)
-        self._file = os.path.join(folder, f"best_epoch.rank{rank}.weights.h5")
+        _, rank = world()
+        return os.path.join(folder, f"best_epoch.rank{rank}.weights.h5")
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
         best_before = getattr(self, "best", None)  # (Keras sets it at the first epoch end)
@@ -664,23 +721,37 @@ class EarlyStopping(keras.callbacks.EarlyStopping):
         current = (logs or {}).get(self.monitor)
         if current is None or epoch < self.start_from_epoch:
             return
-        # As Keras's: the first epoch watched is kept, then each improvement
-        # (it sets `best` to the improved value).
+        # As Keras's: the first epoch watched is kept (and named best_epoch,
+        # improvement or not), then each improvement (which sets `best`).
         if not self._saved or self.best != best_before:
+            if not self._saved:
+                self.best_epoch = epoch
+            self._file = self._path()
             self.model.save_weights(self._file)
             self._saved = True
-            self._saved_epoch = epoch
 
     def on_train_end(self, logs: Optional[dict] = None) -> None:
         super().on_train_end(logs)
         try:
             if self.restore_best_tables and self._saved:
                 if self.verbose > 0:
-                    print(
-                        f"Restoring the model (tables included) from the end of the best "
-                        f"epoch: {self._saved_epoch + 1}.")
-                self.model.load_weights(self._file)
+                    print(f"Restoring the model (tables included) from the end of the best "
+                          f"epoch: {self.best_epoch + 1}.")
+                self._load_best()
         finally:
-            if self._made_dir is not None:
-                shutil.rmtree(self._made_dir, ignore_errors=True)
-                self._made_dir = None
+            self._remove_made_dir()
+
+    def _load_best(self) -> None:
+        optimizer = getattr(self.model, "optimizer", None)
+        kept = []
+        if not self.restore_optimizer and optimizer is not None:
+            kept = [(v, keras.ops.convert_to_numpy(v)) for v in optimizer.variables]
+        rates = [] if self.restore_optimizer else [
+            (layer.table_optimizer, layer.table_optimizer.learning_rate)
+            for layer in cached_embeddings(self.model)
+            if not callable(layer.table_optimizer.learning_rate)]
+        self.model.load_weights(self._file)
+        for variable, value in kept:
+            variable.assign(value)
+        for table_optimizer, rate in rates:
+            table_optimizer.learning_rate = rate

@@ -862,6 +862,27 @@ def run_robustness(out_dir, rank, size):
         callbacks=[EarlyStopping(monitor="loss", restore_best_weights=True)]),
         "model-parallel tables (['mp_stop']) cannot be written to")
     assert mp_emb.table_updates == 0
+
+    # A subclassed model builds its table in its first step: refused after
+    # it, by the callback's message (a review saw Keras's saving error after
+    # a whole epoch), on every rank alike.
+    class Sub(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.emb = CachedEmbedding(2, cache_capacity=16, seed=0, name="mp_sub",
+                                       distribution="model_parallel")
+            self.flat, self.out = keras.layers.Flatten(), keras.layers.Dense(1)
+
+        def call(self, x, training=None):
+            return self.out(self.flat(self.emb(x, training=training)))
+
+    sub = Sub()
+    sub.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    _expect_error(lambda: sub.fit(
+        v[:16].reshape(8, 2), np.ones((8, 1)), batch_size=2, verbose=0,
+        callbacks=[EarlyStopping(monitor="loss", restore_best_weights=True)]),
+        "model-parallel tables (['mp_sub']) cannot be written to")
+    assert sub.emb.table_updates == 1, sub.emb.table_updates
     # An owner whose host table is full: both ranks hear of it.
     small = CachedEmbedding(2, cache_capacity=8, max_rows=3, seed=0, name="small",
                             distribution="model_parallel")

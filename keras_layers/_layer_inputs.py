@@ -11,7 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sfctr import _ops
-from tf_sfctr.keras_layers._combine import combine_last_axis, combine_segments
+from tf_sfctr.keras_layers._combine import combine_last_axis, combine_segments, ragged_row_ids
 from tf_sfctr.keras_layers._layer_checks import check_id_dtype
 
 
@@ -268,7 +268,7 @@ class InputsMixin:
                     f"ragged_rank={inputs.ragged_rank}, rank={inputs.shape.rank}")
             self._require_combiner("tf.RaggedTensor")
             return tf.cast(inputs.values, tf.int64), {
-                "kind": "rows", "row_ids": inputs.value_rowids(), "nrows": inputs.nrows()}
+                "kind": "rows", "row_ids": ragged_row_ids(inputs), "nrows": inputs.nrows()}
         if isinstance(inputs, tf.SparseTensor):
             check_id_dtype(inputs.dtype)
             if inputs.shape.rank != 2:

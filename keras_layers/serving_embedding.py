@@ -25,6 +25,7 @@ from tf_sfctr.keras_layers._combine import (
     combine_last_axis,
     combine_segments,
     output_shape,
+    ragged_row_ids,
     zero_mask,
 )
 
@@ -169,7 +170,7 @@ class ServingEmbedding(keras.layers.Layer):
             if isinstance(inputs, tf.SparseTensor):
                 row_ids, nrows, values = inputs.indices[:, 0], inputs.dense_shape[0], inputs.values
             else:
-                row_ids, nrows, values = inputs.value_rowids(), inputs.nrows(), inputs.values
+                row_ids, nrows, values = ragged_row_ids(inputs), inputs.nrows(), inputs.values
             rows = self._lookup(tf.cast(values, tf.int64))
             w = None if weights is None else tf.cast(weights.values, rows.dtype)
             return combine_segments(rows, row_ids, nrows, self.combiner, weights=w)

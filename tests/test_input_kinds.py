@@ -96,3 +96,40 @@ def test_dense_ids_with_combiner_reduce_last_axis(rng, combiner):
     rows = params[idx]  # [3, 4, D]
     want = rows.sum(1) / {"sum": 1, "mean": 4, "sqrtn": 2}[combiner]
     np.testing.assert_allclose(layer(vocab[idx]).numpy(), want, rtol=1e-6)
+
+
+def test_ragged_row_ids_and_the_segment_sum_gradient_match_tfs():
+    """The combiner's row ids come from a search over row_splits, not TF's
+    value_rowids (a [rows, longest row] tile: 26x the ids of a long-tailed
+    batch, a review), and its segment sum's gradient is one gather, not
+    TF's (which also masks negative ids with four more [N, D] tensors): the
+    same values, and no tile in the traced op."""
+    from tf_sfctr.keras_layers._combine import ragged_row_ids, segment_sum
+
+    rng = np.random.default_rng(7)
+    lengths = rng.integers(0, 5, 300)
+    lengths[[0, 17, 299]] = 0  # empty rows first, inside and last
+    lengths[5] = 200  # a long tail
+    ragged = tf.RaggedTensor.from_row_lengths(np.arange(lengths.sum()), lengths)
+    for r in (ragged, ragged.with_row_splits_dtype(tf.int32),
+              tf.RaggedTensor.from_row_lengths(tf.zeros([0], tf.int64), [0, 0]),
+              tf.RaggedTensor.from_row_lengths(tf.zeros([0], tf.int64),
+                                               tf.zeros([0], tf.int64))):
+        np.testing.assert_array_equal(ragged_row_ids(r).numpy(), r.value_rowids().numpy())
+    graph = tf.function(ragged_row_ids).get_concrete_function(
+        tf.RaggedTensorSpec([None, None], tf.int64, 1, tf.int64)).graph
+    assert not {"Tile", "Where"} & {op.type for op in graph.get_operations()}
+
+    row_ids = ragged.value_rowids()
+    data = tf.constant(rng.normal(size=(int(lengths.sum()), 3)), tf.float32)
+    weights = tf.constant(rng.uniform(0.5, 2, size=(int(lengths.sum()),)), tf.float32)
+    up = tf.constant(rng.normal(size=(300, 3)), tf.float32)
+    grads = []
+    for op in (segment_sum, tf.math.unsorted_segment_sum):
+        with tf.GradientTape() as tape:
+            tape.watch([data, weights])
+            out = op(data * weights[:, None], row_ids, 300)
+            loss = tf.reduce_sum(out * up)
+        grads.append([out, *tape.gradient(loss, [data, weights])])
+    for ours, theirs in zip(*grads):
+        np.testing.assert_array_equal(ours.numpy(), theirs.numpy())

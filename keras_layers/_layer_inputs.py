@@ -114,10 +114,20 @@ def hint_checks(name: str, num_ids, num_steps, steps, where: str = "") -> list:
                                           message=what + "; the steps given are")]
 
 
-def _unquoted_when_traced(message: str) -> str:
-    """A traced assertion prints its message escaped (\\' for '): its quotes
-    go there."""
-    return message if tf.executing_eagerly() else message.replace("'", "")
+def cheap_check(ok: tf.Tensor, message: str, data: tuple = ()) -> tf.Tensor:
+    """Fails with ``message`` (and ``data``, int32 scalars or vectors) unless
+    the bool scalar ``ok``. Traced, a bare Assert of strings and int32 only:
+    tf.debugging.assert_equal and an Assert of other data wrap the check in a
+    cond, about ten more ops in every step (an audit of the traced step).
+    Its quotes go there (a traced assertion prints its text escaped). Eager,
+    an InvalidArgumentError, as assert_equal raises."""
+    if tf.executing_eagerly():
+        if not bool(ok):
+            shown = "".join(f" {np.asarray(d).tolist()}" for d in data)
+            raise tf.errors.InvalidArgumentError(None, None, message + shown)
+        return tf.constant(True)
+    return tf.debugging.Assert(ok, [message.replace("'", ""),
+                                    *(tf.cast(d, tf.int32) for d in data)])
 
 
 VSI_REQUIRED_KEYS = ("ids", "unique_ids", "inverse")
@@ -230,14 +240,12 @@ class InputsMixin:
             f"CachedEmbedding {self.name!r}: the de-duplicated feature does not describe "
             "its ids: 'inverse' must index 'unique_ids' (0 <= inverse < len(unique_ids)) "
             "and unique_ids[inverse] must equal 'ids' at every position, as "
-            "tf_sfctr.data.with_unique_ids gives (the first position where it does not "
-            "is shown below). A model whose tf_sfctr.data.vsi_inputs(...) were made with "
-            "other options (lookahead, eviction_hints) than its dataset's with_unique_ids "
-            "gets the wrong tensors: Keras matches the entries of a dict by position. "
-            "Nothing was changed")
+            "tf_sfctr.data.with_unique_ids gives. A model whose tf_sfctr.data.vsi_inputs(...) "
+            "were made with other options (lookahead, eviction_hints) than its dataset's "
+            "with_unique_ids gets the wrong tensors: Keras matches the entries of a dict by "
+            "position. Nothing was changed. The first position where it does not:")
         bad = _ops.first_bad_inverse(ids, unique_ids, inverse)
-        checked = tf.debugging.assert_equal(bad, tf.constant(-1, tf.int64),
-                                            message=_unquoted_when_traced(message))
+        checked = cheap_check(tf.equal(bad, -1), message, (bad,))
         with tf.control_dependencies([checked]):
             return tf.identity(unique_ids), tf.cast(inverse, tf.int32)
 
@@ -279,13 +287,11 @@ class InputsMixin:
             rows, nrows = inputs.indices[:, 0], inputs.dense_shape[0]
             # A row outside the batch would be dropped by the combiner's
             # segment sum (negative) or fail inside it (too large).
-            inside = tf.debugging.assert_equal(
-                tf.logical_or(tf.equal(tf.size(rows), 0), tf.logical_and(
-                    tf.reduce_min(rows) >= 0, tf.reduce_max(rows) < nrows)), True,
-                message=_unquoted_when_traced(
-                    f"CachedEmbedding {self.name!r}: a tf.SparseTensor of ids has row "
-                    "indices outside [0, dense_shape[0]); every first index of an entry "
-                    "must be a row of the batch"))
+            inside = cheap_check(
+                tf.reduce_all(tf.logical_and(rows >= 0, rows < nrows)),
+                f"CachedEmbedding {self.name!r}: a tf.SparseTensor of ids has row "
+                "indices outside [0, dense_shape[0]); every first index of an entry "
+                "must be a row of the batch")
             with tf.control_dependencies([inside]):
                 # (tf.identity: a cast of int64 values is no op, and waits
                 # for nothing.)

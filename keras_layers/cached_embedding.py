@@ -67,6 +67,7 @@ from tf_sfctr.keras_layers._layer_checks import (
 )
 from tf_sfctr.keras_layers._layer_inputs import (
     InputsMixin,
+    cheap_check,
     check_feature_list_entries,
     check_vsi_keys,
     eviction_hints,
@@ -1036,8 +1037,8 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             "been). Call the layer once per step (features that share the "
             "table go in one call: `a, b = layer([ids_a, ids_b])`), and take "
             "the step's gradient before other uses of the layer")
-        return tf.debugging.assert_equal(
-            self._training_calls.var.read_value(), call.call_number, message=moved + (
+        return cheap_check(
+            tf.equal(self._training_calls.var.read_value(), call.call_number), moved + (
                 " (under a LossScaleOptimizer the update runs when the optimizer "
                 "applies the gradients: use the layer after that)" if scaled else ""))
 
@@ -1050,13 +1051,13 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         latest = self._still_latest(call)
         with tf.control_dependencies([latest]):
             step_now = self._table_step.read_value()
-        once = tf.debugging.assert_equal(
-            step_now, call.step_at_call, message=(
-                f"CachedEmbedding {self.name!r}: a second gradient through one "
-                "training call; its table update was already applied with the "
-                "first. Take one gradient per training step (sum the losses "
-                "before tape.gradient); note that any gradient of a loss that a "
-                "training call feeds applies its update"))
+        once = cheap_check(
+            tf.equal(step_now, call.step_at_call),
+            f"CachedEmbedding {self.name!r}: a second gradient through one "
+            "training call; its table update was already applied with the "
+            "first. Take one gradient per training step (sum the losses "
+            "before tape.gradient); note that any gradient of a loss that a "
+            "training call feeds applies its update")
         with tf.control_dependencies([once]):
             # (tf.identity: a cast of float32 gradients is no op, and would
             # wait for nothing.)

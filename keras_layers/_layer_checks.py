@@ -6,6 +6,7 @@ saving or tracing mode is running."""
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Optional
 
 import tensorflow as tf
@@ -131,6 +132,26 @@ KERAS_EMBEDDING_ONLY = {
                              "(optimizer=), which applies no constraint",
     "lora_rank": "LoRA is not supported",
 }
+
+
+def refuse_keras_export(name: str) -> None:
+    """Refuses a trace made by Keras's SavedModel export (``model.export``,
+    ``keras.export.ExportArchive``) outside ``export_for_serving``: its
+    SavedModel cannot hold a host table, and it failed later with
+    TensorFlow's "untracked resource" AssertionError, which never named the
+    export that works (a review). Read from the Python stack, at trace time
+    only."""
+    frame = sys._getframe(1)
+    marker = os.path.join("keras", "src", "export", "export_lib.py")
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(marker):
+            raise ValueError(
+                f"CachedEmbedding {name!r}: Keras's model.export / ExportArchive cannot "
+                f"write this layer's table, which lives in host memory, into a SavedModel. "
+                f"Use tf_sfctr.export_for_serving(model, export_dir): a SavedModel of stock "
+                f"TF ops (TF Serving loads it without tf_sfctr), with the trained rows. "
+                f"Nothing was written.")
+        frame = frame.f_back
 
 
 def in_legacy_h5_format() -> bool:

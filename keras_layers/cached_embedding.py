@@ -64,6 +64,7 @@ from tf_sfctr.keras_layers._layer_checks import (
     compute_device,
     in_legacy_h5_format,
     keras_shape_inference,
+    refuse_keras_export,
 )
 from tf_sfctr.keras_layers._layer_inputs import (
     InputsMixin,
@@ -820,6 +821,8 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             # export_for_serving traces a model it cannot rebuild: the
             # served function reads the frozen rows, with stock ops.
             return twin(self, inputs, weights)
+        if not tf.executing_eagerly():
+            refuse_keras_export(self.name)
         # A frozen layer (trainable=False) serves its rows like inference.
         training = bool(flag) and self.trainable
         scale = None
@@ -1347,7 +1350,9 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                 "'.h5' path) stores a layer's Keras weights only, not its table, which would be "
                 "lost. Save a '.keras' file (model.save('model.keras')), Keras weights "
                 "(model.save_weights('model.weights.h5')) or a tf.train.Checkpoint; the "
-                "served model comes from tf_sfctr.export_for_serving.")
+                "served model comes from tf_sfctr.export_for_serving. (Keras opened the '.h5' "
+                "file for writing before this refusal: it is now an empty, unusable file, "
+                "in place of any file that was at that path.)")
         config = super().get_config()
         config.update({
             "output_dim": self.output_dim,

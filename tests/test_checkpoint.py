@@ -142,7 +142,8 @@ def test_legacy_h5_model_files_are_refused(rng, tmp_path):
     _fit(model, x, y)
     rows = emb.lookup_rows(vocab)
     with pytest.raises(ValueError, match=r"CachedEmbedding 'emb': Keras's legacy HDF5 format"
-                                         r".*not its table.*'\.keras' file"):
+                                         r".*not its table.*'\.keras' file.*it is now an "
+                                         r"empty, unusable file"):
         model.save(str(tmp_path / "m.h5"))
     # Nothing changed, and the modern formats still work after the refusal.
     np.testing.assert_array_equal(emb.lookup_rows(vocab), rows)
@@ -178,6 +179,49 @@ def test_async_checkpoints_and_tf_saved_model_save_are_refused(rng, tmp_path):
     again, again_emb = _model("adagrad")
     _ckpt(again).restore(path)
     np.testing.assert_array_equal(again_emb.lookup_rows(vocab), rows)
+
+
+def test_keras_export_paths_are_refused_naming_export_for_serving(rng, tmp_path):
+    """Keras's model.export and ExportArchive failed with TensorFlow's
+    "untracked resource" AssertionError, which never names the export that
+    works, and tf.saved_model.save's refusal came after AutoGraph asked to
+    report a bug to the TensorFlow team (a review). Now each refuses with a
+    message naming tf_sfctr.export_for_serving, writes nothing, and the
+    model goes on training; export_for_serving still works."""
+    import logging
+
+    vocab, x, y = _data(rng, 2)
+    model, emb = _model("adagrad")
+    _fit(model, x, y)
+    rows = emb.lookup_rows(vocab)
+    works = r"CachedEmbedding 'emb': Keras's model.export / ExportArchive .*export_for_serving"
+    with pytest.raises(ValueError, match=works):
+        model.export(str(tmp_path / "exported"))
+    archive = keras.export.ExportArchive()
+    archive.track(model)
+    with pytest.raises(ValueError, match=works):  # (traced at add_endpoint or write_out)
+        archive.add_endpoint("serve", model.__call__,
+                             input_signature=[tf.TensorSpec([None, x.shape[1]], tf.int64)])
+        archive.write_out(str(tmp_path / "archived"))
+    assert not (tmp_path / "exported").exists() and not (tmp_path / "archived").exists()
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    keep = Keep()
+    tf.get_logger().addHandler(keep)
+    try:
+        with pytest.raises(ValueError, match=r"tf.saved_model.save cannot save"):
+            tf.saved_model.save(model, str(tmp_path / "sm"))
+    finally:
+        tf.get_logger().removeHandler(keep)
+    assert not [m for m in seen if "report this to the TensorFlow team" in m], seen
+    np.testing.assert_array_equal(emb.lookup_rows(vocab), rows)
+    _fit(model, x, y)
+    tf_sfctr.export_for_serving(model, str(tmp_path / "served"))
+    assert (tmp_path / "served" / "saved_model.pb").exists()
 
 
 def test_model_checkpoint_callback(rng, tmp_path):

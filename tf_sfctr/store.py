@@ -491,7 +491,11 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
                     "ids": tf.zeros([0], tf.int64),
                     "rows": tf.zeros([0, self.config.width], tf.float32),
                     "counts": tf.zeros([0], tf.int64), "counters": self.stats()[:3]}
-        exported: dict = {}
+        # (Not annotated: AutoGraph, which converts this method when
+        # tf.saved_model.save traces it, fails on an annotated name a nested
+        # function uses and asked to report it to the TensorFlow team before
+        # the refusal above, a review.)
+        exported = {}
 
         def value(key):
             def make():

@@ -1,6 +1,6 @@
 """Combiners shared by CachedEmbedding and ServingEmbedding: one vector per
 row of multi-hot ids, like ``tf.nn.embedding_lookup_sparse`` (empty rows
-give zeros)."""
+give zeros); and checks both layers make (mask_zero, a float dtype policy)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ import tensorflow as tf
 
 
 @tf.custom_gradient
-def segment_sum(data: tf.Tensor, row_ids: tf.Tensor, nrows: tf.Tensor) -> tf.Tensor:
+def in_range_segment_sum(data: tf.Tensor, row_ids: tf.Tensor, nrows: tf.Tensor) -> tf.Tensor:
     """``tf.math.unsorted_segment_sum`` of rows whose ``row_ids`` are all in
-    [0, nrows) (ragged rows, or sparse ones checked to be), with the gradient
-    that needs: one gather of the output's gradient. TF's own also zeroes
-    the rows of negative ids, four more [N, D] tensors in every backward
-    pass (a review of the traced step's ops)."""
+    [0, nrows) (a ragged tensor's, or a sparse one's that the caller
+    checked), with the gradient that needs: one gather of the output's
+    gradient (TF's also zeroes the rows of negative ids, with four more
+    [N, D] tensors). Not ``_ops.segment_sums``, the table update's sums per
+    distinct id."""
     def grad(dy):
         return tf.gather(dy, row_ids), None, None
 
@@ -25,9 +26,8 @@ def segment_sum(data: tf.Tensor, row_ids: tf.Tensor, nrows: tf.Tensor) -> tf.Ten
 
 def ragged_row_ids(ragged: tf.RaggedTensor) -> tf.Tensor:
     """The row of each value of a 2-D ``ragged`` (its ``value_rowids()``) in
-    O(values * log rows): TF's repeats each row's index in a [rows, longest
-    row] tile (a long-tailed batch of 4096 rows, one of 2000 ids, made 26x
-    its 300k ids, a review)."""
+    O(values * log rows), by a search over its row splits: TF's repeats each
+    row's index in a [rows, longest row] tile."""
     splits = ragged.row_splits
     return tf.searchsorted(splits[1:], tf.range(splits[-1], dtype=splits.dtype), side="right",
                            out_type=splits.dtype)
@@ -41,16 +41,16 @@ def combine_segments(rows: tf.Tensor, row_ids: tf.Tensor, nrows: tf.Tensor,
     "sqrtn" by the square root of its sum of squared weights (a row whose
     divisor is 0 gives zeros)."""
     if weights is None:
-        total = segment_sum(rows, row_ids, nrows)
+        total = in_range_segment_sum(rows, row_ids, nrows)
         if combiner in (None, "sum"):
             return total
-        counts = segment_sum(tf.ones_like(row_ids, rows.dtype), row_ids, nrows)
+        counts = in_range_segment_sum(tf.ones_like(row_ids, rows.dtype), row_ids, nrows)
         counts = tf.maximum(counts, 1.0)[:, None]
         return total / (counts if combiner == "mean" else tf.sqrt(counts))
-    total = segment_sum(rows * weights[:, None], row_ids, nrows)
+    total = in_range_segment_sum(rows * weights[:, None], row_ids, nrows)
     if combiner in (None, "sum"):
         return total
-    norm = segment_sum(
+    norm = in_range_segment_sum(
         weights if combiner == "mean" else tf.square(weights), row_ids, nrows)
     return tf.math.divide_no_nan(total, (norm if combiner == "mean" else tf.sqrt(norm))[:, None])
 

@@ -135,16 +135,20 @@ KERAS_EMBEDDING_ONLY = {
 
 
 def refuse_keras_export(name: str) -> None:
-    """Refuses a trace made by Keras's SavedModel export (``model.export``,
-    ``keras.export.ExportArchive``) outside ``export_for_serving``: its
-    SavedModel cannot hold a host table, and it failed later with
-    TensorFlow's "untracked resource" AssertionError, which never named the
-    export that works (a review). Read from the Python stack, at trace time
-    only."""
+    """Refuses a trace made by Keras's SavedModel export (``model.export``
+    and ``keras.export.ExportArchive``, whose method is then on the Python
+    stack) outside ``export_for_serving``: its SavedModel cannot hold a host
+    table, and it failed later with TensorFlow's "untracked resource"
+    AssertionError, which never named the export that works. Called at
+    trace time only."""
+    import keras
+
+    archive = getattr(getattr(keras, "export", None), "ExportArchive", None)
+    if archive is None:
+        return
     frame = sys._getframe(1)
-    marker = os.path.join("keras", "src", "export", "export_lib.py")
     while frame is not None:
-        if frame.f_code.co_filename.endswith(marker):
+        if isinstance(frame.f_locals.get("self"), archive):
             raise ValueError(
                 f"CachedEmbedding {name!r}: Keras's model.export / ExportArchive cannot "
                 f"write this layer's table, which lives in host memory, into a SavedModel. "

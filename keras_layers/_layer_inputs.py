@@ -114,20 +114,20 @@ def hint_checks(name: str, num_ids, num_steps, steps, where: str = "") -> list:
                                           message=what + "; the steps given are")]
 
 
-def cheap_check(ok: tf.Tensor, message: str, data: tuple = ()) -> tf.Tensor:
-    """Fails with ``message`` (and ``data``, int32 scalars or vectors) unless
-    the bool scalar ``ok``. Traced, a bare Assert of strings and int32 only:
-    tf.debugging.assert_equal and an Assert of other data wrap the check in a
-    cond, about ten more ops in every step (an audit of the traced step).
-    Its quotes go there (a traced assertion prints its text escaped). Eager,
-    an InvalidArgumentError, as assert_equal raises."""
+def cheap_check(ok: tf.Tensor, message: str, data: tuple = (), summarize: int = 8) -> tf.Tensor:
+    """Fails with ``message`` (then ``data``: integer scalars or vectors, up
+    to ``summarize`` entries each when traced) unless the bool scalar ``ok``.
+    Traced, a bare Assert of strings and int32 only: tf.debugging.assert_equal,
+    and an Assert of other data, wrap the check in a cond of about ten ops
+    that runs in every step. Eager, an InvalidArgumentError, as assert_equal
+    raises."""
     if tf.executing_eagerly():
         if not bool(ok):
             shown = "".join(f" {np.asarray(d).tolist()}" for d in data)
             raise tf.errors.InvalidArgumentError(None, None, message + shown)
         return tf.constant(True)
-    return tf.debugging.Assert(ok, [message.replace("'", ""),
-                                    *(tf.cast(d, tf.int32) for d in data)])
+    return tf.debugging.Assert(ok, [_ops.traced_text(message),
+                                    *(tf.cast(d, tf.int32) for d in data)], summarize=summarize)
 
 
 VSI_REQUIRED_KEYS = ("ids", "unique_ids", "inverse")
@@ -411,7 +411,7 @@ class InputsMixin:
             # data strings and int32 only): assert_equal's guard is a cond,
             # for which grappler's loop optimizer logs a warning at every
             # trace; no quotes in its text, which it prints escaped.
-            text = f"{message.replace(repr(self.name), self.name)}. {traced[0]}"
+            text = _ops.traced_text(f"{message}. {traced[0]}")
             checked = tf.debugging.Assert(same, [text, *traced[1]()], summarize=8)
             with tf.control_dependencies([checked]):
                 values = tf.identity(values)

@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from tf_sfctr import _ops
 from tf_sfctr.distributed import _horovod
-from tf_sfctr.keras_layers._layer_inputs import hint_checks
+from tf_sfctr.keras_layers._layer_inputs import cheap_check, hint_checks
 
 
 class ShardedRowsMixin:
@@ -241,20 +241,14 @@ class ShardedRowsMixin:
         fewer ids than cache_capacity made puzzling. ``sizes``: each rank's
         distinct ids."""
         cap = self.cache_capacity
-        # (No quotes in the text: Assert prints its strings escaped.)
-        text = (f"CachedEmbedding {self.name} (data parallel): the batches of this step on "
-                f"the {self._world_size} ranks hold more distinct ids together than "
-                f"cache_capacity={cap}. Each replica caches the distinct ids of the batches of "
-                f"every rank, not of its own only: raise cache_capacity to at least their "
-                f"union, or use smaller batches. Nothing was changed. Distinct ids of all "
-                f"ranks, then of each rank:")
-        if tf.executing_eagerly():
-            if int(union) > cap:
-                raise tf.errors.InvalidArgumentError(
-                    None, None, f"{text} {int(union)}, {sizes.numpy().tolist()}")
-            return tf.constant(True)
-        return tf.debugging.Assert(union <= cap, [text, union, sizes],
-                                   summarize=self._world_size)
+        return cheap_check(
+            union <= cap,
+            f"CachedEmbedding {self.name} (data parallel): the batches of this step on "
+            f"the {self._world_size} ranks hold more distinct ids together than "
+            f"cache_capacity={cap}. Each replica caches the distinct ids of the batches of "
+            f"every rank, not of its own only: raise cache_capacity to at least their "
+            f"union, or use smaller batches. Nothing was changed. Distinct ids of all "
+            f"ranks, then of each rank:", (union, sizes), summarize=self._world_size)
 
     def _data_parallel_rows(self, unique_ids: tf.Tensor, training: bool,
                             next_ids: Optional[tf.Tensor] = None,

@@ -401,7 +401,6 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                     self.seed = int(hvd.broadcast(
                         tf.constant(self.seed, tf.int64), root_rank=0,
                         name=f"sfctr_seed_{self.name}", ignore_name_scope=True).numpy())
-                self._seed_drawn = False
         expected = self.expected_rows or 0
         if self._mode == "model_parallel":  # this rank's share
             expected = -(-expected // size)

@@ -104,7 +104,7 @@ def test_ragged_row_ids_and_the_segment_sum_gradient_match_tfs():
     batch, a review), and its segment sum's gradient is one gather, not
     TF's (which also masks negative ids with four more [N, D] tensors): the
     same values, and no tile in the traced op."""
-    from tf_sfctr.keras_layers._combine import ragged_row_ids, segment_sum
+    from tf_sfctr.keras_layers._combine import in_range_segment_sum, ragged_row_ids
 
     rng = np.random.default_rng(7)
     lengths = rng.integers(0, 5, 300)
@@ -125,7 +125,7 @@ def test_ragged_row_ids_and_the_segment_sum_gradient_match_tfs():
     weights = tf.constant(rng.uniform(0.5, 2, size=(int(lengths.sum()),)), tf.float32)
     up = tf.constant(rng.normal(size=(300, 3)), tf.float32)
     grads = []
-    for op in (segment_sum, tf.math.unsorted_segment_sum):
+    for op in (in_range_segment_sum, tf.math.unsorted_segment_sum):
         with tf.GradientTape() as tape:
             tape.watch([data, weights])
             out = op(data * weights[:, None], row_ids, 300)

@@ -334,6 +334,10 @@ def test_follow_keras_learning_rate_with_a_given_ratio(rng):
     for bad in (0, -1.0, float("nan"), True, "2", {"a": 0.0}):
         with pytest.raises(ValueError, match="ratio must be None, a number > 0 or a dict"):
             FollowKerasLearningRate(ratio=bad)
+    with pytest.raises(ValueError, match=r"ratio names \['c'\], which are no tables of this "
+                                         r"model; its tables: \['a', 'b'\]"):
+        model.fit(ids, labels, batch_size=BATCH, verbose=0,
+                  callbacks=[FollowKerasLearningRate(ratio={"a": 1.0, "c": 2.0})])
 
 
 def test_early_stopping_leaves_the_keras_optimizer_unless_asked_and_cleans_up(rng):

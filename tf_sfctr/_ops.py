@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 
 import tensorflow as tf
@@ -126,6 +127,13 @@ def built_for_version() -> str | None:
 #: them, as with a GPU visible: tests run the GPU machines' code path this
 #: way on CPU-only machines.
 CPU_KERNELS_ENV = "TF_SFCTR_CPU_KERNELS"
+
+
+def traced_text(text: str) -> str:
+    """``text`` for a traced Assert, which prints its strings escaped
+    (``\\'emb\\'``): the quotes around a single word ('emb', 'ids') go,
+    apostrophes (a step's) stay."""
+    return re.sub(r"'([^'\s]+)'", r"\1", text)
 
 
 def _use_kernel(use_kernel: bool | None) -> bool:
@@ -349,8 +357,8 @@ def sparse_apply_ftrl(var: tf.Variable, accum: tf.Variable, linear: tf.Variable,
     # lr, and lr = 0 (a schedule decayed to zero) would write NaN rows.
     checks = [
         tf.debugging.Assert(lr > 0.0, ["FTRL's learning rate must be > 0, got", lr,
-                                       f"(rows variable '{var.name.split(':')[0]}'); no row "
-                                       "was changed"]),
+                                       traced_text(f"(rows variable '{var.name.split(':')[0]}'); "
+                                                   "no row was changed")]),
         tf.debugging.Assert(tf.reduce_all(tf.stack([l1 >= 0.0, l2 >= 0.0,
                                                     l2_shrinkage >= 0.0])),
                             ["FTRL's l1, l2 (with beta / (2 lr)) and l2_shrinkage must be "

@@ -1,5 +1,5 @@
-"""Keras callbacks for the embedding tables: what the caches are doing, and
-pruning of rarely used ids.
+"""Keras callbacks for the embedding tables: what the caches are doing,
+pruning of rarely used ids, their learning rates and early stopping.
 
 ``CacheMetrics`` adds, for every ``CachedEmbedding`` of the model, its cache hit
 rate, misses and evictions per training step and host-table size to the logs
@@ -139,6 +139,10 @@ class _Steps:
     def restart(self, model) -> None:
         """At the start of training or of an epoch."""
         self._seen = self._count(model)
+
+    def iterations_seen(self) -> Optional[int]:
+        """The optimizer's count as last read (at the last batch end)."""
+        return None if self._seen is None else self._seen[1]
 
     def batch_end(self, model, epoch_end: bool = False) -> int:
         """At a batch's end, and (``epoch_end``) the epoch's: that counts a
@@ -486,7 +490,7 @@ class PruneHostTable(keras.callbacks.Callback):
         if self.every_steps is None:
             return
         step = self._steps.batch_end(self.model, epoch_end=epoch_end)
-        self._seen_iterations = _Steps._iterations(self.model)
+        self._seen_iterations = self._steps.iterations_seen()
         if step // self.every_steps > self._last_prune_step // self.every_steps:
             self._prune()
             self._last_prune_step = step
@@ -546,7 +550,12 @@ class FollowKerasLearningRate(keras.callbacks.Callback):
 
     def __init__(self, ratio: Any = None) -> None:
         super().__init__()
-        given = ratio if isinstance(ratio, dict) else {} if ratio is None else None
+        if isinstance(ratio, dict):
+            given = ratio
+        elif ratio is None:
+            given = {}
+        else:
+            given = None  # one ratio for every table
         values = list(given.values()) if given is not None else [ratio]
         for value in values:
             if isinstance(value, (bool, np.bool_)) or not isinstance(
@@ -555,7 +564,8 @@ class FollowKerasLearningRate(keras.callbacks.Callback):
                                  f"or a dict of them by table name, got {ratio!r}")
         self._every = None if given is not None else float(ratio)
         # table name -> its rate / Keras's (given, or measured in the first fit)
-        self.ratios: dict = {name: float(r) for name, r in (given or {}).items()}
+        self._given = dict(given or {})
+        self.ratios: dict = {name: float(r) for name, r in self._given.items()}
         self._layers: list = []
         self._last: Optional[float] = None
 
@@ -569,7 +579,13 @@ class FollowKerasLearningRate(keras.callbacks.Callback):
     def on_train_begin(self, logs: Optional[dict] = None) -> None:
         self._keras_rate()  # (a compiled model)
         self._layers = []
-        for layer, name in table_log_names(self.model):
+        tables = table_log_names(self.model)
+        unknown = sorted(set(self._given) - {name for _, name in tables})
+        if unknown:
+            raise ValueError(f"FollowKerasLearningRate: ratio names {unknown}, which are no "
+                             f"tables of this model; its tables: "
+                             f"{[name for _, name in tables]}")
+        for layer, name in tables:
             if not layer.trainable:
                 continue
             rate = layer.table_optimizer.learning_rate
@@ -626,12 +642,12 @@ class EarlyStopping(keras.callbacks.EarlyStopping):
 
     The other arguments are Keras's; ``directory`` is where the file goes (by
     default a temporary directory made at the first save and removed when
-    training ends, also when ``fit`` raises at the next ``fit`` or when the
-    callback is freed; one file per Horovod rank). Under Horovod a
-    data-parallel table works on every rank (each keeps its replica's file);
-    model-parallel tables are refused when training starts (or, in a
-    subclassed model built by its first step, after that step), since Keras
-    weight files of them are: save them with
+    training ends; one that a ``fit`` which raised left is removed at the
+    next ``fit``, or when the callback is freed; one file per Horovod rank).
+    Under Horovod a data-parallel table works on every rank (each keeps its
+    replica's file); model-parallel tables are refused when training starts
+    (or, in a subclassed model built by its first step, after that step),
+    since Keras weight files cannot hold them: save them with
     ``tf_sfctr.distributed.SaveCheckpoints`` and ``restore`` the best save.
 
     Example:
@@ -675,7 +691,7 @@ class EarlyStopping(keras.callbacks.EarlyStopping):
 
     def _refuse_sharded_tables(self) -> None:
         sharded = [name for layer, name in table_log_names(self.model)
-                   if getattr(layer, "_mode", None) == "model_parallel"]
+                   if layer.built and layer.mode == "model_parallel"]
         if sharded:
             raise ValueError(
                 f"tf_sfctr.callbacks.EarlyStopping(restore_best_weights=True) keeps the best "
@@ -734,7 +750,9 @@ class EarlyStopping(keras.callbacks.EarlyStopping):
         super().on_train_end(logs)
         try:
             if self.restore_best_tables and self._saved:
-                if self.verbose > 0:
+                from tf_sfctr.distributed import world
+
+                if self.verbose > 0 and world()[1] == 0:
                     print(f"Restoring the model (tables included) from the end of the best "
                           f"epoch: {self.best_epoch + 1}.")
                 self._load_best()

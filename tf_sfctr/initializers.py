@@ -170,10 +170,12 @@ def resolve(initializer: Any, output_dim: Any = None) -> InitSpec:
     if isinstance(obj, keras.initializers.VarianceScaling):
         raise ValueError(
             f"embeddings_initializer {type(obj).__name__} (mode={mode!r}) needs "
-            f"the vocabulary's size, its fan_in, which an unbounded table has not (rows are "
-            f"made one id at a time). For a vocabulary of V ids, Glorot's uniform range is "
-            f"RandomUniform(-sqrt(6 / (V + output_dim)), +sqrt(6 / (V + output_dim))); "
-            f"VarianceScaling(mode='fan_out') uses output_dim only. Supported: {SUPPORTED}.")
+            f"the vocabulary's size (the fan_in of an embedding matrix), which an unbounded "
+            f"table has not (rows are made one id at a time). For a vocabulary of V ids, "
+            f"give the range it would draw from: RandomUniform(-limit, limit) or "
+            f"RandomNormal(stddev=...) (Glorot's uniform limit is sqrt(6 / (V + "
+            f"output_dim))); VarianceScaling(mode='fan_out') uses output_dim only. "
+            f"Supported: {SUPPORTED}.")
     raise ValueError(
         f"embeddings_initializer {type(obj).__name__} is not supported by "
         f"CachedEmbedding (rows are created one id at a time, so shape-dependent "

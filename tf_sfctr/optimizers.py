@@ -667,7 +667,7 @@ class Ftrl(TableOptimizer):
 
     def rate_checks(self, rate, table=""):
         # (The same refusal as the update's own: it divides by the rate.)
-        where = f" of table '{table}'" if table else ""
+        where = f" of table {table}" if table else ""  # (no quotes: traced, printed escaped)
         return [tf.debugging.assert_greater(
             rate, tf.constant(0.0, rate.dtype),
             message=f"FTRL's learning rate{where} (from the table optimizer's learning rate "

@@ -376,7 +376,7 @@ class InputsMixin:
                                   tf.cast(ids.row_splits, tf.int64))
             told = "row lengths"
             traced = ("(rows, values) of the ids and of the weights, then their row lengths:",
-                      lambda: [tf.cast(tf.stack([x.nrows(), tf.size(x.values, tf.int64)]),
+                      lambda: [tf.cast(tf.stack([x.nrows(tf.int64), tf.size(x.values, tf.int64)]),
                                        tf.int32) for x in (ids, weights)]
                       + [tf.cast(x.row_lengths(), tf.int32) for x in (ids, weights)])
         elif ids_kind is tf.SparseTensor:

@@ -376,17 +376,21 @@ def test_sparse_weighted_model_serves_dense_padded_rows(rng, tmp_path):
 
 def test_ragged_weights_with_int32_row_splits(rng):
     """Ragged ids or weights with int32 row splits (either side) are weighted
-    as with int64 ones; weights ragged deeper than the ids are refused."""
+    as with int64 ones, eagerly and traced (the traced weights check once
+    stacked an int32 row count with an int64 size, a review); weights ragged
+    deeper than the ids are refused."""
     vocab = random_vocab(rng, 6)
     layer = _layer("sum")
     params = layer.lookup_rows(vocab)
     want = [0.5 * params[0] + 2 * params[1], 3 * params[2]]
+    traced = tf.function(lambda ids, w: layer(ids, weights=w))
     for ids_splits in (tf.int32, tf.int64):
         for w_splits in (tf.int32, tf.int64):
             ids = tf.ragged.constant([list(vocab[:2]), [vocab[2]]], tf.int64,
                                      row_splits_dtype=ids_splits)
             w = tf.ragged.constant([[0.5, 2.0], [3.0]], row_splits_dtype=w_splits)
             np.testing.assert_allclose(layer(ids, weights=w).numpy(), want, rtol=1e-6)
+            np.testing.assert_allclose(traced(ids, w).numpy(), want, rtol=1e-6)
     deeper = tf.ragged.constant([[[0.5], [2.0]], [[3.0]]])
     with pytest.raises(ValueError, match="2-D ragged"):
         layer(ids, weights=deeper)

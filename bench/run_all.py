@@ -41,6 +41,7 @@ BENCHMARKS = [
     ("fit_e2e", "End-to-end model.fit of a DLRM-style model", [], ["--tiny"], {}),
     ("fit_e2e", "End-to-end model.fit, TF's BFC CPU allocator", [], None,
      {"TF_CPU_ALLOCATOR_USE_BFC": "true"}),
+    ("multi_hot", "Lookup + update of multi-hot (ragged and sparse) ids", [], ["--tiny"], {}),
     ("cache_policy", "Cache hit rate vs Belady's optimum and LRU", [], ["--tiny"], {}),
     ("host_memory", "Host-table bytes per row", ["--rows", "2000000"],
      ["--rows", "100000", "--dims", "16", "--optimizers", "adagrad"], {}),

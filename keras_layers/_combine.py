@@ -9,49 +9,87 @@ from typing import Any, Optional
 import keras
 import tensorflow as tf
 
+from tf_sfctr import _ops
 
-@tf.custom_gradient
-def in_range_segment_sum(data: tf.Tensor, row_ids: tf.Tensor, nrows: tf.Tensor) -> tf.Tensor:
-    """``tf.math.unsorted_segment_sum`` of rows whose ``row_ids`` are all in
-    [0, nrows) (a ragged tensor's, or a sparse one's that the caller
+
+def in_range_segment_sum(data: tf.Tensor, row_ids: tf.Tensor, nrows: tf.Tensor,
+                         sorted_ids: bool = False, use_kernel: bool = False) -> tf.Tensor:
+    """``tf.math.unsorted_segment_sum(data, row_ids, nrows)`` for ``row_ids``
+    all in [0, nrows) (a ragged tensor's, or a sparse one's that the caller
     checked), with the gradient that needs: one gather of the output's
     gradient (TF's also zeroes the rows of negative ids, with four more
-    [N, D] tensors). Not ``_ops.segment_sums``, the table update's sums per
-    distinct id."""
-    def grad(dy):
-        return tf.gather(dy, row_ids), None, None
+    [N, D] tensors). Not ``_ops.segment_sums`` alone, the table update's
+    sums per distinct id.
 
-    return tf.math.unsorted_segment_sum(data, row_ids, nrows), grad
+    ``sorted_ids``: the row ids never decrease (a ragged tensor's): TF's
+    sorted segment sum, padded to ``nrows`` (empty rows last), which took a
+    third of the unsorted one's time on a multi-hot batch
+    (``bench/multi_hot.py``). ``use_kernel``: our CPU kernels
+    (``_ops.segment_sums`` for an unsorted sum, ``_ops.gather_tensor_rows``
+    for the gradient) where the data is a float32 matrix and, for the
+    gather, the row ids are int32; else TF's ops."""
+    matrix = use_kernel and data.dtype == tf.float32 and data.shape.rank == 2
+    nrows = tf.cast(nrows, tf.int64)
+
+    @tf.custom_gradient
+    def segment_sum(x):
+        if sorted_ids:
+            total = tf.math.segment_sum(x, row_ids)
+            missing = nrows - tf.shape(total, out_type=tf.int64)[0]
+            total = tf.pad(total, [[0, missing]] + [[0, 0]] * (x.shape.rank - 1))
+        elif matrix:
+            total = _ops.segment_sums(x, row_ids, nrows, use_kernel=True)[0]
+        else:
+            total = tf.math.unsorted_segment_sum(x, row_ids, nrows)
+
+        def grad(dy):
+            if matrix and row_ids.dtype == tf.int32:
+                return _ops.gather_tensor_rows(dy, row_ids, use_kernel=True)
+            return tf.gather(dy, row_ids)
+
+        return total, grad
+
+    return segment_sum(data)
 
 
-def ragged_row_ids(ragged: tf.RaggedTensor) -> tf.Tensor:
-    """The row of each value of a 2-D ``ragged`` (its ``value_rowids()``) in
-    O(values * log rows), by a search over its row splits: TF's repeats each
-    row's index in a [rows, longest row] tile."""
-    splits = ragged.row_splits
-    return tf.searchsorted(splits[1:], tf.range(splits[-1], dtype=splits.dtype), side="right",
-                           out_type=splits.dtype)
+def ragged_row_ids(ragged: tf.RaggedTensor, use_kernel: bool = False) -> tf.Tensor:
+    """The int32 row of each value of a 2-D ``ragged`` (its ``value_rowids()``)
+    in O(values + rows) (``_ops.row_ids``; ``use_kernel``: our CPU kernel,
+    else TF's ops): TF's repeats each row's index in a [rows, longest row]
+    tile."""
+    return _ops.row_ids(ragged.row_splits, use_kernel=use_kernel)
 
 
 def combine_segments(rows: tf.Tensor, row_ids: tf.Tensor, nrows: tf.Tensor,
-                     combiner: Optional[str], weights: Optional[tf.Tensor] = None) -> tf.Tensor:
+                     combiner: Optional[str], weights: Optional[tf.Tensor] = None,
+                     lengths: Optional[tf.Tensor] = None, sorted_ids: bool = False,
+                     use_kernel: bool = False) -> tf.Tensor:
     """Reduces ``rows`` [N, D] into [nrows, D] by ``row_ids``. ``weights`` [N]
     (per id, as ``tf.nn.embedding_lookup_sparse``'s ``sp_weights``): "sum"
     is the weighted sum, "mean" divides it by the row's total weight,
     "sqrtn" by the square root of its sum of squared weights (a row whose
-    divisor is 0 gives zeros)."""
+    divisor is 0 gives zeros). ``lengths`` [nrows]: each row's number of
+    ids when known (a ragged tensor's row lengths), for an unweighted mean
+    or sqrtn; ``sorted_ids`` and ``use_kernel``: see
+    :func:`in_range_segment_sum`."""
+    def sums(x):
+        return in_range_segment_sum(x, row_ids, nrows, sorted_ids=sorted_ids,
+                                    use_kernel=use_kernel)
+
     if weights is None:
-        total = in_range_segment_sum(rows, row_ids, nrows)
+        total = sums(rows)
         if combiner in (None, "sum"):
             return total
-        counts = in_range_segment_sum(tf.ones_like(row_ids, rows.dtype), row_ids, nrows)
+        if lengths is None:
+            counts = sums(tf.ones_like(row_ids, rows.dtype))
+        else:
+            counts = tf.cast(lengths, rows.dtype)
         counts = tf.maximum(counts, 1.0)[:, None]
         return total / (counts if combiner == "mean" else tf.sqrt(counts))
-    total = in_range_segment_sum(rows * weights[:, None], row_ids, nrows)
+    total = sums(rows * weights[:, None])
     if combiner in (None, "sum"):
         return total
-    norm = in_range_segment_sum(
-        weights if combiner == "mean" else tf.square(weights), row_ids, nrows)
+    norm = sums(weights if combiner == "mean" else tf.square(weights))
     return tf.math.divide_no_nan(total, (norm if combiner == "mean" else tf.sqrt(norm))[:, None])
 
 

@@ -276,7 +276,8 @@ class InputsMixin:
                     f"ragged_rank={inputs.ragged_rank}, rank={inputs.shape.rank}")
             self._require_combiner("tf.RaggedTensor")
             return tf.cast(inputs.values, tf.int64), {
-                "kind": "rows", "row_ids": ragged_row_ids(inputs), "nrows": inputs.nrows()}
+                "kind": "rows", "row_ids": ragged_row_ids(inputs, use_kernel=_ops.use_kernels()),
+                "nrows": inputs.nrows(), "lengths": inputs.row_lengths(), "sorted": True}
         if isinstance(inputs, tf.SparseTensor):
             check_id_dtype(inputs.dtype)
             if inputs.shape.rank != 2:
@@ -441,4 +442,6 @@ class InputsMixin:
                 return out
             return combine_last_axis(out, self.combiner, weights=weights)
         return combine_segments(rows, layout["row_ids"], layout["nrows"], self.combiner,
-                                weights=weights)
+                                weights=weights, lengths=layout.get("lengths"),
+                                sorted_ids=layout.get("sorted", False),
+                                use_kernel=_ops.use_kernels())

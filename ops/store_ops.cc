@@ -667,6 +667,23 @@ came back from an all-to-all, spread to the batch's ids): SfctrGatherRows on
 a tensor instead of a variable.
 )doc");
 
+REGISTER_OP("SfctrRowIds")
+    .Input("row_splits: Tsplits")
+    .Attr("Tsplits: {int32, int64}")
+    .Output("row_ids: int32")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle splits;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &splits));
+      return VectorOfUnknown(c, 0);
+    })
+    .Doc(R"doc(
+The row of each value of a 2-D ragged tensor from its row_splits (its
+value_rowids(), as int32), in one pass on one thread. TF's value_rowids builds
+a [rows, longest row] mask and a search over the splits costs a binary search
+per value. row_splits must start at 0 and never decrease, and the rows must
+fit in int32.
+)doc");
+
 REGISTER_OP("SfctrGatherIndex")
     .Input("params: int32")
     .Input("indices: int32")

@@ -22,6 +22,7 @@ TABLES = {
                       "Where the CachedEmbedding step goes", "Step time vs kernel time",
                       "Stages of the CachedEmbedding step run alone"],
     "fit_e2e": ["model.fit of a DLRM-style model"],
+    "multi_hot": ["Multi-hot rows, uniform lengths", "Multi-hot rows, long-tail lengths"],
     "cache_policy": ["Hit rate over the whole trace", "Hit rate over the second half"],
     "host_memory": [],  # untitled table; checked by its header below
     "scale": ["Host table insertion", "Peak memory"],

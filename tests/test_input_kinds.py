@@ -99,37 +99,49 @@ def test_dense_ids_with_combiner_reduce_last_axis(rng, combiner):
 
 
 def test_ragged_row_ids_and_the_segment_sum_gradient_match_tfs():
-    """The combiner's row ids come from a search over row_splits, not TF's
-    value_rowids (a [rows, longest row] tile: 26x the ids of a long-tailed
-    batch, a review), and its segment sum's gradient is one gather, not
-    TF's (which also masks negative ids with four more [N, D] tensors): the
-    same values, and no tile in the traced op."""
+    """The combiner's row ids come in one pass over row_splits (our kernel,
+    or TF's ops with a GPU), not TF's value_rowids (a [rows, longest row]
+    tile: 26x the ids of a long-tailed batch, a review) nor a search per
+    value (a fifth of a multi-hot step, bench/multi_hot.py); its segment
+    sum (sorted for ragged ids, our kernel for unsorted ones) has one gather
+    for its gradient, not TF's (which also masks negative ids with four more
+    [N, D] tensors): the same values, and no tile or search in the traced
+    ops."""
     from tf_sfctr.keras_layers._combine import in_range_segment_sum, ragged_row_ids
 
     rng = np.random.default_rng(7)
     lengths = rng.integers(0, 5, 300)
-    lengths[[0, 17, 299]] = 0  # empty rows first, inside and last
+    lengths[[0, 17, 298, 299]] = 0  # empty rows first, inside and last
     lengths[5] = 200  # a long tail
     ragged = tf.RaggedTensor.from_row_lengths(np.arange(lengths.sum()), lengths)
-    for r in (ragged, ragged.with_row_splits_dtype(tf.int32),
-              tf.RaggedTensor.from_row_lengths(tf.zeros([0], tf.int64), [0, 0]),
-              tf.RaggedTensor.from_row_lengths(tf.zeros([0], tf.int64),
-                                               tf.zeros([0], tf.int64))):
-        np.testing.assert_array_equal(ragged_row_ids(r).numpy(), r.value_rowids().numpy())
-    graph = tf.function(ragged_row_ids).get_concrete_function(
-        tf.RaggedTensorSpec([None, None], tf.int64, 1, tf.int64)).graph
-    assert not {"Tile", "Where"} & {op.type for op in graph.get_operations()}
+    spec = tf.RaggedTensorSpec([None, None], tf.int64, 1, tf.int64)
+    for kernel in (True, False):
+        for r in (ragged, ragged.with_row_splits_dtype(tf.int32),
+                  tf.RaggedTensor.from_row_lengths(tf.zeros([0], tf.int64), [0, 0]),
+                  tf.RaggedTensor.from_row_lengths(tf.zeros([0], tf.int64),
+                                                   tf.zeros([0], tf.int64))):
+            got = ragged_row_ids(r, use_kernel=kernel)
+            assert got.dtype == tf.int32
+            np.testing.assert_array_equal(got.numpy(), r.value_rowids().numpy())
+        graph = tf.function(
+            lambda x, k=kernel: ragged_row_ids(x, use_kernel=k)).get_concrete_function(spec).graph
+        types = {op.type for op in graph.get_operations()}
+        assert not {"Tile", "Where", "UpperBound", "LowerBound"} & types, types
+        assert ("SfctrRowIds" in types) == kernel
 
-    row_ids = ragged.value_rowids()
+    row_ids = tf.cast(ragged.value_rowids(), tf.int32)
     data = tf.constant(rng.normal(size=(int(lengths.sum()), 3)), tf.float32)
     weights = tf.constant(rng.uniform(0.5, 2, size=(int(lengths.sum()),)), tf.float32)
     up = tf.constant(rng.normal(size=(300, 3)), tf.float32)
-    grads = []
-    for op in (in_range_segment_sum, tf.math.unsorted_segment_sum):
+    ops = [lambda d, i, n, s=s, k=k: in_range_segment_sum(d, i, n, sorted_ids=s, use_kernel=k)
+           for s in (False, True) for k in (False, True)]
+    results = []
+    for op in ops + [tf.math.unsorted_segment_sum]:
         with tf.GradientTape() as tape:
             tape.watch([data, weights])
             out = op(data * weights[:, None], row_ids, 300)
             loss = tf.reduce_sum(out * up)
-        grads.append([out, *tape.gradient(loss, [data, weights])])
-    for ours, theirs in zip(*grads):
-        np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+        results.append([out, *tape.gradient(loss, [data, weights])])
+    for ours in results[:-1]:
+        for got, want in zip(ours, results[-1]):
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6, atol=1e-6)

@@ -60,6 +60,7 @@ _OP_TYPES = (
     "SfctrHostDropFileRows",
     "SfctrSparseApplyFtrl",
     "SfctrLookupValues",
+    "SfctrRowIds",
 )
 
 
@@ -233,6 +234,27 @@ def gather_index(params: tf.Tensor, indices: tf.Tensor, use_kernel: bool | None 
     if not _use_kernel(use_kernel):
         return tf.gather(params, indices)
     return load().sfctr_gather_index(params, indices)
+
+
+def row_ids(row_splits: tf.Tensor, use_kernel: bool | None = None) -> tf.Tensor:
+    """int32 row of each value of a 2-D ragged tensor with these
+    ``row_splits`` (its ``value_rowids()``), in O(values + rows).
+
+    On CPU this is our ``SfctrRowIds``, one pass on one thread. With a GPU
+    visible (or ``use_kernel=False``) it is TF's ops: a 1 where each row
+    after the first starts, summed along the values. Both avoid TF's
+    ``value_rowids``, whose [rows, longest row] mask costs 70x the values on
+    a long-tailed batch, and ``tf.searchsorted`` (a binary search per
+    value: 4.9 of a 22 ms multi-hot training step, ``bench/multi_hot.py``).
+    """
+    row_splits = tf.convert_to_tensor(row_splits)
+    if _use_kernel(use_kernel):
+        return load().sfctr_row_ids(row_splits)
+    starts = row_splits[1:-1]
+    # Rows that start at the end (empty rows last) mark the extra slot.
+    marks = tf.math.unsorted_segment_sum(tf.ones_like(starts, tf.int32), starts,
+                                         row_splits[-1] + 1)
+    return tf.cumsum(marks[:-1])
 
 
 def ids_equal(a: tf.Tensor, b: tf.Tensor, b_size: tf.Tensor | None = None,

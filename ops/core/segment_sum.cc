@@ -67,4 +67,25 @@ void SegmentSums(const float* data, const int32_t* segment, int64_t n, int64_t d
   }
 }
 
+template <typename Split>
+int64_t FirstBadSplit(const Split* splits, int64_t nrows) {
+  if (splits[0] != 0) return 0;
+  for (int64_t r = 1; r <= nrows; ++r) {
+    if (splits[r] < splits[r - 1]) return r;
+  }
+  return -1;
+}
+
+template <typename Split>
+void RowIdsFromSplits(const Split* splits, int64_t nrows, int32_t* out) {
+  for (int64_t r = 0; r < nrows; ++r) {
+    std::fill(out + splits[r], out + splits[r + 1], static_cast<int32_t>(r));
+  }
+}
+
+template int64_t FirstBadSplit<int32_t>(const int32_t*, int64_t);
+template int64_t FirstBadSplit<int64_t>(const int64_t*, int64_t);
+template void RowIdsFromSplits<int32_t>(const int32_t*, int64_t, int32_t*);
+template void RowIdsFromSplits<int64_t>(const int64_t*, int64_t, int32_t*);
+
 }  // namespace sfctr

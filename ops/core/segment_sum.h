@@ -27,6 +27,19 @@ int64_t FirstBadSegment(const int32_t* segment, int64_t n, int64_t num_segments)
 void SegmentSums(const float* data, const int32_t* segment, int64_t n, int64_t dim,
                  int64_t begin, int64_t end, float* sums, float* squares);
 
+// Row splits of a 2-D ragged tensor: splits[0..nrows], the values of row r at
+// [splits[r], splits[r + 1]). Index of the first split that breaks
+// "splits[0] == 0 and each split >= the one before", or -1.
+template <typename Split>
+int64_t FirstBadSplit(const Split* splits, int64_t nrows);
+
+// The row of each value: out[i] = r for splits[r] <= i < splits[r + 1], for
+// i in [0, splits[nrows]) (one pass over the output; TensorFlow's
+// value_rowids builds a [rows x longest row] mask first). Splits must be
+// valid (FirstBadSplit) and nrows must fit in int32.
+template <typename Split>
+void RowIdsFromSplits(const Split* splits, int64_t nrows, int32_t* out);
+
 }  // namespace sfctr
 
 #endif  // TF_SFCTR_OPS_CORE_SEGMENT_SUM_H_

@@ -224,6 +224,35 @@ class GatherIndexOp : public OpKernel {
   }
 };
 
+// The row of each value of a 2-D ragged tensor, from its row splits.
+template <typename Split>
+class RowIdsOp : public OpKernel {
+ public:
+  using OpKernel::OpKernel;
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& splits_t = ctx->input(0);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(splits_t.shape()) && splits_t.NumElements() > 0,
+                errors::InvalidArgument("row_splits must be a vector of at least one split, "
+                                        "got shape ", splits_t.shape().DebugString()));
+    const Split* splits = splits_t.flat<Split>().data();
+    const int64_t nrows = splits_t.NumElements() - 1;
+    OP_REQUIRES(ctx, nrows <= std::numeric_limits<int32_t>::max(),
+                errors::InvalidArgument("a ragged tensor of ", nrows,
+                                        " rows has row ids beyond int32"));
+    const int64_t bad = sfctr::FirstBadSplit(splits, nrows);
+    OP_REQUIRES(ctx, bad < 0,
+                errors::InvalidArgument(
+                    "row_splits must start at 0 and never decrease; row_splits[", bad,
+                    "] = ", bad < 0 ? 0 : static_cast<int64_t>(splits[bad]),
+                    bad > 0 ? " is below the split before it" : ""));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0, TensorShape({static_cast<int64_t>(splits[nrows])}), &out));
+    sfctr::RowIdsFromSplits(splits, nrows, out->flat<int32_t>().data());
+  }
+};
+
 // Whether two int64 tensors hold the same elements in order.
 class IdsEqualOp : public OpKernel {
  public:
@@ -568,6 +597,12 @@ SFCTR_CPU_KERNEL("SfctrNonFiniteMarker", NonFiniteMarkerOp);
 SFCTR_CPU_KERNEL("SfctrGatherRows", GatherRowsOp);
 SFCTR_CPU_KERNEL("SfctrGatherTensorRows", GatherTensorRowsOp);
 SFCTR_CPU_KERNEL("SfctrIdsEqual", IdsEqualOp);
+REGISTER_KERNEL_BUILDER(
+    Name("SfctrRowIds").Device(DEVICE_CPU).TypeConstraint<int32_t>("Tsplits"),
+    RowIdsOp<int32_t>);
+REGISTER_KERNEL_BUILDER(
+    Name("SfctrRowIds").Device(DEVICE_CPU).TypeConstraint<int64_t>("Tsplits"),
+    RowIdsOp<int64_t>);
 REGISTER_KERNEL_BUILDER(
     Name("SfctrFirstBadInverse").Device(DEVICE_CPU).TypeConstraint<int32_t>("Tidx"),
     FirstBadInverseOp<int32_t>);

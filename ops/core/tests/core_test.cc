@@ -1825,6 +1825,32 @@ TEST_CASE(SegmentSumsSplitInvariant) {
   CHECK_EQ(sfctr::FirstBadSegment(ids.data(), 3, 4), int64_t{-1});
 }
 
+// Row ids from row splits: empty rows first, inside and last; both split
+// types; FirstBadSplit names a nonzero start or a decrease.
+TEST_CASE(RowIdsFromSplitsMatchesRowLengths) {
+  const std::vector<int64_t> lengths = {0, 3, 1, 0, 0, 5, 2, 0};
+  std::vector<int64_t> splits64 = {0};
+  std::vector<int32_t> want;
+  for (size_t r = 0; r < lengths.size(); ++r) {
+    splits64.push_back(splits64.back() + lengths[r]);
+    want.insert(want.end(), lengths[r], static_cast<int32_t>(r));
+  }
+  const std::vector<int32_t> splits32(splits64.begin(), splits64.end());
+  const int64_t nrows = static_cast<int64_t>(lengths.size());
+  CHECK_EQ(sfctr::FirstBadSplit(splits64.data(), nrows), int64_t{-1});
+  CHECK_EQ(sfctr::FirstBadSplit(splits32.data(), nrows), int64_t{-1});
+  std::vector<int32_t> got(want.size(), -1), got32(want.size(), -1);
+  sfctr::RowIdsFromSplits(splits64.data(), nrows, got.data());
+  sfctr::RowIdsFromSplits(splits32.data(), nrows, got32.data());
+  CHECK(got == want);
+  CHECK(got32 == want);
+  const std::vector<int64_t> none = {0};  // no rows
+  CHECK_EQ(sfctr::FirstBadSplit(none.data(), 0), int64_t{-1});
+  const std::vector<int64_t> late = {1, 2}, down = {0, 4, 3, 5};
+  CHECK_EQ(sfctr::FirstBadSplit(late.data(), 1), int64_t{0});
+  CHECK_EQ(sfctr::FirstBadSplit(down.data(), 3), int64_t{2});
+}
+
 // Every shard runs exactly once whether helpers start at once, never start
 // before the work is done (a busy pool), or run on real threads; a helper
 // that starts after RunShards returned finds nothing to do.

@@ -135,8 +135,9 @@ as `num_parts` column blocks whose widths add up to the row width (e.g. the
 gathered value and state rows, without concatenating them first). `counts` is
 empty or holds one use count per id, added to the id's counter. Rows are
 flagged changed (for a changed_only export) when `mark_changed`, except those
-whose count is 0; a flush writes the cache back without flagging (the cache
-entries op flagged the rows used since the last flush).
+whose count is 0. Every caller in the library flags: evictions, and a flush's
+write-back of dirty rows (an update that lands after the flush that credited
+its use must reach the next delta).
 )doc");
 
 REGISTER_OP("SfctrHostAssign")

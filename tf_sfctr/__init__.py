@@ -7,7 +7,8 @@ Public API (one export point)::
     tf_sfctr.export_for_serving        # SavedModel with stock TF ops only
     tf_sfctr.data                      # input pipelines (synthetic Criteo, TSV, Parquet)
     tf_sfctr.distributed               # Horovod: DistributedOptimizer, callbacks, save/restore
-    tf_sfctr.callbacks                 # CacheMetrics, PruneHostTable
+    tf_sfctr.callbacks                 # CacheMetrics, PruneHostTable, FollowKerasLearningRate,
+                                       # EarlyStopping
 
 Importing the package loads neither the op library nor the data readers: the
 ``.so`` is loaded on first use (and refuses another TensorFlow version than

@@ -24,7 +24,9 @@ _REBUILD = "rebuild it with `pip install --no-build-isolation -e .` (or `make bu
 _lock = threading.Lock()
 _module = None
 
-# Ops with no gradient: they move indices and host rows, never math.
+# Every op of the library: none has a gradient. They move ids and host rows,
+# or are the table update's own steps (segment sums, the optimizers'
+# updates), which the layer runs from its gradient function.
 _OP_TYPES = (
     "SfctrGatherTensorRows",
     "SfctrStoreCreate",
@@ -61,6 +63,11 @@ _OP_TYPES = (
     "SfctrSparseApplyFtrl",
     "SfctrLookupValues",
     "SfctrRowIds",
+    "SfctrHostPruneBelow",
+    "SfctrHostPruneToSize",
+    "SfctrHostTiedIds",
+    "SfctrHostUseCountHistogram",
+    "SfctrStoreRelease",
 )
 
 
@@ -115,15 +122,6 @@ def load():
     return _module
 
 
-def built_for_version() -> str | None:
-    """The TensorFlow version the op library was built for, if known."""
-    try:
-        with open(_BUILD_INFO) as f:
-            return json.load(f)["tensorflow_version"]
-    except (OSError, ValueError, KeyError):
-        return None
-
-
 #: Set to "0" to run the stock TF ops wherever our CPU kernels would replace
 #: them, as with a GPU visible: tests run the GPU machines' code path this
 #: way on CPU-only machines.
@@ -169,7 +167,7 @@ def unique(ids: tf.Tensor, num_groups: int = 1):
 
 
 #: What ``max_shards`` means for the CPU kernels that split large work over
-#: TF's intra-op pool (segment sums, row gathers, the Adagrad update).
+#: TF's intra-op pool (segment sums, row gathers, the Adagrad and FTRL updates).
 MAX_SHARDS_DOC = """``max_shards``: at most this many ranges of the work go to intra-op
 pool threads, and only to threads that are free. 0 (the default) means half
 the pool's threads, at least 1: inside a training step the step's other

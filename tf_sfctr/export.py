@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sfctr.distributed import _horovod
+from tf_sfctr.keras_layers._layer_inputs import VSI_OPTIONAL_KEYS, VSI_REQUIRED_KEYS
 from tf_sfctr.keras_layers.cached_embedding import CachedEmbedding
 from tf_sfctr.keras_layers.serving_embedding import ServingEmbedding
 
@@ -148,8 +149,8 @@ class _UnusedPipelineKey(keras.layers.Layer):
         return {**super().get_config(), "out_dtype": self.out_dtype}
 
 
-_VSI_REQUIRED = {"ids", "unique_ids", "inverse"}
-_VSI_KEYS = _VSI_REQUIRED | {"next_unique_ids", "next_hint_ids", "next_hint_steps"}
+_VSI_REQUIRED = set(VSI_REQUIRED_KEYS)
+_VSI_KEYS = _VSI_REQUIRED | set(VSI_OPTIONAL_KEYS)
 
 
 def _is_vsi_feature(x) -> bool:

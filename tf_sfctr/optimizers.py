@@ -303,8 +303,8 @@ class TableOptimizer:
         """Ops that fail when ``apply`` would refuse ``rate`` (a float32
         scalar), for a caller that stores the rate for a later update (a
         model-parallel step): it refuses the step then, not the update at
-        the next collective. ``table`` names the table in the error. None by
-        default."""
+        the next collective. ``table`` names the table in the error. No ops
+        here (an empty list); FTRL's refuse a zero rate."""
         return []
 
     @contextlib.contextmanager

@@ -219,7 +219,7 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         if self._resource_handle is None:
             with tf.init_scope():
                 handle = super().resource_handle
-                # Only this object releases the table (_destroy_resource),
+                # Only this object releases the table (__del__),
                 # not a copy of it: tf.saved_model.save copies resources.
                 self._created_by = id(self)
                 return handle
@@ -342,7 +342,7 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         of column blocks; ``counts`` (one per id) are added to the ids' use
         counters. Rows are flagged changed (``host_export_range``'s
         ``changed_only``) unless their count is 0 or not ``mark_changed``
-        (a flush: ``cache_entries`` flagged the rows used since the last)."""
+        (the library's writes, evictions and flushes, all flag)."""
         if counts is None:
             counts = tf.zeros([0], tf.int64)
         parts = list(rows) if isinstance(rows, (list, tuple)) else [rows]

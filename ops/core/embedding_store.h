@@ -72,7 +72,7 @@ class EmbeddingStore {
   // evictions, the rows go straight to where the cache remembered them
   // (HostTable::WriteRows: no hashing, no index probe); any other ids take
   // HostTable::Write (see there for running out of memory).
-  // `mark_changed` as for HostTable::Write (false: a flush's write-back).
+  // `mark_changed` as for HostTable::Write.
   CoreStatus WriteBack(const int64_t* ids, int64_t n, const float* rows,
                        const uint32_t* counts, bool mark_changed = true);
 

@@ -627,10 +627,6 @@ void HostTable::MarkChanged(int64_t id) {
   if (e != nullptr) MetaOf(s, e->row).changed = kChanged;
 }
 
-void HostTable::AddUseCount(int64_t id, uint32_t count) {
-  AddUseCounts(&id, 1, &count);
-}
-
 void HostTable::AddUseCounts(const int64_t* ids, int64_t n,
                              const uint32_t* counts, bool mark_changed) {
   ForEachByShard(ids, n, [&](int64_t i, Shard& s, uint64_t h) {

@@ -137,8 +137,8 @@ class HostTable {
   // given, add_counts[i] is added to the use counter of ids[i] on the way
   // (the cache hands back the uses of evicted rows with their values).
   // Rows are flagged changed when `mark_changed`, except those whose
-  // add_count is 0; a flush writes the cache back with `mark_changed`
-  // false, as AddUseCounts has flagged the rows used since the last one.
+  // add_count is 0 (the library always flags: evictions and a flush's
+  // write-back of dirty rows alike).
   // Fails (ResourceExhausted), changing nothing, past max_rows. Out of host
   // memory, fails part-way: each row is then either stored whole or
   // unchanged, size() counts exactly the ids inserted, and repeating the
@@ -150,11 +150,9 @@ class HostTable {
   // state_init, inserting missing ids.
   CoreStatus AssignValues(const int64_t* ids, int64_t n, const float* values);
 
-  // Adds `count` to the use counter of a stored id (no-op if absent). Use
-  // counters saturate at 65535.
-  void AddUseCount(int64_t id, uint32_t count);
-  // Same for n ids at once; with `mark_changed`, the rows whose count is
-  // above 0 are flagged changed too.
+  // Adds counts[i] to the use counter of ids[i] (no-op for an id not
+  // stored); use counters saturate at 65535. With `mark_changed`, the rows
+  // whose count is above 0 are flagged changed too.
   void AddUseCounts(const int64_t* ids, int64_t n, const uint32_t* counts,
                     bool mark_changed = false);
   // Flags a stored id's row changed (no-op if absent). Allocates nothing.
@@ -268,7 +266,6 @@ class HostTable {
   // Changes the seed of the initializer (when restoring a checkpoint, before
   // any row is created; not synchronised with concurrent readers).
   void SetInitSeed(uint64_t seed);
-  uint64_t init_seed() const { return initializer_.spec().seed; }
 
   // Bytes held by indexes and arenas (allocated capacity, not payload).
   size_t AllocatedBytes() const;

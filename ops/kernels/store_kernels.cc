@@ -176,15 +176,6 @@ void OutputCounts(OpKernelContext* ctx, int index, const std::vector<uint32_t>& 
   std::copy(v.begin(), v.end(), out->flat<int64_t>().data());
 }
 
-void OutputMatrix(OpKernelContext* ctx, int index, const std::vector<float>& v,
-                  int64_t width) {
-  Tensor* out = nullptr;
-  const int64_t rows = width == 0 ? 0 : static_cast<int64_t>(v.size()) / width;
-  OP_REQUIRES_OK(ctx,
-                 ctx->allocate_output(index, TensorShape({rows, width}), &out));
-  std::copy(v.begin(), v.end(), out->flat<float>().data());
-}
-
 class StoreCreateOp : public OpKernel {
  public:
   explicit StoreCreateOp(OpKernelConstruction* ctx) : OpKernel(ctx) {

@@ -30,7 +30,8 @@ from tf_sfctr.data._common import SPARSE_KEY
 
 __all__ = ["VSI_KEYS", "deduplicate", "vsi_inputs", "with_unique_ids"]
 
-#: Keys of a de-duplicated feature, as ``CachedEmbedding`` expects them.
+#: The keys every de-duplicated feature has (``CachedEmbedding`` also takes
+#: ``next_unique_ids``, ``next_hint_ids`` and ``next_hint_steps``).
 VSI_KEYS = ("ids", "unique_ids", "inverse")
 
 Ids = Union[tf.Tensor, tf.RaggedTensor, tf.SparseTensor]

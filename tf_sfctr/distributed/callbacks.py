@@ -364,7 +364,7 @@ class AverageMetrics(keras.callbacks.Callback):
         self._epochs_checked = False
         # fit's params: an evaluate or predict run from a callback with the
         # same callbacks list replaces self.params with its own meanwhile.
-        self._fit_params = self._fit_model = None
+        self._fit_params = None
         self._validating = False
         # Steps run in this epoch / evaluation / prediction, and how many
         # Keras said it would run (None: not known).
@@ -400,16 +400,15 @@ class AverageMetrics(keras.callbacks.Callback):
             for v, x in zip(variables, local):
                 v.assign(x)
 
-    def _globalize(self, logs, results, prefix=""):
-        """Sets the logged values that ``results`` (or None) has, under
-        ``prefix``; averages the other scalar ones over ranks."""
+    def _globalize(self, logs, results):
+        """Sets the logged values that ``results`` (or None) has; averages
+        the other scalar ones over ranks."""
         if not logs:
             return
         rest = {}
         for key, value in logs.items():
-            name = key[len(prefix):] if key.startswith(prefix) else None
-            if results is not None and name in results:
-                logs[key] = float(results[name])
+            if results is not None and key in results:
+                logs[key] = float(results[key])
             elif np.ndim(value) == 0:
                 rest[key] = value
         self._average(rest)
@@ -500,7 +499,7 @@ class AverageMetrics(keras.callbacks.Callback):
         # tell a nested fit apart.)
         self._in_fit = True
         self._epochs_checked = False
-        self._fit_params, self._fit_model = self.params, self.model
+        self._fit_params = self.params
         self._check_steps("fit", self._fit_steps())
 
     def _note_caller(self):
@@ -526,7 +525,7 @@ class AverageMetrics(keras.callbacks.Callback):
             # first epoch asks how many epochs every rank runs.
             self._check_epochs(0)
         self._in_fit = False
-        self._fit_params = self._fit_model = None
+        self._fit_params = None
 
     def _check_epochs(self, left):
         """Collective, at fit's first epoch (or its end when it ran none)."""

@@ -311,7 +311,7 @@ def _saved_table_names(checkpoint, prefix: str) -> dict[str, str]:
     graph.ParseFromString(reader.get_tensor(_OBJECT_GRAPH))
     matched = _matched(checkpoint, graph)
     names = {str(node_id): _owner_name(checkpoint, target)
-             for node_id, target in _table_layers(checkpoint, graph, matched).items()}
+             for node_id, target in _table_layers(graph, matched).items()}
     return {node_id: name for node_id, name in names.items() if name is not None}
 
 
@@ -482,7 +482,7 @@ def _matched(checkpoint, graph) -> list[tuple[object, object, int]]:
     return matched
 
 
-def _table_layers(checkpoint, graph, matched) -> dict[int, object]:
+def _table_layers(graph, matched) -> dict[int, object]:
     """{node id of a saved table: what it restores into}: the live store at
     its place, or the live CachedEmbedding at its layer's place (a layer not
     built yet, whose store restores from it once built). For a store, the
@@ -561,7 +561,7 @@ def _check_tables_bound(checkpoint, graph, matched, directory: str, name: str) -
         return next((ref.local_name for ref in graph.nodes[0].children
                      if ref.node_id == node_id), None)
 
-    layers = _table_layers(checkpoint, graph, matched)
+    layers = _table_layers(graph, matched)
     unbound = [node_id for node_id in _saved_table_nodes(graph) if node_id not in layers]
     live_attributes = set(tf.train.TrackableView.children(checkpoint))
     saved_attributes = {ref.local_name for ref in graph.nodes[0].children}

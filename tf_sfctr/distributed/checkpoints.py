@@ -327,7 +327,6 @@ class SaveCheckpoints(keras.callbacks.Callback):
         self.saved.append(path)
         self._saved_step = step
         self._batches_after_save = 0
-        self._unreported_after_save = False
         _, rank = world()
         if rank == 0 and self.keep is not None:
             try:

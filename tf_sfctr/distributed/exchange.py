@@ -343,16 +343,13 @@ def return_rows(rows_for_recv: tf.Tensor, route: Route, name: str,
     return back, tf.cast(got - route.splits, tf.int32)
 
 
-def send_to_owners(per_unique: tf.Tensor, route: Route, name: str,
-                   routed: bool = False) -> tf.Tensor:
-    """Requester → owner: one row per local unique id (in unique-id order, or
-    already in route order if ``routed``), arriving in the order of
-    ``route.recv_ids``."""
+def send_to_owners(per_unique: tf.Tensor, route: Route, name: str) -> tf.Tensor:
+    """Requester → owner: one row per local unique id (in unique-id order),
+    arriving in the order of ``route.recv_ids``."""
     hvd = require()
     # route.position is a permutation here (the ids were distinct); its
     # inverse lists the local unique ids in route order.
-    payload = per_unique if routed else tf.gather(
-        per_unique, tf.math.invert_permutation(route.position))
+    payload = tf.gather(per_unique, tf.math.invert_permutation(route.position))
     out, _ = hvd.alltoall(payload, splits=route.splits,
                           name=f"{name}_grads", ignore_name_scope=True)
     return out

@@ -780,6 +780,13 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             # "'NoneType' object has no attribute 'shape'". The table needs
             # no shape.
             self.build(None)
+        elif not self.built and any(
+                getattr(getattr(x, "shape", None), "rank", 0) is None  # (a TensorShape's)
+                for x in tf.nest.flatten(args[0] if args else kwargs.get("inputs"))):
+            # Ids of unknown rank (a tf.function's TensorSpec(None)): Keras's
+            # build from their shape failed with "as_list() is not defined
+            # on an unknown TensorShape"; built, call() says what is needed.
+            self.build(None)
         if not keras_shape_inference():
             self._check_raw_id_dtypes(args[0] if args else kwargs.get("inputs"))
         return super().__call__(*args, **kwargs)

@@ -145,3 +145,24 @@ def test_ragged_row_ids_and_the_segment_sum_gradient_match_tfs():
     for ours in results[:-1]:
         for got, want in zip(ours, results[-1]):
             np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("combiner,spec,ids,message", [
+    ("sum", tf.SparseTensorSpec(None, tf.int64),
+     tf.SparseTensor([[0, 0]], tf.constant([1], tf.int64), [1, 1]),
+     r"takes 2-D sparse ids \[batch, ids\], got rank None"),
+    ("sum", tf.TensorSpec(None, tf.int64), tf.constant([[1, 2]], tf.int64),
+     r"rank must be known when the layer is traced .* a shape such as \[None, None\]"),
+    (None, tf.TensorSpec(None, tf.int64), tf.constant([[1, 2]], tf.int64), None),
+])
+def test_ids_of_unknown_rank_on_a_first_call(combiner, spec, ids, message):
+    """A layer's first (building) call on ids of unknown rank gets the layer's
+    own answer, as later calls do: Keras's build from their shape failed with
+    "as_list() is not defined on an unknown TensorShape" (a review)."""
+    layer = CachedEmbedding(4, cache_capacity=16, combiner=combiner, seed=0)
+    f = tf.function(lambda x: layer(x), input_signature=[spec])
+    if message is None:
+        assert f(ids).shape == (1, 2, 4)
+    else:
+        with pytest.raises(ValueError, match=message):
+            f(ids)

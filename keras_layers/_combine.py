@@ -24,7 +24,7 @@ def in_range_segment_sum(data: tf.Tensor, row_ids: tf.Tensor, nrows: tf.Tensor,
     ``sorted_ids``: the row ids never decrease (a ragged tensor's): TF's
     sorted segment sum, padded to ``nrows`` (empty rows last), which took a
     third of the unsorted one's time on a multi-hot batch
-    (``bench/multi_hot.py``). ``use_kernel``: our CPU kernels
+    (``bench/multi_hot.py``), but has no XLA kernel. ``use_kernel``: our CPU kernels
     (``_ops.segment_sums`` for an unsorted sum, ``_ops.gather_tensor_rows``
     for the gradient) where the data is a float32 matrix and, for the
     gather, the row ids are int32; else TF's ops."""
@@ -32,11 +32,23 @@ def in_range_segment_sum(data: tf.Tensor, row_ids: tf.Tensor, nrows: tf.Tensor,
     nrows = tf.cast(nrows, tf.int64)
 
     @tf.custom_gradient
+    def gather_kernel(dy):
+        # Our row gather, with the gradient of tf.gather (for a gradient of
+        # the gradient: a penalty on per-id weights the model computes).
+        def grad(d_gathered):
+            return tf.math.unsorted_segment_sum(d_gathered, row_ids, tf.shape(dy)[0])
+
+        return _ops.gather_tensor_rows(dy, row_ids, use_kernel=True), grad
+
+    @tf.custom_gradient
     def segment_sum(x):
         if sorted_ids:
             total = tf.math.segment_sum(x, row_ids)
             missing = nrows - tf.shape(total, out_type=tf.int64)[0]
             total = tf.pad(total, [[0, missing]] + [[0, 0]] * (x.shape.rank - 1))
+            # (tf.pad by a tensor loses the static number of rows.)
+            total.set_shape(tf.TensorShape([tf.get_static_value(nrows)]).concatenate(
+                x.shape[1:]))
         elif matrix:
             total = _ops.segment_sums(x, row_ids, nrows, use_kernel=True)[0]
         else:
@@ -44,7 +56,7 @@ def in_range_segment_sum(data: tf.Tensor, row_ids: tf.Tensor, nrows: tf.Tensor,
 
         def grad(dy):
             if matrix and row_ids.dtype == tf.int32:
-                return _ops.gather_tensor_rows(dy, row_ids, use_kernel=True)
+                return gather_kernel(dy)
             return tf.gather(dy, row_ids)
 
         return total, grad

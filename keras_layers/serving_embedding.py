@@ -167,17 +167,19 @@ class ServingEmbedding(keras.layers.Layer):
         # Per-id weights come in the structure of the ids (CachedEmbedding
         # checked it while training); served dense rows pad them with 0.
         if isinstance(inputs, (tf.RaggedTensor, tf.SparseTensor)):
-            # (TF's ops only: the served model needs no op library.)
+            # TF's ops only, all with XLA kernels (no sorted segment sum):
+            # the served model needs no op library, and compiles.
             if isinstance(inputs, tf.SparseTensor):
                 row_ids, nrows, values = inputs.indices[:, 0], inputs.dense_shape[0], inputs.values
-                lengths, sorted_ids = None, False
+                lengths = None
             else:
                 row_ids, nrows, values = ragged_row_ids(inputs), inputs.nrows(), inputs.values
-                lengths, sorted_ids = inputs.row_lengths(), True
+                lengths = inputs.row_lengths()
             rows = self._lookup(tf.cast(values, tf.int64))
             w = None if weights is None else tf.cast(weights.values, rows.dtype)
-            return combine_segments(rows, row_ids, nrows, self.combiner, weights=w,
-                                    lengths=lengths, sorted_ids=sorted_ids)
+            out = combine_segments(rows, row_ids, nrows, self.combiner, weights=w,
+                                   lengths=lengths)
+            return tf.cast(out, self.compute_dtype)
         x = tf.cast(inputs, tf.int64)
         out = tf.reshape(self._lookup(tf.reshape(x, [-1])),
                          tf.concat([tf.shape(x), [self.output_dim]], 0))

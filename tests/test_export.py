@@ -330,6 +330,28 @@ def test_serving_embedding_skips_padding_in_multi_hot_rows():
     np.testing.assert_allclose(mean({"ids": padded}).numpy(), mean(padded).numpy())
 
 
+def test_serving_embedding_on_multi_hot_ids_compiles_with_xla():
+    """ServingEmbedding on ragged and sparse ids runs in an XLA-compiled
+    function, as it did before the training layer summed ragged rows with
+    TF's sorted SegmentSum, which has no XLA kernel (a review)."""
+    from tf_sfctr.keras_layers import ServingEmbedding
+
+    keys = np.array([5, 7, 9], np.int64)
+    rows = np.array([[1.0, 1.0], [3.0, 5.0], [2.0, 0.0]], np.float32)
+    ragged = tf.ragged.constant([[5, 7], [], [9, 9, 7], []], tf.int64)
+    for combiner in ("sum", "mean"):
+        layer = ServingEmbedding(keys, rows, combiner=combiner)
+        compiled = tf.function(lambda x, layer=layer: layer(x), jit_compile=True)
+        for ids in (ragged, ragged.to_sparse()):
+            np.testing.assert_allclose(compiled(ids).numpy(), layer(ids).numpy(), rtol=1e-6)
+    # Multi-hot rows come out in the compute dtype, as dense ones do (they
+    # came out float32 under a mixed policy: served values then differed
+    # from predict's by an ulp, a review).
+    mixed = ServingEmbedding(keys, rows, combiner="sum", dtype="mixed_float16")
+    for ids in (ragged, ragged.to_sparse(), np.array([[5, 7]])):
+        assert mixed(ids).dtype == tf.float16
+
+
 NAMED_LOADER = textwrap.dedent("""
     import json, sys
     import numpy as np, tensorflow as tf

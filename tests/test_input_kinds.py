@@ -166,3 +166,15 @@ def test_ids_of_unknown_rank_on_a_first_call(combiner, spec, ids, message):
     else:
         with pytest.raises(ValueError, match=message):
             f(ids)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("training", [True, False])
+def test_a_static_batch_size_of_ragged_ids_stays_static(combiner, training):
+    """Ragged ids of a static number of rows give an output of that static
+    batch size (the padded sorted segment sum lost it for "sum", and
+    tf.unstack of the output failed; a review)."""
+    layer = CachedEmbedding(4, cache_capacity=64, combiner=combiner, seed=0)
+    spec = tf.RaggedTensorSpec([8, None], tf.int64, 1, tf.int64)
+    graph = tf.function(lambda x: layer(x, training=training)).get_concrete_function(spec)
+    assert graph.structured_outputs.shape.as_list() == [8, 4]

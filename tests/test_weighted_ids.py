@@ -478,3 +478,50 @@ def test_a_traced_step_with_mismatched_weights_stores_no_id_and_counts_no_use():
     assert list(emb.export_rows(changed_only=True)) == []
     step(tf.constant([[1, 5]], tf.int64), tf.ones([1, 2]))  # and training goes on
     assert table() == [(1, 2), (2, 1), (3, 1), (4, 1), (5, 1)]
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("kind", ["ragged", "sparse"])
+def test_a_gradient_of_the_weights_gradient_matches_embedding_lookup_sparse(rng, combiner,
+                                                                            kind):
+    """A penalty on the gradient of per-id weights (a second-order gradient
+    through the combiner) equals tf.nn.embedding_lookup_sparse's: the
+    backward gather of ragged ids' rows runs in our kernel, which had no
+    gradient, so this was None ("sum") or wrong ("mean"), silently (a
+    review)."""
+    vocab = random_vocab(rng, 12)
+    lengths = np.array([3, 0, 1, 4, 2])
+    values = vocab[rng.integers(0, 12, lengths.sum())]
+    ragged = tf.RaggedTensor.from_row_lengths(values, lengths)
+    sparse = ragged.to_sparse()
+    layer = _layer(combiner)
+    table = tf.constant(layer.lookup_rows(vocab))
+    index = {int(i): k for k, i in enumerate(vocab)}
+    rows_sp = tf.SparseTensor(sparse.indices, [index[int(i)] for i in values],
+                              sparse.dense_shape)
+    up = tf.constant(rng.normal(size=(len(lengths), DIM)), tf.float32)
+    w_init = rng.uniform(0.5, 2.0, lengths.sum()).astype("float32")
+    scale = tf.Variable(1.5)
+
+    def penalty_gradient(combine):
+        w = tf.Variable(w_init)
+        with tf.GradientTape() as outer:
+            with tf.GradientTape() as inner:
+                loss = tf.reduce_sum(combine(w.read_value()) * (scale * up))
+            penalty = tf.reduce_sum(tf.square(inner.gradient(loss, w)))
+        return outer.gradient(penalty, scale)
+
+    def ours(w):
+        weights = (ragged.with_values(w) if kind == "ragged"
+                   else tf.SparseTensor(sparse.indices, w, sparse.dense_shape))
+        return layer(ragged if kind == "ragged" else sparse, weights=weights, training=False)
+
+    def reference(w):
+        return tf.nn.embedding_lookup_sparse(
+            table, rows_sp, tf.SparseTensor(sparse.indices, w, sparse.dense_shape),
+            combiner=combiner)
+
+    want = penalty_gradient(reference)
+    got = penalty_gradient(ours)
+    assert got is not None
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_sfctr import _ops
@@ -171,8 +172,9 @@ def check_float_policy(layer: keras.layers.Layer) -> None:
 
 
 def check_mask_zero(mask_zero: Any, combiner: Optional[str]) -> bool:
-    if not isinstance(mask_zero, bool):
+    if not isinstance(mask_zero, (bool, np.bool_)):
         raise ValueError(f"mask_zero must be True or False, got {mask_zero!r}")
+    mask_zero = bool(mask_zero)
     if mask_zero and combiner is not None:
         raise ValueError(
             f"mask_zero=True masks positions of id 0 in sequences of ids (no combiner); "

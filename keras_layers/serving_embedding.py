@@ -31,6 +31,23 @@ from tf_sfctr.keras_layers._combine import (
 
 
 @keras.saving.register_keras_serializable(package="tf_sfctr")
+def _count(name: str, value: Any, least: int) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+            or value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    return int(value)
+
+
+def _pad(pad_id: Any) -> Optional[int]:
+    """A pad id: None or an int64 id (a float 1.9 was cut to 1, masking id 1)."""
+    if pad_id is None:
+        return None
+    if isinstance(pad_id, (bool, np.bool_)) or not isinstance(pad_id, (int, np.integer)) \
+            or not -(2**63) <= int(pad_id) < 2**63:
+        raise ValueError(f"pad_id must be None or an int64 id, got {pad_id!r}")
+    return int(pad_id)
+
+
 class ServingEmbedding(keras.layers.Layer):
     """Read-only embedding over known ids, unknown ids -> a zero vector.
 
@@ -70,8 +87,16 @@ class ServingEmbedding(keras.layers.Layer):
         kwargs.setdefault("autocast", False)
         super().__init__(**kwargs)
         check_float_policy(self)
+        if combiner is not None and combiner not in ("sum", "mean", "sqrtn"):
+            # (Unchecked, "MEAN" summed dense rows and took sparse ones' sqrtn.)
+            raise ValueError(f"combiner must be None or one of ('sum', 'mean', 'sqrtn'), got "
+                             f"{combiner!r}")
         if keys is not None:
-            keys = np.asarray(keys, np.int64)
+            given = np.asarray(keys)
+            if given.size and given.dtype.kind not in "iu":
+                # (A cast truncated 2.7 to 2: id 2 read key 2.7's row.)
+                raise TypeError(f"keys must be integer ids, got dtype {given.dtype}")
+            keys = given.astype(np.int64)
             rows = np.asarray(rows, np.float32)
             if keys.ndim != 1 or rows.ndim != 2 or rows.shape[0] != keys.shape[0]:
                 raise ValueError(f"keys must be [n] and rows [n, dim], got {keys.shape} "
@@ -92,8 +117,8 @@ class ServingEmbedding(keras.layers.Layer):
             keys, rows = sorted_keys, sorted_rows
         if output_dim is None or num_keys is None:
             raise ValueError("ServingEmbedding needs keys and rows (or output_dim and num_keys)")
-        self.output_dim = int(output_dim)
-        self.num_keys = int(num_keys)
+        self.output_dim = _count("output_dim", output_dim, 1)
+        self.num_keys = _count("num_keys", num_keys, 0)
         self.combiner = combiner
         self.mask_zero = check_mask_zero(mask_zero, combiner)
         self.supports_masking = self.mask_zero
@@ -102,9 +127,8 @@ class ServingEmbedding(keras.layers.Layer):
         # combiners skip those positions.
         # A list call (a table shared by several features) may give one per
         # feature.
-        self.pad_id = ([None if p is None else int(p) for p in pad_id]
-                       if isinstance(pad_id, (list, tuple)) else
-                       None if pad_id is None else int(pad_id))
+        self.pad_id = ([_pad(p) for p in pad_id] if isinstance(pad_id, (list, tuple))
+                       else _pad(pad_id))
         self.supports_jit = False
         self._initial = (keys, rows)
 

@@ -73,7 +73,7 @@ def test_nothing_to_change_without_pollers():
 
 
 def test_rejects_a_negative_sampling_time():
-    with pytest.raises(ValueError, match="sample_s must be >= 0"):
+    with pytest.raises(ValueError, match="sample_s must be a finite number of seconds >= 0"):
         lower_gloo_polling_priority(sample_s=-1)
 
 

@@ -21,6 +21,8 @@ from typing import Any, Optional
 import keras
 import numpy as np
 
+from tf_sfctr._checks import check_bool, check_path
+
 __all__ = ["CacheMetrics", "EarlyStopping", "FollowKerasLearningRate", "PruneHostTable",
            "cached_embeddings", "table_log_names"]
 
@@ -674,9 +676,10 @@ class EarlyStopping(keras.callbacks.EarlyStopping):
                          restore_best_weights=False, start_from_epoch=start_from_epoch)
         # Keras's own restore stays off: it would set the Keras weights of
         # its epoch over the ones loaded here.
-        self.restore_best_tables = bool(restore_best_weights)
-        self.restore_optimizer = bool(restore_optimizer)
-        self.directory = None if directory is None else str(directory)
+        # Checked: "False" or b"dir" were taken as True and as "b'dir'".
+        self.restore_best_tables = check_bool("restore_best_weights", restore_best_weights)
+        self.restore_optimizer = check_bool("restore_optimizer", restore_optimizer)
+        self.directory = None if directory is None else check_path("directory", directory)
         self._file: Optional[str] = None
         self._made_dir: Optional[str] = None
         self._cleanup: Optional[weakref.finalize] = None

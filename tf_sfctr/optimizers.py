@@ -584,12 +584,14 @@ class Ftrl(TableOptimizer):
                  l2_shrinkage_regularization_strength: float = 0.0,
                  beta: float = 0.0, accumulate: str = "per_occurrence"):
         super().__init__(learning_rate)
-        try:
-            power = float(learning_rate_power)
-        except (TypeError, ValueError) as err:
+        if isinstance(learning_rate_power, (bool, np.bool_, str, bytes)) \
+                or not isinstance(learning_rate_power, (int, float, np.integer, np.floating)):
+            # (float() took "-0.5" and False.)
             raise ValueError(f"learning_rate_power must be a number, got "
-                             f"{learning_rate_power!r}") from err
-        if not (math.isfinite(power) and power <= 0):
+                             f"{learning_rate_power!r}")
+        power = float(learning_rate_power)
+        # (Past float32's range the first update failed as non-finite.)
+        if not (math.isfinite(power) and -3.4e38 < power <= 0):
             raise ValueError(f"learning_rate_power must be a finite number <= 0 "
                              f"(-0.5 is the usual FTRL), got {learning_rate_power}")
         self.learning_rate_power = power

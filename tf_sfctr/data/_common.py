@@ -9,6 +9,8 @@ from typing import Optional, Union
 import numpy as np
 import tensorflow as tf
 
+from tf_sfctr._checks import check_bool  # noqa: F401 (the data modules' import)
+
 PathLike = Union[str, "os.PathLike[str]"]
 Shard = Optional[tuple[int, int]]
 
@@ -75,15 +77,6 @@ def check_paths(paths: PathLike | Sequence[PathLike]) -> list:
     if missing:
         raise FileNotFoundError(f"paths: no such file(s): {missing}")
     return out
-
-
-def check_bool(name: str, value: object) -> bool:
-    """``value`` as a bool; a TypeError naming ``name`` for anything but
-    True or False (``prefetch="no"`` read as true, ``drop_remainder=1``
-    failed in TF with an error naming neither)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
-    return bool(value)
 
 
 def finish(ds: tf.data.Dataset, *, prefetch: bool) -> tf.data.Dataset:

@@ -235,6 +235,7 @@ def write_criteo_tsv(
       >>> write_criteo_tsv(path, random_criteo_rows(5))
       5
     """
+    strip_trailing_empty = check_bool("strip_trailing_empty", strip_trailing_empty)
     with open(os.fspath(path), "w", encoding="utf-8", newline="\n") as f:
         for i in range(rows.num_rows):
             fields = [str(int(rows.labels[i]))]

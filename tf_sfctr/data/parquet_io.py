@@ -127,6 +127,7 @@ def write_parquet(
       >>> write_parquet(path, random_criteo_rows(5))
       5
     """
+    nulls = check_bool("nulls", nulls)
     pa = _import_pyarrow()
     columns = {LABEL_COLUMN: pa.array(rows.labels, pa.int64())}
     for j, name in enumerate(dense_column_names(rows.dense.shape[1])):

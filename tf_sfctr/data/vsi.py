@@ -207,6 +207,7 @@ def with_unique_ids(
             + (" (vsi_inputs takes eviction_hints=True for any k > 0)"
                if isinstance(given, (bool, np.bool_)) else ""))
     _check_flag("with_unique_ids", "lookahead", lookahead)
+    _check_flag("with_unique_ids", "prefetch", prefetch)
     ds = dataset.map(dedup, num_parallel_calls=num_parallel_calls, deterministic=True)
     if lookahead or eviction_hints:
         ds = _with_later_unique_ids(ds, keys, lookahead, eviction_hints)
@@ -328,6 +329,8 @@ def vsi_inputs(
 
     if not isinstance(name, str) or not name:
         raise ValueError(f"vsi_inputs: name must be a non-empty string, got {name!r}")
+    _check_flag("vsi_inputs", "ragged", ragged)
+    _check_flag("vsi_inputs", "sparse", sparse)
     if ragged and sparse:
         raise ValueError("vsi_inputs: choose ragged=True or sparse=True, not both")
     _check_flag("vsi_inputs", "lookahead", lookahead)

@@ -193,7 +193,11 @@ class BroadcastInitialState(keras.callbacks.Callback):
 
     def __init__(self, root_rank: int = 0):
         super().__init__()
-        self.root_rank = root_rank
+        if isinstance(root_rank, (bool, np.bool_)) or not isinstance(
+                root_rank, (int, np.integer)) or root_rank < 0:
+            # (Horovod's own error at the first step named no root_rank.)
+            raise ValueError(f"root_rank must be a rank, an integer >= 0, got {root_rank!r}")
+        self.root_rank = int(root_rank)
         self._sent_for = None  # weak reference to the model whose state was sent
         # The model fit trains (an evaluate or predict run from a callback
         # with fit's callbacks list sets another as self.model).

@@ -52,6 +52,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
+from tf_sfctr._checks import check_bool, check_path
 from tf_sfctr.distributed._horovod import explain_shutdown, require, world
 from tf_sfctr import store as store_module
 from tf_sfctr.store import (CheckpointMismatchError, EmbeddingStore, _saved_integers,
@@ -177,7 +178,9 @@ def save(checkpoint: tf.train.Checkpoint, directory: str, *, table_files: bool =
     refused = None
     try:
         _check_checkpoint(checkpoint, "save")
-        directory = os.fspath(directory)
+        # (An empty directory wrote into the working directory.)
+        directory = check_path("tf_sfctr.distributed.save: directory", directory)
+        table_files = check_bool("tf_sfctr.distributed.save: table_files", table_files)
         if metadata is not None:
             try:
                 json.dumps(metadata)
@@ -185,7 +188,7 @@ def save(checkpoint: tf.train.Checkpoint, directory: str, *, table_files: bool =
                 raise TypeError(f"tf_sfctr.distributed.save: metadata must be "
                                 f"JSON-serializable (a dict of numbers, strings, lists...): "
                                 f"{err}. Nothing was written.") from None
-    except TypeError as err:
+    except (TypeError, ValueError) as err:
         refused = err
     if refused is not None and world()[0] == 1:
         raise refused

@@ -25,6 +25,7 @@ import warnings
 from typing import Optional
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_sfctr.distributed._horovod import explain_shutdown, world
@@ -174,14 +175,14 @@ class SaveCheckpoints(keras.callbacks.Callback):
         if not isinstance(directory, (str, os.PathLike)) or not str(directory):
             raise ValueError(f"SaveCheckpoints: directory must be a path, got {directory!r}")
         for name, value in (("every_steps", every_steps), ("keep", keep)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
+            if value is not None and (isinstance(value, (bool, np.bool_))
+                                      or not isinstance(value, (int, np.integer)) or value < 1):
                 raise ValueError(f"SaveCheckpoints: {name} must be None or an integer >= 1, "
                                  f"got {value!r}")
         self.checkpoint = checkpoint
         self.directory = str(directory)
-        self.every_steps = every_steps
-        self.keep = keep
+        self.every_steps = None if every_steps is None else int(every_steps)
+        self.keep = None if keep is None else int(keep)
         self._epoch = 0
         self._last_step: Optional[int] = None
         self._begin_step: Optional[int] = None

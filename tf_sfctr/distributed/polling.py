@@ -95,8 +95,10 @@ def lower_gloo_polling_priority(sample_s: float = 0.05) -> list[int]:
     busy, an idle-priority loop waits for them, and so do the messages
     (README, "Scale out with Horovod").
     """
-    if sample_s < 0:
-        raise ValueError(f"sample_s must be >= 0 seconds, got {sample_s}")
+    if isinstance(sample_s, bool) or not isinstance(sample_s, (int, float)) \
+            or not 0 <= sample_s < float("inf"):
+        # (NaN passed "< 0", and the sampling loop never ended.)
+        raise ValueError(f"sample_s must be a finite number of seconds >= 0, got {sample_s!r}")
     if not (hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE")
             and os.path.isdir("/proc/self/task")):
         warnings.warn("lower_gloo_polling_priority: this OS has no SCHED_IDLE or "

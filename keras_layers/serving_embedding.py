@@ -97,7 +97,11 @@ class ServingEmbedding(keras.layers.Layer):
                 # (A cast truncated 2.7 to 2: id 2 read key 2.7's row.)
                 raise TypeError(f"keys must be integer ids, got dtype {given.dtype}")
             keys = given.astype(np.int64)
-            rows = np.asarray(rows, np.float32)
+            try:
+                rows = np.asarray(rows, np.float32)
+            except (TypeError, ValueError):
+                raise TypeError("rows must be numbers, one row of output_dim values per key, "
+                                f"got {type(rows).__name__}") from None
             if keys.ndim != 1 or rows.ndim != 2 or rows.shape[0] != keys.shape[0]:
                 raise ValueError(f"keys must be [n] and rows [n, dim], got {keys.shape} "
                                  f"and {rows.shape}")

@@ -105,3 +105,177 @@ def test_data_flags_and_save_arguments(tmp_path):
     with pytest.raises(ValueError, match="save: directory must be a non-empty path"):
         tf_sfctr.distributed.save(ckpt, "")
     assert os.listdir(".") == here and not os.listdir(tmp_path)
+
+
+# ------------------------------------------------ raw errors of a second review
+# Each of these failed with Python's, NumPy's, TensorFlow's or Arrow's own
+# message (naming no parameter), hung, or was taken silently.
+
+@pytest.mark.parametrize("call,error,match", [
+    # dense_column_names(2**64) built a list that never ended: a hang
+    (lambda d: d.find_bad_tsv_lines("/dev/null", num_dense=2**64), ValueError,
+     "num_dense must be at most 1048576"),
+    (lambda d: d.dense_column_names("5"), TypeError, "num_dense must be an int"),
+    (lambda d: d.sparse_column_names(5.0), TypeError, "num_sparse must be an int"),
+    (lambda d: d.criteo_tsv("/dev/null", batch_size=2**64), ValueError,
+     "batch_size must be at most"),
+    (lambda d: d.random_criteo_rows(3, missing_rate="0.1"), TypeError,
+     r"missing_rate must be a number in \[0, 1\]"),
+    (lambda d: d.random_criteo_rows(3, seed=-1), ValueError, "seed must be >= 0"),
+    (lambda d: d.random_criteo_rows(3, seed=5.0), TypeError, "seed must be an int"),
+    (lambda d: d.SyntheticCriteoSpec(multi_hot=[1, 2]), TypeError,
+     r"multi_hot must be None, a dict \{field: max_len\} or a list of \(field, max_len\)"),
+    (lambda d: d.SyntheticCriteoSpec(vocab_sizes=2**64), ValueError,
+     "vocab_sizes must be at most"),
+    (lambda d: d.dataset_from_arrays([1, 2], np.zeros(2)), TypeError,
+     "features must be a dict of arrays"),
+    (lambda d: d.load_movielens(path=5), TypeError, r"path must be a path"),
+    (lambda d: d.deduplicate(None), TypeError, "deduplicate: ids must be a tensor"),
+    (lambda d: d.vsi_inputs("a", 2), ValueError,
+     r"vsi_inputs: shape must be the per-example shape"),
+    (lambda d: d.vsi_inputs("a", (2.0,)), ValueError, "vsi_inputs: shape must be"),
+])
+def test_data_arguments_of_second_review(call, error, match):
+    with pytest.raises(error, match=match):
+        call(tf_sfctr.data)
+
+
+def test_movielens_threshold_that_leaves_one_class():
+    # 6.0 gave a data set of negatives only (the ratings go up to 5).
+    with pytest.raises(ValueError, match=r"positive_threshold=6.0 makes every example "
+                                         r"negative: the ratings go from 0.5 to 5.0"):
+        tf_sfctr.data.load_movielens(positive_threshold=6.0)
+    with pytest.raises(ValueError, match="makes every example positive"):
+        tf_sfctr.data.load_movielens(positive_threshold=0.5)
+
+
+def test_unique_ids_pipeline_arguments():
+    ds = tf.data.Dataset.from_tensors(
+        ({"sparse": tf.constant([[1, 2]], tf.int64)}, tf.zeros([1, 1])))
+    with pytest.raises(TypeError, match="keys must be a name"):
+        tf_sfctr.data.with_unique_ids(ds, keys=5)  # ("'int' object is not iterable")
+    with pytest.raises(TypeError, match="keys must be a name"):
+        tf_sfctr.data.with_unique_ids(ds, keys=[5])
+    for bad in ("4", 2.0, 0, -5, True):
+        with pytest.raises(ValueError, match="num_parallel_calls must be an int >= 1 or "
+                                             "tf.data.AUTOTUNE"):
+            tf_sfctr.data.with_unique_ids(ds, num_parallel_calls=bad)
+    out = tf_sfctr.data.with_unique_ids(ds, num_parallel_calls=np.int64(2))
+    features, _ = next(iter(out))
+    assert features["sparse"]["unique_ids"].numpy().tolist() == [1, 2]
+    # A list of ids is taken as a tensor (it failed on .numpy() of the list).
+    vsi = tf_sfctr.data.deduplicate([3, 1, 3])
+    assert vsi["ids"].numpy().tolist() == [3, 1, 3]
+    assert vsi["inverse"].numpy().tolist() == [0, 1, 0]
+
+
+def test_parquet_arguments(tmp_path):
+    pytest.importorskip("pyarrow")
+    data = tf_sfctr.data
+    path = str(tmp_path / "a.parquet")
+    rows = data.random_criteo_rows(4, num_dense=1, num_sparse=1, seed=0)
+    with pytest.raises(TypeError, match="row_group_size must be an int"):
+        data.write_parquet(path, rows, row_group_size="5")
+    with pytest.raises(ValueError, match="row_group_size must be >= 1"):
+        data.write_parquet(path, rows, row_group_size=0)
+    with pytest.raises(ValueError, match=r"compression must be one of \['none', 'snappy'"):
+        data.write_parquet(path, rows, compression=5)
+    with pytest.raises(ValueError, match="compression must be one of"):
+        data.write_parquet(path, rows, compression="uncompressed")
+    assert not os.path.exists(path)  # nothing written by a refused call
+    data.write_parquet(path, rows, compression="ZSTD", row_group_size=np.int64(2))
+    with pytest.raises(TypeError, match="label_column must be a column name"):
+        data.parquet(path, label_column=5)
+    with pytest.raises(TypeError, match="dense_columns must be a name"):
+        data.parquet(path, dense_columns=[5], sparse_columns=["C1"])
+    # One name as a str is one column (it was read as the columns "I" and "1").
+    ds = data.parquet(path, dense_columns="I1", sparse_columns="C1", batch_size=4,
+                      engine="pyarrow")
+    features, label = next(iter(ds))
+    assert features["dense"].shape == (4, 1) and features["sparse"].shape == (4, 1)
+    np.testing.assert_array_equal(label.numpy()[:, 0], rows.labels)
+
+
+def test_expected_auc_arguments():
+    from tf_sfctr.data.calibration import expected_auc
+
+    with pytest.raises(ValueError, match="score has 1 values and probability 2"):
+        expected_auc(np.array([1.0]), np.array([0.5, 0.5]))
+    with pytest.raises(ValueError, match=r"probability must hold numbers in \[0, 1\]"):
+        expected_auc(np.array([0.0, 1.0]), np.array([-0.5, 1.5]))
+    with pytest.raises(TypeError, match="score and probability must be arrays of numbers"):
+        expected_auc(np.array(["a", "b"]), np.array([0.5, 0.5]))
+    assert expected_auc([0.0, 1.0], [0.0, 1.0]) == 1.0
+
+
+def test_callback_arguments_of_second_review():
+    cb = tf_sfctr.callbacks
+    for kwargs, error, match in [
+            ({"min_delta": "0.1"}, TypeError, "min_delta must be a finite number"),
+            ({"min_delta": None}, TypeError, "min_delta must be a finite number"),
+            ({"patience": "2"}, TypeError, "patience must be an int >= 0"),
+            ({"start_from_epoch": -1}, ValueError, "start_from_epoch must be >= 0"),
+            ({"baseline": float("nan")}, ValueError, "baseline must be None or a finite"),
+            ({"mode": "MAX"}, ValueError, "mode must be 'auto', 'min' or 'max'"),
+            ({"monitor": None}, TypeError, "monitor must be the name of a logged metric")]:
+        with pytest.raises(error, match=match):
+            cb.EarlyStopping(**kwargs)
+    assert cb.EarlyStopping(patience=np.int64(2), min_delta=np.float32(0.5)).patience == 2
+    for bad in (None, 5, "m"):
+        with pytest.raises(TypeError, match="model must be a Keras model or layer"):
+            cb.cached_embeddings(bad)
+        with pytest.raises(TypeError, match="model must be a Keras model or layer"):
+            cb.table_log_names(bad)
+
+
+def test_follow_rate_beyond_float32_names_the_ratio():
+    import keras
+
+    ids = keras.Input(shape=(1,), dtype="int64")
+    emb = CachedEmbedding(2, cache_capacity=8, seed=0, optimizer=tf_sfctr.optimizers.SGD(0.1))
+    model = keras.Model(ids, keras.layers.Flatten()(emb(ids)))
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    with pytest.raises(ValueError, match=r"ratio 1e\+300 times Keras's learning rate "
+                                         r"0.0099.* beyond float32"):
+        model.fit(np.array([[1]]), np.zeros((1, 2)), verbose=0,
+                  callbacks=[cb_follow(1e300)])
+    assert emb.table_optimizer.learning_rate == pytest.approx(0.1)  # not changed
+
+
+def cb_follow(ratio):
+    return tf_sfctr.callbacks.FollowKerasLearningRate(ratio)
+
+
+def test_distributed_arguments_of_second_review(tmp_path):
+    dist = tf_sfctr.distributed
+    with pytest.raises(TypeError, match="owner_of: ids must be integers, got float64"):
+        dist.owner_of(np.array([1.9]), 2)  # (taken as the id 1)
+    with pytest.raises(TypeError, match="owner_of: ids must be integers"):
+        dist.owner_of(np.array(["a"]), 2)
+    with pytest.raises(ValueError, match="world_size must be a positive int"):
+        dist.owner_of(np.array([1]), 2**64)
+    assert dist.owner_of([], 3).shape == (0,)
+    checkpoint = tf.train.Checkpoint(v=tf.Variable(1.0))
+    for bad in (5, None):
+        for call in (lambda: dist.restore(checkpoint, bad), lambda: dist.read_metadata(bad),
+                     lambda: dist.latest_checkpoint(bad), lambda: dist.resume(checkpoint, bad)):
+            with pytest.raises(TypeError, match=r"directory must be a path \(str or "
+                                                r"os.PathLike\), got " + repr(bad)):
+                call()
+    assert dist.latest_checkpoint(str(tmp_path)) is None
+
+
+def test_serving_arguments_of_second_review(tmp_path):
+    with pytest.raises(TypeError, match="rows must be numbers, one row of output_dim values"):
+        ServingEmbedding(KEYS, [["a", "b"]] * 3)
+    import keras
+
+    from tf_sfctr.export import export_for_serving
+
+    ids = keras.Input(shape=(1,), dtype="int64")
+    model = keras.Model(ids, CachedEmbedding(2, cache_capacity=8, seed=0)(ids))
+    model(np.array([[1]]))
+    target = os.path.join(tmp_path, "served")
+    with pytest.raises(ValueError, match="pad_id must be 'auto', None, an int64 id"):
+        export_for_serving(model, target, pad_id=2**64)
+    assert not os.path.exists(target)  # (an OverflowError in the served model's call)

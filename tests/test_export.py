@@ -94,7 +94,7 @@ def test_sequential_and_dense_multi_hot_rows_serve_like_training(rng, tmp_path):
     np.testing.assert_allclose(skipping.get_layer("emb")(x[:1]).numpy()[0], rows.mean(0),
                                rtol=1e-6)
     for bad in (True, 1.5, "0"):
-        with pytest.raises(ValueError, match="pad_id must be 'auto', None, an int id"):
+        with pytest.raises(ValueError, match="pad_id must be 'auto', None, an int64 id"):
             tf_sfctr.export_for_serving(model, str(tmp_path / "x"), pad_id=bad)
     tf_sfctr.export_for_serving(model, str(tmp_path / "capped"), max_rows=np.int64(2))
 

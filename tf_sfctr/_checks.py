@@ -3,10 +3,16 @@
 
 from __future__ import annotations
 
+import math
 import os
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import numpy as np
+
+#: The largest value an int64 holds: counts and sizes above it cannot reach
+#: TensorFlow (which says "out-of-range integer" without naming the argument).
+INT64_MAX = 2**63 - 1
 
 
 def check_bool(name: str, value: Any) -> bool:
@@ -27,3 +33,44 @@ def check_path(name: str, value: Any) -> str:
     if not isinstance(path, str) or not path:
         raise ValueError(f"{name} must be a non-empty path, got {value!r}")
     return path
+
+
+def check_int(name: str, value: Any, *, minimum: int,
+              maximum: int = INT64_MAX) -> int:
+    """``value`` as an int in [minimum, maximum]; a TypeError naming ``name``
+    for anything but an int (NumPy's included, bools not: True would count
+    as 1), a ValueError when it is out of range."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if value > maximum:
+        raise ValueError(f"{name} must be at most {maximum}, got {value}")
+    return int(value)
+
+
+def check_number(name: str, value: Any, *, minimum: Optional[float] = None,
+                 maximum: Optional[float] = None, what: str = "a finite number") -> float:
+    """``value`` as a finite float in [minimum, maximum]; a TypeError naming
+    ``name`` for a str, None, a bool or a sequence, a ValueError for NaN, inf or
+    a value out of range. ``what`` describes the allowed values in the message."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+            value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be {what}, got {value!r}")
+    number = float(value)
+    if (not math.isfinite(number) or (minimum is not None and number < minimum)
+            or (maximum is not None and number > maximum)):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return number
+
+
+def check_names(name: str, value: Any) -> list:
+    """One name (a str) or a sequence of str names, as a list. A str is one
+    name, not a sequence of one-letter names."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, Sequence) and not isinstance(value, (bytes, bytearray)):
+        names = list(value)
+        if all(isinstance(item, str) for item in names):
+            return names
+    raise TypeError(f"{name} must be a name (str) or a list of names, got {value!r}")

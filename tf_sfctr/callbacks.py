@@ -21,13 +21,19 @@ from typing import Any, Optional
 import keras
 import numpy as np
 
-from tf_sfctr._checks import check_bool, check_path
+from tf_sfctr._checks import check_bool, check_int, check_number, check_path
 
 __all__ = ["CacheMetrics", "EarlyStopping", "FollowKerasLearningRate", "PruneHostTable",
            "cached_embeddings", "table_log_names"]
 
 #: The suffixes ``CacheMetrics`` appends to a layer's name to make log keys.
 METRICS = ("hit_rate", "misses_per_step", "evictions_per_step", "host_rows")
+
+
+def check_model(model: Any) -> None:
+    """A TypeError unless ``model`` is a Keras layer (a model is one)."""
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(f"model must be a Keras model or layer, got {type(model).__name__}")
 
 
 def cached_embeddings(model: keras.layers.Layer) -> list:
@@ -45,6 +51,7 @@ def cached_embeddings(model: keras.layers.Layer) -> list:
     """
     from tf_sfctr.keras_layers import CachedEmbedding
 
+    check_model(model)
     found, seen = [], set()
     for layer in model._flatten_layers(include_self=True, recursive=True):
         if isinstance(layer, CachedEmbedding) and id(layer) not in seen:
@@ -76,6 +83,7 @@ def table_log_names(model: keras.layers.Layer) -> list:
     """
     from tf_sfctr.keras_layers import CachedEmbedding
 
+    check_model(model)
     paths: dict[int, str] = {}
 
     def walk(layer, prefix):
@@ -611,6 +619,11 @@ class FollowKerasLearningRate(keras.callbacks.Callback):
                 self.ratios[name] = float(layer.table_optimizer.learning_rate) / keras_rate
                 continue
             wanted = self.ratios[name] * keras_rate
+            if not wanted <= float(np.finfo(np.float32).max):
+                raise ValueError(
+                    f"FollowKerasLearningRate: table {name!r}'s ratio {self.ratios[name]} "
+                    f"times Keras's learning rate {keras_rate} is {wanted}, beyond float32, "
+                    "the largest rate a table takes; use a smaller ratio")
             if layer.table_optimizer.learning_rate != wanted:
                 layer.table_optimizer.learning_rate = wanted
 
@@ -671,6 +684,19 @@ class EarlyStopping(keras.callbacks.EarlyStopping):
                  verbose: int = 0, mode: str = "auto", baseline: Optional[float] = None,
                  restore_best_weights: bool = False, start_from_epoch: int = 0,
                  directory: Optional[str] = None, restore_optimizer: bool = False):
+        # Keras's own arguments, checked here too: Keras takes patience="2"
+        # and fails at the first epoch's end, and falls back to mode "auto"
+        # (with a warning) for an unknown mode such as "MAX".
+        if not isinstance(monitor, str) or not monitor:
+            raise TypeError(f"monitor must be the name of a logged metric (str), got {monitor!r}")
+        min_delta = check_number("min_delta", min_delta)
+        patience = check_int("patience", patience, minimum=0)
+        verbose = check_int("verbose", verbose, minimum=0)
+        start_from_epoch = check_int("start_from_epoch", start_from_epoch, minimum=0)
+        if baseline is not None:
+            baseline = check_number("baseline", baseline, what="None or a finite number")
+        if mode not in ("auto", "min", "max"):
+            raise ValueError(f"mode must be 'auto', 'min' or 'max', got {mode!r}")
         super().__init__(monitor=monitor, min_delta=min_delta, patience=patience,
                          verbose=verbose, mode=mode, baseline=baseline,
                          restore_best_weights=False, start_from_epoch=start_from_epoch)

@@ -710,14 +710,15 @@ def _check_serving_arguments(max_rows: Any, pad_id: Any) -> None:
         raise ValueError(f"max_rows must be None or an int >= 0, got {max_rows!r}")
     def bad(p):
         return p is not None and not (isinstance(p, str) and p == "auto") and (
-            isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, np.integer)))
+            isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, np.integer))
+            or not -(2**63) <= p < 2**63)
 
     if isinstance(pad_id, dict):
         if not pad_id or any(not isinstance(k, str) or bad(v) for k, v in pad_id.items()):
             raise ValueError(f"pad_id as a dict maps table names to 'auto', None or an int "
                              f"id, got {pad_id!r}")
     elif bad(pad_id):
-        raise ValueError(f"pad_id must be 'auto', None, an int id, or a dict of them by "
+        raise ValueError(f"pad_id must be 'auto', None, an int64 id, or a dict of them by "
                          f"table name, got {pad_id!r}")
 
 

@@ -9,7 +9,7 @@ from typing import Optional, Union
 import numpy as np
 import tensorflow as tf
 
-from tf_sfctr._checks import check_bool  # noqa: F401 (the data modules' import)
+from tf_sfctr._checks import check_bool, check_int, check_names, check_number  # noqa: F401 (the data modules' imports)
 
 PathLike = Union[str, "os.PathLike[str]"]
 Shard = Optional[tuple[int, int]]
@@ -18,14 +18,15 @@ Shard = Optional[tuple[int, int]]
 DENSE_KEY = "dense"
 SPARSE_KEY = "sparse"
 
+#: The most dense or categorical columns a reader, writer or generator takes
+#: (Criteo has 13 and 26): a bound that keeps a mistyped count from building
+#: column-name lists that never end.
+MAX_COLUMNS = 1 << 20
 
-def check_int(name: str, value: object, *, minimum: int) -> int:
-    """Returns ``value`` as an int; TypeError / ValueError messages name ``name``."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
+
+def check_columns(name: str, value: object) -> int:
+    """A column count (``num_dense``, ``num_sparse``) in [0, MAX_COLUMNS]."""
+    return check_int(name, value, minimum=0, maximum=MAX_COLUMNS)
 
 
 def check_dense_default(value: object) -> float:

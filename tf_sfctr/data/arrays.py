@@ -84,6 +84,9 @@ def dataset_from_arrays(
         raise ValueError(f"label must have one entry per row (shape [rows, ...]), got the "
                          f"scalar {label!r}")
     num_rows = label.shape[0]
+    if not isinstance(features, Mapping):
+        raise TypeError("features must be a dict of arrays (or Ragged columns) by feature "
+                        f"name, got {type(features).__name__}")
     tensors = {}
     for name, value in features.items():
         if isinstance(value, Ragged):

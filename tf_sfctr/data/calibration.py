@@ -27,8 +27,21 @@ def expected_auc(score: np.ndarray, probability: np.ndarray) -> float:
       >>> expected_auc(np.array([0.0, 1.0]), np.array([0.0, 1.0]))
       1.0
     """
-    score = np.asarray(score, dtype=np.float64)
-    p = np.asarray(probability, dtype=np.float64)
+    try:
+        score = np.asarray(score, dtype=np.float64).reshape(-1)
+        p = np.asarray(probability, dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError):
+        raise TypeError("expected_auc: score and probability must be arrays of numbers, got "
+                        f"{type(score).__name__} and {type(probability).__name__}") from None
+    if score.shape != p.shape:
+        raise ValueError(f"expected_auc: score has {score.size} values and probability "
+                         f"{p.size}; they need one per example")
+    if not np.isfinite(score).all():
+        raise ValueError("expected_auc: score must be finite (a NaN or inf is in it)")
+    if not ((p >= 0.0) & (p <= 1.0)).all():
+        raise ValueError("expected_auc: probability must hold numbers in [0, 1], got "
+                         f"values from {np.nanmin(p) if p.size else 0} to "
+                         f"{np.nanmax(p) if p.size else 0}{' and NaN' if np.isnan(p).any() else ''}")
     _, group = np.unique(score, return_inverse=True)
     pos = np.bincount(group, weights=p)
     neg = np.bincount(group, weights=1.0 - p)

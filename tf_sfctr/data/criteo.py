@@ -37,8 +37,10 @@ from tf_sfctr.data._common import (
     PathLike,
     Shard,
     check_bool,
+    check_columns,
     check_dense_default,
     check_int,
+    check_number,
     check_paths,
     check_shard,
     finish,
@@ -57,7 +59,7 @@ def dense_column_names(num_dense: int = NUM_DENSE) -> tuple[str, ...]:
       >>> dense_column_names(3)
       ('I1', 'I2', 'I3')
     """
-    return tuple(f"I{i + 1}" for i in range(num_dense))
+    return tuple(f"I{i + 1}" for i in range(check_columns("num_dense", num_dense)))
 
 
 def sparse_column_names(num_sparse: int = NUM_SPARSE) -> tuple[str, ...]:
@@ -67,7 +69,7 @@ def sparse_column_names(num_sparse: int = NUM_SPARSE) -> tuple[str, ...]:
       >>> sparse_column_names()[-1]
       'C26'
     """
-    return tuple(f"C{i + 1}" for i in range(num_sparse))
+    return tuple(f"C{i + 1}" for i in range(check_columns("num_sparse", num_sparse)))
 
 
 # ---------------------------------------------------------------- rows in memory
@@ -122,7 +124,8 @@ class CriteoRows:
         for name in ("dense", "dense_missing", "categorical"):
             shape = getattr(self, name).shape
             if len(shape) != 2 or shape[0] != n:
-                raise ValueError(f"{name} must have shape [{n}, columns], got {shape}")
+                raise ValueError(f"{name} must have shape [{n}, columns] ({n} rows, one per "
+                                 f"label), got {shape}")
         if self.dense_missing.shape != self.dense.shape:
             raise ValueError(
                 f"dense_missing has shape {self.dense_missing.shape}, expected the "
@@ -170,11 +173,11 @@ def random_criteo_rows(
       (3, (3, 26))
     """
     num_rows = check_int("num_rows", num_rows, minimum=0)
-    num_dense = check_int("num_dense", num_dense, minimum=0)
-    num_sparse = check_int("num_sparse", num_sparse, minimum=0)
-    if not 0.0 <= missing_rate <= 1.0:
-        raise ValueError(f"missing_rate must be in [0, 1], got {missing_rate}")
-    rng = np.random.default_rng(seed)
+    num_dense = check_columns("num_dense", num_dense)
+    num_sparse = check_columns("num_sparse", num_sparse)
+    missing_rate = check_number("missing_rate", missing_rate, minimum=0.0, maximum=1.0,
+                                what="a number in [0, 1]")
+    rng = np.random.default_rng(check_int("seed", seed, minimum=0))
     labels = (rng.random(num_rows) < 0.25).astype(np.int64)
     dense = rng.geometric(0.05, size=(num_rows, num_dense)).astype(np.int64) - 1
     if num_dense > 1:
@@ -557,8 +560,8 @@ def find_bad_tsv_lines(
       4 dense column I1: 'x' is not a number
     """
     paths = check_paths(paths)
-    num_dense = check_int("num_dense", num_dense, minimum=0)
-    num_sparse = check_int("num_sparse", num_sparse, minimum=0)
+    num_dense = check_columns("num_dense", num_dense)
+    num_sparse = check_columns("num_sparse", num_sparse)
     limit = check_int("limit", limit, minimum=1)
     _check_compression(compression_type)
     _check_compressed_alike(paths, compression_type, "find_bad_tsv_lines")
@@ -723,8 +726,8 @@ def criteo_tsv(
     """
     paths = check_paths(paths)
     batch_size = check_int("batch_size", batch_size, minimum=1)
-    num_dense = check_int("num_dense", num_dense, minimum=0)
-    num_sparse = check_int("num_sparse", num_sparse, minimum=0)
+    num_dense = check_columns("num_dense", num_dense)
+    num_sparse = check_columns("num_sparse", num_sparse)
     num_shards, index = check_shard(shard)
     _check_compression(compression_type)
     dense_default = check_dense_default(dense_default)

@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
+from tf_sfctr._checks import check_path
 from tf_sfctr.data._common import DENSE_KEY, SPARSE_KEY, PathLike, check_int
 from tf_sfctr.data.arrays import Features, Ragged, dataset_from_arrays
 from tf_sfctr.data.hashing import hash_categorical
@@ -94,7 +95,7 @@ def resolve_path(path: PathLike | None = None) -> Path:
       True
     """
     if path is not None:
-        candidates = [Path(os.fspath(path))]
+        candidates = [Path(check_path("path", path))]
     else:
         here = Path(__file__).resolve()
         candidates = [Path(DEFAULT_PATH), here.parents[2] / DEFAULT_PATH,
@@ -319,6 +320,12 @@ def load_movielens(
     movies = _read_movies(directory / "movies.csv")
     ratings = _read_ratings(directory / "ratings.csv")
     features, label = _examples(ratings, movies, float(positive_threshold), history)
+    if not 0 < label.sum() < label.shape[0]:
+        raise ValueError(
+            f"positive_threshold={positive_threshold!r} makes every example "
+            f"{'negative' if label.sum() == 0 else 'positive'}: the ratings go from "
+            f"{ratings[:, 2].min()} to {ratings[:, 2].max()}, and those at or above the "
+            "threshold are positives")
     n = ratings.shape[0]
     n_test = round(n * test_fraction)
     if split == "random":

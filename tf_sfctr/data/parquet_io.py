@@ -61,6 +61,7 @@ from tf_sfctr.data._common import (
     check_bool,
     check_dense_default,
     check_int,
+    check_names,
     check_paths,
     check_shard,
     finish,
@@ -93,6 +94,10 @@ def _import_pyarrow():
             "dependency of tf_sfctr.data"
         ) from e
     return pyarrow
+
+
+#: The codecs pyarrow writes (it names LZO too, but cannot write it).
+_CODECS = ("none", "snappy", "gzip", "brotli", "lz4", "lz4_raw", "zstd")
 
 
 def write_parquet(
@@ -128,6 +133,11 @@ def write_parquet(
       5
     """
     nulls = check_bool("nulls", nulls)
+    if row_group_size is not None:
+        row_group_size = check_int("row_group_size", row_group_size, minimum=1)
+    if not isinstance(compression, str) or compression.lower() not in _CODECS:
+        raise ValueError(f"compression must be one of {list(_CODECS)} (any case), "
+                         f"got {compression!r}")
     pa = _import_pyarrow()
     columns = {LABEL_COLUMN: pa.array(rows.labels, pa.int64())}
     for j, name in enumerate(dense_column_names(rows.dense.shape[1])):
@@ -472,8 +482,10 @@ def parquet(
       engine: ``"pyarrow"`` or ``"tensorflow_io"`` (no nulls, no compressed
         string columns); see the module docstring.
       label_column: numeric label column.
-      dense_columns: numeric columns; default ``I1..I13``.
-      sparse_columns: string columns; default ``C1..C26``.
+      dense_columns: numeric columns (a name or a list of names); default
+        ``I1..I13``.
+      sparse_columns: string columns (a name or a list of names); default
+        ``C1..C26``.
       dense_default: value of a null dense field (``engine="pyarrow"``; a finite
         number).
       shard: ``(num_shards, index)``: keep rows ``index, index + num_shards, ...``
@@ -507,8 +519,12 @@ def parquet(
     dense_default = check_dense_default(dense_default)
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    dense = list(dense_column_names() if dense_columns is None else dense_columns)
-    sparse = list(sparse_column_names() if sparse_columns is None else sparse_columns)
+    if not isinstance(label_column, str):
+        raise TypeError(f"label_column must be a column name (str), got {label_column!r}")
+    dense = list(dense_column_names() if dense_columns is None
+                 else check_names("dense_columns", dense_columns))
+    sparse = list(sparse_column_names() if sparse_columns is None
+                  else check_names("sparse_columns", sparse_columns))
     names = [label_column, *dense, *sparse]
     if len(set(names)) != len(names):
         raise ValueError(

@@ -57,6 +57,7 @@ from tf_sfctr.data._common import (
     SPARSE_KEY,
     Shard,
     check_bool,
+    check_columns,
     check_int,
     check_shard,
     finish,
@@ -166,8 +167,8 @@ class SyntheticCriteoSpec:
 
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)
-        num_dense = check_int("num_dense", self.num_dense, minimum=0)
-        num_sparse = check_int("num_sparse", self.num_sparse, minimum=0)
+        num_dense = check_columns("num_dense", self.num_dense)
+        num_sparse = check_columns("num_sparse", self.num_sparse)
         set_("num_dense", num_dense)
         set_("num_sparse", num_sparse)
         vocab = self.vocab_sizes
@@ -198,7 +199,13 @@ class SyntheticCriteoSpec:
         elif isinstance(multi_hot, Mapping):
             multi_hot = tuple(multi_hot.items())
         else:
-            multi_hot = tuple(tuple(kv) for kv in multi_hot)  # already normalised
+            multi_hot = tuple(multi_hot)  # already normalised, or a list of pairs
+            if not all(isinstance(kv, Sequence) and not isinstance(kv, str) and len(kv) == 2
+                       for kv in multi_hot):
+                raise TypeError(
+                    "multi_hot must be None, a dict {field: max_len} or a list of "
+                    f"(field, max_len) pairs, got {self.multi_hot!r}"
+                )
         names = []
         checked = []
         for key, max_len in multi_hot:
@@ -224,9 +231,8 @@ class SyntheticCriteoSpec:
             )
         set_("target_auc", _check_open_unit("target_auc", self.target_auc, 0.5))
         set_("positive_rate", _check_open_unit("positive_rate", self.positive_rate, 0))
-        model_seed = check_int("model_seed", self.model_seed, minimum=0)
-        if model_seed >= 2**64:  # the key is 64 bits: larger seeds would alias
-            raise ValueError(f"model_seed must be in [0, 2**64), got {model_seed}")
+        # (The key is 64 bits: larger seeds would alias.)
+        model_seed = check_int("model_seed", self.model_seed, minimum=0, maximum=2**64 - 1)
         set_("model_seed", model_seed)
 
     # ------------------------------------------------------------ structure

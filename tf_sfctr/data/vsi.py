@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sfctr import _ops
-from tf_sfctr.data._common import SPARSE_KEY
+from tf_sfctr.data._common import SPARSE_KEY, check_names
 
 __all__ = ["VSI_KEYS", "deduplicate", "vsi_inputs", "with_unique_ids"]
 
@@ -72,6 +72,13 @@ def deduplicate(ids: Ids, key: str = "ids") -> dict[str, Ids]:
     >>> vsi["unique_ids"].numpy().tolist(), vsi["inverse"].numpy().tolist()
     ([7, 3], [0, 1, 1, 0])
     """
+    if not isinstance(ids, (tf.RaggedTensor, tf.SparseTensor)):
+        try:  # a list or an array of ids is taken too, as a tensor
+            ids = tf.convert_to_tensor(ids)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"deduplicate: ids must be a tensor (dense, tf.RaggedTensor or "
+                f"tf.SparseTensor) of int ids, got {type(ids).__name__}") from None
     flat = _flat_ids(ids, key)
     u, inverse, _ = _ops.unique(tf.cast(flat, tf.int64))
     return {"ids": ids, "unique_ids": u, "inverse": inverse}
@@ -163,7 +170,13 @@ def with_unique_ids(
     >>> features["sparse"]["inverse"].shape.as_list()
     [832]
     """
-    keys = (keys,) if isinstance(keys, str) else tuple(keys)
+    keys = tuple(check_names("with_unique_ids: keys", keys))
+    if (isinstance(num_parallel_calls, (bool, np.bool_))
+            or not isinstance(num_parallel_calls, (int, np.integer))
+            or not (num_parallel_calls >= 1 or num_parallel_calls == tf.data.AUTOTUNE)):
+        raise ValueError(
+            "with_unique_ids: num_parallel_calls must be an int >= 1 or tf.data.AUTOTUNE, "
+            f"got {num_parallel_calls!r}")
     if not keys:
         raise ValueError("with_unique_ids: keys must name at least one feature")
     spec = dataset.element_spec
@@ -334,6 +347,12 @@ def vsi_inputs(
     if ragged and sparse:
         raise ValueError("vsi_inputs: choose ragged=True or sparse=True, not both")
     _check_flag("vsi_inputs", "lookahead", lookahead)
+    if (isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence) or not all(
+            d is None or (isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0)
+            for d in shape)):
+        raise ValueError(
+            "vsi_inputs: shape must be the per-example shape of the ids, a tuple of ints "
+            f"and None, e.g. (26,) or (None,), got {shape!r}")
     if not isinstance(eviction_hints, (bool, np.bool_)):
         try:  # the dataset's k also works: any k > 0 means hints
             if not 0 <= operator.index(eviction_hints) <= MAX_HINT_BATCHES:

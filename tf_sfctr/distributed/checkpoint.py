@@ -405,6 +405,7 @@ def read_metadata(directory: str) -> Optional[dict]:
     """The ``metadata`` a complete ``save`` into ``directory`` recorded
     (None if it recorded none); raises CheckpointMismatchError if the
     directory holds no complete save."""
+    directory = check_path("directory", directory)
     _read_manifest(directory)
     return _read_json(os.path.join(directory, MANIFEST)).get("metadata")
 
@@ -925,8 +926,8 @@ def restore(checkpoint: tf.train.Checkpoint, directory: str) -> None:
     refused = None
     try:
         _check_checkpoint(checkpoint, "restore")
-        directory = os.fspath(directory)
-    except TypeError as err:
+        directory = check_path("tf_sfctr.distributed.restore: directory", directory)
+    except (TypeError, ValueError) as err:
         refused = err
     if refused is not None and world()[0] == 1:
         raise refused

@@ -28,6 +28,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_sfctr._checks import check_path
+
 from tf_sfctr.distributed._horovod import explain_shutdown, world
 from tf_sfctr.distributed.checkpoint import (MANIFEST, _allgather, _read_json, _write_json,
                                              read_metadata, restore, save)
@@ -76,7 +78,7 @@ def latest_checkpoint(directory: str) -> Optional[str]:
     """The newest complete save ``SaveCheckpoints`` wrote under
     ``directory`` (None if there is none). Under Horovod, rank 0's answer,
     so that every rank restores the same one (collective)."""
-    return _on_rank_0(lambda: ([path for _, path, done in _saves(directory) if done]
+    return _on_rank_0(lambda: ([path for _, path, done in _saves(_checked(directory)) if done]
                                or [None])[-1], "sfctr_latest_checkpoint")
 
 
@@ -99,6 +101,10 @@ def same_on_every_rank(what: str, arguments: tuple, names: str) -> None:
             "give every rank the same, or it would wait for the others in a collective.")
 
 
+def _checked(directory) -> str:
+    return check_path("directory", directory)
+
+
 def _on_rank_0(fn, name: str):
     """``fn()`` on rank 0, its result (or its error) on every rank
     (collective): a rank whose file system call failed alone would leave
@@ -111,6 +117,8 @@ def _on_rank_0(fn, name: str):
         except Exception as err:  # noqa: BLE001 - every rank raises it below
             # (Not only file errors: a directory that is no path, a TypeError,
             # left the other ranks waiting here; a review.)
+            if size == 1:
+                raise
             error = f"{type(err).__name__}: {err}"
     if size > 1:
         value, error = _allgather((value, error), name)[0]
@@ -133,7 +141,7 @@ def resume(checkpoint: tf.train.Checkpoint, directory: str) -> int:
     written: move it out of ``directory`` and resume again). No save is
     skipped on its own: an error may as well mean that the model is not
     the one saved, and an older save would silently drop training."""
-    paths = _on_rank_0(lambda: [path for _, path, done in _saves(directory) if done],
+    paths = _on_rank_0(lambda: [path for _, path, done in _saves(_checked(directory)) if done],
                        "sfctr_resume_saves")
     if not paths:
         return 0

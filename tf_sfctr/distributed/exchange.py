@@ -28,10 +28,15 @@ def owner_of(ids: np.ndarray, world_size: int) -> np.ndarray:
     """Owner rank of each id, Mix64(id) mod world_size: the grouping
     ``SfctrUnique(ids, num_groups=world_size)`` routes by, in NumPy."""
     if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) \
-            or world_size < 1:
+            or not 1 <= world_size <= np.iinfo(np.int32).max:
         raise ValueError(f"world_size must be a positive int (the number of ranks), "
                          f"got {world_size!r}")
-    x = np.asarray(ids, np.int64).astype(np.uint64)
+    values = np.asarray(ids)
+    if values.dtype.kind not in "iu" and values.size:
+        # (np.asarray(ids, np.int64) cut 1.9 to the id 1, and said "invalid
+        # literal for int()" of a string)
+        raise TypeError(f"owner_of: ids must be integers, got {values.dtype} values")
+    x = values.astype(np.int64).astype(np.uint64)
     with np.errstate(over="ignore"):
         x = x ^ (x >> np.uint64(30))
         x = x * np.uint64(0xBF58476D1CE4E5B9)

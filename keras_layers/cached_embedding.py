@@ -364,6 +364,9 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
     def _positive_int(name: str, value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if value > 2**63 - 1:  # (the first call failed: "int too big to convert")
+            raise ValueError(f"{name} must be a positive int64 (at most 2**63 - 1), got "
+                             f"{value!r}; leave max_rows at None for no bound")
         return int(value)
 
     # ------------------------------------------------------------------ build

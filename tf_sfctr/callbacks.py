@@ -624,6 +624,11 @@ class FollowKerasLearningRate(keras.callbacks.Callback):
                     f"FollowKerasLearningRate: table {name!r}'s ratio {self.ratios[name]} "
                     f"times Keras's learning rate {keras_rate} is {wanted}, beyond float32, "
                     "the largest rate a table takes; use a smaller ratio")
+            # Below float32's smallest normal number a table's rate would
+            # be flushed to 0, which the table optimizers refuse (this
+            # ended fit): the smallest rate they take, which moves no row
+            # either, as Keras's own rate that small moves no weight.
+            wanted = max(wanted, float(np.finfo(np.float32).tiny))
             if layer.table_optimizer.learning_rate != wanted:
                 layer.table_optimizer.learning_rate = wanted
 

@@ -260,11 +260,14 @@ class TableOptimizer:
             arrays.append(value)
         stored = self._to_stored(arrays)
         for name, public, kept in zip(names, arrays, stored):
-            bad = ~np.isfinite(public) | ~np.isfinite(kept)
+            # Infinite state is taken, as a checkpoint restores it (training
+            # can overflow an accumulator, and export_rows gives it so); NaN
+            # is not.
+            bad = np.isnan(public) | np.isnan(kept)
             if bad.any():
                 row = int(np.argwhere(bad)[0, 0])
                 raise ValueError(
-                    f"state[{name!r}] must be finite (in float32); row {row} (id "
+                    f"state[{name!r}] must not hold NaN; row {row} (id "
                     f"{int(ids[row])}) holds {public[row].tolist()}. Nothing was changed.")
         self._check_stored(dict(zip(names, arrays)), stored, ids)
         return stored
@@ -297,15 +300,22 @@ class TableOptimizer:
     def rate_at(self, step: tf.Tensor) -> tf.Tensor:
         """The float32 learning rate an update of table step ``step`` uses
         now: the schedule's value at that step, or the number set last."""
-        return self._lr(step)
+        return self._lr(step, checked=False)
 
     def rate_checks(self, rate: tf.Tensor, table: str = "") -> list:
         """Ops that fail when ``apply`` would refuse ``rate`` (a float32
         scalar), for a caller that stores the rate for a later update (a
         model-parallel step): it refuses the step then, not the update at
-        the next collective. ``table`` names the table in the error. No ops
-        here (an empty list); FTRL's refuse a zero rate."""
-        return []
+        the next collective. ``table`` names the table in the error. Here a
+        rate that is not finite or is < 0 (a schedule's; a number set is
+        checked when it is set); FTRL's also refuse a zero rate."""
+        where = f" of table {table}" if table else ""  # (no quotes: traced, printed escaped)
+        usable = tf.math.is_finite(rate) & (rate >= 0.0)
+        return [tf.debugging.check_numerics(
+            tf.where(usable, rate, tf.constant(float("nan"), rate.dtype)),
+            message=f"the learning rate{where} (from the {type(self).__name__} table "
+                    "optimizer's schedule) must be finite and >= 0; the step was refused and "
+                    "no row was changed")]
 
     @contextlib.contextmanager
     def rate_fixed(self, rate: tf.Tensor):
@@ -326,7 +336,9 @@ class TableOptimizer:
             else:
                 fixed[id(self)] = previous
 
-    def _lr(self, step: tf.Tensor) -> tf.Tensor:
+    def _lr(self, step: tf.Tensor, checked: bool = True) -> tf.Tensor:
+        """The rate of an update at ``step``; ``checked``: a schedule's rate
+        fails ``rate_checks`` before any update op can read it."""
         fixed = _fixed_rates().get(id(self))
         if fixed is not None:
             return fixed
@@ -334,7 +346,15 @@ class TableOptimizer:
         if rate is not None:
             return rate.read_value()
         if callable(self.learning_rate):
-            return tf.cast(self.learning_rate(step), tf.float32)
+            rate = tf.cast(self.learning_rate(step), tf.float32)
+            if not checked:
+                return rate
+            # (A schedule's rate was used as it came: NaN, inf or a
+            # negative rate wrote rows a save then refused; a review.)
+            # (The base checks: FTRL's own update op refuses a zero rate,
+            # naming its rows.)
+            with tf.control_dependencies(TableOptimizer.rate_checks(self, rate)):
+                return tf.identity(rate)
         return tf.constant(self.learning_rate, tf.float32)
 
     def apply(
@@ -643,7 +663,7 @@ class Ftrl(TableOptimizer):
         these values (w = (sign(z) * l1 - z) / quadratic) keep them: an
         update with a zero gradient leaves the row where it was assigned."""
         w = np.asarray(values, np.float64)
-        lr = float(self._lr(tf.constant(step, tf.int64)))
+        lr = float(self._lr(tf.constant(step, tf.int64), checked=False))
         if not lr > 0:
             raise ValueError(
                 f"assign_rows with the Ftrl table optimizer needs a learning rate > 0 (it "
@@ -670,7 +690,7 @@ class Ftrl(TableOptimizer):
     def rate_checks(self, rate, table=""):
         # (The same refusal as the update's own: it divides by the rate.)
         where = f" of table {table}" if table else ""  # (no quotes: traced, printed escaped)
-        return [tf.debugging.assert_greater(
+        return super().rate_checks(rate, table) + [tf.debugging.assert_greater(
             rate, tf.constant(0.0, rate.dtype),
             message=f"FTRL's learning rate{where} (from the table optimizer's learning rate "
                     "or its schedule) must be > 0; the step was refused and no row was "

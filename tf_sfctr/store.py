@@ -110,6 +110,31 @@ def rows_restorable(rows: np.ndarray, dim: int) -> bool:
     return bool(np.all(np.isfinite(rows[:, :dim])) and not np.any(np.isnan(rows[:, dim:])))
 
 
+def check_rows_savable(rows: np.ndarray, ids: np.ndarray, dim: int, table: str) -> None:
+    """A ValueError, naming the table and a row, if ``rows`` (value, then
+    optimizer state) hold what a restore refuses (``rows_restorable``).
+    Training with finite gradients can still put them there: a learning
+    rate times the gradients past float32's range, or an accumulator that
+    overflowed into a NaN row. Refused at the save, a checkpoint that
+    cannot be restored is never written (nor are older ones then removed
+    as superseded). Scans a block of rows at a time."""
+    block = 1 << 16
+    for start in range(0, rows.shape[0], block):
+        part = rows[start:start + block]
+        if rows_restorable(part, dim):
+            continue
+        with np.errstate(over="ignore"):
+            part = part.astype(np.float32, copy=False)
+        bad = ~np.isfinite(part[:, :dim]).all(axis=1) | np.isnan(part[:, dim:]).any(axis=1)
+        row = int(np.flatnonzero(bad)[0])
+        raise ValueError(
+            f"table {table!r} holds rows that are not finite (id {int(ids[start + row])}: "
+            f"{part[row, :dim].tolist()}): its training overflowed float32, with a learning "
+            "rate too large for its gradients (or a schedule that grew), or an optimizer "
+            "state that overflowed. Nothing was saved, since a restore refuses such rows: "
+            "restore an earlier checkpoint and train on with a smaller learning rate.")
+
+
 def _saved_integers(name: str, values) -> np.ndarray:
     """A saved integer array as int64, or CheckpointMismatchError: floats
     would be truncated and unsigned values past int64 would wrap (into other
@@ -528,6 +553,7 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
             self.before_save()
         with self._prune_lock:
             ids, rows, counts = self.host_export()
+        check_rows_savable(rows.numpy(), ids.numpy(), self.config.dim, self.config.name)
         stats = self.stats()
         return {"header": tf.constant(self.header(), tf.int64), "ids": ids, "rows": rows,
                 "counts": counts, "counters": stats[:3]}
@@ -555,8 +581,9 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
             held = int(self.stats()[3])
             while cursor != -1:
                 ids, rows, counts, cursor = self.host_export_range(cursor, limit)
-                ids, counts, cursor = ids.numpy(), counts.numpy(), int(cursor)
-                writer.write(ids, rows.numpy(), counts)
+                ids, rows, counts, cursor = ids.numpy(), rows.numpy(), counts.numpy(), int(cursor)
+                check_rows_savable(rows, ids, self.config.dim, self.config.name)
+                writer.write(ids, rows, counts)
             now = int(self.stats()[3])
         if writer.rows != held or now != held:
             raise RuntimeError(

@@ -82,6 +82,7 @@ from tf_sfctr.keras_layers._step_state import Counter, DeferredUpdate, DeviceCac
 from tf_sfctr.keras_layers._table_access import TableAccessMixin
 from tf_sfctr.store import (
     PENDING_TABLE_DIRS,
+    RESTORE_PENDING,
     CheckpointMismatchError,
     EmbeddingStore,
     StoreConfig,
@@ -470,6 +471,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         # Where a tf_sfctr.distributed.restore into this layer before it was
         # built left its table file.
         store.pending_table_dir = PENDING_TABLE_DIRS.pop(self, None)
+        RESTORE_PENDING.discard(self)
         try:
             # Tracking the table restores it now if a checkpoint was restored
             # into this layer before it was built (TF's deferred restore).

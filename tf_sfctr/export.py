@@ -722,6 +722,23 @@ def _check_serving_arguments(max_rows: Any, pad_id: Any) -> None:
                          f"table name, got {pad_id!r}")
 
 
+def _check_no_restore_pending(model: keras.Model) -> None:
+    """A ValueError if a table of ``model`` waits for its layer's build to
+    load what tf_sfctr.distributed.restore gave it: the export traced the
+    model without it and served other rows (a review)."""
+    from tf_sfctr.callbacks import cached_embeddings
+    from tf_sfctr.store import RESTORE_PENDING
+
+    pending = [layer.name for layer in cached_embeddings(model)
+               if layer in RESTORE_PENDING and not layer.built]
+    if pending:
+        raise ValueError(
+            f"export_for_serving: CachedEmbedding {pending} got a table from "
+            "tf_sfctr.distributed.restore before it was built, and loads it when it is "
+            "built. Build the model first (call it on one batch, or model.build), then "
+            "export.")
+
+
 def _check_pad_tables(model: keras.Model, pad_id: Any) -> None:
     """A dict pad_id names tables of the model."""
     from tf_sfctr.callbacks import cached_embeddings
@@ -894,6 +911,7 @@ def export_for_serving(model: keras.Model, export_dir: str,
         if not isinstance(model, keras.Model):
             raise ValueError("export_for_serving needs a keras.Model (functional, Sequential "
                              f"or subclassed), got {type(model).__name__}")
+        _check_no_restore_pending(model)
         traced = not _is_graph_model(model) or bool(_hidden_tables(model))
         _check_pad_tables(model, pad_id)
         if input_signature is not None and not traced:

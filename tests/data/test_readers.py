@@ -918,3 +918,20 @@ def test_writer_rejects_tabs(tmp_path):
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_a_refused_tsv_write_leaves_the_file_as_it_was(tmp_path):
+    # The file was opened for writing first: a tab in row 999 left a file of
+    # 999 rows, valid to every reader, in place of the one there (a review).
+    path = str(tmp_path / "day.tsv")
+    rows = random_criteo_rows(1000, seed=3)
+    write_criteo_tsv(path, rows)
+    with open(path, "rb") as f:
+        before = f.read()
+    bad = random_criteo_rows(1000, seed=4)
+    bad.categorical[999, 0] = "a\tb"
+    with pytest.raises(ValueError, match=r"rows.categorical\[999, 0\] = 'a\\tb' contains a tab"):
+        write_criteo_tsv(path, bad)
+    with open(path, "rb") as f:
+        assert f.read() == before
+    assert sorted(os.listdir(tmp_path)) == ["day.tsv"]  # no partial file left

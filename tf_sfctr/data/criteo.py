@@ -222,7 +222,8 @@ def write_criteo_tsv(
     """Writes ``rows`` as a raw Criteo TSV file; returns the number of lines.
 
     Args:
-      path: the file to (over)write.
+      path: the file to (over)write; replaced only once every row is written
+        (a refused row leaves the file as it was).
       rows: the rows, e.g. from :func:`random_criteo_rows`.
       strip_trailing_empty: drop the trailing empty fields of each line (a line
         then has fewer than 40 columns), as some Criteo copies do.
@@ -239,7 +240,23 @@ def write_criteo_tsv(
       5
     """
     strip_trailing_empty = check_bool("strip_trailing_empty", strip_trailing_empty)
-    with open(os.fspath(path), "w", encoding="utf-8", newline="\n") as f:
+    # Into a new file beside ``path``, which replaces it only once every row
+    # is written: a value refused at row 999 had left a shorter, valid-looking
+    # file in place of the one there (a review).
+    path = os.fspath(path)
+    partial = f"{path}.partial-{os.getpid()}"
+    try:
+        _write_tsv_lines(partial, rows, strip_trailing_empty)
+        os.replace(partial, path)
+    except BaseException:
+        if os.path.exists(partial):
+            os.remove(partial)
+        raise
+    return rows.num_rows
+
+
+def _write_tsv_lines(path: str, rows: CriteoRows, strip_trailing_empty: bool) -> None:
+    with open(path, "w", encoding="utf-8", newline="\n") as f:
         for i in range(rows.num_rows):
             fields = [str(int(rows.labels[i]))]
             fields += [
@@ -258,7 +275,6 @@ def write_criteo_tsv(
             if strip_trailing_empty:
                 line = line.rstrip("\t")
             f.write(line + "\n")
-    return rows.num_rows
 
 
 # ---------------------------------------------------------------- TensorFlow side

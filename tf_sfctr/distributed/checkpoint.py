@@ -178,6 +178,7 @@ def save(checkpoint: tf.train.Checkpoint, directory: str, *, table_files: bool =
     refused = None
     try:
         _check_checkpoint(checkpoint, "save")
+        _check_no_restore_pending(checkpoint)
         # (An empty directory wrote into the working directory.)
         directory = check_path("tf_sfctr.distributed.save: directory", directory)
         table_files = check_bool("tf_sfctr.distributed.save: table_files", table_files)
@@ -197,6 +198,21 @@ def save(checkpoint: tf.train.Checkpoint, directory: str, *, table_files: bool =
     except tf.errors.OpError as err:
         explain_shutdown(err, "tf_sfctr.distributed.save")
         raise
+
+
+def _check_no_restore_pending(checkpoint) -> None:
+    """A ValueError if a layer of ``checkpoint`` waits for its build to load
+    the table a restore gave it: the save would hold none of its rows, and a
+    restore of that save would keep a table's rows unchanged, silently (a
+    review)."""
+    pending = [layer.name for layer in _unbuilt_layers(checkpoint)
+               if layer in store_module.RESTORE_PENDING]
+    if pending:
+        raise ValueError(
+            f"tf_sfctr.distributed.save: CachedEmbedding {pending} got a table from "
+            "tf_sfctr.distributed.restore before it was built, and loads it when it is "
+            "built; saved now, the checkpoint would hold none of those rows. Build the model "
+            "first (call it on one batch, or model.build), then save. Nothing was written.")
 
 
 def _check_checkpoint(checkpoint, what: str) -> None:
@@ -982,8 +998,9 @@ def _restore(checkpoint: tf.train.Checkpoint, directory: str,
             # of them when deferred) are read from this shard's directory
             # when their layers are built.
             _, save_id = _read_manifest(directory)
-            if save_id is not None:
-                for layer in _unbuilt_layers(checkpoint):
+            for layer in _unbuilt_layers(checkpoint):
+                store_module.RESTORE_PENDING.add(layer)
+                if save_id is not None:
                     store_module.PENDING_TABLE_DIRS[layer] = (
                         save_id, os.path.join(directory, _shard_name(rank, size)))
         if deferred:
@@ -1008,6 +1025,9 @@ def _restore(checkpoint: tf.train.Checkpoint, directory: str,
     if failure is not None:
         for store in stores:
             store.collected = None
+        for layer in _unbuilt_layers(checkpoint):
+            store_module.RESTORE_PENDING.discard(layer)
+            store_module.PENDING_TABLE_DIRS.pop(layer, None)
         if error is not None:
             raise error
         raise CheckpointMismatchError(

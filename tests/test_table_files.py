@@ -4,6 +4,8 @@ whole table in memory. Restores from table files equal restores from the
 checkpoint's tensors; a damaged, truncated, missing or swapped table file is
 refused before anything changes."""
 
+import shutil
+
 import keras
 import numpy as np
 import pytest
@@ -170,6 +172,34 @@ def test_a_damaged_table_file_is_refused_before_anything_changes(tmp_path, how, 
     with pytest.raises(CheckpointMismatchError, match=match) as err:
         restore(_ckpt(other), str(tmp_path / "ckpt"))
     assert "Nothing was restored" in str(err.value)
+    assert_same_state(model_state(other, other_emb, vocab), before)
+
+
+@pytest.mark.parametrize("table_files, swapped", [
+    (True, ("ckpt.index", "ckpt.data-00000-of-00001", "table-0000.rows")),
+    (False, ("ckpt.index", "ckpt.data-00000-of-00001")),
+])
+def test_a_shard_whose_files_come_from_another_save_is_refused(tmp_path, table_files, swapped):
+    """A shard's checkpoint files (and table file) copied from an earlier save
+    of the same model, its shard.json kept: each file is well formed and they
+    agree with each other, and the restore took them, mixing two saves' rows
+    across shards (a review). shard.json records the digest of the index,
+    which holds the data's checksums, which hold the table file's save id."""
+    vocab, x, y = _data(3, 6)
+    model, emb = _model()
+    _fit(model, x[: 3 * BATCH], y[: 3 * BATCH])
+    save(_ckpt(model), str(tmp_path / "other"), table_files=table_files)
+    _fit(model, x[3 * BATCH:], y[3 * BATCH:])
+    save(_ckpt(model), str(tmp_path / "ckpt"), table_files=table_files)
+    for name in swapped:
+        shutil.copy(tmp_path / "other" / SHARD / name, tmp_path / "ckpt" / SHARD / name)
+    other, other_emb = _model(seed=9)
+    _fit(other, x[:BATCH], y[:BATCH])
+    before = model_state(other, other_emb, vocab)
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"mixes shards of different saves.*its checkpoint files are not "
+                             r"the ones that save wrote: copied from another save, or damaged"):
+        restore(_ckpt(other), str(tmp_path / "ckpt"))
     assert_same_state(model_state(other, other_emb, vocab), before)
 
 

@@ -297,7 +297,8 @@ def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
     if error is None:
         try:
             _write_json(info, {"save_id": save_id, "rank": rank, "world_size": size,
-                               "tables": _saved_table_names(checkpoint, prefix)})
+                               "tables": _saved_table_names(checkpoint, prefix),
+                               "index_sha256": _index_digest(prefix)})
             # The shard's files (the table files are synced already) and its
             # entry in the save's directory.
             _sync_local(shard_dir)
@@ -319,6 +320,17 @@ def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
             error = err
     _agree_on_save(error, directory, "sfctr_checkpoint_manifest")
     return path
+
+
+def _index_digest(prefix: str) -> str:
+    """SHA-256 of the shard's ``.index`` file. The index holds a checksum of
+    every tensor in the data files (TF checks them as it reads), and the
+    tensors hold each table file's save id, so the digest in ``shard.json``
+    ties all of the shard's files to this save: a shard's files copied from
+    another save, with this save's ``shard.json`` kept, restored with no
+    error, rows of two saves mixed (a review)."""
+    with tf.io.gfile.GFile(prefix + ".index", "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 def _saved_table_names(checkpoint, prefix: str) -> dict[str, str]:
@@ -464,6 +476,14 @@ def _check_shards_present(directory: str, saved_size: int, save_id: Optional[int
             foreign.append(f"{name} (save {got[0]:016x})")
         elif got[1:] != (s, saved_size):
             foreign.append(f"{name} (written by rank {got[1]} of {got[2]})")
+        elif "index_sha256" in info:  # (saves before 2026-11-30 have none)
+            try:
+                digest = _index_digest(_shard_prefix(directory, s, saved_size))
+            except _FILE_ERRORS as err:
+                digest = f"unreadable: {type(err).__name__}"
+            if digest != info["index_sha256"]:
+                foreign.append(f"{name} (its checkpoint files are not the ones that save "
+                               "wrote: copied from another save, or damaged)")
     if missing:
         raise CheckpointMismatchError(
             f"{directory} is incomplete: {', '.join(missing)} "

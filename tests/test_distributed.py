@@ -729,6 +729,8 @@ def test_collective_call_on_rank_0_alone_says_it_is_collective(tmp_path, distrib
     what = "export_for_serving" if action == "export" else "tf_sfctr.distributed.save"
     assert f"RAISED: {what} under Horovod is collective: call it on all 2 ranks" in (
         proc.stdout), proc.stdout[-4000:]
+    # (Also what a rank that died during it looks like to the others.)
+    assert "it did not call it, or it died during it" in proc.stdout, proc.stdout[-4000:]
 
 
 WIRING = """

@@ -302,3 +302,47 @@ def test_a_distributed_restore_the_disk_cannot_hold_is_refused_in_its_checks(rng
         restore(tf.train.Checkpoint(table=small), directory)
     np.testing.assert_array_equal(small.lookup_rows(kept), np.ones((100, DIM)))
     assert small.cache_stats()["host_rows"] == 100
+
+
+def test_tables_that_share_a_disk_are_checked_together(rng, small_disk):
+    """Two tables on one disk, each of whose rows fit it alone but not both:
+    each passed its own check, and distributed.restore then ran out of disk
+    in the second, after the dense weights and the first table were restored
+    (a review; two ranks of one host sharing a disk did the same). The
+    restore now adds up what the tables on one disk need, and refuses before
+    anything changes."""
+    import keras
+
+    from tf_sfctr.distributed import restore, save
+
+    def model(rows_dir, seed):
+        a, b = keras.Input(shape=(1,), dtype="int64"), keras.Input(shape=(1,), dtype="int64")
+        layers = [CachedEmbedding(DIM, cache_capacity=64, seed=seed + i, name=name,
+                                  host_rows_dir=rows_dir) for i, name in enumerate("ab")]
+        out = keras.layers.Dense(1)(keras.layers.Concatenate()(
+            [keras.layers.Flatten()(layer(x)) for layer, x in zip(layers, (a, b))]))
+        return keras.Model([a, b], out), layers
+
+    big, big_layers = model(None, 2)
+    for layer in big_layers:
+        ids = random_vocab(rng, 10_000)
+        layer.assign_rows(ids, rng.normal(size=(ids.size, DIM)).astype("float32"))
+    save(tf.train.Checkpoint(model=big), str(small_disk.parent / "sharded"))
+    small, small_layers = model(str(small_disk), 7)
+    need = small_layers[0].store.file_bytes_for(10_000)
+    size_mib = int(1.5 * need / 2**20) + 1  # room for one table's rows, not two
+    subprocess.run(["mount", "-o", f"remount,size={size_mib}m", str(small_disk)], check=True)
+    kept = random_vocab(np.random.default_rng(99), 100)
+    for layer in small_layers:
+        layer.assign_rows(kept, np.ones((100, DIM), "float32"))
+    dense = [w.copy() for w in small.layers[-1].get_weights()]
+    with pytest.raises(tf_sfctr.store.CheckpointMismatchError,
+                       match=r"the tables that keep their rows on one disk .* need about "
+                             r"[\d.]+ MiB of file together: CachedEmbedding 'a' .*"
+                             r"CachedEmbedding 'b' .* Nothing was restored"):
+        restore(tf.train.Checkpoint(model=small), str(small_disk.parent / "sharded"))
+    for layer in small_layers:
+        np.testing.assert_array_equal(layer.lookup_rows(kept), np.ones((100, DIM)))
+        assert layer.cache_stats()["host_rows"] == 100
+    for got, want in zip(small.layers[-1].get_weights(), dense):
+        np.testing.assert_array_equal(got, want)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
 import threading
 import weakref
 from dataclasses import dataclass
@@ -749,6 +750,19 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         except OSError:
             return None  # the write says what went wrong
         return st.f_bavail * st.f_frsize, int(self.stats()[8])
+
+    def disk_key(self) -> Optional[str]:
+        """Which disk ``host_rows_dir`` is on, the same for every table and
+        every process of this host on it (host name and device): a restore
+        checks the room that the tables on one disk need together. None
+        without one (or when the disk cannot be asked)."""
+        rows_dir = self.config.host_rows_dir
+        if not rows_dir:
+            return None
+        try:
+            return f"{socket.gethostname()}:{os.stat(rows_dir).st_dev}"
+        except OSError:
+            return None
 
     def file_bytes_for(self, num_rows: int) -> int:
         """Bytes of ``host_rows_dir``'s file that ``num_rows`` restored rows

@@ -41,7 +41,10 @@ def explain_shutdown(err: BaseException, what: str) -> None:
     size, rank = world()
     if size > 1 and "Horovod has been shut down" in str(err):
         detail = getattr(err, "message", str(err)).strip()
+        # (A rank that died in the middle, killed or out of memory, stops
+        # Horovod the same way: a review was told to call it on every rank.)
         raise RuntimeError(
             f"{what} under Horovod is collective: call it on all {size} ranks, not on one "
             f"(rank 0 alone writes what is written once). Rank {rank} called it and another "
-            f"rank had stopped (Horovod's error: {detail})") from err
+            f"rank had stopped: it did not call it, or it died during it (killed, or out of "
+            f"memory: see that rank's output). Horovod's error: {detail}") from err

@@ -855,7 +855,10 @@ def _check_part(store: EmbeddingStore, part: dict, mode: str, s: int, saved_size
 
 def _check(checkpoint, directory: str, stores, size: int, rank: int):
     """Everything restore checks before it changes anything, for this rank:
-    (saved_size, {store index: (new owners' row counts, max_rows)}, save id)."""
+    (saved_size, {store index: (new owners' row counts, max_rows, ...)}, save
+    id, disks): ``disks`` lists, per table keeping its rows in a file,
+    ``(disk key, free bytes, bytes its rows hold, store index, bytes a
+    complete copy loaded whole needs or -1)`` for ``_check_disks``."""
     saved_size, save_id = _read_manifest(directory)
     if saved_size != size:
         _check_built(checkpoint)
@@ -873,10 +876,17 @@ def _check(checkpoint, directory: str, stores, size: int, rank: int):
                  for tables in parts.values() for _, table in tables
                  if in_table_file(table["header"])}
         _check_table_files(directory, rank, size, skip=built)
-    shares = {}
+    shares, disks = {}, []
     for k, store_parts in sorted(parts.items()):
         store = stores[k]
         mode = _table_mode(store, [t["header"] for _, t in store_parts], size, saved_size)
+        key, room = store.disk_key(), store.disk_room()
+        if key is not None and room is not None:
+            whole = -1
+            if mode == "whole":
+                table = store_parts[0][1]
+                whole = store.file_bytes_for(saved_rows(table["header"], table["ids"]))
+            disks.append((key, room[0], room[1], k, whole))
         # (A rank without a shard reads shard 0 for the dense state only,
         # and for a complete table to load whole.)
         # In "whole" mode only the first of the complete copies is loaded, so
@@ -903,7 +913,7 @@ def _check(checkpoint, directory: str, stores, size: int, rank: int):
             room = store.disk_room()
             room_bytes = -1 if room is None else sum(room)
             shares[k] = (counts, int(store.config.max_rows), room_bytes, num_parts)
-    return saved_size, shares, save_id
+    return saved_size, shares, save_id, disks
 
 
 def _table_name(checkpoint, store: EmbeddingStore) -> str:
@@ -946,6 +956,44 @@ def _check_shares(checkpoint, reports: list, stores, size: int) -> Optional[str]
     return None
 
 
+def _check_disks(checkpoint, reports: list, disks: list, stores, size: int) -> Optional[str]:
+    """Whether the tables that keep their rows in files on one disk fit it
+    together (each was checked alone before): two tables, or two ranks of
+    one host, on one disk each passed the check, and the restore then ran
+    out of space part way, the model half restored (a review). The same
+    answer on every rank: all see every report."""
+    groups: dict = {}
+    for r, entries in enumerate(disks):
+        for key, free, held, k, whole in entries:
+            if whole >= 0:
+                need = whole
+            elif k in reports[r][1]:
+                counts = sum((sh[k][0] for _, sh in reports if k in sh),
+                             np.zeros(size, np.int64))
+                need = stores[k].file_bytes_for(int(counts[r]))
+            else:
+                continue
+            group = groups.setdefault(key, {"free": free, "held": 0, "need": 0, "who": []})
+            group["free"] = min(group["free"], free)
+            group["held"] += held
+            group["need"] += need
+            group["who"].append((r, k, need))
+    for group in groups.values():
+        if len(group["who"]) < 2 or group["need"] <= group["free"] + group["held"]:
+            continue
+        mib = 2**20
+        who = ", ".join(
+            f"{_table_name(checkpoint, stores[k])}{f' on rank {r}' if size > 1 else ''} "
+            f"({need / mib:,.1f} MiB)" for r, k, need in group["who"])
+        dirs = sorted({stores[k].config.host_rows_dir for _, k, _ in group["who"]})
+        return (f"the tables that keep their rows on one disk (host_rows_dir {dirs}) need "
+                f"about {group['need'] / mib:,.1f} MiB of file together: {who}; that disk "
+                f"has {group['free'] / mib:,.1f} MiB free besides the "
+                f"{group['held'] / mib:,.1f} MiB their current rows hold. Free space there, "
+                "or give the tables host_rows_dirs on other disks.")
+    return None
+
+
 def _failure(reports_or_messages: list, directory: str, size: int) -> Optional[str]:
     for r, message in enumerate(reports_or_messages):
         if message is not None:
@@ -978,19 +1026,19 @@ def _restore(checkpoint: tf.train.Checkpoint, directory: str,
              refused: Optional[Exception] = None) -> None:
     size, rank = world()
     stores = [] if refused is not None else _stores(checkpoint)
-    error, message, shares, saved_size, save_id = None, None, {}, 0, None
+    error, message, shares, saved_size, save_id, disks = None, None, {}, 0, None, []
     try:
         if refused is not None:  # told to the others below, then raised
             raise refused
-        saved_size, shares, save_id = _check(checkpoint, directory, stores, size, rank)
+        saved_size, shares, save_id, disks = _check(checkpoint, directory, stores, size, rank)
     except Exception as err:  # noqa: BLE001 - agreed on below, then raised
         error, message = err, _describe(err)
     # Collective: every rank learns every rank's outcome, and so raises the
     # same error as the others (or none); nothing was read into the model.
-    reports = _allgather((message, shares, save_id), "sfctr_restore_checked")
+    reports = _allgather((message, shares, save_id, disks), "sfctr_restore_checked")
     if refused is not None:
         raise refused
-    failure = _failure([m for m, _, _ in reports], directory, size)
+    failure = _failure([m for m, _, _, _ in reports], directory, size)
     if failure is None and len({r[2] for r in reports}) > 1:
         # Ranks given different saves (a review restored two steps' saves
         # of one run, one per rank, with no error: a table of mixed shards).
@@ -998,9 +1046,12 @@ def _restore(checkpoint: tf.train.Checkpoint, directory: str,
             f"tf_sfctr.distributed.restore was given different checkpoints on the {size} "
             f"ranks (save ids by rank: {[r[2] for r in reports]}; this rank, {rank}: "
             f"{directory!r}); every rank must restore the same save directory.")
-    reports = [(m, sh) for m, sh, _ in reports]
+    all_disks = [d for _, _, _, d in reports]
+    reports = [(m, sh) for m, sh, _, _ in reports]
     if failure is None:
         failure = _check_shares(checkpoint, reports, stores, size)
+    if failure is None:
+        failure = _check_disks(checkpoint, reports, all_disks, stores, size)
     if failure is not None:
         raise CheckpointMismatchError(
             f"{failure.rstrip()} Nothing was restored"

@@ -21,7 +21,7 @@ from typing import Sequence  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from tf_sfctr.data._splitmix import derive_key, mix  # noqa: E402
+from tf_sfctr._splitmix import derive_key, mix  # noqa: E402
 from tf_sfctr.data.zipf import ZipfSampler  # noqa: E402
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))

@@ -31,7 +31,7 @@ import _common as C  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tf_sfctr.data._splitmix import derive_key, mix  # noqa: E402
+from tf_sfctr._splitmix import derive_key, mix  # noqa: E402
 from tf_sfctr.initializers import InitSpec  # noqa: E402
 from tf_sfctr.store import EmbeddingStore, StoreConfig  # noqa: E402
 

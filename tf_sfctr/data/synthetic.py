@@ -62,7 +62,7 @@ from tf_sfctr.data._common import (
     check_shard,
     finish,
 )
-from tf_sfctr.data._splitmix import (
+from tf_sfctr._splitmix import (
     MASK64,
     U64_GAMMA,
     derive_key,

@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sfctr import _ops
+from tf_sfctr._splitmix import mix
 from tf_sfctr.distributed._horovod import require
 
 
@@ -36,13 +37,7 @@ def owner_of(ids: np.ndarray, world_size: int) -> np.ndarray:
         # (np.asarray(ids, np.int64) cut 1.9 to the id 1, and said "invalid
         # literal for int()" of a string)
         raise TypeError(f"owner_of: ids must be integers, got {values.dtype} values")
-    x = values.astype(np.int64).astype(np.uint64)
-    with np.errstate(over="ignore"):
-        x = x ^ (x >> np.uint64(30))
-        x = x * np.uint64(0xBF58476D1CE4E5B9)
-        x = x ^ (x >> np.uint64(27))
-        x = x * np.uint64(0x94D049BB133111EB)
-        x = x ^ (x >> np.uint64(31))
+    x = mix(values.astype(np.int64).astype(np.uint64))  # (a copy: mixed in place)
     return (x % np.uint64(world_size)).astype(np.int32)
 
 

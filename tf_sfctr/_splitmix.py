@@ -2,7 +2,9 @@
 
 Every random quantity of the synthetic generator is ``mix(key + counter)``: a pure
 function of integers, so results depend neither on NumPy's global state nor on how
-rows are chunked, batched or sharded.
+rows are chunked, batched or sharded. ``mix`` is also the Mix64 that routes an id to
+its owner rank (``tf_sfctr.distributed.owner_of``, the C++ ops' ``Mix64``). NumPy only,
+so that neither user imports the other's package.
 """
 
 from __future__ import annotations

@@ -82,7 +82,6 @@ from tf_sfctr.keras_layers._step_state import Counter, DeferredUpdate, DeviceCac
 from tf_sfctr.keras_layers._table_access import TableAccessMixin
 from tf_sfctr.store import (
     PENDING_TABLE_DIRS,
-    RESTORE_PENDING,
     CheckpointMismatchError,
     EmbeddingStore,
     StoreConfig,
@@ -361,6 +360,16 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         optimizer state and the 4-byte use count and changed flag."""
         return 4 * self.output_dim * (1 + self.table_optimizer.num_state) + 4
 
+    @property
+    def table_restore_pending(self) -> bool:
+        """Whether a checkpoint restored into this layer before it was built
+        holds its table, which loads when the layer is built (TF's deferred
+        restore, which a save or an export before then would miss)."""
+        # TensorFlow keeps a restore into a child not made yet under the
+        # child's name (the table is tracked as "_store"); read only.
+        deferred = getattr(self, "_self_unconditional_deferred_dependencies", None) or {}
+        return self._store is None and "_store" in deferred
+
     @staticmethod
     def _positive_int(name: str, value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
@@ -471,7 +480,6 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         # Where a tf_sfctr.distributed.restore into this layer before it was
         # built left its table file.
         store.pending_table_dir = PENDING_TABLE_DIRS.pop(self, None)
-        RESTORE_PENDING.discard(self)
         try:
             # Tracking the table restores it now if a checkpoint was restored
             # into this layer before it was built (TF's deferred restore).

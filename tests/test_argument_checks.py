@@ -178,9 +178,9 @@ def test_parquet_arguments(tmp_path):
         data.write_parquet(path, rows, row_group_size="5")
     with pytest.raises(ValueError, match="row_group_size must be >= 1"):
         data.write_parquet(path, rows, row_group_size=0)
-    with pytest.raises(ValueError, match=r"compression must be one of \['none', 'snappy'"):
+    with pytest.raises(ValueError, match=r"compression must be None, one of \['none', 'snappy'"):
         data.write_parquet(path, rows, compression=5)
-    with pytest.raises(ValueError, match="compression must be one of"):
+    with pytest.raises(ValueError, match="compression must be None, one of"):
         data.write_parquet(path, rows, compression="uncompressed")
     assert not os.path.exists(path)  # nothing written by a refused call
     data.write_parquet(path, rows, compression="ZSTD", row_group_size=np.int64(2))
@@ -213,14 +213,17 @@ def test_callback_arguments_of_second_review():
     for kwargs, error, match in [
             ({"min_delta": "0.1"}, TypeError, "min_delta must be a finite number"),
             ({"min_delta": None}, TypeError, "min_delta must be a finite number"),
-            ({"patience": "2"}, TypeError, "patience must be an int >= 0"),
-            ({"start_from_epoch": -1}, ValueError, "start_from_epoch must be >= 0"),
+            ({"patience": "2"}, TypeError, "patience must be a number of epochs >= 0"),
+            ({"start_from_epoch": -1}, TypeError, "start_from_epoch must be a number of epochs"),
+            ({"verbose": "1"}, TypeError, r"verbose must be an int >= 0 \(or a bool\)"),
             ({"baseline": float("nan")}, ValueError, "baseline must be None or a finite"),
             ({"mode": "MAX"}, ValueError, "mode must be 'auto', 'min' or 'max'"),
             ({"monitor": None}, TypeError, "monitor must be the name of a logged metric")]:
         with pytest.raises(error, match=match):
             cb.EarlyStopping(**kwargs)
     assert cb.EarlyStopping(patience=np.int64(2), min_delta=np.float32(0.5)).patience == 2
+    # What Keras takes stays taken (a review of the first version of these checks).
+    assert cb.EarlyStopping(patience=2.0, verbose=True, start_from_epoch=1.0).patience == 2.0
     for bad in (None, 5, "m"):
         with pytest.raises(TypeError, match="model must be a Keras model or layer"):
             cb.cached_embeddings(bad)
@@ -279,3 +282,29 @@ def test_serving_arguments_of_second_review(tmp_path):
     with pytest.raises(ValueError, match="pad_id must be 'auto', None, an int64 id"):
         export_for_serving(model, target, pad_id=2**64)
     assert not os.path.exists(target)  # (an OverflowError in the served model's call)
+
+
+def test_valid_arguments_the_checks_still_take(tmp_path):
+    """Arguments that worked before the checks of the second review, which
+    its first version refused (a review of this session's changes)."""
+    data = tf_sfctr.data
+    assert data.vsi_inputs("f", tf.TensorShape([26]))["ids"].shape == (None, 26)
+    assert data.vsi_inputs("g", np.array([3]))["ids"].shape == (None, 3)
+    ds = tf.data.Dataset.from_tensors(
+        ({"sparse": tf.constant([[1, 2]], tf.int64)}, tf.zeros([1, 1])))
+    assert "unique_ids" in next(iter(data.with_unique_ids(ds, keys={"sparse": 0}.keys())))[0][
+        "sparse"]
+    rows = data.random_criteo_rows(4, num_dense=2, num_sparse=1, seed=None)
+    data.random_criteo_rows(4, seed=np.random.default_rng(1))
+    path = str(tmp_path / "a.parquet")
+    pytest.importorskip("pyarrow")
+    data.write_parquet(path, rows, compression=None)
+    data.write_parquet(path, rows, compression={"label": "zstd", "I1": "none"})
+    ds = data.parquet(path, dense_columns=np.array(["I1", "I2"]), sparse_columns=["C1"],
+                      batch_size=4, engine="pyarrow")
+    assert next(iter(ds))[0]["dense"].shape == (4, 2)
+    from tf_sfctr.data.calibration import expected_auc
+
+    assert expected_auc([-np.inf, 0.0, np.inf], [0.0, 0.5, 1.0]) == 1.0
+    with pytest.raises(ValueError, match="score must not hold NaN"):
+        expected_auc([np.nan, 1.0], [0.0, 1.0])

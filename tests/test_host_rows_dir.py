@@ -317,8 +317,14 @@ def test_tables_that_share_a_disk_are_checked_together(rng, small_disk):
 
     def model(rows_dir, seed):
         a, b = keras.Input(shape=(1,), dtype="int64"), keras.Input(shape=(1,), dtype="int64")
-        layers = [CachedEmbedding(DIM, cache_capacity=64, seed=seed + i, name=name,
-                                  host_rows_dir=rows_dir) for i, name in enumerate("ab")]
+        layers = []
+        for i, name in enumerate("ab"):
+            where = None
+            if rows_dir is not None:  # a directory of each table's own, on one disk
+                where = os.path.join(rows_dir, name)
+                os.makedirs(where, exist_ok=True)
+            layers.append(CachedEmbedding(DIM, cache_capacity=64, seed=seed + i, name=name,
+                                          host_rows_dir=where))
         out = keras.layers.Dense(1)(keras.layers.Concatenate()(
             [keras.layers.Flatten()(layer(x)) for layer, x in zip(layers, (a, b))]))
         return keras.Model([a, b], out), layers
@@ -337,7 +343,8 @@ def test_tables_that_share_a_disk_are_checked_together(rng, small_disk):
         layer.assign_rows(kept, np.ones((100, DIM), "float32"))
     dense = [w.copy() for w in small.layers[-1].get_weights()]
     with pytest.raises(tf_sfctr.store.CheckpointMismatchError,
-                       match=r"the tables that keep their rows on one disk .* need about "
+                       match=r"the tables that keep their rows on one disk \(host_rows_dir "
+                             r"\['.*small_disk/a', '.*small_disk/b'\]\) need about "
                              r"[\d.]+ MiB of file together: CachedEmbedding 'a' .*"
                              r"CachedEmbedding 'b' .* Nothing was restored"):
         restore(tf.train.Checkpoint(model=small), str(small_disk.parent / "sharded"))

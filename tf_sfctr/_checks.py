@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
 from typing import Any, Optional
 
 import numpy as np
@@ -65,12 +64,16 @@ def check_number(name: str, value: Any, *, minimum: Optional[float] = None,
 
 
 def check_names(name: str, value: Any) -> list:
-    """One name (a str) or a sequence of str names, as a list. A str is one
-    name, not a sequence of one-letter names."""
+    """One name (a str) or any collection of str names (a list, a tuple, a
+    NumPy array of str, dict keys...), as a list of str. A str is one name,
+    not a sequence of one-letter names."""
     if isinstance(value, str):
         return [value]
-    if isinstance(value, Sequence) and not isinstance(value, (bytes, bytearray)):
-        names = list(value)
-        if all(isinstance(item, str) for item in names):
-            return names
+    if not isinstance(value, (bytes, bytearray)):
+        try:
+            names = list(value)
+        except TypeError:
+            names = None
+        if names is not None and all(isinstance(item, str) for item in names):
+            return [str(item) for item in names]
     raise TypeError(f"{name} must be a name (str) or a list of names, got {value!r}")

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import keras
 import numpy as np
 
-from tf_sfctr._checks import check_bool, check_int, check_number, check_path
+from tf_sfctr._checks import check_bool, check_number, check_path
 
 __all__ = ["CacheMetrics", "EarlyStopping", "FollowKerasLearningRate", "PruneHostTable",
            "cached_embeddings", "table_log_names"]
@@ -695,9 +695,13 @@ class EarlyStopping(keras.callbacks.EarlyStopping):
         if not isinstance(monitor, str) or not monitor:
             raise TypeError(f"monitor must be the name of a logged metric (str), got {monitor!r}")
         min_delta = check_number("min_delta", min_delta)
-        patience = check_int("patience", patience, minimum=0)
-        verbose = check_int("verbose", verbose, minimum=0)
-        start_from_epoch = check_int("start_from_epoch", start_from_epoch, minimum=0)
+        # Numbers as Keras takes them (patience=2.0, verbose=True work there).
+        for arg, value in (("patience", patience), ("start_from_epoch", start_from_epoch)):
+            if isinstance(value, (bool, np.bool_)) or not isinstance(
+                    value, (int, float, np.integer, np.floating)) or not value >= 0:
+                raise TypeError(f"{arg} must be a number of epochs >= 0, got {value!r}")
+        if not isinstance(verbose, (int, np.integer, bool, np.bool_)) or verbose < 0:
+            raise TypeError(f"verbose must be an int >= 0 (or a bool), got {verbose!r}")
         if baseline is not None:
             baseline = check_number("baseline", baseline, what="None or a finite number")
         if mode not in ("auto", "min", "max"):

@@ -727,16 +727,13 @@ def _check_no_restore_pending(model: keras.Model) -> None:
     load what tf_sfctr.distributed.restore gave it: the export traced the
     model without it and served other rows (a review)."""
     from tf_sfctr.callbacks import cached_embeddings
-    from tf_sfctr.store import RESTORE_PENDING
 
-    pending = [layer.name for layer in cached_embeddings(model)
-               if layer in RESTORE_PENDING and not layer.built]
+    pending = [layer.name for layer in cached_embeddings(model) if layer.table_restore_pending]
     if pending:
         raise ValueError(
-            f"export_for_serving: CachedEmbedding {pending} got a table from "
-            "tf_sfctr.distributed.restore before it was built, and loads it when it is "
-            "built. Build the model first (call it on one batch, or model.build), then "
-            "export.")
+            f"export_for_serving: CachedEmbedding {pending} got a table from a checkpoint "
+            "restored before it was built, and loads it when it is built. Build the model "
+            "first (call it on one batch, or model.build), then export.")
 
 
 def _check_pad_tables(model: keras.Model, pad_id: Any) -> None:

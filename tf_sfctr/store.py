@@ -86,13 +86,6 @@ PENDING_TABLE_DIRS: "weakref.WeakKeyDictionary[Any, tuple[int, str]]" = (
     weakref.WeakKeyDictionary())
 
 
-#: Layers a tf_sfctr.distributed.restore reached before they were built:
-#: their tables load when they are built. A save before then would hold no
-#: table for them (TF saves no object that does not exist yet), so
-#: tf_sfctr.distributed.save refuses it.
-RESTORE_PENDING: "weakref.WeakSet[Any]" = weakref.WeakSet()
-
-
 def in_table_file(header) -> bool:
     """Whether a saved table's rows are in a table file (format 4)."""
     h = np.asarray(header).ravel()

@@ -935,3 +935,22 @@ def test_a_refused_tsv_write_leaves_the_file_as_it_was(tmp_path):
     with open(path, "rb") as f:
         assert f.read() == before
     assert sorted(os.listdir(tmp_path)) == ["day.tsv"]  # no partial file left
+
+
+def test_a_tsv_write_keeps_links_permissions_and_long_names(tmp_path):
+    """Written beside the path and moved over it: the first version replaced
+    a symbolic link with a file (its target kept the old rows), gave an 0600
+    file the umask's mode, and failed on a 250-character name (a review)."""
+    rows = random_criteo_rows(20, seed=5)
+    target = tmp_path / "real.tsv"
+    write_criteo_tsv(str(target), random_criteo_rows(3, seed=1))
+    os.chmod(target, 0o600)
+    link = tmp_path / "link.tsv"
+    link.symlink_to(target)
+    write_criteo_tsv(str(link), rows)
+    assert link.is_symlink() and (target.stat().st_mode & 0o777) == 0o600
+    assert len(target.read_text().splitlines()) == 20
+    long_name = tmp_path / ("x" * 250)
+    assert write_criteo_tsv(str(long_name), rows) == 20
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["real.tsv", "link.tsv", "x" * 250])

@@ -36,8 +36,8 @@ def expected_auc(score: np.ndarray, probability: np.ndarray) -> float:
     if score.shape != p.shape:
         raise ValueError(f"expected_auc: score has {score.size} values and probability "
                          f"{p.size}; they need one per example")
-    if not np.isfinite(score).all():
-        raise ValueError("expected_auc: score must be finite (a NaN or inf is in it)")
+    if np.isnan(score).any():
+        raise ValueError("expected_auc: score must not hold NaN (it has no rank)")
     if not ((p >= 0.0) & (p <= 1.0)).all():
         raise ValueError("expected_auc: probability must hold numbers in [0, 1], got "
                          f"values from {np.nanmin(p) if p.size else 0} to "

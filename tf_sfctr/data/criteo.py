@@ -24,6 +24,7 @@ import itertools
 import math
 import os
 import re
+import secrets
 import zlib
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
@@ -177,7 +178,9 @@ def random_criteo_rows(
     num_sparse = check_columns("num_sparse", num_sparse)
     missing_rate = check_number("missing_rate", missing_rate, minimum=0.0, maximum=1.0,
                                 what="a number in [0, 1]")
-    rng = np.random.default_rng(check_int("seed", seed, minimum=0))
+    if not (seed is None or isinstance(seed, (np.random.Generator, np.random.SeedSequence))):
+        seed = check_int("seed", seed, minimum=0)  # (else NumPy's message, or -1's)
+    rng = np.random.default_rng(seed)
     labels = (rng.random(num_rows) < 0.25).astype(np.int64)
     dense = rng.geometric(0.05, size=(num_rows, num_dense)).astype(np.int64) - 1
     if num_dense > 1:
@@ -243,11 +246,20 @@ def write_criteo_tsv(
     # Into a new file beside ``path``, which replaces it only once every row
     # is written: a value refused at row 999 had left a shorter, valid-looking
     # file in place of the one there (a review).
-    path = os.fspath(path)
-    partial = f"{path}.partial-{os.getpid()}"
+    # The new file goes where a symbolic link points (the link stays), with
+    # the old file's permissions (or the umask's for a new one), under a
+    # short name (a long file name plus a suffix passed NAME_MAX).
+    target = os.path.realpath(os.fspath(path))
+    partial = os.path.join(os.path.dirname(target),
+                           f".{os.getpid()}-{secrets.token_hex(4)}.partial")
+    file = os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w",
+                     encoding="utf-8", newline="\n")
     try:
-        _write_tsv_lines(partial, rows, strip_trailing_empty)
-        os.replace(partial, path)
+        with file:
+            if os.path.exists(target):
+                os.chmod(partial, os.stat(target).st_mode & 0o7777)
+            _write_tsv_lines(file, rows, strip_trailing_empty)
+        os.replace(partial, target)
     except BaseException:
         if os.path.exists(partial):
             os.remove(partial)
@@ -255,26 +267,26 @@ def write_criteo_tsv(
     return rows.num_rows
 
 
-def _write_tsv_lines(path: str, rows: CriteoRows, strip_trailing_empty: bool) -> None:
-    with open(path, "w", encoding="utf-8", newline="\n") as f:
-        for i in range(rows.num_rows):
-            fields = [str(int(rows.labels[i]))]
-            fields += [
-                "" if missing else str(int(v))
-                for v, missing in zip(rows.dense[i], rows.dense_missing[i])
-            ]
-            for j, v in enumerate(rows.categorical[i]):
-                v = categorical_text(v, i, j)
-                if "\t" in v or "\n" in v or "\r" in v:
-                    raise ValueError(
-                        f"rows.categorical[{i}, {j}] = {v!r} contains a tab or line "
-                        "break and cannot be written to a TSV file"
-                    )
-                fields.append(v)
-            line = "\t".join(fields)
-            if strip_trailing_empty:
-                line = line.rstrip("\t")
-            f.write(line + "\n")
+def _write_tsv_lines(f, rows: CriteoRows, strip_trailing_empty: bool) -> None:
+    """Writes the lines of ``rows`` to the open text file ``f``."""
+    for i in range(rows.num_rows):
+        fields = [str(int(rows.labels[i]))]
+        fields += [
+            "" if missing else str(int(v))
+            for v, missing in zip(rows.dense[i], rows.dense_missing[i])
+        ]
+        for j, v in enumerate(rows.categorical[i]):
+            v = categorical_text(v, i, j)
+            if "\t" in v or "\n" in v or "\r" in v:
+                raise ValueError(
+                    f"rows.categorical[{i}, {j}] = {v!r} contains a tab or line "
+                    "break and cannot be written to a TSV file"
+                )
+            fields.append(v)
+        line = "\t".join(fields)
+        if strip_trailing_empty:
+            line = line.rstrip("\t")
+        f.write(line + "\n")
 
 
 # ---------------------------------------------------------------- TensorFlow side

@@ -121,7 +121,8 @@ def write_parquet(
         categorical field as ``""``, which every engine reads.
       row_group_size: rows per Parquet row group (pyarrow's default if None).
       compression: the columns' codec, as pyarrow names it (``"snappy"``,
-        pyarrow's default, ``"zstd"``, ``"gzip"``, ... or ``"none"``). Only
+        pyarrow's default, ``"zstd"``, ``"gzip"``, ... or ``"none"``; None is
+        ``"none"``, a dict gives one per column). Only
         ``"none"`` files can be read with ``engine="tensorflow_io"`` (see the
         module docstring).
 
@@ -135,9 +136,11 @@ def write_parquet(
     nulls = check_bool("nulls", nulls)
     if row_group_size is not None:
         row_group_size = check_int("row_group_size", row_group_size, minimum=1)
-    if not isinstance(compression, str) or compression.lower() not in _CODECS:
-        raise ValueError(f"compression must be one of {list(_CODECS)} (any case), "
-                         f"got {compression!r}")
+    codecs = (compression.values() if isinstance(compression, dict)  # (per column)
+              else [] if compression is None else [compression])
+    if not all(isinstance(c, str) and c.lower() in _CODECS for c in codecs):
+        raise ValueError(f"compression must be None, one of {list(_CODECS)} (any case) or a "
+                         f"dict of them by column, got {compression!r}")
     pa = _import_pyarrow()
     columns = {LABEL_COLUMN: pa.array(rows.labels, pa.int64())}
     for j, name in enumerate(dense_column_names(rows.dense.shape[1])):

@@ -347,9 +347,15 @@ def vsi_inputs(
     if ragged and sparse:
         raise ValueError("vsi_inputs: choose ragged=True or sparse=True, not both")
     _check_flag("vsi_inputs", "lookahead", lookahead)
-    if (isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence) or not all(
+    if isinstance(shape, tf.TensorShape) and shape.rank is not None:
+        shape = shape.as_list()
+    try:
+        dims = None if isinstance(shape, (str, bytes)) else tuple(shape)
+    except TypeError:
+        dims = None
+    if dims is None or not all(
             d is None or (isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0)
-            for d in shape)):
+            for d in dims):
         raise ValueError(
             "vsi_inputs: shape must be the per-example shape of the ids, a tuple of ints "
             f"and None, e.g. (26,) or (None,), got {shape!r}")
@@ -373,7 +379,7 @@ def vsi_inputs(
     if sparse:
         extra["sparse"] = True
     inputs = {
-        "ids": keras.Input(shape=tuple(shape), dtype="int64", name=f"{name}_ids", **extra),
+        "ids": keras.Input(shape=dims, dtype="int64", name=f"{name}_ids", **extra),
         "unique_ids": keras.Input(shape=(), dtype="int64", name=f"{name}_unique_ids"),
         "inverse": keras.Input(shape=(), dtype="int32", name=f"{name}_inverse"),
     }

@@ -202,17 +202,17 @@ def save(checkpoint: tf.train.Checkpoint, directory: str, *, table_files: bool =
 
 def _check_no_restore_pending(checkpoint) -> None:
     """A ValueError if a layer of ``checkpoint`` waits for its build to load
-    the table a restore gave it: the save would hold none of its rows, and a
-    restore of that save would keep a table's rows unchanged, silently (a
-    review)."""
+    the table a restore (this module's or tf.train.Checkpoint's) gave it: the
+    save would hold none of its rows, and a restore of that save would keep
+    a table's rows unchanged, silently (a review)."""
     pending = [layer.name for layer in _unbuilt_layers(checkpoint)
-               if layer in store_module.RESTORE_PENDING]
+               if layer.table_restore_pending]
     if pending:
         raise ValueError(
-            f"tf_sfctr.distributed.save: CachedEmbedding {pending} got a table from "
-            "tf_sfctr.distributed.restore before it was built, and loads it when it is "
-            "built; saved now, the checkpoint would hold none of those rows. Build the model "
-            "first (call it on one batch, or model.build), then save. Nothing was written.")
+            f"tf_sfctr.distributed.save: CachedEmbedding {pending} got a table from a "
+            "checkpoint restored before it was built, and loads it when it is built; saved "
+            "now, the checkpoint would hold none of those rows. Build the model first (call "
+            "it on one batch, or model.build), then save. Nothing was written.")
 
 
 def _check_checkpoint(checkpoint, what: str) -> None:
@@ -858,7 +858,8 @@ def _check(checkpoint, directory: str, stores, size: int, rank: int):
     (saved_size, {store index: (new owners' row counts, max_rows, ...)}, save
     id, disks): ``disks`` lists, per table keeping its rows in a file,
     ``(disk key, free bytes, bytes its rows hold, store index, bytes a
-    complete copy loaded whole needs or -1)`` for ``_check_disks``."""
+    complete copy loaded whole needs or -1, host_rows_dir)`` for
+    ``_check_disks``."""
     saved_size, save_id = _read_manifest(directory)
     if saved_size != size:
         _check_built(checkpoint)
@@ -886,7 +887,7 @@ def _check(checkpoint, directory: str, stores, size: int, rank: int):
             if mode == "whole":
                 table = store_parts[0][1]
                 whole = store.file_bytes_for(saved_rows(table["header"], table["ids"]))
-            disks.append((key, room[0], room[1], k, whole))
+            disks.append((key, room[0], room[1], k, whole, store.config.host_rows_dir))
         # (A rank without a shard reads shard 0 for the dense state only,
         # and for a complete table to load whole.)
         # In "whole" mode only the first of the complete copies is loaded, so
@@ -964,7 +965,7 @@ def _check_disks(checkpoint, reports: list, disks: list, stores, size: int) -> O
     answer on every rank: all see every report."""
     groups: dict = {}
     for r, entries in enumerate(disks):
-        for key, free, held, k, whole in entries:
+        for key, free, held, k, whole, rows_dir in entries:
             if whole >= 0:
                 need = whole
             elif k in reports[r][1]:
@@ -973,11 +974,13 @@ def _check_disks(checkpoint, reports: list, disks: list, stores, size: int) -> O
                 need = stores[k].file_bytes_for(int(counts[r]))
             else:
                 continue
-            group = groups.setdefault(key, {"free": free, "held": 0, "need": 0, "who": []})
+            group = groups.setdefault(key, {"free": free, "held": 0, "need": 0, "who": [],
+                                            "dirs": set()})
             group["free"] = min(group["free"], free)
             group["held"] += held
             group["need"] += need
             group["who"].append((r, k, need))
+            group["dirs"].add(rows_dir)
     for group in groups.values():
         if len(group["who"]) < 2 or group["need"] <= group["free"] + group["held"]:
             continue
@@ -985,7 +988,7 @@ def _check_disks(checkpoint, reports: list, disks: list, stores, size: int) -> O
         who = ", ".join(
             f"{_table_name(checkpoint, stores[k])}{f' on rank {r}' if size > 1 else ''} "
             f"({need / mib:,.1f} MiB)" for r, k, need in group["who"])
-        dirs = sorted({stores[k].config.host_rows_dir for _, k, _ in group["who"]})
+        dirs = sorted(group["dirs"])  # (each rank's own: the same message on every rank)
         return (f"the tables that keep their rows on one disk (host_rows_dir {dirs}) need "
                 f"about {group['need'] / mib:,.1f} MiB of file together: {who}; that disk "
                 f"has {group['free'] / mib:,.1f} MiB free besides the "
@@ -1069,9 +1072,8 @@ def _restore(checkpoint: tf.train.Checkpoint, directory: str,
             # of them when deferred) are read from this shard's directory
             # when their layers are built.
             _, save_id = _read_manifest(directory)
-            for layer in _unbuilt_layers(checkpoint):
-                store_module.RESTORE_PENDING.add(layer)
-                if save_id is not None:
+            if save_id is not None:
+                for layer in _unbuilt_layers(checkpoint):
                     store_module.PENDING_TABLE_DIRS[layer] = (
                         save_id, os.path.join(directory, _shard_name(rank, size)))
         if deferred:
@@ -1097,7 +1099,6 @@ def _restore(checkpoint: tf.train.Checkpoint, directory: str,
         for store in stores:
             store.collected = None
         for layer in _unbuilt_layers(checkpoint):
-            store_module.RESTORE_PENDING.discard(layer)
             store_module.PENDING_TABLE_DIRS.pop(layer, None)
         if error is not None:
             raise error

@@ -424,21 +424,40 @@ class BadLine(NamedTuple):
     reason: str
 
 
+class _TrailingBytes(ValueError):
+    """Bytes after the end of a compressed file's last stream; the message
+    says what criteo_tsv does with them."""
+
+
 def _gzip_lines(path: str) -> Iterator[bytes]:
     """The lines of a gzip file of one or more members, as TF's reader takes
     it: bytes after a member that do not start another one (zero padding,
     which Python's gzip and `gzip -t` skip) raise zlib.error, and a stream
     cut short raises EOFError, after the lines before it."""
     inflate, fed, rest = zlib.decompressobj(wbits=31), False, b""
+    after_member = False  # the decompressor starts on bytes after a member
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
             while chunk:
                 fed = True
-                out = inflate.decompress(chunk)
+                try:
+                    out = inflate.decompress(chunk)
+                except zlib.error:
+                    if not after_member:
+                        raise  # damaged inside a member
+                    # (It was told as a stream cut in two, which TF reads
+                    # without an error; these bytes TF refuses: a review.)
+                    raise _TrailingBytes(
+                        "bytes that start no other gzip member follow the last one (zero "
+                        "padding? Python's gzip and gzip -t skip them): criteo_tsv fails "
+                        "there, after the lines before them, with TF's \"incorrect header "
+                        "check\", which names no file. Strip the trailing bytes") from None
                 chunk = inflate.unused_data if inflate.eof else b""
+                after_member = False
                 if inflate.eof:
                     inflate = zlib.decompressobj(wbits=31)
                     fed = bool(chunk)
+                    after_member = True
                 lines = (rest + out).split(b"\n")
                 rest = lines.pop()
                 yield from (line + b"\n" for line in lines)
@@ -474,8 +493,10 @@ def _zlib_lines(path: str) -> Iterator[bytes]:
     if rest:
         yield rest
     if after:
-        raise EOFError(f"{after} bytes follow the end of the zlib stream, which criteo_tsv "
-                       "ignores (a second stream's lines are never read)")
+        raise _TrailingBytes(
+            f"{after} bytes follow the end of the zlib stream: criteo_tsv ignores them "
+            "without an error, so a second stream's lines are never read (a file of "
+            "several streams joined? decompress it and compress it as one)")
 
 
 def _open_lines(path: str, compression_type: str | None) -> Iterator[bytes]:
@@ -605,6 +626,10 @@ def find_bad_tsv_lines(
                     found.append(BadLine(path, number, reason))
                     if len(found) == limit:
                         return found
+        except _TrailingBytes as err:
+            found.append(BadLine(path, number + 1, f"after line {number}: {err}"))
+            if len(found) == limit:
+                return found
         except (EOFError, OSError, zlib.error) as err:
             # TF's reader stops without an error where a compressed stream
             # is cut short, and yields the cut line as a short one.

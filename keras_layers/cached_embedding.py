@@ -365,10 +365,16 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         """Whether a checkpoint restored into this layer before it was built
         holds its table, which loads when the layer is built (TF's deferred
         restore, which a save or an export before then would miss)."""
+        return self._store is None and self.pending_table_restores > 0
+
+    @property
+    def pending_table_restores(self) -> int:
+        """How many restores of this layer's table TF holds until it is built
+        (each restore of a checkpoint that has the table adds one)."""
         # TensorFlow keeps a restore into a child not made yet under the
         # child's name (the table is tracked as "_store"); read only.
         deferred = getattr(self, "_self_unconditional_deferred_dependencies", None) or {}
-        return self._store is None and "_store" in deferred
+        return len(deferred.get("_store", ()))
 
     @staticmethod
     def _positive_int(name: str, value: Any) -> int:

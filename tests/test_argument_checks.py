@@ -308,3 +308,14 @@ def test_valid_arguments_the_checks_still_take(tmp_path):
     assert expected_auc([-np.inf, 0.0, np.inf], [0.0, 0.5, 1.0]) == 1.0
     with pytest.raises(ValueError, match="score must not hold NaN"):
         expected_auc([np.nan, 1.0], [0.0, 1.0])
+
+
+def test_column_names_as_a_set_are_refused():
+    # A set's order changes from process to process (string hashing): the
+    # columns, and the sparse fields' hashes, came out in another order on
+    # each run and each rank (a review).
+    with pytest.raises(TypeError, match="not a set"):
+        tf_sfctr.data.parquet("/dev/null", dense_columns={"I1", "I2"})
+    ds = tf.data.Dataset.from_tensors(({"sparse": tf.constant([[1]], tf.int64)}, tf.zeros([1])))
+    with pytest.raises(TypeError, match="not a set"):
+        tf_sfctr.data.with_unique_ids(ds, keys={"sparse"})

@@ -987,47 +987,64 @@ class TwoTableTower(keras.Model):
 
 
 @pytest.mark.parametrize("how", ["table_files", "tensors", "tf.train.Checkpoint"])
-def test_a_restore_pending_its_build_refuses_a_save_and_an_export(rng, tmp_path, how):
-    """A checkpoint restored into an unbuilt subclassed model loads the table
-    when the layer is built; a save or an export before then held none of its
+def test_a_save_or_export_builds_a_table_a_restore_left_pending(rng, tmp_path, how):
+    """A checkpoint restored into an unbuilt subclassed model loads a table
+    when its layer is built; a save or an export before then held none of its
     rows, silently (a restore of that save left another model's own table in
-    place; the export served other rows). Both are refused until the model
-    is built; then they hold the restored table (a review). A layer the
-    model never calls, with no table in the checkpoint, is no obstacle: the
-    first version of this check refused every later save for it."""
+    place; the export served other rows). They now build such layers first,
+    which loads their tables, also one the model never calls (refusing the
+    save instead stopped every save of such a model: reviews)."""
     from tf_sfctr.export import export_for_serving
 
     x = rng.integers(0, 40, (32, 3))
     saved = TwoTableTower(1)
     saved.compile(optimizer="adam", loss="mse")
     saved.fit(x, rng.random((32, 1)), batch_size=8, verbose=0)
-    fresh = TwoTableTower(2)
-    fresh.compile(optimizer="adam", loss="mse")
-    if how == "tf.train.Checkpoint":
-        path = tf.train.Checkpoint(model=saved).write(str(tmp_path / "plain" / "ckpt"))
-        tf.train.Checkpoint(model=fresh).restore(path).expect_partial()
-    else:
-        tf_sfctr.distributed.save(tf.train.Checkpoint(model=saved), str(tmp_path / "a"),
-                                  table_files=how == "table_files")
-        tf_sfctr.distributed.restore(tf.train.Checkpoint(model=fresh), str(tmp_path / "a"))
-    assert fresh.emb.table_restore_pending and not fresh.unused.table_restore_pending
-    with pytest.raises(ValueError, match=r"CachedEmbedding \['emb'\] got a table from a "
-                                         r"checkpoint restored before it was built"
-                                         r"[\s\S]*Nothing was written"):
-        tf_sfctr.distributed.save(tf.train.Checkpoint(model=fresh), str(tmp_path / "b"))
-    assert not os.path.exists(tmp_path / "b" / "manifest.json")
-    signature = tf.TensorSpec((None, 3), tf.int64)
-    with pytest.raises(ValueError, match=r"export_for_serving: CachedEmbedding \['emb'\] got "
-                                         r"a table from a checkpoint restored"):
-        export_for_serving(fresh, str(tmp_path / "served"), input_signature=signature)
-    fresh(x[:8])  # built: the table loads
-    assert not fresh.emb.table_restore_pending
+    saved.unused.assign_rows([5, 6], np.full((2, 4), 7.0, np.float32))  # a table of its own
     probe = np.arange(40)
-    np.testing.assert_array_equal(fresh.emb.lookup_rows(probe), saved.emb.lookup_rows(probe))
-    fresh.fit(x, rng.random((32, 1)), batch_size=8, verbose=0)  # "unused" stays unbuilt
+
+    def restored(seed):
+        model = TwoTableTower(seed)
+        model.compile(optimizer="adam", loss="mse")
+        if how == "tf.train.Checkpoint":
+            path = tf.train.Checkpoint(model=saved).write(str(tmp_path / "plain" / "ckpt"))
+            tf.train.Checkpoint(model=model).restore(path).expect_partial()
+        else:
+            tf_sfctr.distributed.save(tf.train.Checkpoint(model=saved), str(tmp_path / "a"),
+                                      table_files=how == "table_files")
+            tf_sfctr.distributed.restore(tf.train.Checkpoint(model=model), str(tmp_path / "a"))
+        assert model.emb.table_restore_pending and model.unused.table_restore_pending
+        return model
+
+    fresh = restored(2)
     tf_sfctr.distributed.save(tf.train.Checkpoint(model=fresh), str(tmp_path / "b"))
-    export_for_serving(fresh, str(tmp_path / "served"), input_signature=signature)
+    assert not fresh.emb.table_restore_pending and not fresh.unused.table_restore_pending
     copy = TwoTableTower(3)
     copy(x[:8])
+    copy.unused.build(None)
     tf_sfctr.distributed.restore(tf.train.Checkpoint(model=copy), str(tmp_path / "b"))
-    np.testing.assert_array_equal(copy.emb.lookup_rows(probe), fresh.emb.lookup_rows(probe))
+    np.testing.assert_array_equal(copy.emb.lookup_rows(probe), saved.emb.lookup_rows(probe))
+    np.testing.assert_array_equal(copy.unused.lookup_rows([5, 6]), np.full((2, 4), 7.0))
+    other = restored(4)
+    export_for_serving(other, str(tmp_path / "served"),
+                       input_signature=tf.TensorSpec((None, 3), tf.int64))
+    np.testing.assert_array_equal(other.emb.lookup_rows(probe), saved.emb.lookup_rows(probe))
+
+
+def test_a_second_restore_without_the_table_keeps_the_first_pending(rng, tmp_path):
+    """distributed.restore of save A (the table in table files) into an
+    unbuilt model, then of save B, which holds no table for the layer: B's
+    restore pointed the layer's pending restore at B's directory, and every
+    build then failed (a review). The layer now loads A's table."""
+    x = rng.integers(0, 40, (32, 3))
+    saved = TwoTableTower(1)
+    saved.compile(optimizer="adam", loss="mse")
+    saved.fit(x, rng.random((32, 1)), batch_size=8, verbose=0)
+    tf_sfctr.distributed.save(tf.train.Checkpoint(model=saved), str(tmp_path / "a"))
+    tf_sfctr.distributed.save(tf.train.Checkpoint(model=TwoTableTower(7)), str(tmp_path / "b"))
+    model = TwoTableTower(2)
+    for name in ("a", "b"):
+        tf_sfctr.distributed.restore(tf.train.Checkpoint(model=model), str(tmp_path / name))
+    model(x[:8])
+    probe = np.arange(40)
+    np.testing.assert_array_equal(model.emb.lookup_rows(probe), saved.emb.lookup_rows(probe))

@@ -69,6 +69,9 @@ def check_names(name: str, value: Any) -> list:
     not a sequence of one-letter names."""
     if isinstance(value, str):
         return [value]
+    if isinstance(value, (set, frozenset)):  # (column order would change per process)
+        raise TypeError(f"{name} must be a name (str) or an ordered collection of names "
+                        f"(a list or tuple), not a set, got {value!r}")
     if not isinstance(value, (bytes, bytearray)):
         try:
             names = list(value)

@@ -722,18 +722,15 @@ def _check_serving_arguments(max_rows: Any, pad_id: Any) -> None:
                          f"table name, got {pad_id!r}")
 
 
-def _check_no_restore_pending(model: keras.Model) -> None:
-    """A ValueError if a table of ``model`` waits for its layer's build to
-    load what tf_sfctr.distributed.restore gave it: the export traced the
-    model without it and served other rows (a review)."""
+def _build_pending_tables(model: keras.Model) -> None:
+    """Builds each CachedEmbedding of ``model`` whose table a restore left
+    pending (restored before the layer was built), which loads it: the
+    export traced the model without it and served other rows (a review)."""
     from tf_sfctr.callbacks import cached_embeddings
 
-    pending = [layer.name for layer in cached_embeddings(model) if layer.table_restore_pending]
-    if pending:
-        raise ValueError(
-            f"export_for_serving: CachedEmbedding {pending} got a table from a checkpoint "
-            "restored before it was built, and loads it when it is built. Build the model "
-            "first (call it on one batch, or model.build), then export.")
+    for layer in cached_embeddings(model):
+        if layer.table_restore_pending:
+            layer.build(None)
 
 
 def _check_pad_tables(model: keras.Model, pad_id: Any) -> None:
@@ -908,7 +905,7 @@ def export_for_serving(model: keras.Model, export_dir: str,
         if not isinstance(model, keras.Model):
             raise ValueError("export_for_serving needs a keras.Model (functional, Sequential "
                              f"or subclassed), got {type(model).__name__}")
-        _check_no_restore_pending(model)
+        _build_pending_tables(model)
         traced = not _is_graph_model(model) or bool(_hidden_tables(model))
         _check_pad_tables(model, pad_id)
         if input_signature is not None and not traced:

@@ -227,7 +227,7 @@ def test_find_bad_tsv_lines_names_a_compressed_file_cut_short(rows, files, tmp_p
     found = find_bad_tsv_lines(str(path), compression_type=kind)
     assert len(found) == 1 and found[0].path == str(path), found
     assert found[0].line == rows_read, (found, rows_read)  # the row cut in two
-    assert re.match(rf"the {kind} stream is cut short or damaged .*after line \d+ .*"
+    assert re.match(rf"the {kind} stream is cut short after line \d+ .*"
                     r"interrupted download", found[0].reason), found
     assert found[0].line > 1
 
@@ -252,9 +252,27 @@ def test_find_bad_tsv_lines_names_a_gzip_file_with_bytes_after_its_end(rows, fil
     # without an error; every line here is whole: a review).
     lines = data.count(b"\n")
     assert found[0].reason.startswith(
-        f"after line {lines}: bytes that start no other gzip member follow the "
-        "last one (zero padding?"), found
+        f"after line {lines}: zero bytes follow the last gzip member (padding"), found
     assert "criteo_tsv fails there" in found[0].reason and "cut" not in found[0].reason, found
+    # Other bytes after the last member are no padding (the advice to strip
+    # them would drop a damaged member's rows), and damage inside a member
+    # is no cut: TF fails on both (a review).
+    junk = tmp_path / "junk.tsv.gz"
+    junk.write_bytes(gzip.compress(data[:half]) + b"\x1f\x8b\x08\x00garbage" * 40)
+    with pytest.raises(tf.errors.DataLossError):
+        batches(criteo_tsv(str(junk), batch_size=BATCH, compression_type="GZIP"))
+    found = find_bad_tsv_lines(str(junk), compression_type="GZIP")
+    assert len(found) == 1 and "bytes that are no gzip member follow the last whole one" in \
+        found[0].reason and "padding" not in found[0].reason, found
+    packed = bytearray(gzip.compress(data, mtime=0))
+    packed[len(packed) // 2] ^= 0xFF
+    damaged = tmp_path / "damaged.tsv.gz"
+    damaged.write_bytes(bytes(packed))
+    with pytest.raises((tf.errors.DataLossError, tf.errors.InvalidArgumentError)):
+        batches(criteo_tsv(str(damaged), batch_size=BATCH, compression_type="GZIP"))
+    found = find_bad_tsv_lines(str(damaged), compression_type="GZIP", limit=1000)
+    assert found and "the gzip data is damaged within the next MiB" in found[-1].reason \
+        and "cut" not in found[-1].reason, found
 
 
 def test_find_bad_tsv_lines_names_a_zlib_file_with_bytes_after_its_stream(rows, files,
@@ -959,3 +977,32 @@ def test_a_tsv_write_keeps_links_permissions_and_long_names(tmp_path):
     assert write_criteo_tsv(str(long_name), rows) == 20
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["real.tsv", "link.tsv", "x" * 250])
+
+
+def test_a_tsv_write_to_what_cannot_be_replaced_writes_in_place(tmp_path):
+    """Renamed over, a named pipe became a file its reader never saw, a file
+    with another hard link left that link with the old rows, and a missing
+    directory was reported under the hidden partial file's name (a review):
+    such paths are written in place, as open(path, "w") would."""
+    import threading
+
+    rows = random_criteo_rows(5, seed=6)
+    pipe = tmp_path / "pipe.tsv"
+    os.mkfifo(pipe)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(pipe, "rb").read()), daemon=True)
+    reader.start()
+    write_criteo_tsv(str(pipe), rows)
+    reader.join(timeout=30)
+    if reader.is_alive():  # never written to: let the reader go before failing
+        with open(str(tmp_path / "pipe.tsv") if pipe.is_fifo() else os.devnull, "wb"):
+            pass
+    assert pipe.is_fifo() and got and got[0].count(b"\n") == 5, got
+    first, second = tmp_path / "a.tsv", tmp_path / "b.tsv"
+    write_criteo_tsv(str(first), random_criteo_rows(2, seed=1))
+    os.link(first, second)
+    write_criteo_tsv(str(first), rows)
+    assert second.read_bytes() == first.read_bytes() and first.read_bytes().count(b"\n") == 5
+    missing = tmp_path / "no_such_dir" / "day.tsv"
+    with pytest.raises(FileNotFoundError, match="no_such_dir/day.tsv"):
+        write_criteo_tsv(str(missing), rows)

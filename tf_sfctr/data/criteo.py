@@ -25,6 +25,7 @@ import math
 import os
 import re
 import secrets
+import stat
 import zlib
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
@@ -250,6 +251,13 @@ def write_criteo_tsv(
     # the old file's permissions (or the umask's for a new one), under a
     # short name (a long file name plus a suffix passed NAME_MAX).
     target = os.path.realpath(os.fspath(path))
+    if not _replaceable(target):
+        # In place, as open(path, "w") would: a pipe, a device, a file with
+        # other links or owner, or one the caller may not write or whose
+        # directory it may not write (renaming over them is not a write).
+        with open(os.fspath(path), "w", encoding="utf-8", newline="\n") as f:
+            _write_tsv_lines(f, rows, strip_trailing_empty)
+        return rows.num_rows
     partial = os.path.join(os.path.dirname(target),
                            f".{os.getpid()}-{secrets.token_hex(4)}.partial")
     file = os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "w",
@@ -265,6 +273,23 @@ def write_criteo_tsv(
             os.remove(partial)
         raise
     return rows.num_rows
+
+
+def _replaceable(target: str) -> bool:
+    """Whether ``target`` may be replaced by a new file renamed over it with
+    nothing lost: its directory is writable, and it does not exist or is a
+    regular file with one link, this process's owner and write permission."""
+    directory = os.path.dirname(target) or "."
+    if not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
+        return False
+    try:
+        st = os.stat(target)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return (stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.geteuid()
+            and os.access(target, os.W_OK))
 
 
 def _write_tsv_lines(f, rows: CriteoRows, strip_trailing_empty: bool) -> None:
@@ -429,11 +454,24 @@ class _TrailingBytes(ValueError):
     says what criteo_tsv does with them."""
 
 
+class _Damaged(ValueError):
+    """Compressed data that fails to decompress inside a stream."""
+
+
+def _damaged(kind: str, err: zlib.error) -> _Damaged:
+    # (It was told as a stream cut short, which TF reads without an error;
+    # TF fails on damaged data, or first reads garbled rows: a review.)
+    return _Damaged(
+        f"the {kind} data is damaged within the next MiB of the file ({err}): criteo_tsv "
+        "fails there (TF's DataLossError or InvalidArgumentError, naming no file), or "
+        "first reads garbled rows. Fetch the file again (check it with gzip -t)")
+
+
 def _gzip_lines(path: str) -> Iterator[bytes]:
     """The lines of a gzip file of one or more members, as TF's reader takes
     it: bytes after a member that do not start another one (zero padding,
-    which Python's gzip and `gzip -t` skip) raise zlib.error, and a stream
-    cut short raises EOFError, after the lines before it."""
+    which Python's gzip skips) raise _TrailingBytes, damaged data _Damaged,
+    and a stream cut short EOFError, after the lines before it."""
     inflate, fed, rest = zlib.decompressobj(wbits=31), False, b""
     after_member = False  # the decompressor starts on bytes after a member
     with open(path, "rb") as f:
@@ -442,16 +480,21 @@ def _gzip_lines(path: str) -> Iterator[bytes]:
                 fed = True
                 try:
                     out = inflate.decompress(chunk)
-                except zlib.error:
+                except zlib.error as err:
                     if not after_member:
-                        raise  # damaged inside a member
-                    # (It was told as a stream cut in two, which TF reads
-                    # without an error; these bytes TF refuses: a review.)
+                        raise _damaged("gzip", err) from None
+                    # Bytes after a whole member that start no other.
+                    if _all_zero(chunk, f):
+                        raise _TrailingBytes(
+                            "zero bytes follow the last gzip member (padding, which "
+                            "Python's gzip skips): criteo_tsv fails there, after the lines "
+                            "before them, with TF's \"incorrect header check\", which names "
+                            "no file. Strip the trailing zeros") from None
                     raise _TrailingBytes(
-                        "bytes that start no other gzip member follow the last one (zero "
-                        "padding? Python's gzip and gzip -t skip them): criteo_tsv fails "
-                        "there, after the lines before them, with TF's \"incorrect header "
-                        "check\", which names no file. Strip the trailing bytes") from None
+                        "bytes that are no gzip member follow the last whole one (a damaged "
+                        "or cut member, or other data appended?): criteo_tsv fails there, "
+                        "after the lines before them, with TF's \"incorrect header check\", "
+                        "which names no file. Fetch the file again") from None
                 chunk = inflate.unused_data if inflate.eof else b""
                 after_member = False
                 if inflate.eof:
@@ -469,6 +512,15 @@ def _gzip_lines(path: str) -> Iterator[bytes]:
         yield rest
 
 
+def _all_zero(chunk: bytes, f) -> bool:
+    """Whether ``chunk`` and the rest of the open file ``f`` are zero bytes."""
+    while chunk:
+        if chunk.count(0) != len(chunk):
+            return False
+        chunk = f.read(1 << 20)
+    return True
+
+
 def _zlib_lines(path: str) -> Iterator[bytes]:
     """The lines of a zlib file, read a MiB at a time (it was read whole:
     twice its decompressed size in memory). TF's reader reads one stream:
@@ -476,19 +528,23 @@ def _zlib_lines(path: str) -> Iterator[bytes]:
     reads) raise EOFError after the stream's lines, and so does a stream
     cut short, after the whole lines before the cut (TF's reader yields the
     cut line as a row: that is the bad line)."""
-    inflate, rest, after = zlib.decompressobj(), b"", 0
+    inflate, rest, after, fed = zlib.decompressobj(), b"", 0, False
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
+            fed = True
             if inflate.eof:
                 after += len(chunk)
                 continue
-            out = inflate.decompress(chunk)
+            try:
+                out = inflate.decompress(chunk)
+            except zlib.error as err:
+                raise _damaged("zlib", err) from None
             if inflate.eof:
                 after += len(inflate.unused_data)
             lines = (rest + out).split(b"\n")
             rest = lines.pop()
             yield from (line + b"\n" for line in lines)
-    if not inflate.eof:
+    if fed and not inflate.eof:  # (an empty file reads as no rows, as TF reads it)
         raise EOFError("the zlib stream ends before its end marker")
     if rest:
         yield rest
@@ -565,7 +621,7 @@ def _check_first_lines(path: str, compression_type: str | None, num_dense: int,
                     non_empty[j] += 1
                     if _number(field) is None:
                         bad[j].append((number, field, len(fields)))
-    except (EOFError, OSError, zlib.error):
+    except (EOFError, OSError, zlib.error, _TrailingBytes, _Damaged):
         return  # a damaged stream: the reader and find_bad_tsv_lines say so
     finally:
         lines.close()
@@ -626,19 +682,22 @@ def find_bad_tsv_lines(
                     found.append(BadLine(path, number, reason))
                     if len(found) == limit:
                         return found
-        except _TrailingBytes as err:
+        except (_TrailingBytes, _Damaged) as err:
             found.append(BadLine(path, number + 1, f"after line {number}: {err}"))
             if len(found) == limit:
                 return found
-        except (EOFError, OSError, zlib.error) as err:
+        except EOFError as err:
             # TF's reader stops without an error where a compressed stream
             # is cut short, and yields the cut line as a short one.
             found.append(BadLine(path, number + 1, (
-                f"the {compression_type} stream is cut short or damaged (or followed by bytes "
-                f"that start no other stream, such as zero padding) after line "
-                f"{number} ({type(err).__name__}: {err}); criteo_tsv reads such a file "
-                f"without an error up to the cut, the line cut in two as a row (an "
-                f"interrupted download? check it with gzip -t, or fetch it again)")))
+                f"the {compression_type} stream is cut short after line {number} ({err}); "
+                f"criteo_tsv reads such a file without an error up to the cut, the line cut "
+                f"in two as a row (an interrupted download? check it with gzip -t, or fetch "
+                f"it again)")))
+            if len(found) == limit:
+                return found
+        except OSError as err:
+            found.append(BadLine(path, number + 1, f"cannot be read after line {number}: {err}"))
             if len(found) == limit:
                 return found
     return found

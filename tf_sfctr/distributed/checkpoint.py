@@ -178,7 +178,7 @@ def save(checkpoint: tf.train.Checkpoint, directory: str, *, table_files: bool =
     refused = None
     try:
         _check_checkpoint(checkpoint, "save")
-        _check_no_restore_pending(checkpoint)
+        _build_pending_tables(checkpoint)
         # (An empty directory wrote into the working directory.)
         directory = check_path("tf_sfctr.distributed.save: directory", directory)
         table_files = check_bool("tf_sfctr.distributed.save: table_files", table_files)
@@ -200,19 +200,15 @@ def save(checkpoint: tf.train.Checkpoint, directory: str, *, table_files: bool =
         raise
 
 
-def _check_no_restore_pending(checkpoint) -> None:
-    """A ValueError if a layer of ``checkpoint`` waits for its build to load
-    the table a restore (this module's or tf.train.Checkpoint's) gave it: the
-    save would hold none of its rows, and a restore of that save would keep
-    a table's rows unchanged, silently (a review)."""
-    pending = [layer.name for layer in _unbuilt_layers(checkpoint)
-               if layer.table_restore_pending]
-    if pending:
-        raise ValueError(
-            f"tf_sfctr.distributed.save: CachedEmbedding {pending} got a table from a "
-            "checkpoint restored before it was built, and loads it when it is built; saved "
-            "now, the checkpoint would hold none of those rows. Build the model first (call "
-            "it on one batch, or model.build), then save. Nothing was written.")
+def _build_pending_tables(checkpoint) -> None:
+    """Builds each layer of ``checkpoint`` whose table a restore left pending
+    (restored before the layer was built), which loads that table: saved
+    unbuilt, the checkpoint held none of its rows, and a restore of it kept
+    another model's rows, silently (a review). Refusing the save instead
+    stopped every save of a model with a layer it never calls (a review)."""
+    for layer in _unbuilt_layers(checkpoint):
+        if layer.table_restore_pending:
+            layer.build(None)
 
 
 def _check_checkpoint(checkpoint, what: str) -> None:
@@ -1067,15 +1063,8 @@ def _restore(checkpoint: tf.train.Checkpoint, directory: str,
     deferred = saved_size == size and not stores
     error, message = None, None
     try:
-        if saved_size == size:
-            # Tables saved in table files whose layers are not built yet (all
-            # of them when deferred) are read from this shard's directory
-            # when their layers are built.
-            _, save_id = _read_manifest(directory)
-            if save_id is not None:
-                for layer in _unbuilt_layers(checkpoint):
-                    store_module.PENDING_TABLE_DIRS[layer] = (
-                        save_id, os.path.join(directory, _shard_name(rank, size)))
+        # Restores of tables into layers not built yet, before this one.
+        waiting = {layer: layer.pending_table_restores for layer in _unbuilt_layers(checkpoint)}
         if deferred:
             checkpoint.read(_shard_prefix(directory, rank, size)).expect_partial()
         else:
@@ -1090,6 +1079,19 @@ def _restore(checkpoint: tf.train.Checkpoint, directory: str,
                         for part in store.collected:
                             part.setdefault("dir", os.path.join(
                                 directory, _shard_name(s, saved_size)))
+        if saved_size == size:
+            # Tables saved in table files whose layers are not built yet (all
+            # of them when deferred) are read from this shard's directory
+            # when their layers are built: the layers whose table this save
+            # holds (TF added a restore of it), and no others (a save
+            # without a layer's table pointed that layer's earlier pending
+            # restore at this directory, and its build failed; a review).
+            _, save_id = _read_manifest(directory)
+            if save_id is not None:
+                for layer, before in waiting.items():
+                    if layer.pending_table_restores > before:
+                        store_module.PENDING_TABLE_DIRS[layer] = (
+                            save_id, os.path.join(directory, _shard_name(rank, size)))
     except Exception as err:  # noqa: BLE001 - agreed on below, then raised
         error, message = err, _describe(err)
     # Reading can still fail after the checks (say, a file changed in

@@ -282,10 +282,9 @@ class TableAccessMixin:
         rank failed, so that every rank raises when any does (and none waits
         in a collective for a rank that gave up). ``changed``: whether the
         ranks that did not fail changed their rows (a string: how)."""
-        hvd = _horovod.require()
-        failed = hvd.allreduce(tf.constant(0 if error is None else 1, tf.int32), op=hvd.Sum,
-                               name=f"sfctr_{self.name}_{what}_agree", ignore_name_scope=True)
-        if error is None and int(failed) > 0:
+        failed = _horovod.ranks_failed(error, f"sfctr_{self.name}_{what}_agree",
+                                       f"{type(self).__name__}.{what}")
+        if error is None and failed > 0:
             error = ValueError(
                 f"{what} failed on another rank (see its error). " + (
                     changed if isinstance(changed, str) else

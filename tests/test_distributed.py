@@ -706,6 +706,10 @@ if hvd.rank() == 0:  # the mistake: these are collective
     try:
         if action == "export":
             tf_sfctr.export_for_serving(model, out)
+        elif action == "assign":
+            emb.assign_rows([1], np.ones((1, 4)))
+        elif action == "lookup":
+            emb.lookup_rows([1])
         else:
             tf_sfctr.distributed.save(tf.train.Checkpoint(model=model), out)
     except RuntimeError as err:
@@ -714,7 +718,8 @@ if hvd.rank() == 0:  # the mistake: these are collective
 
 
 @pytest.mark.parametrize("distribution, action", [
-    ("model_parallel", "export"), ("data_parallel", "export"), ("model_parallel", "save")])
+    ("model_parallel", "export"), ("data_parallel", "export"), ("model_parallel", "save"),
+    ("data_parallel", "assign"), ("model_parallel", "lookup")])
 def test_collective_call_on_rank_0_alone_says_it_is_collective(tmp_path, distribution, action):
     """`if hvd.rank() == 0: export_for_serving(...)` (or distributed.save):
     rank 0 gets an error saying to call it on every rank, not Horovod's
@@ -726,7 +731,8 @@ def test_collective_call_on_rank_0_alone_says_it_is_collective(tmp_path, distrib
          str(tmp_path / "out"), distribution, action], capture_output=True, text=True,
         timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    what = "export_for_serving" if action == "export" else "tf_sfctr.distributed.save"
+    what = {"export": "export_for_serving", "save": "tf_sfctr.distributed.save",
+            "assign": "CachedEmbedding.assign_rows", "lookup": "CachedEmbedding.lookup_rows"}[action]
     assert f"RAISED: {what} under Horovod is collective: call it on all 2 ranks" in (
         proc.stdout), proc.stdout[-4000:]
     # (Also what a rank that died during it looks like to the others.)

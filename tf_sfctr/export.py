@@ -1018,16 +1018,9 @@ def _agree_on(error: Optional[Exception], size: int, name: str,
         if error is not None:
             raise error
         return
-    hvd = _horovod.require()
-    try:
-        failed = hvd.allreduce(tf.constant(0 if error is None else 1), op=hvd.Sum, name=name)
-    except tf.errors.OpError as err:
-        if error is not None:  # (the collectives failed: this rank's own cause first)
-            raise error from err
-        _horovod.explain_shutdown(err, "export_for_serving")
-        raise
+    failed = _horovod.ranks_failed(error, name, "export_for_serving")
     if error is not None:
         raise error
-    if int(failed) > 0:
+    if failed > 0:
         raise elsewhere or ValueError("export_for_serving failed on another rank (its error "
                                       "says why). Nothing was written.")

@@ -48,3 +48,23 @@ def explain_shutdown(err: BaseException, what: str) -> None:
             f"(rank 0 alone writes what is written once). Rank {rank} called it and another "
             f"rank had stopped: it did not call it, or it died during it (killed, or out of "
             f"memory: see that rank's output). Horovod's error: {detail}") from err
+
+
+def ranks_failed(error: Optional[BaseException], name: str, what: str) -> int:
+    """Collective: how many ranks pass an ``error`` (this rank's, or None), so
+    that every rank can raise when any failed and none waits in a later
+    collective for a rank that gave up. ``name`` names the all-reduce;
+    ``what`` is the user's call, named when another rank never joins it.
+    When the all-reduce itself fails, this rank's own error comes first."""
+    import tensorflow as tf
+
+    hvd = require()
+    try:
+        failed = hvd.allreduce(tf.constant(0 if error is None else 1, tf.int32), op=hvd.Sum,
+                               name=name, ignore_name_scope=True)
+    except tf.errors.OpError as err:
+        if error is not None:
+            raise error from err
+        explain_shutdown(err, what)
+        raise
+    return int(failed)

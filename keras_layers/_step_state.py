@@ -6,7 +6,37 @@ below says why."""
 
 from __future__ import annotations
 
+import weakref
+
 import tensorflow as tf
+
+
+def _empty(handle, dtype: tf.DType, rank: int) -> None:
+    try:
+        with tf.init_scope():
+            tf.raw_ops.AssignVariableOp(resource=handle, value=tf.zeros([0] * rank, dtype),
+                                        validate_shape=False)
+    except Exception:  # noqa: BLE001 - at interpreter exit TF may be gone
+        pass
+
+
+def free_when_deleted(variable: tf.Variable) -> tf.Variable:
+    """``variable``, whose buffer is emptied when the Python object goes.
+
+    Functions traced on a variable hold its handle, and the resource lives
+    as long as a handle does. TF keeps the gradient function of every
+    ``tf.custom_gradient`` traced in a graph (the layer's training step) for
+    the life of the process, and the graph with it: a review saw a loop
+    that built, trained and deleted models grow by each model's cache.
+    Once the variable object is gone no Python code can read it, and a
+    function still kept that uses it fails (an index out of range) rather
+    than read stale rows."""
+    handle = variable.handle
+    if tf.is_symbolic_tensor(handle) or variable.shape.rank in (None, 0):
+        return variable  # (a TF1 graph's, or a scalar: nothing to free)
+    weakref.finalize(variable, _empty, handle, variable.dtype,
+                     variable.shape.rank).atexit = False
+    return variable
 
 
 class Counter:
@@ -26,8 +56,8 @@ class DeviceCache:
     """
 
     def __init__(self, rows: tf.Variable, state: tuple):
-        self.rows = rows
-        self.state = state
+        self.rows = free_when_deleted(rows)
+        self.state = tuple(free_when_deleted(v) for v in state)
 
 
 class Plan:
@@ -40,7 +70,8 @@ class Plan:
 
     def __init__(self, dim: int, num_parts: int, device: str):
         def var(value, shape, name):
-            return tf.Variable(value, shape=shape, trainable=False, name=name)
+            return free_when_deleted(tf.Variable(value, shape=shape, trainable=False,
+                                                 name=name))
 
         with tf.device("/CPU:0"):
             # The device side (write-back, fill) is still to be done.
@@ -88,7 +119,8 @@ class DeferredUpdate:
 
     def __init__(self, width: int, world_size: int, device: str):
         def var(value, shape, name):
-            return tf.Variable(value, shape=shape, trainable=False, name=name)
+            return free_when_deleted(tf.Variable(value, shape=shape, trainable=False,
+                                                 name=name))
 
         with tf.device("/CPU:0"):
             self.pending = var(False, [], "deferred_pending")

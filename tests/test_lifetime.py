@@ -30,8 +30,8 @@ class Subclassed(keras.Model):
 
 def _trained(kind, tmp_path=None, run_eagerly=False, loss_scale=False):
     """(weak reference to the layer, its table's handle, a traced predict
-    function of its model or None) after a fit of 2 steps; nothing else
-    holds the layer or its model."""
+    function of its model or None, the handles of its cache's variables)
+    after a fit of 2 steps; nothing else holds the layer or its model."""
     options = {}
     if kind == "rows_dir":  # a table on file, its indexes and rows sized ahead
         options = dict(host_rows_dir=str(tmp_path), expected_rows=200_000, reserve_rows=True)
@@ -60,7 +60,13 @@ def _trained(kind, tmp_path=None, run_eagerly=False, loss_scale=False):
     if kind == "functional":
         predict = tf.function(lambda ids: model(ids, training=False)).get_concrete_function(
             tf.TensorSpec([None, 3], tf.int64))
-    return weakref.ref(emb), emb.store.resource_handle, predict
+    cache = [v.handle for v in (emb._cache.rows, *emb._cache.state)]
+    assert all(_rows_held(h) == 64 for h in cache)
+    return weakref.ref(emb), emb.store.resource_handle, predict, cache
+
+
+def _rows_held(handle) -> int:
+    return int(tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.float32).shape[0])
 
 
 def _open_files() -> int:
@@ -73,7 +79,7 @@ def _open_files() -> int:
 def test_a_deleted_layer_is_freed_and_releases_its_table(tmp_path, kind, run_eagerly,
                                                          loss_scale):
     files = _open_files()
-    layer, handle, predict = _trained(kind, tmp_path, run_eagerly, loss_scale)
+    layer, handle, predict, cache = _trained(kind, tmp_path, run_eagerly, loss_scale)
     if kind == "rows_dir":
         assert _open_files() == files + 1  # the table's row file
     keras.backend.clear_session()
@@ -91,6 +97,10 @@ def test_a_deleted_layer_is_freed_and_releases_its_table(tmp_path, kind, run_eag
             predict(tf.constant([[1, 2, 3]], tf.int64))
     if kind == "rows_dir":
         assert _open_files() == files
+    # The traced graphs also hold the handles of its device cache's
+    # variables: their buffers were emptied (a review: each model trained
+    # in a loop and deleted kept its whole cache).
+    assert [_rows_held(h) for h in cache] == [0] * len(cache)
 
 
 def test_a_live_layer_keeps_training_after_other_layers_were_freed():
@@ -98,7 +108,7 @@ def test_a_live_layer_keeps_training_after_other_layers_were_freed():
     them trains and reads as before (and a second release is a no-op)."""
     keep = CachedEmbedding(4, cache_capacity=16, seed=1)
     keep.assign_rows(np.arange(3), np.full((3, 4), 2.0, np.float32))
-    _, handle, _ = _trained("functional")
+    _, handle, _, _ = _trained("functional")
     gc.collect()
     _ops.load().sfctr_store_release(handle)  # again: nothing happens
     np.testing.assert_array_equal(keep.lookup_rows(np.arange(3)), np.full((3, 4), 2.0))

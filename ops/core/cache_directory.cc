@@ -526,4 +526,22 @@ void CacheDirectory::Clear() {
   hits_since_halving_ = 0;
 }
 
+void CacheDirectory::Release() {
+  // (swap: clear() keeps a vector's memory.)
+  decltype(slots_)().swap(slots_);
+  std::vector<uint16_t>().swap(scan_keys_);
+  std::vector<uint8_t>().swap(dirty_);
+  decltype(map_)().swap(map_);
+  capacity_ = 0;
+  size_ = 0;
+  hand_ = 0;
+  never_used_ = 0;
+  std::fill(freq_count_, freq_count_ + kFreqLevels, 0);
+}
+
+size_t CacheDirectory::AllocatedBytes() const {
+  return slots_.capacity() * sizeof(Slot) + scan_keys_.capacity() * sizeof(uint16_t) +
+         dirty_.capacity() * sizeof(uint8_t) + map_.capacity() * sizeof(MapEntry);
+}
+
 }  // namespace sfctr

@@ -171,6 +171,12 @@ class CacheDirectory {
   // Forgets every id (the rows are assumed to be flushed already).
   void Clear();
 
+  // Frees every array (the store's owner is gone; no op may use this
+  // directory again, which the store's released flag enforces).
+  void Release();
+  // Bytes of the directory's arrays.
+  size_t AllocatedBytes() const;
+
   static constexpr int kFreqLevels = 256;  // use counter values 0..255
   // Hint distances 1..kHintLevels; larger ones count as kHintLevels.
   static constexpr int kHintLevels = 16;

@@ -235,7 +235,7 @@ CoreStatus EmbeddingStore::WriteBackLocked(const int64_t* ids, int64_t n, const 
 void EmbeddingStore::Release() {
   std::lock_guard<std::mutex> lock(mu_);
   table_.Release();
-  directory_.Clear();
+  directory_.Release();
   pending_ids_.clear();
   pending_handles_.clear();
 }

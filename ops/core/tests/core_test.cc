@@ -908,6 +908,27 @@ TEST_CASE(HostTableConcurrentReadersAndWriters) {
   CHECK_EQ(t.size(), kIds);
 }
 
+TEST_CASE(DirectoryReleaseFreesItsArrays) {
+  // A released store's directory (its layer deleted, its handle kept by
+  // traced functions) holds no memory: Clear keeps the arrays for reuse.
+  CacheDirectory d(100000);
+  std::vector<int64_t> ids(5000);
+  std::iota(ids.begin(), ids.end(), int64_t{1});
+  std::vector<int32_t> slots(ids.size());
+  int64_t misses = 0;
+  CHECK(d.Classify(ids.data(), ids.size(), slots.data(), &misses).ok());
+  std::vector<int64_t> miss_pos;
+  std::vector<CacheDirectory::Eviction> evicted;
+  d.Commit(ids.data(), ids.size(), slots.data(), &miss_pos, &evicted);
+  const size_t before = d.AllocatedBytes();
+  CHECK(before >= size_t{100000} * 16);
+  d.Clear();
+  CHECK_EQ(d.AllocatedBytes(), before);
+  d.Release();
+  CHECK_EQ(d.size(), 0);
+  CHECK_EQ(d.AllocatedBytes(), size_t{0});
+}
+
 TEST_CASE(DirectoryRejectsOversizedStep) {
   CacheDirectory d(4);
   const int64_t ids[] = {1, 2, 3, 4, 5};

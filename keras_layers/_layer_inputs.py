@@ -230,6 +230,18 @@ class InputsMixin:
         different options, and a hand-made feature whose inverse is wrong
         anywhere. The table's step waits for the check, so a failure changes
         nothing."""
+        if tf.distribute.has_strategy() and (
+                tf.distribute.get_strategy().num_replicas_in_sync > 1):
+            # (Its inverse check below would blame the options instead.)
+            raise ValueError(
+                f"CachedEmbedding {self.name!r} was given de-duplicated ids "
+                "(tf_sfctr.data.with_unique_ids) under "
+                f"{type(tf.distribute.get_strategy()).__name__} with "
+                f"{tf.distribute.get_strategy().num_replicas_in_sync} replicas: the strategy "
+                "splits every tensor of a batch between its replicas, 'unique_ids' and "
+                "'inverse' included, so a replica's inverse points at ids it was not given. "
+                "Predict or evaluate outside the strategy's scope, or feed plain ids (a "
+                "dataset without with_unique_ids and a model without vsi_inputs).")
         check_id_dtype(tf.as_dtype(unique_ids.dtype), "unique_ids")
         check_id_dtype(tf.as_dtype(inverse.dtype), "inverse")
         unique_ids = tf.reshape(tf.cast(unique_ids, tf.int64), [-1])

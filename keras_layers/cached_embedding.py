@@ -587,7 +587,10 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                 "rows would be trained). To share one table between features, call the "
                 "layer once on a list of them: `a, b = layer([ids_a, ids_b])` (one output "
                 "each, the same values and updates as a shared keras.layers.Embedding), or "
-                "give each feature its own layer. Inference calls (training=False) may be "
+                "give each feature its own layer. keras.layers.TimeDistributed also calls "
+                "its layer once per time step: give this layer the ids [batch, time, ...] "
+                "directly, without the wrapper (it takes ids of any shape). "
+                "Inference calls (training=False) may be "
                 "repeated, but in a functional or Sequential model Keras calls every layer "
                 "with the model's own flag (True in fit), whatever flag the model was built "
                 "with: a lookup there that must not train needs a frozen layer "
@@ -1063,7 +1066,9 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             "Rows this call updates may have "
             "moved, so this update was not applied (another call's may have "
             "been). Call the layer once per step (features that share the "
-            "table go in one call: `a, b = layer([ids_a, ids_b])`), and take "
+            "table go in one call: `a, b = layer([ids_a, ids_b])`; "
+            "keras.layers.TimeDistributed calls its layer once per time step, so "
+            "give this layer the ids [batch, time, ...] directly), and take "
             "the step's gradient before other uses of the layer")
         return cheap_check(
             tf.equal(self._training_calls.var.read_value(), call.call_number), moved + (

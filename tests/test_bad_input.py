@@ -1,6 +1,9 @@
 """Bad input gets a clear error naming what is wrong, and leaves the table
 exactly as it was (rows, optimizer state, counters)."""
 
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import pytest
@@ -574,6 +577,62 @@ def test_a_layer_built_outside_a_strategy_is_not_trained_under_it(traced):
     np.testing.assert_array_equal(strategy.run(lambda: layer(ids)).numpy(), before)
     step()  # and training outside it works
     assert int(layer._table_step.numpy()) == 1
+
+
+TWO_REPLICAS_VSI = """
+import os
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+import keras, numpy as np, tensorflow as tf
+from tf_sfctr import data
+from tf_sfctr.keras_layers import CachedEmbedding
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+ids = np.random.default_rng(0).integers(0, 50, (64, 4))
+layer = CachedEmbedding(3, cache_capacity=64, seed=0)
+inputs = data.vsi_inputs("sparse", (4,))
+hidden = keras.layers.Flatten()(layer(inputs))
+with strategy.scope():
+    model = keras.Model({"sparse": inputs}, keras.layers.Dense(1)(hidden))
+before = layer.lookup_rows(np.arange(50))
+try:
+    model.predict(data.with_unique_ids(
+        tf.data.Dataset.from_tensor_slices({"sparse": ids}).batch(32)), verbose=0)
+except ValueError as err:
+    print("RAISED:", err)
+assert np.array_equal(layer.lookup_rows(np.arange(50)), before)
+print("UNCHANGED")
+"""
+
+
+def test_de_duplicated_ids_under_a_strategy_of_replicas_name_the_strategy(tmp_path):
+    """The strategy splits unique_ids and inverse between its replicas; the
+    error blamed vsi_inputs options that were right (a review). Two logical
+    CPUs must be set before TF starts: a process of its own."""
+    script = tmp_path / "two_replicas.py"
+    script.write_text(TWO_REPLICAS_VSI)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("given de-duplicated ids (tf_sfctr.data.with_unique_ids) under MirroredStrategy "
+            "with 2 replicas" in proc.stdout), proc.stdout[-3000:]
+    assert "UNCHANGED" in proc.stdout
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_time_distributed_is_told_to_give_the_layer_the_time_axis(run_eagerly):
+    """TimeDistributed calls its layer once per time step, which is refused
+    (one training call per step); the message named only a shared layer's
+    remedies (a review)."""
+    layer = CachedEmbedding(3, cache_capacity=64, seed=0)
+    inputs = keras.Input((3, 2), dtype="int64")
+    hidden = keras.layers.Flatten()(keras.layers.TimeDistributed(layer)(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    model.compile("sgd", "mse", run_eagerly=run_eagerly)
+    ids = np.random.default_rng(0).integers(0, 40, (16, 3, 2))
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError),
+                       match="TimeDistributed (also )?calls its layer once per time step"):
+        model.fit(ids, np.ones((16, 1)), batch_size=16, verbose=0)
 
 
 def test_sequential_without_input_says_to_add_an_int64_input():

@@ -11,6 +11,8 @@ from typing import Any, Optional
 
 import tensorflow as tf
 
+from tf_sfctr._checks import ArgumentTypeError
+
 
 def compute_device() -> str:
     return "/GPU:0" if tf.config.list_logical_devices("GPU") else "/CPU:0"
@@ -18,7 +20,7 @@ def compute_device() -> str:
 
 def check_id_dtype(dtype: tf.DType, what: str = "ids") -> None:
     if dtype not in (tf.int32, tf.int64):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"CachedEmbedding expects integer {what} (int32 or int64), got "
             f"{dtype.name}. Raw 64-bit ids are fine as int64; hash strings to "
             f"int64 first (e.g. tf_sfctr.data.hash_categorical)."

@@ -13,6 +13,7 @@ import tensorflow as tf
 from tf_sfctr import _ops
 from tf_sfctr.keras_layers._combine import combine_last_axis, combine_segments, ragged_row_ids
 from tf_sfctr.keras_layers._layer_checks import check_id_dtype
+from tf_sfctr._checks import ArgumentTypeError
 
 
 def eviction_hints(name: str, inputs: dict, check: bool = True) -> Optional[tuple]:
@@ -30,14 +31,14 @@ def eviction_hints(name: str, inputs: dict, check: bool = True) -> Optional[tupl
         return None
     for key in ("next_hint_ids", "next_hint_steps"):
         if isinstance(inputs[key], (tf.SparseTensor, tf.RaggedTensor)):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"CachedEmbedding {name!r}: {key!r} must be a dense vector (any shape is "
                 f"flattened), got a {type(inputs[key]).__name__}; "
                 "tf_sfctr.data.with_unique_ids(..., eviction_hints=k) gives them so.")
     check_id_dtype(tf.as_dtype(inputs["next_hint_ids"].dtype), "next_hint_ids")
     steps_dtype = tf.as_dtype(inputs["next_hint_steps"].dtype)
     if steps_dtype not in (tf.int32, tf.int64):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"CachedEmbedding {name!r}: 'next_hint_steps' must be int32 or int64 (how many "
             f"batches after this one each hinted id is used), got {steps_dtype.name}")
     hint_ids = tf.reshape(tf.cast(inputs["next_hint_ids"], tf.int64), [-1])
@@ -270,7 +271,7 @@ class InputsMixin:
             check_feature_list_entries(inputs)
             if len(inputs) == 2 and is_ids_and_values(*inputs):
                 # (ids, weights) as one input, as a Sequential model passes them.
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"CachedEmbedding {self.name!r} got a list of integer ids and "
                     f"{tf.as_dtype(inputs[1].dtype).name} values: a list call takes features "
                     f"of ids that share the table; per-id weights go in weights= "
@@ -311,7 +312,7 @@ class InputsMixin:
                 return tf.identity(tf.cast(inputs.values, tf.int64)), {
                     "kind": "rows", "row_ids": tf.identity(rows), "nrows": nrows}
         if isinstance(inputs, (str, bytes)):
-            raise TypeError(f"CachedEmbedding expects integer ids, got a string {inputs!r}")
+            raise ArgumentTypeError(f"CachedEmbedding expects integer ids, got a string {inputs!r}")
         x = tf.convert_to_tensor(inputs)
         check_id_dtype(x.dtype)
         if x.shape.rank == 0:
@@ -360,7 +361,7 @@ class InputsMixin:
         w_kind = next((k for k in kinds if isinstance(weights, k)), None)
         if ids_kind is not w_kind:
             same_what = {tf.RaggedTensor: "row lengths", tf.SparseTensor: "indices"}
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{what} must have the structure of the ids: "
                 f"{kinds.get(ids_kind, 'a dense tensor or array')} with the same "
                 f"{same_what.get(ids_kind, 'shape')} as the ids, got "
@@ -372,11 +373,11 @@ class InputsMixin:
                              f"rank={weights.shape.rank}")
         values = weights.values if w_kind is not None else weights
         if isinstance(values, (str, bytes)):
-            raise TypeError(f"{what} must be floats, got a string")
+            raise ArgumentTypeError(f"{what} must be floats, got a string")
         values = tf.convert_to_tensor(values)
         if not values.dtype.is_floating:
-            raise TypeError(f"{what} must be floats (float16/32/64 or bfloat16), got "
-                            f"{values.dtype.name}")
+            raise ArgumentTypeError(f"{what} must be floats (float16/32/64 or bfloat16), got "
+                                    f"{values.dtype.name}")
         values = tf.cast(values, tf.float32)
         # The error gives what differs: each side's rows, values and row
         # lengths (ragged), values and dense_shape (sparse) or shape (dense).

@@ -16,6 +16,7 @@ from tf_sfctr import _ops
 from tf_sfctr import optimizers as _optimizers
 from tf_sfctr.distributed import _horovod
 from tf_sfctr.keras_layers._layer_checks import check_id_dtype
+from tf_sfctr._checks import ArgumentTypeError
 
 
 def _kth_smallest_over_ranks(values: np.ndarray, k: int, total) -> Optional[int]:
@@ -82,7 +83,7 @@ class TableAccessMixin:
 
     def _ids_vector(self, ids: Any) -> Union[tf.Tensor, np.ndarray]:
         if isinstance(ids, (tf.RaggedTensor, tf.SparseTensor)):
-            raise TypeError("ids must be a dense 1-D array of int ids")
+            raise ArgumentTypeError("ids must be a dense 1-D array of int ids")
         arr = ids if isinstance(ids, tf.Tensor) else np.asarray(ids)
         if not isinstance(ids, (tf.Tensor, np.ndarray)) and arr.dtype.kind in "uOf":
             # Python ints beyond int64 (NumPy makes them uint64, objects, or
@@ -97,7 +98,7 @@ class TableAccessMixin:
         if not isinstance(arr, tf.Tensor) and arr.size == 0 and arr.dtype.kind == "f":
             arr = arr.astype(np.int64)  # [] comes as float64: no ids at all
         if not isinstance(arr, tf.Tensor) and arr.dtype.kind not in "iu":
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"ids must be integers (int32 or int64), got dtype {arr.dtype}")
         if not isinstance(arr, tf.Tensor):
             # Checked and converted in NumPy: each eager TF op here would
@@ -296,8 +297,8 @@ class TableAccessMixin:
         ids = tf.convert_to_tensor(self._ids_vector(ids))
         values = np.asarray(values)
         if values.dtype.kind not in "fiu" and values.dtype.name != "bfloat16":
-            raise TypeError(f"values must be real numbers (float or integer), got dtype "
-                            f"{values.dtype}. Nothing was changed.")
+            raise ArgumentTypeError(f"values must be real numbers (float or integer), got dtype "
+                                    f"{values.dtype}. Nothing was changed.")
         # float64 beyond float32's range becomes inf and is refused below.
         with np.errstate(over="ignore"):
             values = values.astype(np.float32)
@@ -463,13 +464,14 @@ class TableAccessMixin:
         """
         self._require_built()
         error = None
-        if (isinstance(part_rows, (bool, np.bool_)) or not isinstance(part_rows, (int, np.integer))
-                or part_rows < 1):
+        if isinstance(part_rows, (bool, np.bool_)) or not isinstance(part_rows, (int, np.integer)):
+            error = ArgumentTypeError(f"part_rows must be a positive int, got {part_rows!r}")
+        elif part_rows < 1:
             error = ValueError(f"part_rows must be a positive int, got {part_rows!r}")
         elif not isinstance(changed_only, (bool, np.bool_)):
-            error = TypeError(f"changed_only must be True or False, got {changed_only!r}")
+            error = ArgumentTypeError(f"changed_only must be True or False, got {changed_only!r}")
         elif not isinstance(with_state, (bool, np.bool_)):
-            error = TypeError(f"with_state must be True or False, got {with_state!r}")
+            error = ArgumentTypeError(f"with_state must be True or False, got {with_state!r}")
         if self._mode == "model_parallel":
             # The flush is collective: every rank goes on, or none.
             with self._one_collective_call():

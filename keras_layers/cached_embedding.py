@@ -86,6 +86,7 @@ from tf_sfctr.store import (
     EmbeddingStore,
     StoreConfig,
 )
+from tf_sfctr._checks import ArgumentTypeError
 
 COMBINERS = ("sum", "mean", "sqrtn")
 DISTRIBUTIONS = ("auto", "model_parallel", "data_parallel")
@@ -378,7 +379,9 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
 
     @staticmethod
     def _positive_int(name: str, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise ArgumentTypeError(f"{name} must be a positive int, got {value!r}")
+        if value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
         if value > 2**63 - 1:  # (the first call failed: "int too big to convert")
             raise ValueError(f"{name} must be a positive int64 (at most 2**63 - 1), got "
@@ -754,8 +757,8 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         if isinstance(value, np.ndarray) and value.shape == ():
             value = value[()]
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"CachedEmbedding {self.name!r}: table_updates must be an int "
-                            f"(or an integer scalar tensor), got {given!r}")
+            raise ArgumentTypeError(f"CachedEmbedding {self.name!r}: table_updates must be an int "
+                                    f"(or an integer scalar tensor), got {given!r}")
         if not 0 <= value <= 2**62:
             # (Far from int64's end: the count must not wrap, where Adam's
             # bias correction wrote NaN rows; a review.)
@@ -1334,15 +1337,16 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                     # through float32 (ids above 2**24 would merge).
                     if not tf.as_dtype(x.dtype).is_floating:
                         raise
-                    raise TypeError(
+                    raise ArgumentTypeError(
                         f"{err} The layer got a symbolic {x.dtype} input: if this is a "
                         "keras.Sequential model without keras.Input, start it with "
                         "keras.Input(shape, dtype='int64') (Keras builds such a model "
                         "with float32 inputs, which would round large ids).") from None
         for w in keras.tree.flatten(weights):
             if isinstance(w, keras.KerasTensor) and not tf.as_dtype(w.dtype).is_floating:
-                raise TypeError(f"CachedEmbedding {self.name!r}: weights must be floats "
-                                f"(float16/32/64 or bfloat16), got a symbolic {w.dtype} input")
+                raise ArgumentTypeError(
+                    f"CachedEmbedding {self.name!r}: weights must be floats "
+                    f"(float16/32/64 or bfloat16), got a symbolic {w.dtype} input")
         # Symbolic weights whose known shape cannot be the ids': refused while
         # the model is wired, not at its first step.
         pairs = (zip(inputs, weights) if isinstance(inputs, (list, tuple))

@@ -28,6 +28,7 @@ from tf_sfctr.keras_layers._combine import (
     ragged_row_ids,
     zero_mask,
 )
+from tf_sfctr._checks import ArgumentTypeError
 
 
 @keras.saving.register_keras_serializable(package="tf_sfctr")
@@ -95,13 +96,14 @@ class ServingEmbedding(keras.layers.Layer):
             given = np.asarray(keys)
             if given.size and given.dtype.kind not in "iu":
                 # (A cast truncated 2.7 to 2: id 2 read key 2.7's row.)
-                raise TypeError(f"keys must be integer ids, got dtype {given.dtype}")
+                raise ArgumentTypeError(f"keys must be integer ids, got dtype {given.dtype}")
             keys = given.astype(np.int64)
             try:
                 rows = np.asarray(rows, np.float32)
             except (TypeError, ValueError):
-                raise TypeError("rows must be numbers, one row of output_dim values per key, "
-                                f"got {type(rows).__name__}") from None
+                raise ArgumentTypeError(
+                    "rows must be numbers, one row of output_dim values per key, "
+                    f"got {type(rows).__name__}") from None
             if keys.ndim != 1 or rows.ndim != 2 or rows.shape[0] != keys.shape[0]:
                 raise ValueError(f"keys must be [n] and rows [n, dim], got {keys.shape} "
                                  f"and {rows.shape}")

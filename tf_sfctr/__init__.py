@@ -9,6 +9,8 @@ Public API (one export point)::
     tf_sfctr.distributed               # Horovod: DistributedOptimizer, callbacks, save/restore
     tf_sfctr.callbacks                 # CacheMetrics, PruneHostTable, FollowKerasLearningRate,
                                        # EarlyStopping
+    tf_sfctr.ArgumentTypeError         # an argument of the wrong type: both a
+                                       # TypeError and a ValueError
 
 Importing the package loads neither the op library nor the data readers: the
 ``.so`` is loaded on first use (and refuses another TensorFlow version than
@@ -27,10 +29,11 @@ if importlib.util.find_spec("tensorflow") is None:
         "tensorflow-cpu==2.16.2 (or tensorflow==2.16.2 for GPUs)")
 
 from tf_sfctr import optimizers  # noqa: E402
+from tf_sfctr._checks import ArgumentTypeError  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["CachedEmbedding", "export_for_serving", "optimizers", "keras_layers", "data",
-           "distributed", "callbacks", "__version__"]
+           "distributed", "callbacks", "ArgumentTypeError", "__version__"]
 
 _LAZY_MODULES = ("keras_layers", "data", "distributed", "callbacks")
 

@@ -9,6 +9,15 @@ from typing import Any, Optional
 
 import numpy as np
 
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type (a str for a number, a float for an id...).
+
+    Both a TypeError, as Python raises for a wrong type, and a ValueError, as
+    Keras does (and as ``CachedEmbedding``'s argument checks did): code that
+    catches either one sees it, whichever part of tf_sfctr raised it."""
+
+
 #: The largest value an int64 holds: counts and sizes above it cannot reach
 #: TensorFlow (which says "out-of-range integer" without naming the argument).
 INT64_MAX = 2**63 - 1
@@ -19,7 +28,7 @@ def check_bool(name: str, value: Any) -> bool:
     True or False (NumPy's included): ``"no"`` or ``"False"`` would read as
     true, silently."""
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
+        raise ArgumentTypeError(f"{name} must be True or False, got {value!r}")
     return bool(value)
 
 
@@ -27,7 +36,7 @@ def check_path(name: str, value: Any) -> str:
     """A non-empty path given as str or os.PathLike (not bytes: ``str()`` of
     them named a directory "b'...'" in the working directory)."""
     if isinstance(value, (bytes, bytearray)) or not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"{name} must be a path (str or os.PathLike), got {value!r}")
+        raise ArgumentTypeError(f"{name} must be a path (str or os.PathLike), got {value!r}")
     path = os.fspath(value)
     if not isinstance(path, str) or not path:
         raise ValueError(f"{name} must be a non-empty path, got {value!r}")
@@ -40,7 +49,7 @@ def check_int(name: str, value: Any, *, minimum: int,
     for anything but an int (NumPy's included, bools not: True would count
     as 1), a ValueError when it is out of range."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r}")
+        raise ArgumentTypeError(f"{name} must be an int >= {minimum}, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     if value > maximum:
@@ -55,7 +64,7 @@ def check_number(name: str, value: Any, *, minimum: Optional[float] = None,
     a value out of range. ``what`` describes the allowed values in the message."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(
             value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be {what}, got {value!r}")
+        raise ArgumentTypeError(f"{name} must be {what}, got {value!r}")
     number = float(value)
     if (not math.isfinite(number) or (minimum is not None and number < minimum)
             or (maximum is not None and number > maximum)):
@@ -70,8 +79,8 @@ def check_names(name: str, value: Any) -> list:
     if isinstance(value, str):
         return [value]
     if isinstance(value, (set, frozenset)):  # (column order would change per process)
-        raise TypeError(f"{name} must be a name (str) or an ordered collection of names "
-                        f"(a list or tuple), not a set, got {value!r}")
+        raise ArgumentTypeError(f"{name} must be a name (str) or an ordered collection of names "
+                                f"(a list or tuple), not a set, got {value!r}")
     if not isinstance(value, (bytes, bytearray)):
         try:
             names = list(value)
@@ -79,4 +88,4 @@ def check_names(name: str, value: Any) -> list:
             names = None
         if names is not None and all(isinstance(item, str) for item in names):
             return [str(item) for item in names]
-    raise TypeError(f"{name} must be a name (str) or a list of names, got {value!r}")
+    raise ArgumentTypeError(f"{name} must be a name (str) or a list of names, got {value!r}")

@@ -16,6 +16,8 @@ import threading
 import tensorflow as tf
 from tensorflow.python.framework import auto_control_deps_utils
 
+from tf_sfctr._checks import ArgumentTypeError
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LIBRARY = os.path.join(_HERE, "_sfctr_ops.so")
 _BUILD_INFO = os.path.join(_HERE, "_build_info.json")
@@ -183,7 +185,7 @@ def _int32_indices(x, what: str) -> tf.Tensor:
     if x.dtype == tf.int32:
         return x
     if x.dtype != tf.int64:
-        raise TypeError(f"{what} must be int32 or int64, got {x.dtype.name}")
+        raise ArgumentTypeError(f"{what} must be int32 or int64, got {x.dtype.name}")
     fits = tf.reduce_all((x >= -(2**31)) & (x < 2**31))
     with tf.control_dependencies([tf.debugging.Assert(
             fits, [f"{what} must fit in int32 (the kernels' index type); got a value outside "
@@ -295,7 +297,7 @@ def first_bad_inverse(ids: tf.Tensor, unique_ids: tf.Tensor, inverse: tf.Tensor,
     unique_ids = tf.reshape(tf.convert_to_tensor(unique_ids, tf.int64), [-1])
     inverse = tf.reshape(tf.convert_to_tensor(inverse), [-1])
     if inverse.dtype not in (tf.int32, tf.int64):
-        raise TypeError(f"inverse must be int32 or int64, got {inverse.dtype.name}")
+        raise ArgumentTypeError(f"inverse must be int32 or int64, got {inverse.dtype.name}")
     if _use_kernel(use_kernel):
         return load().sfctr_first_bad_inverse(ids, unique_ids, inverse)
     tf.debugging.assert_equal(tf.size(ids), tf.size(inverse),
@@ -480,8 +482,9 @@ def _words(x, what: str) -> tf.Tensor:
     """A float64 tensor of 64-bit words; anything else is refused, since a
     conversion would change values, not carry their bits (bitcast ids first)."""
     if not (hasattr(x, "dtype") and tf.as_dtype(x.dtype) == tf.float64):
-        raise TypeError(f"{what} must hold 64-bit words as a float64 tensor (tf.bitcast "
-                        f"int64 ids to tf.float64 first), got {getattr(x, 'dtype', type(x))}")
+        raise ArgumentTypeError(
+            f"{what} must hold 64-bit words as a float64 tensor (tf.bitcast "
+            f"int64 ids to tf.float64 first), got {getattr(x, 'dtype', type(x))}")
     return tf.convert_to_tensor(x)
 
 

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import keras
 import numpy as np
 
-from tf_sfctr._checks import check_bool, check_number, check_path
+from tf_sfctr._checks import ArgumentTypeError, check_bool, check_number, check_path
 
 __all__ = ["CacheMetrics", "EarlyStopping", "FollowKerasLearningRate", "PruneHostTable",
            "cached_embeddings", "table_log_names"]
@@ -33,7 +33,7 @@ METRICS = ("hit_rate", "misses_per_step", "evictions_per_step", "host_rows")
 def check_model(model: Any) -> None:
     """A TypeError unless ``model`` is a Keras layer (a model is one)."""
     if not isinstance(model, keras.layers.Layer):
-        raise TypeError(f"model must be a Keras model or layer, got {type(model).__name__}")
+        raise ArgumentTypeError(f"model must be a Keras model or layer, got {type(model).__name__}")
 
 
 def cached_embeddings(model: keras.layers.Layer) -> list:
@@ -693,15 +693,16 @@ class EarlyStopping(keras.callbacks.EarlyStopping):
         # and fails at the first epoch's end, and falls back to mode "auto"
         # (with a warning) for an unknown mode such as "MAX".
         if not isinstance(monitor, str) or not monitor:
-            raise TypeError(f"monitor must be the name of a logged metric (str), got {monitor!r}")
+            raise ArgumentTypeError(
+                f"monitor must be the name of a logged metric (str), got {monitor!r}")
         min_delta = check_number("min_delta", min_delta)
         # Numbers as Keras takes them (patience=2.0, verbose=True work there).
         for arg, value in (("patience", patience), ("start_from_epoch", start_from_epoch)):
             if isinstance(value, (bool, np.bool_)) or not isinstance(
                     value, (int, float, np.integer, np.floating)) or not value >= 0:
-                raise TypeError(f"{arg} must be a number of epochs >= 0, got {value!r}")
+                raise ArgumentTypeError(f"{arg} must be a number of epochs >= 0, got {value!r}")
         if not isinstance(verbose, (int, np.integer, bool, np.bool_)) or verbose < 0:
-            raise TypeError(f"verbose must be an int >= 0 (or a bool), got {verbose!r}")
+            raise ArgumentTypeError(f"verbose must be an int >= 0 (or a bool), got {verbose!r}")
         if baseline is not None:
             baseline = check_number("baseline", baseline, what="None or a finite number")
         if mode not in ("auto", "min", "max"):

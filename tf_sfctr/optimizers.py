@@ -64,6 +64,7 @@ import numpy as np
 import tensorflow as tf
 
 from . import _ops
+from tf_sfctr._checks import ArgumentTypeError
 
 LearningRate = Union[float, keras.optimizers.schedules.LearningRateSchedule]
 
@@ -75,11 +76,11 @@ def _check_positive(name: str, value: float, allow_zero: bool = False) -> float:
             value, (int, float, np.integer, np.floating)):
         # (A tf.Variable or tensor would be read once, here: later changes to
         # it would not reach the table.)
-        raise ValueError(f"{name} must be a number, got {value!r} (a Python or NumPy number"
-                         + ("; for a changing learning rate, pass a keras.optimizers."
-                            "schedules.LearningRateSchedule or set learning_rate again)"
-                            if name == "learning_rate"
-                            else ")"))
+        raise ArgumentTypeError(
+            f"{name} must be a number, got {value!r} (a Python or NumPy number"
+            + ("; for a changing learning rate, pass a keras.optimizers."
+               "schedules.LearningRateSchedule or set learning_rate again)"
+               if name == "learning_rate" else ")"))
     bound = ">= 0" if allow_zero else "> 0"
     try:
         value = float(value)
@@ -229,7 +230,7 @@ class TableOptimizer:
         names = self.state_names
         kind = type(self).__name__
         if not isinstance(state, dict):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"state must be a dict {{name: [len(ids), output_dim] array}} with the "
                 f"{kind} table optimizer's state names {list(names)}, got "
                 f"{type(state).__name__}. Nothing was changed.")
@@ -249,8 +250,8 @@ class TableOptimizer:
                 raise ValueError(f"state[{name!r}] is not an array of numbers ({err}). "
                                  "Nothing was changed.") from None
             if value.dtype.kind not in "fiu" and value.dtype.name != "bfloat16":
-                raise TypeError(f"state[{name!r}] must hold real numbers, got dtype "
-                                f"{value.dtype}. Nothing was changed.")
+                raise ArgumentTypeError(f"state[{name!r}] must hold real numbers, got dtype "
+                                        f"{value.dtype}. Nothing was changed.")
             with np.errstate(over="ignore"):
                 value = value.astype(np.float64)
             if value.shape != (len(ids), dim):
@@ -607,8 +608,8 @@ class Ftrl(TableOptimizer):
         if isinstance(learning_rate_power, (bool, np.bool_, str, bytes)) \
                 or not isinstance(learning_rate_power, (int, float, np.integer, np.floating)):
             # (float() took "-0.5" and False.)
-            raise ValueError(f"learning_rate_power must be a number, got "
-                             f"{learning_rate_power!r}")
+            raise ArgumentTypeError(f"learning_rate_power must be a number, got "
+                                    f"{learning_rate_power!r}")
         power = float(learning_rate_power)
         # (Past float32's range the first update failed as non-finite.)
         if not (math.isfinite(power) and -3.4e38 < power <= 0):

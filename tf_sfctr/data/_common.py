@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sfctr._checks import check_bool, check_int, check_names, check_number  # noqa: F401 (the data modules' imports)
+from tf_sfctr._checks import ArgumentTypeError
 
 PathLike = Union[str, "os.PathLike[str]"]
 Shard = Optional[tuple[int, int]]
@@ -36,7 +37,7 @@ def check_dense_default(value: object) -> float:
     try:
         number = float(value)
     except (TypeError, ValueError):
-        raise TypeError(f"dense_default must be a finite number, got {value!r}") from None
+        raise ArgumentTypeError(f"dense_default must be a finite number, got {value!r}") from None
     if not abs(number) <= float(np.finfo(np.float32).max):
         raise ValueError(
             f"dense_default must be a finite number within float32's range, got {value!r}"
@@ -70,8 +71,8 @@ def check_paths(paths: PathLike | Sequence[PathLike]) -> list:
     try:
         out = [os.fsdecode(p) for p in paths]
     except TypeError:
-        raise TypeError(f"paths must be a path or a list of paths (str or os.PathLike), "
-                        f"got {paths!r}") from None
+        raise ArgumentTypeError(f"paths must be a path or a list of paths (str or os.PathLike), "
+                                f"got {paths!r}") from None
     if not out:
         raise ValueError("paths must name at least one file, got an empty list")
     missing = [p for p in out if not os.path.exists(p)]

@@ -9,6 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sfctr.data._common import check_bool, check_int, finish
+from tf_sfctr._checks import ArgumentTypeError
 
 
 class Ragged(NamedTuple):
@@ -85,8 +86,8 @@ def dataset_from_arrays(
                          f"scalar {label!r}")
     num_rows = label.shape[0]
     if not isinstance(features, Mapping):
-        raise TypeError("features must be a dict of arrays (or Ragged columns) by feature "
-                        f"name, got {type(features).__name__}")
+        raise ArgumentTypeError("features must be a dict of arrays (or Ragged columns) by feature "
+                                f"name, got {type(features).__name__}")
     tensors = {}
     for name, value in features.items():
         if isinstance(value, Ragged):

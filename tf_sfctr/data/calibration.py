@@ -7,6 +7,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from tf_sfctr._checks import ArgumentTypeError
+
 
 def sigmoid(z: np.ndarray) -> np.ndarray:
     """Logistic function, overflow-free.
@@ -31,8 +33,9 @@ def expected_auc(score: np.ndarray, probability: np.ndarray) -> float:
         score = np.asarray(score, dtype=np.float64).reshape(-1)
         p = np.asarray(probability, dtype=np.float64).reshape(-1)
     except (TypeError, ValueError):
-        raise TypeError("expected_auc: score and probability must be arrays of numbers, got "
-                        f"{type(score).__name__} and {type(probability).__name__}") from None
+        raise ArgumentTypeError(
+            "expected_auc: score and probability must be arrays of numbers, got "
+            f"{type(score).__name__} and {type(probability).__name__}") from None
     if score.shape != p.shape:
         raise ValueError(f"expected_auc: score has {score.size} values and probability "
                          f"{p.size}; they need one per example")

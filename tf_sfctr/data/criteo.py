@@ -48,6 +48,7 @@ from tf_sfctr.data._common import (
     finish,
 )
 from tf_sfctr.data.hashing import field_prefix, hash_categorical, hash_fields_tensor
+from tf_sfctr._checks import ArgumentTypeError
 
 NUM_DENSE = 13
 NUM_SPARSE = 26
@@ -215,7 +216,7 @@ def categorical_text(value, i: int, j: int) -> str:
                 "writers store categorical values as text") from None
     if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
         return str(int(value))
-    raise TypeError(
+    raise ArgumentTypeError(
         f"rows.categorical[{i}, {j}] = {value!r} ({type(value).__name__}): categorical "
         "values must be str (\"\" where empty), bytes or int")
 

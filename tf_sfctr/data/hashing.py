@@ -24,6 +24,8 @@ from typing import Any, Union
 import numpy as np
 import tensorflow as tf
 
+from tf_sfctr._checks import ArgumentTypeError
+
 FieldKey = Union[int, str]
 
 #: ASCII "unit separator" between the field name and the value.
@@ -46,7 +48,7 @@ def field_prefix(field: FieldKey) -> str:
       '3\\x1f'
     """
     if isinstance(field, (bool, np.bool_)):
-        raise TypeError(f"field must be an int or a str, got bool {field!r}")
+        raise ArgumentTypeError(f"field must be an int or a str, got bool {field!r}")
     if isinstance(field, (int, np.integer)):
         if field < 0:
             raise ValueError(f"field must be >= 0 when it is an int, got {field}")
@@ -57,7 +59,7 @@ def field_prefix(field: FieldKey) -> str:
         if FIELD_SEPARATOR in field:
             raise ValueError(f"field must not contain the separator '\\x1f', got {field!r}")
         return field + FIELD_SEPARATOR
-    raise TypeError(f"field must be an int or a str, got {type(field).__name__}")
+    raise ArgumentTypeError(f"field must be an int or a str, got {type(field).__name__}")
 
 
 def fingerprint_int64(strings: tf.Tensor) -> tf.Tensor:
@@ -95,7 +97,8 @@ def hash_categorical_tensor(field: FieldKey, values: tf.Tensor) -> tf.Tensor:
     if values.dtype.is_integer:
         values = tf.strings.as_string(values)
     elif values.dtype != tf.string:
-        raise TypeError(f"values must be a string or integer tensor, got {values.dtype.name}")
+        raise ArgumentTypeError(
+            f"values must be a string or integer tensor, got {values.dtype.name}")
     return fingerprint_int64(tf.strings.join([prefix, values]))
 
 
@@ -139,12 +142,13 @@ def _as_string_array(values: Any) -> np.ndarray:
             elif isinstance(v, (int, np.integer)) and not isinstance(v, bool):
                 flat_out[i] = str(int(v))
             else:
-                raise TypeError(
+                raise ArgumentTypeError(
                     "values must be str, bytes or int, got "
                     f"{type(v).__name__} {v!r} at flat position {i}"
                 )
         return out
-    raise TypeError(f"values must be strings, bytes or integers, got numpy dtype {arr.dtype}")
+    raise ArgumentTypeError(
+        f"values must be strings, bytes or integers, got numpy dtype {arr.dtype}")
 
 
 def hash_categorical(field: FieldKey, values: Any) -> Any:

@@ -77,6 +77,7 @@ from tf_sfctr.data.criteo import (
     sparse_column_names,
 )
 from tf_sfctr.data.hashing import field_prefix
+from tf_sfctr._checks import ArgumentTypeError
 
 ENGINES = ("tensorflow_io", "pyarrow")
 _TFIO_CHUNK_ROWS = 1 << 16
@@ -523,7 +524,7 @@ def parquet(
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if not isinstance(label_column, str):
-        raise TypeError(f"label_column must be a column name (str), got {label_column!r}")
+        raise ArgumentTypeError(f"label_column must be a column name (str), got {label_column!r}")
     dense = list(dense_column_names() if dense_columns is None
                  else check_names("dense_columns", dense_columns))
     sparse = list(sparse_column_names() if sparse_columns is None

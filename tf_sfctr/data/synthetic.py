@@ -74,6 +74,7 @@ from tf_sfctr._splitmix import (
 from tf_sfctr.data.arrays import Ragged
 from tf_sfctr.data.calibration import Calibration, calibrate, sigmoid
 from tf_sfctr.data.zipf import ZipfSampler, check_alpha, zipf_pmf
+from tf_sfctr._checks import ArgumentTypeError
 
 # Domain tags keep the hash streams of different purposes apart.
 _TAG_SAMPLE, _TAG_CALIBRATION, _TAG_FIELD, _TAG_WEIGHT, _TAG_DENSE_W = 1, 2, 3, 4, 5
@@ -102,7 +103,7 @@ class _Plan(NamedTuple):
 
 def _check_open_unit(name: str, value: float, low: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
-        raise TypeError(f"{name} must be a float in ({low}, 1), got {value!r}")
+        raise ArgumentTypeError(f"{name} must be a float in ({low}, 1), got {value!r}")
     value = float(value)
     if not low < value < 1.0:
         raise ValueError(f"{name} must be in the open interval ({low}, 1), got {value}")
@@ -202,7 +203,7 @@ class SyntheticCriteoSpec:
             multi_hot = tuple(multi_hot)  # already normalised, or a list of pairs
             if not all(isinstance(kv, Sequence) and not isinstance(kv, str) and len(kv) == 2
                        for kv in multi_hot):
-                raise TypeError(
+                raise ArgumentTypeError(
                     "multi_hot must be None, a dict {field: max_len} or a list of "
                     f"(field, max_len) pairs, got {self.multi_hot!r}"
                 )
@@ -543,7 +544,7 @@ def _plan(spec: SyntheticCriteoSpec) -> _Plan:
 
 def _sample_key(seed: int) -> np.uint64:
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise TypeError(f"seed must be an int in [0, 2**64), got {seed!r}")
+        raise ArgumentTypeError(f"seed must be an int in [0, 2**64), got {seed!r}")
     if not 0 <= seed <= MASK64:
         raise ValueError(f"seed must be in [0, 2**64), got {seed}")
     return derive_key(_TAG_SAMPLE, int(seed))

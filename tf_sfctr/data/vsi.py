@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from tf_sfctr import _ops
 from tf_sfctr.data._common import SPARSE_KEY, check_names
+from tf_sfctr._checks import ArgumentTypeError
 
 __all__ = ["VSI_KEYS", "deduplicate", "vsi_inputs", "with_unique_ids"]
 
@@ -49,7 +50,7 @@ def _flat_ids(ids: Ids, key: str) -> tf.Tensor:
     else:
         flat = tf.reshape(ids, [-1])
     if flat.dtype not in (tf.int32, tf.int64):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"with_unique_ids: features[{key!r}] must hold int32 or int64 ids, got "
             f"{flat.dtype.name}")
     return flat
@@ -76,7 +77,7 @@ def deduplicate(ids: Ids, key: str = "ids") -> dict[str, Ids]:
         try:  # a list or an array of ids is taken too, as a tensor
             ids = tf.convert_to_tensor(ids)
         except (TypeError, ValueError):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"deduplicate: ids must be a tensor (dense, tf.RaggedTensor or "
                 f"tf.SparseTensor) of int ids, got {type(ids).__name__}") from None
     flat = _flat_ids(ids, key)

@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from tf_sfctr.data._common import check_int
+from tf_sfctr._checks import ArgumentTypeError
 
 #: Ranks up to this one are sampled from an exact cumulative table.
 ZIPF_HEAD = 1 << 10
@@ -86,7 +87,7 @@ def check_alpha(alpha: float) -> float:
     if isinstance(alpha, (bool, np.bool_)) or not isinstance(
         alpha, (int, float, np.integer, np.floating)
     ):
-        raise TypeError(f"alpha must be a float > 0, got {alpha!r}")
+        raise ArgumentTypeError(f"alpha must be a float > 0, got {alpha!r}")
     alpha = float(alpha)
     if not math.isfinite(alpha) or alpha <= 0:
         raise ValueError(f"alpha must be a finite float > 0 (Zipf exponent), got {alpha}")

@@ -52,7 +52,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.protobuf import trackable_object_graph_pb2
 
-from tf_sfctr._checks import check_bool, check_path
+from tf_sfctr._checks import ArgumentTypeError, check_bool, check_path
 from tf_sfctr.distributed._horovod import explain_shutdown, require, world
 from tf_sfctr import store as store_module
 from tf_sfctr.store import (CheckpointMismatchError, EmbeddingStore, _saved_integers,
@@ -186,9 +186,10 @@ def save(checkpoint: tf.train.Checkpoint, directory: str, *, table_files: bool =
             try:
                 json.dumps(metadata)
             except (TypeError, ValueError) as err:
-                raise TypeError(f"tf_sfctr.distributed.save: metadata must be "
-                                f"JSON-serializable (a dict of numbers, strings, lists...): "
-                                f"{err}. Nothing was written.") from None
+                raise ArgumentTypeError(
+                    f"tf_sfctr.distributed.save: metadata must be "
+                    f"JSON-serializable (a dict of numbers, strings, lists...): "
+                    f"{err}. Nothing was written.") from None
     except (TypeError, ValueError) as err:
         refused = err
     if refused is not None and world()[0] == 1:
@@ -216,7 +217,7 @@ def _check_checkpoint(checkpoint, what: str) -> None:
     as is failed deep inside with "'Functional' object has no attribute
     'write'")."""
     if not isinstance(checkpoint, tf.train.Checkpoint):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"tf_sfctr.distributed.{what} takes a tf.train.Checkpoint of what to "
             f"{what}, e.g. tf.train.Checkpoint(model=model, optimizer=model.optimizer); "
             f"got {type(checkpoint).__name__}")
@@ -246,7 +247,7 @@ def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
             raise refused
         if both[:, 2].any():
             bad = np.flatnonzero(both[:, 2]).tolist()
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"tf_sfctr.distributed.save to {directory}: rank(s) {bad} refused their "
                 "arguments (see their errors). Nothing was written.")
         save_id = int(both[0, 0])

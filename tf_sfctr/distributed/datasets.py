@@ -14,6 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sfctr.distributed import _horovod
+from tf_sfctr._checks import ArgumentTypeError
 
 
 def equal_batches(dataset: tf.data.Dataset, max_batches: Optional[int] = None
@@ -49,7 +50,8 @@ def equal_batches(dataset: tf.data.Dataset, max_batches: Optional[int] = None
     # rank: raised at once, it left the other ranks waiting there (a review).
     error = None
     if not isinstance(dataset, tf.data.Dataset):
-        error = TypeError(f"equal_batches takes a tf.data.Dataset, got {type(dataset).__name__}")
+        error = ArgumentTypeError(
+            f"equal_batches takes a tf.data.Dataset, got {type(dataset).__name__}")
     elif max_batches is not None and (isinstance(max_batches, (bool, np.bool_))
                                       or not isinstance(max_batches, (int, np.integer))
                                       or max_batches < 1):

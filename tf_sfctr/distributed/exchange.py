@@ -23,20 +23,23 @@ import tensorflow as tf
 from tf_sfctr import _ops
 from tf_sfctr._splitmix import mix
 from tf_sfctr.distributed._horovod import require
+from tf_sfctr._checks import ArgumentTypeError
 
 
 def owner_of(ids: np.ndarray, world_size: int) -> np.ndarray:
     """Owner rank of each id, Mix64(id) mod world_size: the grouping
     ``SfctrUnique(ids, num_groups=world_size)`` routes by, in NumPy."""
-    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) \
-            or not 1 <= world_size <= np.iinfo(np.int32).max:
+    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)):
+        raise ArgumentTypeError(f"world_size must be a positive int (the number of ranks), "
+                                f"got {world_size!r}")
+    if not 1 <= world_size <= np.iinfo(np.int32).max:
         raise ValueError(f"world_size must be a positive int (the number of ranks), "
                          f"got {world_size!r}")
     values = np.asarray(ids)
     if values.dtype.kind not in "iu" and values.size:
         # (np.asarray(ids, np.int64) cut 1.9 to the id 1, and said "invalid
         # literal for int()" of a string)
-        raise TypeError(f"owner_of: ids must be integers, got {values.dtype} values")
+        raise ArgumentTypeError(f"owner_of: ids must be integers, got {values.dtype} values")
     x = mix(values.astype(np.int64).astype(np.uint64))  # (a copy: mixed in place)
     return (x % np.uint64(world_size)).astype(np.int32)
 

@@ -1,0 +1,48 @@
+"""One exception for an argument of the wrong type, whichever part of the
+library raises it: before, the layer and the table optimizers raised
+ValueError (as Keras does) and the data readers and callbacks TypeError (as
+Python does), so no one `except` caught both."""
+
+import numpy as np
+import pytest
+
+import tf_sfctr
+from tf_sfctr import callbacks, data, distributed, optimizers
+from tf_sfctr.keras_layers import CachedEmbedding
+
+CASES = {
+    "layer cache_capacity": lambda: CachedEmbedding(4, cache_capacity="5"),
+    "layer max_rows": lambda: CachedEmbedding(4, cache_capacity=5, max_rows=1.5),
+    "optimizer learning_rate": lambda: optimizers.Adagrad(learning_rate="0.1"),
+    "ftrl learning_rate_power": lambda: optimizers.Ftrl(learning_rate_power="-0.5"),
+    "synthetic alpha": lambda: data.synthetic_criteo(8, alpha="1.05"),
+    "callback monitor": lambda: callbacks.EarlyStopping(monitor=3),
+    "owner_of world_size": lambda: distributed.owner_of(np.arange(3), 2.0),
+    "hash field": lambda: data.hash_categorical(1.5, np.array(["a"])),
+    "arrays features": lambda: data.dataset_from_arrays([1, 2], np.ones(2), batch_size=1),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_wrong_type_is_both_a_type_error_and_a_value_error(case):
+    with pytest.raises(tf_sfctr.ArgumentTypeError) as info:
+        CASES[case]()
+    assert isinstance(info.value, TypeError) and isinstance(info.value, ValueError)
+    # Each caller's habit works: Keras users catch ValueError, others TypeError.
+    for kind in (TypeError, ValueError):
+        try:
+            CASES[case]()
+        except kind:
+            pass
+
+
+def test_the_table_calls_raise_it_for_wrong_types():
+    layer = CachedEmbedding(4, cache_capacity=8, seed=0)
+    layer.build(None)
+    with pytest.raises(tf_sfctr.ArgumentTypeError, match="values must be real numbers"):
+        layer.assign_rows([1], np.array([["a"] * 4]))
+    with pytest.raises(tf_sfctr.ArgumentTypeError, match="part_rows must be a positive int"):
+        next(iter(layer.export_rows(part_rows=2.5)))
+    with pytest.raises(ValueError, match="part_rows must be a positive int") as info:
+        next(iter(layer.export_rows(part_rows=0)))  # out of range: a plain ValueError
+    assert not isinstance(info.value, TypeError)

@@ -5,6 +5,7 @@ Python does), so no one `except` caught both."""
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tf_sfctr
 from tf_sfctr import callbacks, data, distributed, optimizers
@@ -20,6 +21,11 @@ CASES = {
     "owner_of world_size": lambda: distributed.owner_of(np.arange(3), 2.0),
     "hash field": lambda: data.hash_categorical(1.5, np.array(["a"])),
     "arrays features": lambda: data.dataset_from_arrays([1, 2], np.ones(2), batch_size=1),
+    # Raised inside a tf.data map: TF's autograph raises it again, and kept
+    # its type only for classes with Exception's own __init__ (a StagingError
+    # otherwise).
+    "with_unique_ids float ids": lambda: data.with_unique_ids(
+        tf.data.Dataset.from_tensor_slices({"sparse": np.ones((2, 3), np.float32)}).batch(1)),
 }
 
 

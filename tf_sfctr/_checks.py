@@ -17,6 +17,11 @@ class ArgumentTypeError(TypeError, ValueError):
     Keras does (and as ``CachedEmbedding``'s argument checks did): code that
     catches either one sees it, whichever part of tf_sfctr raised it."""
 
+    # Exception's own: TF's autograph (a tf.data map, a tf.function) raises
+    # an error again with its type kept only for such classes (or its
+    # builtin ones), and otherwise turns it into a StagingError.
+    __init__ = Exception.__init__
+
 
 #: The largest value an int64 holds: counts and sizes above it cannot reach
 #: TensorFlow (which says "out-of-range integer" without naming the argument).

@@ -354,8 +354,14 @@ class CachePrepareOp : public StoreOpKernel {
       // The caller reports the refusal by a code (other ranks too); the
       // reason (max_rows, memory, the disk of host_rows_dir) is only here:
       // an error log, which TF_CPP_MIN_LOG_LEVEL=2 still shows.
-      LOG(ERROR) << "SfctrCachePrepare, " << store.table().Describe() << ": the plan of "
-                 << ids.NumElements() << " ids was refused and nothing changed: "
+      // Two callers skip: a lookahead plan (the ids are the next batch's,
+      // and the current step trains without a plan) and a sharded step's
+      // owner (whose refusal every rank raises).
+      LOG(ERROR) << "SfctrCachePrepare, " << store.table().Describe() << ": "
+                 << ids.NumElements() << " ids were refused and nothing changed. If they "
+                 << "are a lookahead plan's, they are the next batch's ids: the current "
+                 << "step trains without a plan, and the next batch's own step prepares "
+                 << "them again (and fails the same way if the cause remains). Cause: "
                  << st.message();
       r = sfctr::PrepareResult();
       r.slots.assign(ids.NumElements(), -1);

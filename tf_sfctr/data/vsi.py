@@ -128,8 +128,8 @@ def with_unique_ids(
     ``take`` (and ``tf_sfctr.distributed.equal_batches``, which takes) after
     it leaves the last batch kept preparing the first batch cut, whose new
     ids then get host rows: apply those before it. ``cache_stats()["prepared_ahead"]`` counts the steps that
-    used their plan: all but the first of each pass, less a batch with no
-    ids (no plan is made for it) and the batch after it.
+    used their plan: all but the first of each pass, less each batch with
+    no ids (no plan is made for it).
 
     Args:
       dataset: batches of ``(features, label[, weights])`` with a dict

@@ -149,6 +149,16 @@ def test_movielens_threshold_that_leaves_one_class():
         tf_sfctr.data.load_movielens(positive_threshold=0.5)
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    ({"test_fraction": 1.0}, r"test_fraction must be a number in \(0, 1\), got 1.0"),
+    ({"test_fraction": 0}, r"test_fraction must be a number in \(0, 1\), got 0"),
+    ({"positive_threshold": float("nan")}, "positive_threshold must be a finite number")])
+def test_movielens_numbers_out_of_range_are_value_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match) as info:
+        tf_sfctr.data.load_movielens(**kwargs)
+    assert not isinstance(info.value, TypeError)  # a number, of the wrong size
+
+
 def test_unique_ids_pipeline_arguments():
     ds = tf.data.Dataset.from_tensors(
         ({"sparse": tf.constant([[1, 2]], tf.int64)}, tf.zeros([1, 1])))

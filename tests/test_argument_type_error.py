@@ -3,6 +3,7 @@ library raises it: before, the layer and the table optimizers raised
 ValueError (as Keras does) and the data readers and callbacks TypeError (as
 Python does), so no one `except` caught both."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -21,6 +22,10 @@ CASES = {
     "owner_of world_size": lambda: distributed.owner_of(np.arange(3), 2.0),
     "hash field": lambda: data.hash_categorical(1.5, np.array(["a"])),
     "arrays features": lambda: data.dataset_from_arrays([1, 2], np.ones(2), batch_size=1),
+    "movielens test_fraction": lambda: data.load_movielens(test_fraction="0.2"),
+    "movielens positive_threshold": lambda: data.load_movielens(positive_threshold=None),
+    "initializer value": lambda: CachedEmbedding(
+        4, cache_capacity=5, embeddings_initializer=keras.initializers.Constant("a")),
     # Raised inside a tf.data map: TF's autograph raises it again, and kept
     # its type only for classes with Exception's own __init__ (a StagingError
     # otherwise).

@@ -19,6 +19,8 @@ from typing import Any
 import keras
 import numpy as np
 
+from tf_sfctr._checks import ArgumentTypeError
+
 SUPPORTED = (
     "zeros, ones, Constant(value), uniform/RandomUniform(minval, maxval), "
     "normal/RandomNormal(mean, stddev), truncated_normal/TruncatedNormal(mean, stddev), "
@@ -53,7 +55,8 @@ def _number(kind: str, name: str, value: Any) -> float:
     try:
         x = float(value)
     except (TypeError, ValueError) as err:
-        raise ValueError(f"{kind} initializer: {name} must be a number, got {value!r}") from err
+        raise ArgumentTypeError(
+            f"{kind} initializer: {name} must be a number, got {value!r}") from err
     if not abs(x) <= _F32_MAX:  # also NaN
         raise ValueError(f"{kind} initializer: {name} must be a finite float32 number "
                          f"(|{name}| <= 3.4e38), got {value!r}")

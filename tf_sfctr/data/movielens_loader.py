@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-from tf_sfctr._checks import check_path
+from tf_sfctr._checks import ArgumentTypeError, check_path
 from tf_sfctr.data._common import DENSE_KEY, SPARSE_KEY, PathLike, check_int
 from tf_sfctr.data.arrays import Features, Ragged, dataset_from_arrays
 from tf_sfctr.data.hashing import hash_categorical
@@ -304,14 +304,15 @@ def load_movielens(
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    if (isinstance(test_fraction, (bool, np.bool_))
-            or not isinstance(test_fraction, (int, float, np.integer, np.floating))
-            or not 0.0 < test_fraction < 1.0):
+    for name, value in (("test_fraction", test_fraction),
+                        ("positive_threshold", positive_threshold)):
+        if (isinstance(value, (bool, np.bool_))
+                or not isinstance(value, (int, float, np.integer, np.floating))):
+            raise ArgumentTypeError(f"{name} must be a number, got {value!r}")
+    if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be a number in (0, 1), got {test_fraction!r}")
     test_fraction = float(test_fraction)
-    if (isinstance(positive_threshold, (bool, np.bool_))
-            or not isinstance(positive_threshold, (int, float, np.integer, np.floating))
-            or not np.isfinite(positive_threshold)):
+    if not np.isfinite(positive_threshold):
         raise ValueError(f"positive_threshold must be a finite number (ratings at or above "
                          f"it are positives), got {positive_threshold!r}")
     seed = check_int("seed", seed, minimum=0)

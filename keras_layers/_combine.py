@@ -134,16 +134,25 @@ def combine_last_axis(rows: tf.Tensor, combiner: str, keep: Optional[tf.Tensor] 
     return total
 
 
-def output_shape(input_shape: Any, combiner: Optional[str], dim: int) -> tuple:
+def output_shape(input_shape: Any, combiner: Optional[str], dim: int,
+                 name: str = "") -> tuple:
     """Output shape for ids of ``input_shape`` (or a VSI dict of them, or a
-    list of them: a list of shapes)."""
+    list of them: a list of shapes). Refuses the shapes call() refuses: a
+    scalar, and rank 1 with a combiner (whose output had lost its batch axis)."""
     if isinstance(input_shape, dict):
         input_shape = input_shape["ids"]
     if isinstance(input_shape, (list, tuple)) and input_shape and all(
             isinstance(x, (list, tuple)) for x in input_shape):
-        return [output_shape(x, combiner, dim) for x in input_shape]
+        return [output_shape(x, combiner, dim, name) for x in input_shape]
     shape = tuple(input_shape)
+    if not shape:
+        raise ValueError(f"CachedEmbedding {name!r} needs ids of rank >= 1 ([batch, ...]), "
+                         "got the shape ()")
     if combiner is not None:
+        if len(shape) < 2:
+            raise ValueError(
+                f"CachedEmbedding {name!r}: combiner={combiner!r} reduces the last axis of "
+                f"dense ids, so they need rank >= 2, got the shape {shape}")
         shape = shape[:-1]
     return shape + (dim,)
 

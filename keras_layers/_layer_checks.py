@@ -133,6 +133,8 @@ KERAS_EMBEDDING_ONLY = {
     "embeddings_constraint": "the table's rows are trained by its own optimizer "
                              "(optimizer=), which applies no constraint",
     "lora_rank": "LoRA is not supported",
+    "weights": "to start from rows of your own, build the layer and write them, e.g. "
+               "layer.build(None); layer.assign_rows(np.arange(len(matrix)), matrix)",
 }
 
 

@@ -252,8 +252,14 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         **kwargs: Any,
     ):
         for key, reason in KERAS_EMBEDDING_ONLY.items():
-            if key in kwargs:
+            # None asks for nothing (a config taken from Embedding.get_config()).
+            if key in kwargs and kwargs.pop(key) is not None:
                 raise ValueError(f"CachedEmbedding takes no {key}: {reason}")
+        if "input_length" in kwargs:
+            # As keras.layers.Embedding (Keras 3), which ignores it too.
+            kwargs.pop("input_length")
+            warnings.warn("CachedEmbedding: argument `input_length` is deprecated (as in "
+                          "keras.layers.Embedding) and ignored; remove it", stacklevel=2)
         # Rows are gathered and combined in float32 and the result cast to
         # the compute dtype. Keras's autocast would first cast float inputs,
         # the weights of a weighted lookup, to it: under mixed_float16 a
@@ -797,6 +803,14 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         return int(seed)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if len(args) > 1:
+            # A port of embedding_lookup_sparse(params, ids, weights) as
+            # layer(ids, w) took w for `training` and failed with "got
+            # multiple values for argument 'training'" (a review).
+            raise TypeError(
+                f"CachedEmbedding {self.name!r} takes the ids as its one positional "
+                f"argument, got {len(args)}: pass the weights of a weighted lookup as "
+                "layer(ids, weights=w) (and the training flag as training=...)")
         weights = kwargs.get("weights")
         if not self.built and isinstance(weights, (list, tuple)) and any(
                 w is None for w in weights):
@@ -1303,7 +1317,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
 
     # ---------------------------------------------------------- Keras glue
     def compute_output_shape(self, input_shape: Any) -> tuple:
-        return output_shape(input_shape, self.combiner, self.output_dim)
+        return output_shape(input_shape, self.combiner, self.output_dim, self.name)
 
     def compute_output_spec(self, inputs: Any, training: Optional[bool] = None,
                             weights: Any = None) -> Any:

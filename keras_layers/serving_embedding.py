@@ -226,7 +226,7 @@ class ServingEmbedding(keras.layers.Layer):
         return tf.cast(total, self.compute_dtype)
 
     def compute_output_shape(self, input_shape: Any) -> tuple:
-        return output_shape(input_shape, self.combiner, self.output_dim)
+        return output_shape(input_shape, self.combiner, self.output_dim, self.name)
 
     def compute_output_spec(self, inputs: Any, weights: Any = None) -> Any:
         # The output's shape is the ids' (Keras takes the shape of every

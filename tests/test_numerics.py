@@ -200,9 +200,35 @@ def test_keras_embedding_arguments_that_do_not_apply_are_refused():
             (dict(input_dim=1000), "no input_dim: ids are any int64 values.*max_rows"),
             (dict(embeddings_regularizer="l2"), "no embeddings_regularizer.*Ftrl"),
             (dict(mask_zero=True, combiner="mean"), "mask_zero=True masks.*combiner='mean'"),
-            (dict(mask_zero=1), "mask_zero must be True or False")]:
+            (dict(mask_zero=1), "mask_zero must be True or False"),
+            (dict(weights=[np.ones((3, 4))]), r"no weights: .*layer\.assign_rows\(")]:
         with pytest.raises(ValueError, match=message):
             CachedEmbedding(4, cache_capacity=8, **kwargs)
+    # None asks for nothing (a config from Embedding.get_config(), input_dim
+    # dropped), and input_length is ignored with a warning, as Keras does.
+    config = keras.layers.Embedding(10, 4, input_length=3).get_config()
+    assert config["embeddings_regularizer"] is None and config["embeddings_constraint"] is None
+    config.pop("input_dim")
+    with pytest.warns(UserWarning, match="input_length` is deprecated"):
+        layer = CachedEmbedding(cache_capacity=8, seed=0, input_length=3,
+                                **{k: v for k, v in config.items()
+                                   if k in ("output_dim", "embeddings_regularizer",
+                                            "embeddings_constraint", "lora_rank", "mask_zero",
+                                            "activity_regularizer", "name")})
+    assert layer(np.array([[1, 2, 3]])).shape == (1, 3, 4)
+    # The shape compute_output_shape gives is one call() can make: a
+    # combiner's rank-1 ids are refused, as call() refuses them (the shape
+    # had lost its batch axis).
+    combined = CachedEmbedding(4, cache_capacity=8, combiner="mean")
+    assert combined.compute_output_shape((None, 3)) == (None, 4)
+    for shape in [(None,), ()]:
+        with pytest.raises(ValueError, match="rank >= "):
+            combined.compute_output_shape(shape)
+    # Weights given by position, as embedding_lookup_sparse takes them,
+    # were taken for `training`.
+    with pytest.raises(TypeError, match=r"one positional argument, got 2: pass the weights "
+                                        r"of a weighted lookup as layer\(ids, weights=w\)"):
+        combined(np.array([[1, 2]]), np.ones((1, 2), np.float32))
     # One mask per feature of a list call, and the "ids" of a de-duplicated one.
     layer = CachedEmbedding(4, cache_capacity=8, mask_zero=True)
     a, b = np.array([[3, 0]]), np.array([[0, 0, 5]])

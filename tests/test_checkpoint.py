@@ -3,6 +3,7 @@ counters); resuming reproduces uninterrupted training exactly; bad
 checkpoints raise clear errors and leave the current table untouched."""
 
 import os
+import shutil
 
 import keras
 import numpy as np
@@ -580,6 +581,99 @@ def test_a_local_distributed_save_is_on_the_disk_when_it_returns(rng, tmp_path, 
     assert want | {str(shard), str(target), str(target / "manifest.json"),
                    str(tmp_path / "ckpts")} <= set(synced)
     assert synced.index(str(target / "manifest.json")) > max(synced.index(p) for p in want)
+
+
+def _restored_rows(directory, vocab):
+    from tf_sfctr.distributed import restore
+
+    model, emb = _model("adagrad", seed=9)
+    model.optimizer.build(model.trainable_variables)
+    emb.build(None)
+    restore(_ckpt(model), str(directory))
+    return emb.lookup_rows(vocab)
+
+
+def test_a_save_over_a_complete_save_replaces_it_only_once_complete(rng, tmp_path,
+                                                                     monkeypatch):
+    """distributed.save into a directory holding a complete save removed
+    that save's manifest first: a save that then failed (a full disk) left
+    no checkpoint there at all. It is written next to it now and swapped in
+    once complete."""
+    import errno
+
+    from tf_sfctr.distributed import checkpoint as dist_checkpoint
+    from tf_sfctr.distributed import save
+
+    vocab, x, y = _data(rng, 4)
+    model, emb = _model("adagrad")
+    _fit(model, x[:2 * BATCH], y[:2 * BATCH])
+    target = tmp_path / "latest"
+    save(_ckpt(model), str(target))
+    first = emb.lookup_rows(vocab)
+    _fit(model, x[2 * BATCH:], y[2 * BATCH:])
+    second = emb.lookup_rows(vocab)
+    assert not np.array_equal(first, second)
+    write_json = dist_checkpoint._write_json
+
+    def full_disk(path, value):
+        if path.endswith("shard.json"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write_json(path, value)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(dist_checkpoint, "_write_json", full_disk)
+        with pytest.raises(OSError, match=f"This save was discarded; {target} still holds "
+                                          "the earlier save"):
+            save(_ckpt(model), str(target))
+    assert os.listdir(tmp_path) == ["latest"]
+    np.testing.assert_array_equal(_restored_rows(target, vocab), first)
+
+    # The new save cannot be renamed into place: the earlier one is put back,
+    # and the error names where the complete new one is.
+    rename = os.rename
+
+    def second_rename_fails(src, dst):
+        if ".saving-" in str(src):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        rename(src, dst)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "rename", second_rename_fails)
+        with pytest.raises(RuntimeError, match=f"the save is complete in {target}.saving-"
+                                               rf"[0-9a-f]{{16}}, .*which {target} still holds"):
+            save(_ckpt(model), str(target))
+    (staged,) = [p for p in tmp_path.iterdir() if p.name.startswith("latest.saving-")]
+    np.testing.assert_array_equal(_restored_rows(target, vocab), first)
+    np.testing.assert_array_equal(_restored_rows(staged, vocab), second)
+    shutil.rmtree(staged)
+
+    save(_ckpt(model), str(target))
+    assert os.listdir(tmp_path) == ["latest"]
+    np.testing.assert_array_equal(_restored_rows(target, vocab), second)
+
+    # Stopped between its two renames: the restore names what was left.
+    staged = tmp_path / "latest.saving-00000000000000aa"
+    shutil.copytree(target, staged)
+    os.rename(target, tmp_path / "latest.replaced-00000000000000aa")
+    with pytest.raises(CheckpointMismatchError, match=r"stopped half way .*latest\.saving-"
+                                                      r"00000000000000aa, .*latest\.replaced-"):
+        _restored_rows(target, vocab)
+
+
+def test_a_save_into_a_directory_with_other_files_is_written_in_place(rng, tmp_path):
+    from tf_sfctr.distributed import save
+
+    vocab, x, y = _data(rng, 2)
+    model, emb = _model("adagrad")
+    _fit(model, x, y)
+    save(_ckpt(model), str(tmp_path / "run"))
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    _fit(model, x, y)
+    save(_ckpt(model), str(tmp_path / "run"))
+    assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
+    assert sorted(os.listdir(tmp_path)) == ["run"]
+    np.testing.assert_array_equal(_restored_rows(tmp_path / "run", vocab),
+                                  emb.lookup_rows(vocab))
 
 
 def test_distributed_checkpoints_go_through_tf_file_systems(rng):

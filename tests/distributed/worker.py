@@ -1188,8 +1188,60 @@ def run_restore_checks(out_dir, rank, size):
         assert rank == 0 and "failed on rank 1" in str(err), err
     assert not os.path.exists(os.path.join(failing, "manifest.json"))
     emb.lookup_rows(v)  # collective: both ranks are here
+    # A save over a complete save (a copy of "b") that fails on rank 1 only:
+    # the directory still holds that save, and the sibling the new one was
+    # written to is gone. Then one that succeeds takes its place.
+    if rank == 0:
+        shutil.copytree(os.path.join(base, "b"), os.path.join(base, "over"))
+    hvd.allreduce(tf.constant(0), name="restore_checks_over")
+    _save_over_a_save_on_two_ranks(os.path.join(base, "over"), rank, make, state,
+                                   (emb, dense, model))
     np.savez(os.path.join(out_dir, f"restore_checks_messages_rank{rank}.npz"),
              **{k: np.array(m) for k, m in messages.items()})
+
+
+def _save_over_a_save_on_two_ranks(directory, rank, make, state, trained):
+    import errno
+    import json
+
+    from tf_sfctr.distributed import checkpoint as dist_checkpoint
+    from tf_sfctr.distributed import restore, save
+
+    emb, dense, model = trained
+    parent, base = os.path.split(directory)
+    with open(os.path.join(directory, "manifest.json")) as f:
+        before = json.load(f)["save_id"]
+    write_json = dist_checkpoint._write_json
+
+    def full_disk_on_rank1(path, value):  # (test only)
+        if rank == 1 and path.endswith("shard.json"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write_json(path, value)
+
+    dist_checkpoint._write_json = full_disk_on_rank1
+    try:
+        save(tf.train.Checkpoint(model=model, optimizer=model.optimizer), directory)
+        raise AssertionError("save did not fail")
+    except OSError as err:
+        assert rank == 1 and "This save was discarded" in str(err), err
+    except RuntimeError as err:
+        assert rank == 0 and "failed on rank 1" in str(err), err
+        assert f"{directory} still holds the earlier save" in str(err), err
+    finally:
+        dist_checkpoint._write_json = write_json
+    hvd.allreduce(tf.constant(0), name="save_over_a_save_failed")
+    with open(os.path.join(directory, "manifest.json")) as f:
+        assert json.load(f)["save_id"] == before
+    assert not [n for n in os.listdir(parent) if n.startswith(base + ".")], os.listdir(parent)
+    trained_state = state(emb, dense, model)
+    save(tf.train.Checkpoint(model=model, optimizer=model.optimizer), directory)
+    with open(os.path.join(directory, "manifest.json")) as f:
+        assert json.load(f)["save_id"] != before
+    assert not [n for n in os.listdir(parent) if n.startswith(base + ".")], os.listdir(parent)
+    emb2, dense2, model2 = make()
+    restore(tf.train.Checkpoint(model=model2, optimizer=model2.optimizer), directory)
+    for a, b in zip(trained_state, state(emb2, dense2, model2)):
+        np.testing.assert_array_equal(a, b)
 
 
 def run_resume(out_dir, rank):

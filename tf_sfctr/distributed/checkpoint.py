@@ -45,6 +45,8 @@ import errno
 import hashlib
 import json
 import os
+import re
+import shutil
 import types
 from typing import Optional
 
@@ -160,11 +162,65 @@ def _draw_save_id() -> int:
     return int.from_bytes(os.urandom(8), "little") % (2**63 - 1) + 1
 
 
+#: A save over a complete one is written next to it first, then swapped in.
+_STAGING = ".saving-"
+_REPLACED = ".replaced-"
+_SHARD_DIR = re.compile(r"shard-\d{5}-of-\d{5}")
+
+
+def _replaceable(directory: str) -> bool:
+    """Whether ``directory`` is a complete save on the local file system
+    (``manifest.json``) that holds only a save's own entries, which a new
+    save then replaces whole once it is complete (see ``_save``). A
+    directory with anything else in it (files of the user's), a symbolic
+    link, or one on another file system is written in place."""
+    local = _local_path(directory)
+    if local is None or os.path.islink(local) or not os.path.isfile(
+            os.path.join(local, MANIFEST)):
+        return False
+    return all(name == MANIFEST or name.startswith(MANIFEST + ".tmp")
+               or _SHARD_DIR.fullmatch(name) for name in os.listdir(local))
+
+
+def _staging_dir(directory: str, save_id: int) -> str:
+    """Where a save that replaces ``directory`` is written: a sibling, so
+    that renaming it into place stays on one file system."""
+    return f"{os.path.realpath(_local_path(directory))}{_STAGING}{save_id:016x}"
+
+
+def _swap_in(staging: str, directory: str, save_id: int) -> None:
+    """Puts the complete save at ``staging`` where the earlier one at
+    ``directory`` was, then deletes the earlier one. If the second rename
+    fails, the earlier save is put back."""
+    target = os.path.realpath(_local_path(directory))
+    replaced = f"{target}{_REPLACED}{save_id:016x}"
+    os.rename(target, replaced)
+    try:
+        os.rename(staging, target)
+    except OSError:
+        os.rename(replaced, target)
+        raise
+    _sync_local(target, names=[], parent=True)
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def _discard(staging: Optional[str]) -> None:
+    if staging is not None:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def save(checkpoint: tf.train.Checkpoint, directory: str, *, table_files: bool = True,
          metadata: Optional[dict] = None) -> str:
     """Writes this rank's shard (collective: call on every rank). If writing
     fails on any rank, every rank raises and the directory has no
     ``manifest.json`` (``restore`` refuses it).
+
+    A save into a local directory that holds a complete save (and nothing
+    else) is written next to it, into ``<directory>.saving-<id>``, and takes
+    its place once complete: if it fails, the earlier save is still there.
+    (A process killed in between can leave that sibling behind; a
+    ``.saving-`` directory with a ``manifest.json`` is a complete save.) On
+    another file system (``gs://``...) the earlier save is removed first.
 
     Each table's rows go to a table file of their own in the shard
     (``table-NNNN.rows``), a part of about 8 MiB at a time, so that saving
@@ -227,6 +283,8 @@ def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
           metadata: Optional[dict], refused: Optional[Exception] = None) -> str:
     size, rank = world()
     save_id = _draw_save_id() if rank == 0 else 0
+    # Rank 0 decides whether this save replaces a complete one (_replaceable).
+    replace = rank == 0 and refused is None and _replaceable(directory)
     if size > 1:
         # Rank 0's save id, and every rank's directory: ranks given different
         # directories each wrote a part of the save, and rank 0 a manifest
@@ -241,7 +299,7 @@ def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
         # And whether a rank refused its arguments: the others must not go
         # on into collectives that rank never joins.
         both = require().allgather(
-            tf.constant([[save_id, where, int(refused is not None)]], tf.int64),
+            tf.constant([[save_id, where, int(refused is not None), int(replace)]], tf.int64),
             name="sfctr_checkpoint_save_id").numpy()
         if refused is not None:
             raise refused
@@ -250,7 +308,7 @@ def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
             raise ArgumentTypeError(
                 f"tf_sfctr.distributed.save to {directory}: rank(s) {bad} refused their "
                 "arguments (see their errors). Nothing was written.")
-        save_id = int(both[0, 0])
+        save_id, replace = int(both[0, 0]), bool(both[0, 3])
         if np.any(both[:, 1] != both[0, 1]):
             raise ValueError(
                 f"tf_sfctr.distributed.save was given different directories on the {size} "
@@ -264,6 +322,12 @@ def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
     for store in _stores(checkpoint):
         if store.before_save is not None:
             store.before_save()
+    # The save's path once complete; until then it is written to `directory`,
+    # a sibling of it when it replaces an earlier save.
+    final_path, shown = _shard_prefix(directory, rank, size), directory
+    staging = None
+    if replace:
+        staging = directory = _staging_dir(directory, save_id)
     prefix = _shard_prefix(directory, rank, size)
     shard_dir = os.path.dirname(prefix)
     info = os.path.join(shard_dir, SHARD_INFO)
@@ -302,7 +366,7 @@ def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
             _sync_local(directory, names=[])
         except Exception as err:  # noqa: BLE001 - agreed on below, then raised
             error = err
-    _agree_on_save(error, directory, "sfctr_checkpoint_saved")
+    _agree_on_save(error, shown, "sfctr_checkpoint_saved", staging, rank)
     # Every shard is complete: the manifest makes the directory a checkpoint.
     error = None
     if rank == 0:
@@ -315,8 +379,23 @@ def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
             _sync_local(directory, names=[MANIFEST], parent=True)
         except _FILE_ERRORS as err:
             error = err
-    _agree_on_save(error, directory, "sfctr_checkpoint_manifest")
-    return path
+    _agree_on_save(error, shown, "sfctr_checkpoint_manifest", staging, rank)
+    if staging is None:
+        return path
+    error = None
+    if rank == 0:
+        try:
+            _swap_in(staging, shown, save_id)
+        except OSError as err:
+            error = _describe(err)
+    # No rank returns (and, say, restores) before the save is in place.
+    failed = [m for m in _allgather(error, "sfctr_checkpoint_swapped") if m is not None]
+    if failed:
+        raise RuntimeError(
+            f"tf_sfctr.distributed.save to {shown}: the save is complete in {staging}, but "
+            f"it could not take the place of the earlier save, which {shown} still holds: "
+            f"{failed[0]}")
+    return final_path
 
 
 def _index_digest(prefix: str) -> str:
@@ -343,26 +422,35 @@ def _saved_table_names(checkpoint, prefix: str) -> dict[str, str]:
     return {node_id: name for node_id, name in names.items() if name is not None}
 
 
-def _agree_on_save(error: Optional[BaseException], directory: str, name: str) -> None:
+def _agree_on_save(error: Optional[BaseException], directory: str, name: str,
+                   staging: Optional[str] = None, rank: int = 0) -> None:
+    """Raises on every rank if ``error`` is not None on any; ``staging``
+    (a save that was to replace the one at ``directory``) is then deleted,
+    by rank 0, once every rank has stopped writing to it."""
     failures = [(r, m) for r, m in enumerate(
         _allgather(None if error is None else _describe(error), name)) if m is not None]
+    if (error is not None or failures) and rank == 0:
+        _discard(staging)
     if error is not None:
         if isinstance(error, OSError) and not isinstance(error, FileExistsError):
             # "No space left on device" alone named neither the save nor the
             # file (a table file's write has no file name to give).
             where = f" ({error.filename})" if error.filename else ""
             message = (f"tf_sfctr.distributed.save to {directory} failed on this rank: "
-                       f"{error.strerror or error}{where}. This save may be incomplete; the "
-                       f"saves before it are intact.")
+                       f"{error.strerror or error}{where}. " + (
+                           f"This save was discarded; {directory} still holds the earlier "
+                           f"save." if staging is not None else
+                           "This save may be incomplete; the saves before it are intact."))
             if error.errno is None:
                 raise type(error)(message) from error
             raise type(error)(error.errno, message) from error
         raise error
     if failures:
         r, message = failures[0]
+        left = (f"{directory} still holds the earlier save" if staging is not None else
+                f"The directory holds no complete checkpoint (no {MANIFEST})")
         raise RuntimeError(
-            f"tf_sfctr.distributed.save to {directory} failed on rank {r}: {message}. The "
-            f"directory holds no complete checkpoint (no {MANIFEST}).")
+            f"tf_sfctr.distributed.save to {directory} failed on rank {r}: {message}. {left}.")
 
 
 def _stores(checkpoint: tf.train.Checkpoint) -> list[EmbeddingStore]:
@@ -448,8 +536,31 @@ def _read_manifest(directory: str) -> tuple[int, Optional[int]]:
     except (*_FILE_ERRORS, ValueError, KeyError, TypeError, AttributeError) as err:
         raise CheckpointMismatchError(
             f"{manifest_path} is missing or unreadable: {directory} was not written by "
-            f"tf_sfctr.distributed.save, or that save did not finish.") from err
+            f"tf_sfctr.distributed.save, or that save did not finish."
+            f"{_left_beside(directory)}") from err
     return saved_size, save_id
+
+
+def _left_beside(directory: str) -> str:
+    """Names the complete saves a process stopped while replacing the save
+    at ``directory`` left next to it (see ``_swap_in``)."""
+    local = _local_path(directory)
+    if local is None:
+        return ""
+    parent, base = os.path.split(os.path.realpath(local))
+    try:
+        names = os.listdir(parent)
+        names = (sorted(n for n in names if n.startswith(base + _STAGING))
+                 + sorted(n for n in names if n.startswith(base + _REPLACED)))
+    except OSError:
+        return ""
+    complete = [os.path.join(parent, n) for n in names
+                if os.path.isfile(os.path.join(parent, n, MANIFEST))]
+    if not complete:
+        return ""
+    return (f" A save that replaced it stopped half way and left complete saves next to it "
+            f"(.saving- is the newer, .replaced- the earlier): {', '.join(complete)}; "
+            f"restore from one of them, or rename it to {directory}.")
 
 
 def _check_shards_present(directory: str, saved_size: int, save_id: Optional[int]) -> None:

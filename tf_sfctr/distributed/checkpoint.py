@@ -692,7 +692,9 @@ def _check_tables_bound(checkpoint, graph, matched, directory: str, name: str) -
       has tables and has attributes the save had not (renamed: ``net=`` for
       ``model=``); one with fewer attributes restores what it has, as TF's;
     * a saved table whose layer's place holds another object (a layer added
-      or removed in front of it);
+      or removed in front of it), or whose place is gone from an object this
+      checkpoint restores (fewer layers, a model attribute renamed): the
+      model's other weights were restored and its table was not, silently;
     * tables that would restore into each other's layers: the layers the
       save recorded in ``shard.json`` are the live ones, in another order
       (names that differ otherwise, as Keras's automatic ``cached_embedding_1``
@@ -726,8 +728,40 @@ def _check_tables_bound(checkpoint, graph, matched, directory: str, name: str) -
     except (*_FILE_ERRORS, ValueError, TypeError, AttributeError):
         saved_names = {}  # checked by _check_shards_present (format 1 has none)
     # A table whose layer's place holds another object; one whose place is
-    # not in this checkpoint at all is left out, as TF leaves it.
+    # not in this checkpoint at all (an attribute of the saved
+    # tf.train.Checkpoint it lacks) is left out, as TF leaves it.
     displaced = [i for i in unbound if parents.get(i) in matched_ids]
+    every_parent: dict[int, list[int]] = {}
+    for parent_id, node in enumerate(graph.nodes):
+        for ref in node.children:
+            every_parent.setdefault(ref.node_id, []).append(parent_id)
+
+    def in_restored_object(node_id: int) -> bool:
+        """Whether an ancestor of ``node_id`` other than the root was
+        matched: restored, with this node's place missing from it."""
+        seen, todo = {node_id}, list(every_parent.get(node_id, []))
+        while todo:
+            n = todo.pop()
+            if n in seen or n == 0:
+                continue
+            if n in matched_ids:
+                return True
+            seen.add(n)
+            todo.extend(every_parent.get(n, []))
+        return False
+
+    placeless = [i for i in unbound if i not in displaced and in_restored_object(i)]
+    if placeless:
+        what = ", ".join(
+            (f"{saved_names[i]!r}" if i in saved_names else "a table")
+            + f" (at {_saved_path(graph, i)})" for i in placeless)
+        raise CheckpointMismatchError(
+            f"{name} of {directory} holds the table of {what}, but this model has nothing at "
+            f"that place, so the table would not be restored while the model's other weights "
+            f"are. TensorFlow matches saved objects by their place in the model (the order of "
+            f"its layers, a subclassed model's attribute names), not by name: the model is "
+            f"not built as the saved one was (fewer layers or inputs, e.g. vsi_inputs with "
+            f"other options, or an attribute renamed).")
     if displaced:
         what = ", ".join(
             (f"{saved_names[i]!r}" if i in saved_names else "a table")

@@ -487,6 +487,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             reserve_rows=self.reserve_rows,
             name=self.name,
             host_rows_dir=self._usable_host_rows_dir(),
+            state_offset=opt.stored_state_offset,
         ))
         # Which part of the table this rank holds, known to a restore that
         # runs when the table is tracked (below).

@@ -515,6 +515,69 @@ def test_distributed_restore_refuses_a_table_whose_place_is_gone(rng, tmp_path):
                                   model.emb.lookup_rows(np.arange(50)))
 
 
+def _adagrad_model(epsilon, seed):
+    inp = keras.Input(shape=(FIELDS,), dtype="int64")
+    emb = CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=seed, name="emb",
+                          optimizer=tf_sfctr.optimizers.Adagrad(0.1, epsilon=epsilon))
+    model = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Flatten()(emb(inp))))
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    return model, emb
+
+
+@pytest.mark.parametrize("how", ["tf", "distributed", "keras"])
+def test_a_restore_into_adagrad_with_another_epsilon_is_refused(rng, tmp_path, how):
+    """Adagrad stores each accumulator plus epsilon. A table saved with one
+    epsilon and restored into an Adagrad with another was read with the new
+    one: every accumulator off by the difference (clamped at 0), silently (a
+    review). Saves record the offset now; such a restore is refused, and the
+    same epsilon restores exactly."""
+    from tf_sfctr.distributed import restore, save
+
+    vocab, x, y = _data(rng, 3)
+    model, emb = _adagrad_model(1e-7, seed=1)
+    _fit(model, x, y)
+    path = str(tmp_path / ("m.weights.h5" if how == "keras" else "ckpt"))
+    if how == "tf":
+        path = tf.train.Checkpoint(model=model).write(path)
+    elif how == "distributed":
+        save(tf.train.Checkpoint(model=model), path)
+    else:
+        model.save_weights(path)
+
+    def load(target):
+        if how == "tf":
+            tf.train.Checkpoint(model=target).read(path).assert_existing_objects_matched()
+        elif how == "distributed":
+            restore(tf.train.Checkpoint(model=target), path)
+        else:
+            target.load_weights(path)
+
+    other, other_emb = _adagrad_model(1.0, seed=2)
+    _fit(other, x[:BATCH], y[:BATCH])
+    before = [other_emb.lookup_rows(vocab), list(other_emb.export_rows(with_state=True))]
+    # (Keras's load_weights raises its own ValueError with the table's message.)
+    with pytest.raises(ValueError if how == "keras" else CheckpointMismatchError,
+                       match=r"stored with epsilon=1e-07 in it .* this layer's table optimizer "
+                             r"has epsilon=1, .*Restore with epsilon=1e-07"):
+        load(other)
+    np.testing.assert_array_equal(other_emb.lookup_rows(vocab), before[0])
+    after = list(other_emb.export_rows(with_state=True))
+    for a, b in zip(after, before[1]):
+        for u, v in zip(a[:3], b[:3]):
+            np.testing.assert_array_equal(u, v)
+        np.testing.assert_array_equal(a[3]["accumulator"], b[3]["accumulator"])
+    same, same_emb = _adagrad_model(1e-7, seed=2)
+    load(same)
+    saved = {int(i): s for ids, _, _, st in emb.export_rows(with_state=True)
+             for i, s in zip(ids, st["accumulator"])}
+    restored = {int(i): s for ids, _, _, st in same_emb.export_rows(with_state=True)
+                for i, s in zip(ids, st["accumulator"])}
+    assert restored.keys() == saved.keys()
+    for i in saved:
+        np.testing.assert_array_equal(restored[i], saved[i])
+
+
 def _named_tables(names):
     inp = keras.Input((2,), dtype="int64")
     tables = [CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=7, name=n) for n in names]

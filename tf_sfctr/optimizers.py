@@ -205,6 +205,14 @@ class TableOptimizer:
         is not restored into an optimizer that reads them differently)."""
         return type(self).__name__
 
+    @property
+    def stored_state_offset(self) -> float:
+        """A constant the stored state holds on top of its public value
+        (Adagrad's epsilon, in its accumulator). A save records it and a
+        restore into an optimizer with another refuses, since it would read
+        every state value off by the difference."""
+        return 0.0
+
     def state_for_assigned_rows(self, values: np.ndarray, step: int) -> list[np.ndarray] | None:
         """The state rows to store with rows set by ``assign_rows`` (each
         ``[n, output_dim]`` float32), or None for the initial state values
@@ -484,6 +492,10 @@ class Adagrad(TableOptimizer):
     def state_names(self) -> tuple[str, ...]:
         # Keras's accumulator a, without the epsilon the stored one holds.
         return ("accumulator",)
+
+    @property
+    def stored_state_offset(self) -> float:
+        return float(np.float32(self.epsilon))
 
     def _to_stored(self, public):
         # epsilon as float32 both ways, so that a stored value goes back to

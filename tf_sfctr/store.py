@@ -54,6 +54,9 @@ class StoreConfig:
     #: A local directory whose unnamed file holds the host table's large row
     #: blocks, mapped into memory ("": rows in memory).
     host_rows_dir: str = ""
+    #: What the stored state holds on top of its public value
+    #: (TableOptimizer.stored_state_offset: Adagrad's epsilon).
+    state_offset: float = 0.0
 
     @property
     def num_state(self) -> int:
@@ -516,7 +519,7 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
             return {"header": tf.constant(header, tf.int64),
                     "ids": tf.zeros([0], tf.int64),
                     "rows": tf.zeros([0, self.config.width], tf.float32),
-                    "counts": tf.zeros([0], tf.int64), "counters": self.stats()[:3]}
+                    "counts": tf.zeros([0], tf.int64), "counters": self._saved_counters()}
         # (Not annotated: AutoGraph, which converts this method when
         # tf.saved_model.save traces it, fails on an annotated name a nested
         # function uses and asked to report it to the TensorFlow team before
@@ -555,9 +558,36 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         with self._prune_lock:
             ids, rows, counts = self.host_export()
         check_rows_savable(rows.numpy(), ids.numpy(), self.config.dim, self.config.name)
-        stats = self.stats()
         return {"header": tf.constant(self.header(), tf.int64), "ids": ids, "rows": rows,
-                "counts": counts, "counters": stats[:3]}
+                "counts": counts, "counters": self._saved_counters()}
+
+    def _saved_counters(self) -> tf.Tensor:
+        """[hits, misses, evictions, the float32 bits of config.state_offset]
+        (the fourth since 0.x: tables saved before it have three, and their
+        offset is not checked)."""
+        bits = int(np.float32(self.config.state_offset).view(np.int32))
+        return tf.concat([self.stats()[:3], tf.constant([bits], tf.int64)], 0)
+
+    @_naming_the_table
+    def check_state_offset(self, counters) -> None:
+        """Raises CheckpointMismatchError if the saved state holds another
+        offset than this table's optimizer keeps (see _saved_counters)."""
+        counters = np.asarray(counters).ravel()
+        if counters.size < 4:
+            return
+        saved_bits, mine = int(counters[3]), np.float32(self.config.state_offset)
+        if saved_bits == int(mine.view(np.int32)):
+            return
+        saved = (np.array([saved_bits], np.int64).astype(np.int32).view(np.float32)[0]
+                 if -2**31 <= saved_bits < 2**31 else np.float32("nan"))
+        raise CheckpointMismatchError(
+            f"saved table's optimizer state was stored with epsilon={float(saved):g} in it "
+            f"({self.config.state_kind or 'the optimizer'} keeps each accumulator plus "
+            f"epsilon) but this layer's table optimizer has epsilon={float(mine):g}, which "
+            f"would read every accumulator off by the difference. Restore with "
+            f"epsilon={float(saved):g}; to change it, restore so, then copy the rows and "
+            f"state (export_rows(with_state=True), assign_rows(ids, values, state=...)) "
+            f"into a layer with the new epsilon. The current table was left untouched.")
 
     @property
     def table_file(self) -> Optional[tuple[str, int, int]]:
@@ -875,8 +905,8 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
                 f"saved table's rows cannot be read: {err} It is damaged or not this "
                 "checkpoint's; the table was not restored from it.") from err
 
-    @staticmethod
-    def _check_counters(counters) -> None:
+    def _check_counters(self, counters) -> None:
+        self.check_state_offset(counters)
         if np.asarray(counters).size < 3:
             raise CheckpointMismatchError(
                 f"saved table has {np.asarray(counters).size} counters, not 3 (hits, misses, "

@@ -966,6 +966,7 @@ def _check_part(store: EmbeddingStore, part: dict, mode: str, s: int, saved_size
         raise CheckpointMismatchError(
             f"{name}'s table has negative counters (hits, misses, evictions) "
             f"{counters.ravel()[:3].tolist()}; it is corrupt.")
+    store.check_state_offset(counters)
     if header.size >= 8:  # format 3 says which shard the table is
         said = (int(header[6]), int(header[7]))
         expected = (1, 0) if _replicated(header) else (saved_size, s)

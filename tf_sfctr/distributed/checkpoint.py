@@ -751,26 +751,25 @@ def _check_tables_bound(checkpoint, graph, matched, directory: str, name: str) -
         return False
 
     placeless = [i for i in unbound if i not in displaced and in_restored_object(i)]
+
+    def tables(node_ids) -> str:
+        return ", ".join((f"{saved_names[i]!r}" if i in saved_names else "a table")
+                         + f" (at {_saved_path(graph, i)})" for i in node_ids)
+
     if placeless:
-        what = ", ".join(
-            (f"{saved_names[i]!r}" if i in saved_names else "a table")
-            + f" (at {_saved_path(graph, i)})" for i in placeless)
         raise CheckpointMismatchError(
-            f"{name} of {directory} holds the table of {what}, but this model has nothing at "
-            f"that place, so the table would not be restored while the model's other weights "
-            f"are. TensorFlow matches saved objects by their place in the model (the order of "
-            f"its layers, a subclassed model's attribute names), not by name: the model is "
-            f"not built as the saved one was (fewer layers or inputs, e.g. vsi_inputs with "
-            f"other options, or an attribute renamed).")
+            f"{name} of {directory} holds the table of {tables(placeless)}, but this model "
+            f"has nothing at that place, so the table would not be restored while the model's "
+            f"other weights are. TensorFlow matches saved objects by their place in the model "
+            f"(the order of its layers, a subclassed model's attribute names), not by name: "
+            f"the model is not built as the saved one was (fewer layers or inputs, e.g. "
+            f"vsi_inputs with other options, or an attribute renamed).")
     if displaced:
-        what = ", ".join(
-            (f"{saved_names[i]!r}" if i in saved_names else "a table")
-            + f" (at {_saved_path(graph, i)})" for i in displaced)
         raise CheckpointMismatchError(
-            f"{name} of {directory} holds the table of {what}, but this model has another "
-            f"layer at that place. TensorFlow matches saved objects by their place in the "
-            f"model (the order of its layers), not by name: the model is not built as the "
-            f"saved one was (a layer added, removed or moved before it).")
+            f"{name} of {directory} holds the table of {tables(displaced)}, but this model "
+            f"has another layer at that place. TensorFlow matches saved objects by their place "
+            f"in the model (the order of its layers), not by name: the model is not built as "
+            f"the saved one was (a layer added, removed or moved before it).")
     pairs = {node_id: (saved_names.get(node_id), _owner_name(checkpoint, target))
              for node_id, target in layers.items()}
     pairs = {k: v for k, v in pairs.items() if None not in v}

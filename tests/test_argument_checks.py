@@ -152,7 +152,9 @@ def test_movielens_threshold_that_leaves_one_class():
 @pytest.mark.parametrize("kwargs, match", [
     ({"test_fraction": 1.0}, r"test_fraction must be a number in \(0, 1\), got 1.0"),
     ({"test_fraction": 0}, r"test_fraction must be a number in \(0, 1\), got 0"),
-    ({"positive_threshold": float("nan")}, "positive_threshold must be a finite number")])
+    ({"positive_threshold": float("nan")}, "positive_threshold must be a finite number"),
+    # An int past float's range: NumPy's isfinite raised a TypeError about ufuncs.
+    ({"positive_threshold": 10**400}, "positive_threshold must be a finite number")])
 def test_movielens_numbers_out_of_range_are_value_errors(kwargs, match):
     with pytest.raises(ValueError, match=match) as info:
         tf_sfctr.data.load_movielens(**kwargs)

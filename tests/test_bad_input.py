@@ -257,6 +257,9 @@ def test_ragged_without_combiner(trained):
         float("nan"))), "Constant initializer: value must be a finite float32 number"),
     (dict(output_dim=4, cache_capacity=4, embeddings_initializer=keras.initializers.Constant(
         1e39)), "Constant initializer: value must be a finite float32 number"),
+    # An int past float's range raised Python's OverflowError, naming nothing.
+    (dict(output_dim=4, cache_capacity=4, embeddings_initializer=keras.initializers.Constant(
+        10**400)), "Constant initializer: value must be a finite float32 number"),
     (dict(output_dim=4, cache_capacity=4, embeddings_initializer="constant"),
      r'embeddings_initializer="constant" needs its value: pass '
      r"keras.initializers.Constant\(value\)"),

@@ -567,7 +567,8 @@ def test_a_restore_into_adagrad_with_another_epsilon_is_refused(rng, tmp_path, h
         for u, v in zip(a[:3], b[:3]):
             np.testing.assert_array_equal(u, v)
         np.testing.assert_array_equal(a[3]["accumulator"], b[3]["accumulator"])
-    same, same_emb = _adagrad_model(1e-7, seed=2)
+    same, same_emb = _adagrad_model(1e-7 if how != "keras" else np.float64(1e-7) + 1e-20,
+                                    seed=2)  # (equal in float32)
     load(same)
     saved = {int(i): s for ids, _, _, st in emb.export_rows(with_state=True)
              for i, s in zip(ids, st["accumulator"])}
@@ -576,6 +577,52 @@ def test_a_restore_into_adagrad_with_another_epsilon_is_refused(rng, tmp_path, h
     assert restored.keys() == saved.keys()
     for i in saved:
         np.testing.assert_array_equal(restored[i], saved[i])
+
+
+def test_the_saved_epsilon_is_compared_by_value():
+    layer = CachedEmbedding(DIM, cache_capacity=8, seed=0,
+                            optimizer=tf_sfctr.optimizers.Adagrad(0.1, epsilon=0.0))
+    layer.build(None)
+
+    def counters(epsilon):
+        return np.array([0, 0, 0, int(np.float32(epsilon).view(np.int32))], np.int64)
+
+    layer._store.check_state_offset(counters(-0.0))  # -0.0 is 0.0
+    layer._store.check_state_offset(counters(0.0)[:3])  # saved before: unchecked
+    with pytest.raises(CheckpointMismatchError, match="stored with epsilon=1e-07 in it"):
+        layer._store.check_state_offset(counters(1e-7))
+
+
+class TablesInAList(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.tables = [CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=k, name=f"t{k}")
+                       for k in range(2)]
+        self.head = keras.layers.Dense(1)
+
+    def call(self, ids):
+        return self.head(keras.ops.concatenate(
+            [keras.layers.Flatten()(t(ids)) for t in self.tables], axis=1))
+
+
+def test_tables_keras_keeps_from_tf_checkpoints_are_refused(rng, tmp_path):
+    """Keras 3 does not expose a subclassed model's list or dict attributes
+    to TensorFlow's checkpoints: their tables were left out of
+    distributed.save, and restore left them as they were, with no error (a
+    review). Both refuse now, naming the layers."""
+    from tf_sfctr.distributed import restore, save
+
+    model = TablesInAList()
+    model(rng.integers(0, 50, (2, FIELDS)))
+    message = r"layer\(s\) 't0', 't1' of TablesInAList .*list or dict attribute"
+    with pytest.raises(CheckpointMismatchError, match=message + ".*Nothing was saved"):
+        save(tf.train.Checkpoint(model=model), str(tmp_path / "ckpt"))
+    assert not (tmp_path / "ckpt").exists()
+    with pytest.raises(CheckpointMismatchError, match=message + ".*Nothing was restored"):
+        restore(tf.train.Checkpoint(model=model), str(tmp_path / "ckpt"))
+    # Each table in the checkpoint's objects: fine.
+    save(tf.train.Checkpoint(model=model, t0=model.tables[0], t1=model.tables[1]),
+         str(tmp_path / "ckpt"))
 
 
 def _named_tables(names):
@@ -734,24 +781,37 @@ def test_a_save_over_a_complete_save_replaces_it_only_once_complete(rng, tmp_pat
     assert os.listdir(tmp_path) == ["latest"]
     np.testing.assert_array_equal(_restored_rows(target, vocab), first)
 
-    # The new save cannot be renamed into place: the earlier one is put back,
-    # and the error names where the complete new one is.
+    # The new save cannot be renamed into place: the earlier one is put back
+    # and the new one deleted, as after any failed save (a copy was left per
+    # failed attempt). If the earlier one cannot be put back either, the
+    # error says where both are.
     rename = os.rename
 
-    def second_rename_fails(src, dst):
-        if ".saving-" in str(src):
+    def fails(src, dst, undo_fails=False):
+        if ".saving-" in str(src) or (undo_fails and ".replaced-" in str(src)):
             raise OSError(errno.EXDEV, "Invalid cross-device link")
         rename(src, dst)
 
     with monkeypatch.context() as patch:
-        patch.setattr(os, "rename", second_rename_fails)
-        with pytest.raises(RuntimeError, match=f"the save is complete in {target}.saving-"
-                                               rf"[0-9a-f]{{16}}, .*which {target} still holds"):
+        patch.setattr(os, "rename", fails)
+        with pytest.raises(RuntimeError, match=r"renaming the new save into place failed: "
+                                               rf".*This save was discarded; {target} still "
+                                               r"holds the earlier save"):
+            save(_ckpt(model), str(target))
+    assert os.listdir(tmp_path) == ["latest"]
+    np.testing.assert_array_equal(_restored_rows(target, vocab), first)
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "rename", lambda src, dst: fails(src, dst, undo_fails=True))
+        with pytest.raises(RuntimeError, match=rf"{target} is missing: the earlier save is at "
+                                               rf"{target}\.replaced-[0-9a-f]{{16}} and this "
+                                               rf"one, complete, at {target}\.saving-"):
             save(_ckpt(model), str(target))
     (staged,) = [p for p in tmp_path.iterdir() if p.name.startswith("latest.saving-")]
-    np.testing.assert_array_equal(_restored_rows(target, vocab), first)
+    (earlier,) = [p for p in tmp_path.iterdir() if p.name.startswith("latest.replaced-")]
+    np.testing.assert_array_equal(_restored_rows(earlier, vocab), first)
     np.testing.assert_array_equal(_restored_rows(staged, vocab), second)
     shutil.rmtree(staged)
+    os.rename(earlier, target)
 
     save(_ckpt(model), str(target))
     assert os.listdir(tmp_path) == ["latest"]
@@ -764,6 +824,43 @@ def test_a_save_over_a_complete_save_replaces_it_only_once_complete(rng, tmp_pat
     with pytest.raises(CheckpointMismatchError, match=r"stopped half way .*latest\.saving-"
                                                       r"00000000000000aa, .*latest\.replaced-"):
         _restored_rows(target, vocab)
+
+
+def test_where_a_save_over_a_save_is_written(rng, tmp_path, monkeypatch):
+    """Through a symbolic link the directory it names is replaced (the link
+    then names the new save). A mount point cannot be renamed and a parent
+    this process cannot write takes no sibling: both are written in place,
+    as before (a review saw every save over a save into a mount point fail,
+    each leaving a copy beside it)."""
+    from tf_sfctr.distributed import checkpoint as dist_checkpoint
+    from tf_sfctr.distributed import save
+
+    vocab, x, y = _data(rng, 2)
+    model, emb = _model("adagrad")
+    _fit(model, x, y)
+    real, link = tmp_path / "run-42", tmp_path / "latest"
+    save(_ckpt(model), str(real))
+    link.symlink_to(real)
+    assert dist_checkpoint._replaceable(str(link))
+    _fit(model, x, y)
+    save(_ckpt(model), str(link))
+    assert sorted(os.listdir(tmp_path)) == ["latest", "run-42"] and link.is_symlink()
+    np.testing.assert_array_equal(_restored_rows(real, vocab), emb.lookup_rows(vocab))
+    with monkeypatch.context() as patch:
+        patch.setattr(os.path, "ismount", lambda p: str(p) == str(real))
+        assert not dist_checkpoint._replaceable(str(link))
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "access", lambda p, mode: str(p) != str(tmp_path))
+        assert not dist_checkpoint._replaceable(str(real))
+        _fit(model, x, y)
+        save(_ckpt(model), str(real))  # in place
+        assert sorted(os.listdir(tmp_path)) == ["latest", "run-42"]
+    np.testing.assert_array_equal(_restored_rows(real, vocab), emb.lookup_rows(vocab))
+    # One the checks cannot read is written in place too (on 2 ranks, rank
+    # 0's error there left the other waiting).
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "listdir", lambda p: (_ for _ in ()).throw(PermissionError(13, "no")))
+        assert not dist_checkpoint._replaceable(str(real))
 
 
 def test_a_save_into_a_directory_with_other_files_is_written_in_place(rng, tmp_path):

@@ -54,6 +54,8 @@ _F32_MAX = 3.4028234663852886e38
 def _number(kind: str, name: str, value: Any) -> float:
     try:
         x = float(value)
+    except OverflowError:  # an int past float's range
+        x = float("inf")
     except (TypeError, ValueError) as err:
         raise ArgumentTypeError(
             f"{kind} initializer: {name} must be a number, got {value!r}") from err

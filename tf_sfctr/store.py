@@ -576,10 +576,10 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         if counters.size < 4:
             return
         saved_bits, mine = int(counters[3]), np.float32(self.config.state_offset)
-        if saved_bits == int(mine.view(np.int32)):
-            return
         saved = (np.array([saved_bits], np.int64).astype(np.int32).view(np.float32)[0]
                  if -2**31 <= saved_bits < 2**31 else np.float32("nan"))
+        if saved == mine:  # (by value: -0.0 is 0.0)
+            return
         raise CheckpointMismatchError(
             f"saved table's optimizer state was stored with epsilon={float(saved):g} in it "
             f"({self.config.state_kind or 'the optimizer'} keeps each accumulator plus "

@@ -312,7 +312,11 @@ def load_movielens(
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be a number in (0, 1), got {test_fraction!r}")
     test_fraction = float(test_fraction)
-    if not np.isfinite(positive_threshold):
+    try:
+        finite = math.isfinite(positive_threshold)
+    except OverflowError:  # an int past float's range
+        finite = False
+    if not finite:
         raise ValueError(f"positive_threshold must be a finite number (ratings at or above "
                          f"it are positives), got {positive_threshold!r}")
     seed = check_int("seed", seed, minimum=0)

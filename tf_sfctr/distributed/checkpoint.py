@@ -50,6 +50,7 @@ import shutil
 import types
 from typing import Optional
 
+import keras
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.protobuf import trackable_object_graph_pb2
@@ -171,15 +172,25 @@ _SHARD_DIR = re.compile(r"shard-\d{5}-of-\d{5}")
 def _replaceable(directory: str) -> bool:
     """Whether ``directory`` is a complete save on the local file system
     (``manifest.json``) that holds only a save's own entries, which a new
-    save then replaces whole once it is complete (see ``_save``). A
-    directory with anything else in it (files of the user's), a symbolic
-    link, or one on another file system is written in place."""
+    save then replaces whole once it is complete (see ``_save``). Written in
+    place instead: a directory with anything else in it (files of the
+    user's), a mount point (which cannot be renamed), one whose parent this
+    process cannot write (where the new save would go first), one on another
+    file system, and any the checks here cannot read. A symbolic link is
+    followed: the directory it names is replaced, and the link then names
+    the new save."""
     local = _local_path(directory)
-    if local is None or os.path.islink(local) or not os.path.isfile(
-            os.path.join(local, MANIFEST)):
+    if local is None:
         return False
-    return all(name == MANIFEST or name.startswith(MANIFEST + ".tmp")
-               or _SHARD_DIR.fullmatch(name) for name in os.listdir(local))
+    try:
+        real = os.path.realpath(local)
+        if (not os.path.isfile(os.path.join(real, MANIFEST)) or os.path.ismount(real)
+                or not os.access(os.path.dirname(real), os.W_OK | os.X_OK)):
+            return False
+        return all(name == MANIFEST or name.startswith(MANIFEST + ".tmp")
+                   or _SHARD_DIR.fullmatch(name) for name in os.listdir(real))
+    except OSError:
+        return False
 
 
 def _staging_dir(directory: str, save_id: int) -> str:
@@ -188,20 +199,38 @@ def _staging_dir(directory: str, save_id: int) -> str:
     return f"{os.path.realpath(_local_path(directory))}{_STAGING}{save_id:016x}"
 
 
-def _swap_in(staging: str, directory: str, save_id: int) -> None:
+def _swap_in(staging: str, directory: str, save_id: int) -> Optional[str]:
     """Puts the complete save at ``staging`` where the earlier one at
-    ``directory`` was, then deletes the earlier one. If the second rename
-    fails, the earlier save is put back."""
+    ``directory`` was, then deletes the earlier one. Returns None, or what
+    went wrong and where each save is: if a rename fails, the earlier save
+    is put back (and this one deleted, as after any failed save)."""
     target = os.path.realpath(_local_path(directory))
     replaced = f"{target}{_REPLACED}{save_id:016x}"
-    os.rename(target, replaced)
+    kept = f"This save was discarded; {directory} still holds the earlier save."
+    try:
+        os.rename(target, replaced)
+    except OSError as err:
+        _discard(staging)
+        return f"{_describe(err)}. {kept}"
     try:
         os.rename(staging, target)
-    except OSError:
-        os.rename(replaced, target)
-        raise
-    _sync_local(target, names=[], parent=True)
+    except OSError as err:
+        try:
+            os.rename(replaced, target)
+        except OSError as undo:
+            return (f"{_describe(err)}; moving the earlier save back failed too "
+                    f"({_describe(undo)}). {directory} is missing: the earlier save is at "
+                    f"{replaced} and this one, complete, at {staging}; rename one of them to "
+                    f"{directory}.")
+        _discard(staging)
+        return f"{_describe(err)}. {kept}"
     shutil.rmtree(replaced, ignore_errors=True)
+    try:
+        _sync_local(target, names=[], parent=True)
+    except OSError as err:
+        return (f"the save is in {directory}, but putting its place there on the disk failed: "
+                f"{_describe(err)}")
+    return None
 
 
 def _discard(staging: Optional[str]) -> None:
@@ -219,8 +248,10 @@ def save(checkpoint: tf.train.Checkpoint, directory: str, *, table_files: bool =
     else) is written next to it, into ``<directory>.saving-<id>``, and takes
     its place once complete: if it fails, the earlier save is still there.
     (A process killed in between can leave that sibling behind; a
-    ``.saving-`` directory with a ``manifest.json`` is a complete save.) On
-    another file system (``gs://``...) the earlier save is removed first.
+    ``.saving-`` directory with a ``manifest.json`` is a complete save.) A
+    mount point, a directory whose parent this process cannot write, and
+    one on another file system (``gs://``...) are written in place: the
+    earlier save is removed first.
 
     Each table's rows go to a table file of their own in the shard
     (``table-NNNN.rows``), a part of about 8 MiB at a time, so that saving
@@ -234,6 +265,7 @@ def save(checkpoint: tf.train.Checkpoint, directory: str, *, table_files: bool =
     refused = None
     try:
         _check_checkpoint(checkpoint, "save")
+        _check_tables_reachable(checkpoint, "save")
         _build_pending_tables(checkpoint)
         # (An empty directory wrote into the working directory.)
         directory = check_path("tf_sfctr.distributed.save: directory", directory)
@@ -385,15 +417,14 @@ def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
     error = None
     if rank == 0:
         try:
-            _swap_in(staging, shown, save_id)
-        except OSError as err:
+            error = _swap_in(staging, shown, save_id)
+        except Exception as err:  # noqa: BLE001 - agreed on below, then raised
             error = _describe(err)
     # No rank returns (and, say, restores) before the save is in place.
     failed = [m for m in _allgather(error, "sfctr_checkpoint_swapped") if m is not None]
     if failed:
         raise RuntimeError(
-            f"tf_sfctr.distributed.save to {shown}: the save is complete in {staging}, but "
-            f"it could not take the place of the earlier save, which {shown} still holds: "
+            f"tf_sfctr.distributed.save to {shown}: renaming the new save into place failed: "
             f"{failed[0]}")
     return final_path
 
@@ -456,6 +487,37 @@ def _agree_on_save(error: Optional[BaseException], directory: str, name: str,
 def _stores(checkpoint: tf.train.Checkpoint) -> list[EmbeddingStore]:
     return [obj for obj in tf.train.TrackableView(checkpoint).descendants()
             if isinstance(obj, EmbeddingStore)]
+
+
+def _check_tables_reachable(checkpoint: tf.train.Checkpoint, what: str) -> None:
+    """Refuses a checkpoint whose Keras models hold ``CachedEmbedding``
+    layers TensorFlow's checkpoints do not reach: Keras 3 does not expose a
+    subclassed model's list or dict attributes to them (its other layers
+    there are not saved either), so their tables were left out of the save,
+    and a restore left them as they were, silently (a review)."""
+    from tf_sfctr.keras_layers.cached_embedding import CachedEmbedding
+
+    reached = list(tf.train.TrackableView(checkpoint).descendants())
+    seen = {id(obj) for obj in reached}
+    missing = {}
+    for obj in reached:
+        if isinstance(obj, keras.layers.Layer):
+            for layer in obj._flatten_layers(include_self=False):
+                if isinstance(layer, CachedEmbedding) and id(layer) not in seen:
+                    missing.setdefault(id(layer), (obj, layer))
+    if missing:
+        names = ", ".join(repr(layer.name) for _, layer in missing.values())
+        owner = next(iter(missing.values()))[0]
+        nothing = "Nothing was saved." if what == "save" else "Nothing was restored."
+        raise CheckpointMismatchError(
+            f"tf_sfctr.distributed.{what}: the CachedEmbedding layer(s) {names} of "
+            f"{type(owner).__name__} {owner.name!r} are not in this tf.train.Checkpoint's "
+            "objects: the model holds them in a list or dict attribute, which Keras 3 does "
+            "not expose to TensorFlow's checkpoints (the other layers there are not saved "
+            "either), so their tables would be left out. Give each layer an attribute of "
+            "its own (self.user_table = CachedEmbedding(...)), or name the layers in the "
+            "checkpoint too (tf.train.Checkpoint(model=model, table_0=model.tables[0], "
+            f"...)), the same way for the save and the restore. {nothing}")
 
 
 def _unbuilt_layers(checkpoint: tf.train.Checkpoint) -> list:
@@ -1155,6 +1217,7 @@ def restore(checkpoint: tf.train.Checkpoint, directory: str) -> None:
     refused = None
     try:
         _check_checkpoint(checkpoint, "restore")
+        _check_tables_reachable(checkpoint, "restore")
         directory = check_path("tf_sfctr.distributed.restore: directory", directory)
     except (TypeError, ValueError) as err:
         refused = err

@@ -625,6 +625,42 @@ def test_tables_keras_keeps_from_tf_checkpoints_are_refused(rng, tmp_path):
          str(tmp_path / "ckpt"))
 
 
+def test_a_format_1_replica_restored_as_shards_says_what_format_1_lacks(rng, tmp_path):
+    """A 2-rank save by a tf_sfctr of format 1, whose data-parallel tables
+    are complete copies it did not mark, restored in one process: read as
+    shards, it was refused as "not that rank's shard", naming no table and
+    blaming a wrong restore (a review). Made here from a 1-process save of
+    format 1, its shard copied as both ranks'."""
+    import json
+
+    from tf_sfctr.distributed import restore, save
+
+    vocab, x, y = _data(rng, 3)
+    model, emb = _model("sgd")
+    _fit(model, x, y)
+    store, full = emb.store, emb.store.header()
+    store.header = lambda: np.array([1, *full[1:4]], np.int64)  # format 1 (test only)
+    try:
+        save(tf.train.Checkpoint(model=model), str(tmp_path / "one"), table_files=False)
+    finally:
+        del store.header
+    two = tmp_path / "two"
+    two.mkdir()
+    manifest = json.loads((tmp_path / "one" / "manifest.json").read_text())
+    (two / "manifest.json").write_text(json.dumps({**manifest, "world_size": 2}))
+    for rank in range(2):
+        shard = two / f"shard-{rank:05d}-of-00002"
+        shutil.copytree(tmp_path / "one" / "shard-00000-of-00001", shard)
+        info = json.loads((shard / "shard.json").read_text())
+        (shard / "shard.json").write_text(json.dumps({**info, "rank": rank, "world_size": 2}))
+    other, _ = _model("sgd", seed=9)
+    _fit(other, x[:BATCH], y[:BATCH])
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"for table 'emb', \d+ of its \d+ rows .*Format 1 .*did not "
+                             r"record data-parallel replicas: .*restore it on 2 ranks"):
+        restore(tf.train.Checkpoint(model=other), str(two))
+
+
 def _named_tables(names):
     inp = keras.Input((2,), dtype="int64")
     tables = [CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=7, name=n) for n in names]

@@ -1049,11 +1049,15 @@ def _check_part(store: EmbeddingStore, part: dict, mode: str, s: int, saved_size
             foreign += int(np.sum(owner_of(part_ids, saved_size) != s))
         owners += np.bincount(owner_of(part_ids, size), minlength=size)
     if foreign:
+        format1 = (" Format 1 (a tf_sfctr before format 2 wrote it) did not record "
+                   "data-parallel replicas: if the table was data parallel, restore it on "
+                   f"{saved_size} ranks into a data-parallel layer, or read one shard's ckpt "
+                   "with a plain tf.train.Checkpoint." if header.size == 4 else "")
         raise CheckpointMismatchError(
-            f"{name} holds {foreign} of its {total} rows for ids rank {s} of "
-            f"{saved_size} does not own; it is not that rank's shard of a model-parallel "
-            "table (a complete table restored onto every rank with a plain "
-            "tf.train.Checkpoint before it was saved, or a shard from elsewhere).")
+            f"{name} holds, for table {store.config.name!r}, {foreign} of its {total} rows "
+            f"for ids rank {s} of {saved_size} does not own; it is not that rank's shard of "
+            "a model-parallel table (a complete table restored onto every rank with a plain "
+            f"tf.train.Checkpoint before it was saved, or a shard from elsewhere).{format1}")
     return owners, num_parts
 
 

@@ -594,8 +594,8 @@ def test_the_saved_epsilon_is_compared_by_value():
 
 
 class TablesInAList(keras.Model):
-    def __init__(self):
-        super().__init__()
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
         self.tables = [CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=k, name=f"t{k}")
                        for k in range(2)]
         self.head = keras.layers.Dense(1)
@@ -614,7 +614,8 @@ def test_tables_keras_keeps_from_tf_checkpoints_are_refused(rng, tmp_path):
 
     model = TablesInAList()
     model(rng.integers(0, 50, (2, FIELDS)))
-    message = r"layer\(s\) 't0', 't1' of TablesInAList .*list or dict attribute"
+    message = (r"layer\(s\) 't0', 't1' of TablesInAList 'tables_in_a_list' .*list or dict "
+               r"attribute.*table_0=<the layer 't0'>")
     with pytest.raises(CheckpointMismatchError, match=message + ".*Nothing was saved"):
         save(tf.train.Checkpoint(model=model), str(tmp_path / "ckpt"))
     assert not (tmp_path / "ckpt").exists()
@@ -623,6 +624,12 @@ def test_tables_keras_keeps_from_tf_checkpoints_are_refused(rng, tmp_path):
     # Each table in the checkpoint's objects: fine.
     save(tf.train.Checkpoint(model=model, t0=model.tables[0], t1=model.tables[1]),
          str(tmp_path / "ckpt"))
+    # Held one level down: the message names the layer that holds the list
+    # (it named the outermost model, whose attribute the advice then lacked).
+    inp = keras.Input((FIELDS,), dtype="int64")
+    outer = keras.Model(inp, TablesInAList(name="inner")(inp))
+    with pytest.raises(CheckpointMismatchError, match=r"of TablesInAList 'inner'"):
+        save(tf.train.Checkpoint(model=outer), str(tmp_path / "outer"))
 
 
 def test_a_format_1_replica_restored_as_shards_says_what_format_1_lacks(rng, tmp_path):
@@ -892,6 +899,14 @@ def test_where_a_save_over_a_save_is_written(rng, tmp_path, monkeypatch):
         save(_ckpt(model), str(real))  # in place
         assert sorted(os.listdir(tmp_path)) == ["latest", "run-42"]
     np.testing.assert_array_equal(_restored_rows(real, vocab), emb.lookup_rows(vocab))
+    # One the process works in is written in place (replaced, it was
+    # deleted from under the process: every relative path failed).
+    monkeypatch.chdir(real / "shard-00000-of-00001")
+    assert not dist_checkpoint._replaceable(".."), "the working directory is inside"
+    save(_ckpt(model), "..")
+    assert os.getcwd() == str(real / "shard-00000-of-00001")
+    np.testing.assert_array_equal(_restored_rows("..", vocab), emb.lookup_rows(vocab))
+    monkeypatch.chdir(tmp_path)
     # One the checks cannot read is written in place too (on 2 ranks, rank
     # 0's error there left the other waiting).
     with monkeypatch.context() as patch:

@@ -175,22 +175,42 @@ def _replaceable(directory: str) -> bool:
     save then replaces whole once it is complete (see ``_save``). Written in
     place instead: a directory with anything else in it (files of the
     user's), a mount point (which cannot be renamed), one whose parent this
-    process cannot write (where the new save would go first), one on another
-    file system, and any the checks here cannot read. A symbolic link is
+    process cannot write (where the new save would go first), one this
+    process works in (any rank's: see ``_save``), one on another file
+    system, and any the checks here cannot read. A symbolic link is
     followed: the directory it names is replaced, and the link then names
     the new save."""
-    local = _local_path(directory)
-    if local is None:
-        return False
     try:
+        local = _local_path(directory)
+        if local is None:
+            return False
         real = os.path.realpath(local)
         if (not os.path.isfile(os.path.join(real, MANIFEST)) or os.path.ismount(real)
-                or not os.access(os.path.dirname(real), os.W_OK | os.X_OK)):
+                or not os.access(os.path.dirname(real), os.W_OK | os.X_OK)
+                or _holds_working_directory(real)):
             return False
         return all(name == MANIFEST or name.startswith(MANIFEST + ".tmp")
                    or _SHARD_DIR.fullmatch(name) for name in os.listdir(real))
     except OSError:
         return False
+
+
+def _holds_working_directory(real: str) -> bool:
+    """Whether this process works inside ``real``, which a replacing save
+    would move aside and delete (every relative path then failed)."""
+    try:
+        cwd = os.path.realpath(os.getcwd())
+    except OSError:
+        return True
+    return cwd == real or cwd.startswith(real.rstrip(os.sep) + os.sep)
+
+
+def _works_inside(directory: str) -> bool:
+    try:
+        local = _local_path(directory)
+        return local is not None and _holds_working_directory(os.path.realpath(local))
+    except OSError:
+        return True
 
 
 def _staging_dir(directory: str, save_id: int) -> str:
@@ -330,8 +350,11 @@ def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
                                    signed=True)
         # And whether a rank refused its arguments: the others must not go
         # on into collectives that rank never joins.
+        # (Each rank's working directory must stay out of a replaced save.)
+        inside = refused is None and _works_inside(directory)
         both = require().allgather(
-            tf.constant([[save_id, where, int(refused is not None), int(replace)]], tf.int64),
+            tf.constant([[save_id, where, int(refused is not None), int(replace),
+                          int(inside)]], tf.int64),
             name="sfctr_checkpoint_save_id").numpy()
         if refused is not None:
             raise refused
@@ -340,7 +363,7 @@ def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
             raise ArgumentTypeError(
                 f"tf_sfctr.distributed.save to {directory}: rank(s) {bad} refused their "
                 "arguments (see their errors). Nothing was written.")
-        save_id, replace = int(both[0, 0]), bool(both[0, 3])
+        save_id, replace = int(both[0, 0]), bool(both[0, 3]) and not both[:, 4].any()
         if np.any(both[:, 1] != both[0, 1]):
             raise ValueError(
                 f"tf_sfctr.distributed.save was given different directories on the {size} "
@@ -501,12 +524,19 @@ def _check_tables_reachable(checkpoint: tf.train.Checkpoint, what: str) -> None:
     seen = {id(obj) for obj in reached}
     missing = {}
     for obj in reached:
-        if isinstance(obj, keras.layers.Layer):
-            for layer in obj._flatten_layers(include_self=False):
+        if not isinstance(obj, keras.layers.Layer):
+            continue
+        # A sub-layer of a reached layer that TF does not reach: the reached
+        # one holds it in a list or dict (the message names that one).
+        for child in obj._flatten_layers(include_self=False, recursive=False):
+            if id(child) in seen:
+                continue
+            for layer in child._flatten_layers(include_self=True):
                 if isinstance(layer, CachedEmbedding) and id(layer) not in seen:
                     missing.setdefault(id(layer), (obj, layer))
     if missing:
         names = ", ".join(repr(layer.name) for _, layer in missing.values())
+        first = next(iter(missing.values()))[1].name
         owner = next(iter(missing.values()))[0]
         nothing = "Nothing was saved." if what == "save" else "Nothing was restored."
         raise CheckpointMismatchError(
@@ -516,7 +546,7 @@ def _check_tables_reachable(checkpoint: tf.train.Checkpoint, what: str) -> None:
             "not expose to TensorFlow's checkpoints (the other layers there are not saved "
             "either), so their tables would be left out. Give each layer an attribute of "
             "its own (self.user_table = CachedEmbedding(...)), or name the layers in the "
-            "checkpoint too (tf.train.Checkpoint(model=model, table_0=model.tables[0], "
+            f"checkpoint too (tf.train.Checkpoint(model=model, table_0=<the layer {first!r}>, "
             f"...)), the same way for the save and the restore. {nothing}")
 
 

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 import tf_sfctr.data.movielens_loader as movielens_module
 from tf_sfctr.data import Ragged, hash_categorical, load_movielens, movielens
+from tf_sfctr import ArgumentTypeError
 from tf_sfctr.data.movielens_loader import resolve_path
 
 NUM_RATINGS = 100_004
@@ -242,11 +243,12 @@ def test_a_byte_order_mark_before_the_header_is_skipped(tmp_path, bom_in):
         ({"split": "bogus"}, ValueError, "split must be one of"),
         ({"test_fraction": 1.5}, ValueError, "test_fraction"),
         ({"test_fraction": 0}, ValueError, "test_fraction"),
-        ({"test_fraction": True}, ValueError, r"test_fraction must be a number in \(0, 1\)"),
-        ({"test_fraction": "0.2"}, ValueError, r"test_fraction must be a number in \(0, 1\)"),
+        # A wrong type: tf_sfctr.ArgumentTypeError, also a ValueError.
+        ({"test_fraction": True}, ArgumentTypeError, r"test_fraction must be a number, got True"),
+        ({"test_fraction": "0.2"}, ArgumentTypeError, r"test_fraction must be a number"),
         ({"positive_threshold": float("nan")}, ValueError,
          r"positive_threshold must be a finite number"),
-        ({"positive_threshold": "4"}, ValueError, r"positive_threshold must be a finite number"),
+        ({"positive_threshold": "4"}, ArgumentTypeError, r"positive_threshold must be a number"),
         ({"seed": -3}, ValueError, "seed"),
         ({"history": -1}, ValueError, "history"),
         ({"path": "/nonexistent/movielens"}, FileNotFoundError, "ratings.csv"),

@@ -128,7 +128,9 @@ KERAS_EMBEDDING_ONLY = {
     "input_dim": "ids are any int64 values and the host table grows as new ones arrive; "
                  "max_rows=N bounds it, expected_rows=N sizes it up front",
     "embeddings_regularizer": "the table's rows are trained by its own optimizer "
-                              "(optimizer=), outside the model's loss; for L1/L2, "
+                              "(optimizer=), outside the model's loss; for L2, "
+                              "tf_sfctr.optimizers.SGD, Adagrad and Adam take weight_decay= "
+                              "(decays the rows a step uses), and for L1/L2 "
                               "tf_sfctr.optimizers.Ftrl takes l1/l2_regularization_strength",
     "embeddings_constraint": "the table's rows are trained by its own optimizer "
                              "(optimizer=), which applies no constraint",

@@ -521,3 +521,112 @@ def test_get_takes_keras_style_dicts_and_names_what_is_wrong_with_others():
                                          "optimizer's config is not a table optimizer's"):
         tf_sfctr.optimizers.get({"class_name": "Adam",
                                  "config": keras.optimizers.Adam().get_config()})
+
+
+# ---------------------------------------------------------------- weight decay
+_DECAYED = {
+    "sgd": (lambda wd: tf_sfctr.optimizers.SGD(0.1, weight_decay=wd),
+            lambda wd: keras.optimizers.SGD(0.1, weight_decay=wd)),
+    "sgd_momentum": (lambda wd: tf_sfctr.optimizers.SGD(0.1, momentum=0.9, weight_decay=wd),
+                     lambda wd: keras.optimizers.SGD(0.1, momentum=0.9, weight_decay=wd)),
+    "adagrad": (lambda wd: tf_sfctr.optimizers.Adagrad(0.2, weight_decay=wd),
+                lambda wd: keras.optimizers.Adagrad(0.2, weight_decay=wd)),
+    "adam": (lambda wd: tf_sfctr.optimizers.Adam(0.05, weight_decay=wd),
+             lambda wd: keras.optimizers.Adam(0.05, weight_decay=wd)),
+    "adamw": (lambda wd: tf_sfctr.optimizers.Adam(0.05, weight_decay=wd),
+              lambda wd: keras.optimizers.AdamW(0.05, weight_decay=wd)),
+}
+
+
+@pytest.mark.parametrize("traced", [False, True])
+@pytest.mark.parametrize("name", sorted(_DECAYED))
+def test_weight_decay_equals_keras_when_every_row_is_used_at_every_step(rng, name, traced):
+    """Keras decays every row of a keras.layers.Embedding at every step;
+    ours the rows a step uses. With every row in every batch (each once, so
+    that Adam's squares of per-occurrence and summed gradients agree) the
+    two are the same update."""
+    ours_opt, keras_opt = (make(0.3) for make in _DECAYED[name])
+    pool = np.array([5, -9, 2**40, 17, 3, 123456], np.int64)
+    ours = CachedEmbedding(DIM, cache_capacity=8, seed=1, optimizer=ours_opt)
+    initial = ours.lookup_rows(pool)
+    ref = keras.layers.Embedding(len(pool), DIM)
+    ref.build((None,))
+    ref.embeddings.assign(initial)
+
+    def ours_step(ids, w):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(ours(ids, training=True) * w)
+        tape.gradient(loss, ours.trainable_weights)
+
+    step = tf.function(ours_step) if traced else ours_step
+    for _ in range(10):
+        pos = rng.permutation(len(pool))
+        w = tf.constant(rng.normal(size=(len(pool), DIM)), tf.float32)
+        step(tf.constant(pool[pos]), w)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(ref(pos) * w)
+        keras_opt.apply_gradients(zip(tape.gradient(loss, ref.trainable_weights),
+                                      ref.trainable_weights))
+    undecayed = CachedEmbedding(DIM, cache_capacity=8, seed=1, optimizer=_DECAYED[name][0](None))
+    assert not np.allclose(undecayed.lookup_rows(pool), ref.embeddings.numpy(), atol=1e-3)
+    np.testing.assert_allclose(ours.lookup_rows(pool), ref.embeddings.numpy(),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["sgd", "sgd_momentum", "adagrad"])
+def test_weight_decay_moves_only_the_rows_a_step_uses(rng, name):
+    """With evictions on the way: each step decays and updates its rows
+    (w -= w * wd * lr, then the optimizer's step), and no other row."""
+    lr, wd, mu, acc0, eps = 0.1, 0.3, 0.9, 0.1, 1e-7
+    optimizer = {"sgd": tf_sfctr.optimizers.SGD(lr, weight_decay=wd),
+                 "sgd_momentum": tf_sfctr.optimizers.SGD(lr, momentum=mu, weight_decay=wd),
+                 "adagrad": tf_sfctr.optimizers.Adagrad(lr, acc0, eps, weight_decay=wd)}[name]
+    layer, pool, rows, steps = _run(optimizer, rng)
+    m = {i: np.zeros(DIM) for i in rows}
+    acc = {i: np.full(DIM, acc0) for i in rows}
+    for grads, squares in steps:
+        for i, g in grads.items():
+            rows[i] = rows[i] - rows[i] * wd * lr
+            if name == "sgd":
+                rows[i] = rows[i] - lr * g
+            elif name == "sgd_momentum":
+                m[i] = mu * m[i] - lr * g
+                rows[i] = rows[i] + m[i]
+            else:
+                acc[i] = acc[i] + squares[i]
+                rows[i] = rows[i] - lr * g / np.sqrt(acc[i] + eps)
+    np.testing.assert_allclose(layer.lookup_rows(pool), [rows[int(i)] for i in pool],
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_weight_decay_arguments_are_checked_kept_and_fixed(tmp_path):
+    opt = tf_sfctr.optimizers
+    for cls in (opt.SGD, opt.Adagrad, opt.Adam):
+        assert cls(0.1).weight_decay is None and cls(0.1, weight_decay=0).weight_decay == 0.0
+        made = cls(0.1, weight_decay=np.float32(0.5))
+        assert made.get_config()["weight_decay"] == 0.5
+        assert opt.get({"class_name": cls.__name__,
+                        "config": made.get_config()}).weight_decay == 0.5
+        for bad in [-0.1, float("nan"), float("inf"), 1e39]:
+            with pytest.raises(ValueError, match="weight_decay must be"):
+                cls(0.1, weight_decay=bad)
+        for bad in ["0.1", True, tf.constant(0.1)]:
+            with pytest.raises(TypeError, match="weight_decay must be a number"):
+                cls(0.1, weight_decay=bad)
+        with pytest.raises(AttributeError, match="weight_decay is fixed once the optimizer"):
+            made.weight_decay = 0.1
+    assert opt.Ftrl(0.1, weight_decay=None).get_config() == opt.Ftrl(0.1).get_config()
+    opt.Ftrl(0.1, weight_decay=0)
+    with pytest.raises(ValueError, match="Ftrl takes no weight_decay .*l2_regularization"):
+        opt.Ftrl(0.1, weight_decay=0.01)
+    # A .keras file keeps it.
+    model = keras.Sequential([keras.Input((2,), dtype="int64"), CachedEmbedding(
+        2, cache_capacity=4, seed=0, optimizer=opt.Adam(0.1, weight_decay=0.25))])
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert loaded.layers[0].table_optimizer.weight_decay == 0.25
+
+
+def test_embeddings_regularizer_refusal_names_weight_decay():
+    with pytest.raises(ValueError, match="take weight_decay="):
+        CachedEmbedding(2, cache_capacity=4, embeddings_regularizer="l2")

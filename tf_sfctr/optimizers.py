@@ -44,6 +44,13 @@ gradients, and ``t`` the number of table updates so far (1 on the first):
   learning rate is constant (a row a step does not use then stays put under
   Keras too).
 
+``weight_decay`` (SGD, Adagrad, Adam; None by default, as in Keras) is decoupled weight decay
+as the Keras optimizers' argument of that name (AdamW's): ``w -= w *
+weight_decay * lr`` before the step's update. Keras decays every row at every
+step; here only the rows a step uses ("lazy", as the rows a TFRA table's
+Keras optimizer sees), so a row used once in a hundred steps decays once.
+The two agree when every row is used at every step.
+
 Example::
 
     import tf_sfctr
@@ -114,6 +121,23 @@ def _fixed_rates() -> dict:
     return rates
 
 
+def _check_weight_decay(value: Any) -> float | None:
+    """``weight_decay`` as a float, or None (none, Keras's default)."""
+    return None if value is None else _check_positive("weight_decay", value, allow_zero=True)
+
+
+def _decayed(rows: tf.Variable, slots: tf.Tensor, lr: tf.Tensor,
+             weight_decay: float | None) -> list:
+    """Decoupled weight decay of the rows ``slots`` (distinct), as a Keras
+    optimizer's ``weight_decay`` decays a variable before its update:
+    ``w -= w * weight_decay * lr``, in that order of operations. Returns the
+    ops an update must run after (none without a weight decay)."""
+    if not weight_decay:
+        return []
+    used = tf.gather(rows, slots)
+    return [rows.scatter_sub(tf.IndexedSlices(used * np.float32(weight_decay) * lr, slots))]
+
+
 class TableOptimizer:
     """Base class: the state layout of a table optimizer and its update."""
 
@@ -128,7 +152,8 @@ class TableOptimizer:
     _FIXED = frozenset({
         "momentum", "nesterov", "accumulate", "initial_accumulator_value", "epsilon",
         "beta_1", "beta_2", "learning_rate_power", "l1_regularization_strength",
-        "l2_regularization_strength", "l2_shrinkage_regularization_strength", "beta"})
+        "l2_regularization_strength", "l2_shrinkage_regularization_strength", "beta",
+        "weight_decay"})
 
     def __init__(self, learning_rate: LearningRate):
         self.learning_rate = learning_rate
@@ -412,8 +437,9 @@ class SGD(TableOptimizer):
     """
 
     def __init__(self, learning_rate: LearningRate = 0.01, momentum: float = 0.0,
-                 nesterov: bool = False):
+                 nesterov: bool = False, weight_decay: float | None = None):
         super().__init__(learning_rate)
+        self.weight_decay = _check_weight_decay(weight_decay)
         self.momentum = _check_positive("momentum", momentum, allow_zero=True)
         if self.momentum >= 1:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
@@ -436,16 +462,20 @@ class SGD(TableOptimizer):
 
     def apply(self, rows, state, slots, grad, grad_sq, step):
         lr = self._lr(step)
+        decayed = _decayed(rows, slots, lr, self.weight_decay)
         if self.momentum == 0:
-            return rows.scatter_sub(tf.IndexedSlices(lr * grad, slots))
+            with tf.control_dependencies(decayed):
+                return rows.scatter_sub(tf.IndexedSlices(lr * grad, slots))
         (mom,) = state
         m = self.momentum * tf.gather(mom, slots) - lr * grad
         delta = self.momentum * m - lr * grad if self.nesterov else m
-        with tf.control_dependencies([mom.scatter_update(tf.IndexedSlices(m, slots))]):
+        with tf.control_dependencies([mom.scatter_update(tf.IndexedSlices(m, slots))]
+                                     + decayed):
             return rows.scatter_add(tf.IndexedSlices(delta, slots))
 
     def get_config(self):
-        return {**super().get_config(), "momentum": self.momentum, "nesterov": self.nesterov}
+        return {**super().get_config(), "momentum": self.momentum, "nesterov": self.nesterov,
+                "weight_decay": self.weight_decay}
 
 
 @keras.saving.register_keras_serializable(package="tf_sfctr")
@@ -463,8 +493,9 @@ class Adagrad(TableOptimizer):
 
     def __init__(self, learning_rate: LearningRate = 0.001,
                  initial_accumulator_value: float = 0.1, epsilon: float = 1e-7,
-                 accumulate: str = "per_occurrence"):
+                 accumulate: str = "per_occurrence", weight_decay: float | None = None):
         super().__init__(learning_rate)
+        self.weight_decay = _check_weight_decay(weight_decay)
         self.initial_accumulator_value = _check_positive(
             "initial_accumulator_value", initial_accumulator_value, allow_zero=True)
         self.epsilon = _check_positive("epsilon", epsilon, allow_zero=True)
@@ -522,15 +553,18 @@ class Adagrad(TableOptimizer):
 
     def apply(self, rows, state, slots, grad, grad_sq, step):
         (acc,) = state
-        # epsilon is already in the stored accumulator (state_initial_values).
-        return _ops.sparse_apply_adagrad(
-            rows, acc, self._lr(step), 0.0, grad, slots,
-            grad_sq if self.needs_squared_occurrences else None)
+        lr = self._lr(step)
+        with tf.control_dependencies(_decayed(rows, slots, lr, self.weight_decay)):
+            # epsilon is already in the stored accumulator (state_initial_values).
+            return _ops.sparse_apply_adagrad(
+                rows, acc, lr, 0.0, grad, slots,
+                grad_sq if self.needs_squared_occurrences else None)
 
     def get_config(self):
         return {**super().get_config(),
                 "initial_accumulator_value": self.initial_accumulator_value,
-                "epsilon": self.epsilon, "accumulate": self.accumulate}
+                "epsilon": self.epsilon, "accumulate": self.accumulate,
+                "weight_decay": self.weight_decay}
 
 
 @keras.saving.register_keras_serializable(package="tf_sfctr")
@@ -546,8 +580,10 @@ class Adam(TableOptimizer):
     state_kind = "Adam"  # subclasses keep the state's meaning
 
     def __init__(self, learning_rate: LearningRate = 0.001, beta_1: float = 0.9,
-                 beta_2: float = 0.999, epsilon: float = 1e-7):
+                 beta_2: float = 0.999, epsilon: float = 1e-7,
+                 weight_decay: float | None = None):
         super().__init__(learning_rate)
+        self.weight_decay = _check_weight_decay(weight_decay)
         for name, beta in (("beta_1", beta_1), ("beta_2", beta_2)):
             if np.float32(_check_positive(name, beta, allow_zero=True)) >= 1:
                 raise ValueError(f"{name} must be in [0, 1) (below 1 in float32, where the "
@@ -576,17 +612,18 @@ class Adam(TableOptimizer):
         b1, b2 = self.beta_1, self.beta_2
         m = b1 * tf.gather(m_var, slots) + (1 - b1) * grad
         v = b2 * tf.gather(v_var, slots) + (1 - b2) * tf.square(grad)
-        alpha = self._lr(step) * tf.sqrt(1 - tf.pow(b2, t)) / (1 - tf.pow(b1, t))
+        lr = self._lr(step)
+        alpha = lr * tf.sqrt(1 - tf.pow(b2, t)) / (1 - tf.pow(b1, t))
         delta = alpha * m / (tf.sqrt(v) + self.epsilon)
         with tf.control_dependencies([
             m_var.scatter_update(tf.IndexedSlices(m, slots)),
             v_var.scatter_update(tf.IndexedSlices(v, slots)),
-        ]):
+        ] + _decayed(rows, slots, lr, self.weight_decay)):
             return rows.scatter_sub(tf.IndexedSlices(delta, slots))
 
     def get_config(self):
         return {**super().get_config(), "beta_1": self.beta_1, "beta_2": self.beta_2,
-                "epsilon": self.epsilon}
+                "epsilon": self.epsilon, "weight_decay": self.weight_decay}
 
 
 @keras.saving.register_keras_serializable(package="tf_sfctr")
@@ -615,8 +652,17 @@ class Ftrl(TableOptimizer):
                  l1_regularization_strength: float = 0.0,
                  l2_regularization_strength: float = 0.0,
                  l2_shrinkage_regularization_strength: float = 0.0,
-                 beta: float = 0.0, accumulate: str = "per_occurrence"):
+                 beta: float = 0.0, accumulate: str = "per_occurrence",
+                 weight_decay: float | None = None):
         super().__init__(learning_rate)
+        if _check_weight_decay(weight_decay):
+            # FTRL recomputes each row from its state (n, z) at every update,
+            # so decaying the row would not last as it does in the others.
+            raise ValueError(
+                f"Ftrl takes no weight_decay (got {weight_decay!r}): FTRL recomputes each row "
+                "from its accumulator and linear term at every update. Use "
+                "l2_regularization_strength (or l2_shrinkage_regularization_strength) for "
+                "L2, or SGD, Adagrad or Adam with weight_decay=")
         if isinstance(learning_rate_power, (bool, np.bool_, str, bytes)) \
                 or not isinstance(learning_rate_power, (int, float, np.integer, np.floating)):
             # (float() took "-0.5" and False.)

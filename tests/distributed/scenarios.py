@@ -32,7 +32,8 @@ SCENARIOS = {
     # One table shared by a dense and a ragged feature (one list call).
     "mp_adagrad_shared": ("adagrad", "shared", "model_parallel", "loop"),
     "dp_sgd_dense": ("sgd", "dense", "data_parallel", "loop"),
-    "dp_adagrad_ragged": ("adagrad", "ragged", "data_parallel", "loop"),
+    # (With weight decay: every replica decays the rows of the union.)
+    "dp_adagrad_ragged": ("adagrad_wd", "ragged", "data_parallel", "loop"),
     # A data-parallel table with lookahead: the next batch's distinct ids of
     # every rank ride in the step's all-gather, and every replica prepares
     # their union.
@@ -46,7 +47,8 @@ SCENARIOS = {
     "mp_ftrl_dense": ("ftrl", "dense", "model_parallel", "loop"),
     "dp_ftrl_dense": ("ftrl", "dense", "data_parallel", "loop"),
     # Adam reads the table step (bias correction): a deferred update must
-    # use the step of the call it belongs to.
+    # use the step of the call it belongs to (and its rate, for the weight
+    # decay too).
     "mp_adam_dense": ("adam", "dense", "model_parallel", "loop"),
     # An odd output_dim: SGD's and Adam's deferred updates carry dim-wide
     # rows, which travel as float64 words padded by one column.
@@ -113,7 +115,9 @@ def build(opt_name: str, kind: str, distribution: str):
     table_opt = {
         "sgd": lambda: tf_sfctr.optimizers.SGD(0.5),
         "adagrad": lambda: tf_sfctr.optimizers.Adagrad(0.3, initial_accumulator_value=0.05),
-        "adam": lambda: tf_sfctr.optimizers.Adam(0.05),
+        "adagrad_wd": lambda: tf_sfctr.optimizers.Adagrad(0.3, initial_accumulator_value=0.05,
+                                                          weight_decay=0.2),
+        "adam": lambda: tf_sfctr.optimizers.Adam(0.05, weight_decay=0.2),
         "ftrl": lambda: tf_sfctr.optimizers.Ftrl(0.3, initial_accumulator_value=0.05,
                                                  l1_regularization_strength=0.001),
     }[opt_name]()

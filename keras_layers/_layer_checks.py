@@ -86,10 +86,11 @@ def check_host_rows_dir(value: Any) -> Optional[str]:
     """``host_rows_dir`` as an absolute local path (None stays None)."""
     if value is None:
         return None
-    if not isinstance(value, (str, os.PathLike)) or isinstance(value, bytes):
-        raise ValueError(f"host_rows_dir must be a directory path (str or os.PathLike) or "
-                         f"None, got {value!r}")
-    path = os.fspath(value)
+    path = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(path, str):
+        # (bytes too: TypeError from the whole library for a wrong type.)
+        raise ArgumentTypeError(f"host_rows_dir must be a directory path (str or "
+                                f"os.PathLike) or None, got {value!r}")
     if not path:
         raise ValueError("host_rows_dir must name a directory (or be None to keep the host "
                          "rows in memory), got ''")

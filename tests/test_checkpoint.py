@@ -744,8 +744,11 @@ def test_a_save_that_runs_out_of_disk_names_the_directory(rng, tmp_path, monkeyp
     monkeypatch.setattr(table_file._LocalFile, "write", full)
     target = str(tmp_path / "ckpt-2")
     with pytest.raises(OSError, match=r"tf_sfctr.distributed.save to .*ckpt-2 failed on this "
-                                      r"rank: No space left on device\. This save may be "
-                                      r"incomplete; the saves before it are intact") as caught:
+                                      r"rank: No space left on device\. This save is "
+                                      r"incomplete: .*ckpt-2 holds no complete checkpoint "
+                                      r"\(a save written in place removes the one there "
+                                      r"first\); saves in other directories are intact"
+                       ) as caught:
         save(tf.train.Checkpoint(model=model), target)
     assert caught.value.errno == errno.ENOSPC
     assert latest_checkpoint(str(tmp_path)).endswith("ckpt-1")

@@ -668,7 +668,8 @@ def test_bad_export_arguments_are_refused_with_what_to_do(tmp_path):
     assert not (tmp_path / "served").exists()
     a_file = tmp_path / "a_file"
     a_file.write_text("")
-    for bad, match in (("", "non-empty path"), (None, "non-empty path"), (3, "non-empty path"),
+    for bad, match in (("", "non-empty path"), (None, r"must be a path \(str or os"),
+                       (3, r"must be a path \(str or os"),
                        (str(a_file), "is a file")):
         with pytest.raises(ValueError, match=match):
             tf_sfctr.export_for_serving(functional, bad)

@@ -114,7 +114,7 @@ def test_bad_arguments_are_refused():
                           ({"every_steps": 2.5}, "got 2.5"), ({"keep": True}, "got True")]:
         with pytest.raises(ValueError, match=match):
             SaveCheckpoints(None, "ckpts", **kwargs)
-    with pytest.raises(ValueError, match="directory must be a path"):
+    with pytest.raises(ValueError, match="directory must be a non-empty path"):
         SaveCheckpoints(None, "")
     with pytest.raises(TypeError, match="metadata must be JSON-serializable"):
         tf_sfctr.distributed.save(tf.train.Checkpoint(), "x", metadata={"a": object()})

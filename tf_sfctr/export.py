@@ -20,6 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_sfctr._checks import check_path
 from tf_sfctr.distributed import _horovod
 from tf_sfctr.keras_layers._layer_inputs import VSI_OPTIONAL_KEYS, VSI_REQUIRED_KEYS
 from tf_sfctr.keras_layers.cached_embedding import CachedEmbedding
@@ -892,9 +893,7 @@ def export_for_serving(model: keras.Model, export_dir: str,
     size, rank = _horovod.world()
     refused, traced = None, False
     try:
-        if not isinstance(export_dir, (str, os.PathLike)) or not os.fspath(export_dir):
-            raise ValueError(f"export_dir must be a non-empty path, got {export_dir!r}")
-        export_dir = os.fspath(export_dir)
+        export_dir = check_path("export_dir", export_dir)
         # Through tf.io.gfile, as TensorFlow writes the SavedModel: the
         # directory may be on any file system it knows (gs://...).
         if tf.io.gfile.exists(export_dir) and not tf.io.gfile.isdir(export_dir):

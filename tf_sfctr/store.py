@@ -635,6 +635,16 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
             header = _saved_integers("header", t["header"]).ravel()
             pending, self.pending_table_dir = self.pending_table_dir, None
             directory = pending[1] if pending and pending[0] == int(header[10]) else None
+            if directory is None and pending:
+                # (A deferred restore whose directory another save replaced
+                # before the layer was built: the advice below was what the
+                # user had done; a review.)
+                raise CheckpointMismatchError(
+                    f"the checkpoint at {pending[1]} is no longer the save that "
+                    f"tf_sfctr.distributed.restore was given (another save has replaced it "
+                    f"since: save id {int(header[10])}, restored {pending[0]}) and this "
+                    f"layer was built after that restore; restore again, or build the layer "
+                    f"before the save is replaced. The current table was left untouched.")
             if directory is None:
                 raise CheckpointMismatchError(
                     "saved table keeps its rows in a table file beside the checkpoint "

@@ -49,7 +49,7 @@ SCENARIOS = {
     # Adam reads the table step (bias correction): a deferred update must
     # use the step of the call it belongs to (and its rate, for the weight
     # decay too).
-    "mp_adam_dense": ("adam", "dense", "model_parallel", "loop"),
+    "mp_adam_dense": ("adam_wd", "dense", "model_parallel", "loop"),
     # An odd output_dim: SGD's and Adam's deferred updates carry dim-wide
     # rows, which travel as float64 words padded by one column.
     "mp_adam_dim3": ("adam_dim3", "dense", "model_parallel", "loop"),
@@ -117,7 +117,8 @@ def build(opt_name: str, kind: str, distribution: str):
         "adagrad": lambda: tf_sfctr.optimizers.Adagrad(0.3, initial_accumulator_value=0.05),
         "adagrad_wd": lambda: tf_sfctr.optimizers.Adagrad(0.3, initial_accumulator_value=0.05,
                                                           weight_decay=0.2),
-        "adam": lambda: tf_sfctr.optimizers.Adam(0.05, weight_decay=0.2),
+        "adam": lambda: tf_sfctr.optimizers.Adam(0.05),
+        "adam_wd": lambda: tf_sfctr.optimizers.Adam(0.05, weight_decay=0.2),
         "ftrl": lambda: tf_sfctr.optimizers.Ftrl(0.3, initial_accumulator_value=0.05,
                                                  l1_regularization_strength=0.001),
     }[opt_name]()

@@ -47,7 +47,9 @@ import json
 import os
 import re
 import shutil
+import stat
 import types
+import warnings
 from typing import Optional
 
 import keras
@@ -169,15 +171,76 @@ _REPLACED = ".replaced-"
 _SHARD_DIR = re.compile(r"shard-\d{5}-of-\d{5}")
 
 
+def check_directory(name: str, directory) -> str:
+    """``directory`` as a str path that TensorFlow's checkpoint reader can
+    find again: it takes a checkpoint's path as a file pattern, in which
+    ``[...]`` is a set of characters, so a save into ``run[2]`` failed to
+    read itself back and a restore from one called it damaged (a review).
+    (``*``, ``?`` and ``{}`` match themselves too, and work.)"""
+    directory = check_path(name, directory)
+    if "[" in directory:
+        raise ValueError(
+            f"{name} must not contain '[': TensorFlow reads a checkpoint's path as a file "
+            f"pattern, in which [...] is a set of characters, and would not find the files "
+            f"again; got {directory!r} (rename it, e.g. with '_' or '-')")
+    return directory
+
+
+def _mount_points() -> set:
+    """The mount points in ``/proc/self/mountinfo`` (bind mounts too, which
+    ``os.path.ismount`` does not see within one file system); empty where
+    there is no such file."""
+    points = set()
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            for line in f:
+                fields = line.split(" ")
+                if len(fields) > 4:
+                    # Octal escapes for space, tab, newline and backslash.
+                    points.add(re.sub(r"\\([0-7]{3})",
+                                      lambda m: chr(int(m.group(1), 8)), fields[4]))
+    except OSError:
+        pass
+    return points
+
+
+def _keeps_owner_and_mode(real: str) -> bool:
+    """Whether a directory this process makes next to ``real`` (the new
+    save) gets ``real``'s owner and group, and may be renamed in the parent
+    (a sticky parent lets only a directory's owner rename it). Replacing a
+    shared, group-writable save directory made it the process's own, mode
+    0755 (a review); the mode is copied (``_swap_in``), owner and group
+    cannot be."""
+    parent = os.stat(os.path.dirname(real))
+    st = os.stat(real)
+    group = parent.st_gid if parent.st_mode & stat.S_ISGID else os.getegid()
+    return st.st_uid == os.geteuid() and st.st_gid == group
+
+
+def _name_fits(real: str) -> bool:
+    """Whether the siblings' names (the longer is ``<name>.replaced-<16 hex>``)
+    fit the file system's limit on a name (a 235-byte name took one save,
+    then every later one failed: "File name too long"; a review)."""
+    parent = os.path.dirname(real)
+    try:
+        limit = os.pathconf(parent, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    return len(os.fsencode(os.path.basename(real) + _REPLACED)) + 16 <= limit
+
+
 def _replaceable(directory: str) -> bool:
     """Whether ``directory`` is a complete save on the local file system
     (``manifest.json``) that holds only a save's own entries, which a new
     save then replaces whole once it is complete (see ``_save``). Written in
     place instead: a directory with anything else in it (files of the
-    user's), a mount point (which cannot be renamed), one whose parent this
-    process cannot write (where the new save would go first), one this
-    process works in (any rank's: see ``_save``), one on another file
-    system, and any the checks here cannot read. A symbolic link is
+    user's), a mount point (bind mounts too: neither can be renamed), one
+    whose parent this process cannot write (where the new save would go
+    first), one whose owner or group a new directory would not have (see
+    ``_keeps_owner_and_mode``), one whose name is too long for the
+    siblings' names, one this process works in (any rank's: see
+    ``_save``), one on another file system, and any the checks here cannot
+    read. A symbolic link is
     followed: the directory it names is replaced, and the link then names
     the new save."""
     try:
@@ -186,8 +249,9 @@ def _replaceable(directory: str) -> bool:
             return False
         real = os.path.realpath(local)
         if (not os.path.isfile(os.path.join(real, MANIFEST)) or os.path.ismount(real)
+                or real in _mount_points() or not _name_fits(real)
                 or not os.access(os.path.dirname(real), os.W_OK | os.X_OK)
-                or _holds_working_directory(real)):
+                or not _keeps_owner_and_mode(real) or _holds_working_directory(real)):
             return False
         return all(name == MANIFEST or name.startswith(MANIFEST + ".tmp")
                    or _SHARD_DIR.fullmatch(name) for name in os.listdir(real))
@@ -228,10 +292,15 @@ def _swap_in(staging: str, directory: str, save_id: int) -> Optional[str]:
     replaced = f"{target}{_REPLACED}{save_id:016x}"
     kept = f"This save was discarded; {directory} still holds the earlier save."
     try:
+        # The earlier directory's permission bits (a group-writable one
+        # stays so); owner and group are the same (_keeps_owner_and_mode).
+        os.chmod(staging, stat.S_IMODE(os.stat(target).st_mode))
         os.rename(target, replaced)
     except OSError as err:
         _discard(staging)
-        return f"{_describe(err)}. {kept}"
+        return (f"{_describe(err)}. {kept} If saves cannot replace the one there, put a file "
+                f"of your own into {directory}: a save into a directory that holds other "
+                f"files is written in place")
     try:
         os.rename(staging, target)
     except OSError as err:
@@ -245,6 +314,10 @@ def _swap_in(staging: str, directory: str, save_id: int) -> Optional[str]:
         _discard(staging)
         return f"{_describe(err)}. {kept}"
     shutil.rmtree(replaced, ignore_errors=True)
+    if os.path.lexists(replaced):
+        warnings.warn(f"tf_sfctr.distributed.save: the earlier save that {directory} replaced "
+                      f"could not be deleted entirely; what is left of it is at {replaced}",
+                      stacklevel=3)
     try:
         _sync_local(target, names=[], parent=True)
     except OSError as err:
@@ -269,9 +342,12 @@ def save(checkpoint: tf.train.Checkpoint, directory: str, *, table_files: bool =
     its place once complete: if it fails, the earlier save is still there.
     (A process killed in between can leave that sibling behind; a
     ``.saving-`` directory with a ``manifest.json`` is a complete save.) A
-    mount point, a directory whose parent this process cannot write, and
-    one on another file system (``gs://``...) are written in place: the
-    earlier save is removed first.
+    mount point, a directory whose parent this process cannot write, one
+    whose owner or group a new directory would not get, one on another file
+    system (``gs://``...) and the others ``_replaceable`` lists are written
+    in place: the earlier save is removed first. ``directory`` must not
+    contain ``[`` (see ``check_directory``). Returns this rank's shard
+    prefix in ``directory``; ``restore`` takes ``directory``.
 
     Each table's rows go to a table file of their own in the shard
     (``table-NNNN.rows``), a part of about 8 MiB at a time, so that saving
@@ -288,7 +364,7 @@ def save(checkpoint: tf.train.Checkpoint, directory: str, *, table_files: bool =
         _check_tables_reachable(checkpoint, "save")
         _build_pending_tables(checkpoint)
         # (An empty directory wrote into the working directory.)
-        directory = check_path("tf_sfctr.distributed.save: directory", directory)
+        directory = check_directory("tf_sfctr.distributed.save: directory", directory)
         table_files = check_bool("tf_sfctr.distributed.save: table_files", table_files)
         if metadata is not None:
             try:
@@ -494,7 +570,9 @@ def _agree_on_save(error: Optional[BaseException], directory: str, name: str,
                        f"{error.strerror or error}{where}. " + (
                            f"This save was discarded; {directory} still holds the earlier "
                            f"save." if staging is not None else
-                           "This save may be incomplete; the saves before it are intact."))
+                           f"This save is incomplete: {directory} holds no complete "
+                           f"checkpoint (a save written in place removes the one there "
+                           f"first); saves in other directories are intact."))
             if error.errno is None:
                 raise type(error)(message) from error
             raise type(error)(error.errno, message) from error
@@ -629,8 +707,21 @@ def _read_manifest(directory: str) -> tuple[int, Optional[int]]:
         raise CheckpointMismatchError(
             f"{manifest_path} is missing or unreadable: {directory} was not written by "
             f"tf_sfctr.distributed.save, or that save did not finish."
-            f"{_left_beside(directory)}") from err
+            f"{_inside_a_save(directory) or _left_beside(directory)}") from err
     return saved_size, save_id
+
+
+def _inside_a_save(directory: str) -> str:
+    """Names the save directory when ``directory`` is a path inside one: the
+    shard prefix that ``save`` returns (``<dir>/shard-00000-of-00001/ckpt``)
+    or a shard's directory."""
+    parts = directory.rstrip("/").split("/")
+    for up in (1, 2):
+        if len(parts) > up and _SHARD_DIR.fullmatch(parts[-up]):
+            save_dir = "/".join(parts[:-up]) or "/"
+            return (f" {directory} is inside a save: restore takes the save's directory, "
+                    f"{save_dir!r} (save returns the path of this rank's shard in it).")
+    return ""
 
 
 def _left_beside(directory: str) -> str:
@@ -1252,7 +1343,7 @@ def restore(checkpoint: tf.train.Checkpoint, directory: str) -> None:
     try:
         _check_checkpoint(checkpoint, "restore")
         _check_tables_reachable(checkpoint, "restore")
-        directory = check_path("tf_sfctr.distributed.restore: directory", directory)
+        directory = check_directory("tf_sfctr.distributed.restore: directory", directory)
     except (TypeError, ValueError) as err:
         refused = err
     if refused is not None and world()[0] == 1:

@@ -28,11 +28,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_sfctr._checks import check_path
 
 from tf_sfctr.distributed._horovod import explain_shutdown, world
 from tf_sfctr.distributed.checkpoint import (MANIFEST, _allgather, _read_json, _write_json,
-                                             read_metadata, restore, save)
+                                             check_directory, read_metadata, restore, save)
 from tf_sfctr.store import CheckpointMismatchError
 
 #: Each save's directory: the training step it was taken after.
@@ -51,9 +50,24 @@ def _steps_done(model) -> int:
 
 
 def _saves(directory: str) -> list[tuple[int, str, bool]]:
-    """(step, path, complete) of each save under ``directory``, oldest first."""
-    if not tf.io.gfile.isdir(directory):
+    """(step, path, complete) of each save under ``directory``, oldest first.
+    Refuses a path that is a file, or one save's own directory (given to
+    ``resume``, it found no ``ckpt-*`` saves in it and started training
+    afresh, silently; a review)."""
+    if not tf.io.gfile.exists(directory):
         return []
+    if not tf.io.gfile.isdir(directory):
+        raise ValueError(
+            f"{directory} is a file; SaveCheckpoints, resume and latest_checkpoint take the "
+            "directory that SaveCheckpoints writes its saves into (as ckpt-<step> "
+            "directories)")
+    if tf.io.gfile.exists(os.path.join(directory, MANIFEST)):
+        parent = os.path.dirname(directory.rstrip("/")) or "."
+        raise ValueError(
+            f"{directory} is one save (it holds {MANIFEST}), not a directory of saves as "
+            "SaveCheckpoints writes them (ckpt-<step> directories): restore it with "
+            f"tf_sfctr.distributed.restore(checkpoint, {directory!r}), or give resume and "
+            f"latest_checkpoint the directory that holds it ({parent!r})")
     found = []
     for name in tf.io.gfile.listdir(directory):
         match = _NAME.match(name.rstrip("/"))
@@ -102,7 +116,7 @@ def same_on_every_rank(what: str, arguments: tuple, names: str) -> None:
 
 
 def _checked(directory) -> str:
-    return check_path("directory", directory)
+    return check_directory("directory", directory)
 
 
 def _on_rank_0(fn, name: str):
@@ -180,15 +194,17 @@ class SaveCheckpoints(keras.callbacks.Callback):
     def __init__(self, checkpoint: Optional[tf.train.Checkpoint], directory: str, *,
                  every_steps: Optional[int] = None, keep: Optional[int] = 2):
         super().__init__()
-        if not isinstance(directory, (str, os.PathLike)) or not str(directory):
-            raise ValueError(f"SaveCheckpoints: directory must be a path, got {directory!r}")
+        # (str() of an os.PathLike that is no pathlib.Path named a directory
+        # "<... object at 0x...>" in the working directory; a review.)
+        directory = check_directory("SaveCheckpoints: directory", directory)
+        _saves(directory)  # refuses a file, or one save's own directory
         for name, value in (("every_steps", every_steps), ("keep", keep)):
             if value is not None and (isinstance(value, (bool, np.bool_))
                                       or not isinstance(value, (int, np.integer)) or value < 1):
                 raise ValueError(f"SaveCheckpoints: {name} must be None or an integer >= 1, "
                                  f"got {value!r}")
         self.checkpoint = checkpoint
-        self.directory = str(directory)
+        self.directory = directory
         self.every_steps = None if every_steps is None else int(every_steps)
         self.keep = None if keep is None else int(keep)
         self._epoch = 0

@@ -159,10 +159,12 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             disk fails the step like a full memory (nothing lost). Each
             process (each Horovod rank) has its own file.
         seed: seed of the per-id initializer; when ``None``, the
-            initializer's own int seed, else drawn at random (kept in the
-            config once the layer is built; a layer made from the config of
-            an unbuilt one draws its own, so pass ``seed=`` for rows that
-            repeat). Under Horovod with more than one rank, a drawn seed is
+            initializer's own int seed, else drawn from Python's global
+            ``random`` generator, as Keras draws an initializer's default
+            seed, so ``keras.utils.set_random_seed(n)`` makes it repeat (kept
+            in the config once the layer is built; a layer made from the
+            config of an unbuilt one draws its own, so pass ``seed=`` for rows
+            that repeat). Under Horovod with more than one rank, a drawn seed is
             rank 0's, sent to every rank when the layer is built (a
             collective), so data-parallel replicas start equal; an explicit
             seed must be the same on every rank.
@@ -304,7 +306,11 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             seed = _initializers.own_seed(self.embeddings_initializer)
         self._seed_drawn = seed is None
         if seed is None:
-            seed = random.SystemRandom().randrange(2**31)
+            # From Python's global generator, as Keras draws an initializer's
+            # default seed: keras.utils.set_random_seed(n) makes it repeat
+            # (a review: it drew from the OS, and ported experiments that set
+            # the global seed started from other rows at every run).
+            seed = random.randrange(2**31)
         self._seed = self._checked_seed(seed)
         if distribution not in DISTRIBUTIONS:
             raise ValueError(
@@ -1108,7 +1114,10 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             "training call; its table update was already applied with the "
             "first. Take one gradient per training step (sum the losses "
             "before tape.gradient); note that any gradient of a loss that a "
-            "training call feeds applies its update")
+            "training call feeds applies its update, also one taken with "
+            "respect to the layer's output (adversarial training such as FGM: "
+            "take that gradient with an inner GradientTape that watches the "
+            "output)")
         with tf.control_dependencies([once]):
             # (tf.identity: a cast of float32 gradients is no op, and would
             # wait for nothing.)

@@ -135,3 +135,25 @@ def test_the_initializers_own_seed_is_the_layers_when_it_has_none():
     c = layer()
     c.seed = 11  # set by hand: kept
     assert c.get_config()["seed"] == 11
+
+
+def test_keras_set_random_seed_makes_a_drawn_seed_repeat():
+    """Without seed=, the layer's seed follows keras.utils.set_random_seed,
+    as a keras.layers.Embedding's initial rows do (it was drawn from the OS:
+    a ported experiment that set the global seed started elsewhere at every
+    run); layers made one after another still differ."""
+    ids = np.array([5, -3, 2**40], np.int64)
+
+    def rows_after(seed):
+        keras.utils.set_random_seed(seed)
+        first = CachedEmbedding(4, cache_capacity=8)
+        second = CachedEmbedding(4, cache_capacity=8)
+        return first.lookup_rows(ids), second.lookup_rows(ids)
+
+    a, b = rows_after(11)
+    again_a, again_b = rows_after(11)
+    np.testing.assert_array_equal(a, again_a)
+    np.testing.assert_array_equal(b, again_b)
+    assert not np.array_equal(a, b)
+    other, _ = rows_after(12)
+    assert not np.array_equal(a, other)

@@ -4,6 +4,7 @@ same model with keras.layers.Embedding, far above chance."""
 
 import keras
 import numpy as np
+import pytest
 
 import tf_sfctr
 from tf_sfctr.keras_layers import CachedEmbedding
@@ -57,3 +58,51 @@ def test_planted_model_auc_matches_keras_embedding(rng):
     assert abs(auc - ref_auc) <= 0.005, (auc, ref_auc)
     stats = cached.cache_stats()
     assert stats["evictions"] > 0 and 0 < stats["hit_rate"] < 1
+
+
+def test_adversarial_training_on_the_output_with_an_inner_tape_matches_keras():
+    """FGM: the gradient of the loss with respect to the layer's output, a
+    perturbed second loss, one gradient of the sum. Taken from the outer
+    tape, that first gradient applies the table's update (and the sum's is
+    refused, naming the inner-tape way, which the README gives); from an
+    inner tape the table trains once per step, as a keras.layers.Embedding."""
+    import tensorflow as tf
+
+    pool = np.array([4, -8, 2**41, 15, 6], np.int64)
+    ours = CachedEmbedding(3, cache_capacity=8, seed=2, optimizer=tf_sfctr.optimizers.SGD(0.3))
+    ref = keras.layers.Embedding(len(pool), 3)
+    ref.build((None,))
+    ref.embeddings.assign(ours.lookup_rows(pool))
+    ref_opt = keras.optimizers.SGD(0.3)
+    rng = np.random.default_rng(3)
+
+    def fgm_loss(layer, ids, w):
+        e = layer(ids, training=True)
+        with tf.GradientTape() as inner:
+            inner.watch(e)
+            loss = tf.reduce_sum(tf.tanh(e) * w)
+        g = inner.gradient(loss, e)
+        delta = 0.1 * g / (tf.norm(g) + 1e-12)
+        return loss + tf.reduce_sum(tf.tanh(e + tf.stop_gradient(delta)) * w)
+
+    for step in range(6):
+        pos = rng.integers(0, len(pool), size=4)
+        w = tf.constant(rng.normal(size=(4, 3)), tf.float32)
+        with tf.GradientTape() as tape:
+            total = fgm_loss(ours, pool[pos], w)
+        tape.gradient(total, ours.trainable_weights)
+        assert ours.table_updates == step + 1
+        with tf.GradientTape() as tape:
+            total = fgm_loss(ref, pos, w)
+        ref_opt.apply_gradients(zip(tape.gradient(total, ref.trainable_weights),
+                                    ref.trainable_weights))
+    np.testing.assert_allclose(ours.lookup_rows(pool), ref.embeddings.numpy(),
+                               rtol=1e-5, atol=1e-6)
+
+    with tf.GradientTape(persistent=True) as tape:
+        e = ours(pool[:2], training=True)
+        loss = tf.reduce_sum(e)
+    tape.gradient(loss, e)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="inner GradientTape that watches the output"):
+        tape.gradient(loss, ours.trainable_weights)

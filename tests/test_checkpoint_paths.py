@@ -221,3 +221,29 @@ def test_a_deferred_restore_whose_save_was_replaced_says_so(tmp_path):
     with pytest.raises(CheckpointMismatchError, match=r"is no longer the save that "
                                                       r"tf_sfctr.distributed.restore was given"):
         model(x)
+
+
+def test_a_failed_sync_after_the_swap_says_the_save_is_in_place(tmp_path, monkeypatch):
+    """The renames of a save over a save succeeded but syncing the parent
+    directory failed: the error says the new save is there, and it is."""
+    import errno
+
+    model, emb = _model()
+    _train(model)
+    target = tmp_path / "latest"
+    save(_ckpt(model), str(target))
+    _train(model, 3)
+    sync = dist_checkpoint._sync_local
+
+    def fails_after_swap(directory, names=None, parent=False):
+        if names == [] and parent:
+            raise OSError(errno.EIO, "Input/output error")
+        sync(directory, names=names, parent=parent)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(dist_checkpoint, "_sync_local", fails_after_swap)
+        with pytest.raises(RuntimeError, match=rf"the save is in {target}, but putting its "
+                                               r"place there on the disk failed: .*Input/output"):
+            save(_ckpt(model), str(target))
+    assert os.listdir(tmp_path) == ["latest"]
+    np.testing.assert_array_equal(_restored(str(target)), emb.lookup_rows(VOCAB))

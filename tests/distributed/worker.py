@@ -3,6 +3,7 @@ scenario and rank into the directory given as argv[1]. Assertions that need
 no reference are made here (a failing rank exits non-zero)."""
 
 import os
+import random
 import re
 import sys
 import warnings
@@ -515,12 +516,19 @@ def run_broadcast(out_dir, rank):
         def call(self, ids, training=None):
             return self.dense(keras.ops.reshape(self.emb(ids, training=training), (-1, 6)))
 
+    # The ranks' global generators differ (test only: main() seeded them
+    # alike, and a layer's drawn seed comes from Python's random), so that
+    # the broadcast is what makes the seeds equal below.
+    random.seed(1000 + rank)
     inp = keras.Input(shape=(2,), dtype="int64")
     tables = [CachedEmbedding(3, cache_capacity=32, name=f"unseeded_{mode}",
                               distribution=mode) for mode in ("data_parallel", "model_parallel")]
+    sub_dp = SubDP()
+    drawn = hvd.allgather(tf.constant(
+        [[t._seed for t in (*tables, sub_dp.emb)]], tf.int64)).numpy()
+    assert np.all(drawn[0] != drawn[1]), drawn
     seeded = keras.Model(inp, keras.layers.Dense(1)(keras.layers.Concatenate()(
         [keras.layers.Flatten()(t(inp)) for t in tables])))
-    sub_dp = SubDP()
     for m in (seeded, sub_dp):
         m.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
         m.fit(x, np.ones((4, 1)), batch_size=4, epochs=2, verbose=0, callbacks=callbacks())
@@ -1242,6 +1250,18 @@ def _save_over_a_save_on_two_ranks(directory, rank, make, state, trained):
     restore(tf.train.Checkpoint(model=model2, optimizer=model2.optimizer), directory)
     for a, b in zip(trained_state, state(emb2, dense2, model2)):
         np.testing.assert_array_equal(a, b)
+    # A save that rank 1 (alone) works inside is written in place: replaced,
+    # it would be deleted from under that rank's working directory.
+    inode, cwd = os.stat(directory).st_ino, os.getcwd()
+    if rank == 1:
+        os.chdir(os.path.join(directory, "shard-00001-of-00002"))
+    try:
+        save(tf.train.Checkpoint(model=model, optimizer=model.optimizer), directory)
+        assert os.path.isdir(os.getcwd())
+    finally:
+        os.chdir(cwd)
+    assert os.stat(directory).st_ino == inode, "replaced, though rank 1 works inside"
+    assert not [n for n in os.listdir(parent) if n.startswith(base + ".")], os.listdir(parent)
 
 
 def run_resume(out_dir, rank):

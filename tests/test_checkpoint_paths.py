@@ -247,3 +247,19 @@ def test_a_failed_sync_after_the_swap_says_the_save_is_in_place(tmp_path, monkey
             save(_ckpt(model), str(target))
     assert os.listdir(tmp_path) == ["latest"]
     np.testing.assert_array_equal(_restored(str(target)), emb.lookup_rows(VOCAB))
+
+
+def test_an_earlier_save_that_cannot_be_deleted_is_named_in_a_warning(tmp_path, monkeypatch):
+    model, emb = _model()
+    _train(model)
+    target = tmp_path / "latest"
+    save(_ckpt(model), str(target))
+    _train(model, 3)
+    with monkeypatch.context() as patch:
+        # (test only: the earlier save's files cannot be deleted)
+        patch.setattr(dist_checkpoint.shutil, "rmtree", lambda path, ignore_errors=False: None)
+        with pytest.warns(UserWarning, match=r"the earlier save that .*latest replaced could "
+                                             r"not be deleted entirely; what is left of it is "
+                                             r"at .*latest\.replaced-[0-9a-f]{16}"):
+            save(_ckpt(model), str(target))
+    np.testing.assert_array_equal(_restored(str(target)), emb.lookup_rows(VOCAB))

@@ -120,10 +120,43 @@ def test_a_bracket_in_a_save_directory_is_refused_before_anything_is_written(tmp
         _restored(str(target))
     with pytest.raises(ValueError, match=r"must not contain '\['"):
         tf_sfctr.distributed.SaveCheckpoints(None, str(tmp_path / "exp[a]"))
+    with pytest.raises(ValueError, match=r"must not contain '\\\\'.*escapes the next one"):
+        save(_ckpt(model), str(tmp_path / "back\\slash"))
+    assert not (tmp_path / "back\\slash").exists()
     # *, ? and {} match themselves and work.
     for name in ("run*", "run?", "run{x}"):
         save(_ckpt(model), str(tmp_path / name))
         np.testing.assert_array_equal(_restored(str(tmp_path / name)), emb.lookup_rows(VOCAB))
+
+
+def test_a_bracket_reached_through_the_working_directory_is_saved_in_place(
+        tmp_path, monkeypatch):
+    """A relative path under a working directory with '[' passes the check
+    (TensorFlow reads the path as given); a save over a save there built
+    its sibling from the resolved path, and every later save failed."""
+    model, emb = _model()
+    _train(model)
+    (tmp_path / "exp[1]").mkdir()
+    monkeypatch.chdir(tmp_path / "exp[1]")
+    save(_ckpt(model), "ck")
+    assert not dist_checkpoint._replaceable("ck")
+    _train(model, 3)
+    save(_ckpt(model), "ck")
+    assert os.listdir(".") == ["ck"]
+    np.testing.assert_array_equal(_restored("ck"), emb.lookup_rows(VOCAB))
+
+
+def test_a_file_of_the_users_named_manifest_json_is_no_save(tmp_path):
+    """The refusal of one save's own directory goes by a manifest that
+    tf_sfctr.distributed.save wrote, not by the name alone."""
+    (tmp_path / "manifest.json").write_text('{"dataset": "day-1"}')
+    model, emb = _model()
+    callback = tf_sfctr.distributed.SaveCheckpoints(None, str(tmp_path))
+    model.fit(np.tile(VOCAB[:2], (8, 1)), np.zeros((8, 1)), batch_size=8, verbose=0,
+              callbacks=[callback])
+    fresh, fresh_emb = _model(seed=9)
+    assert resume(_ckpt(fresh), str(tmp_path)) == 1
+    np.testing.assert_array_equal(fresh_emb.lookup_rows(VOCAB), emb.lookup_rows(VOCAB))
 
 
 def test_a_restore_given_the_path_save_returned_names_the_save_directory(tmp_path):

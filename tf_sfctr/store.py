@@ -640,7 +640,8 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
                 # before the layer was built: the advice below was what the
                 # user had done; a review.)
                 raise CheckpointMismatchError(
-                    f"the checkpoint at {pending[1]} is no longer the save that "
+                    f"the checkpoint at {os.path.dirname(pending[1].rstrip('/'))} is no longer "
+                    f"the save that "
                     f"tf_sfctr.distributed.restore was given (another save has replaced it "
                     f"since: save id {int(header[10])}, restored {pending[0]}) and this "
                     f"layer was built after that restore; restore again, or build the layer "

@@ -176,13 +176,19 @@ def check_directory(name: str, directory) -> str:
     find again: it takes a checkpoint's path as a file pattern, in which
     ``[...]`` is a set of characters, so a save into ``run[2]`` failed to
     read itself back and a restore from one called it damaged (a review).
-    (``*``, ``?`` and ``{}`` match themselves too, and work.)"""
+    A backslash (the pattern's escape) fails the same way. (``*``, ``?``
+    and ``{}`` match themselves too, and work.) A local path that reaches
+    such a name only once resolved (a working directory or a symbolic link
+    through one) is saved in place (``_replaceable``), where the path as
+    given is what TensorFlow reads."""
     directory = check_path(name, directory)
-    if "[" in directory:
+    bad = [c for c in "[\\" if c in directory]
+    if bad:
         raise ValueError(
-            f"{name} must not contain '[': TensorFlow reads a checkpoint's path as a file "
-            f"pattern, in which [...] is a set of characters, and would not find the files "
-            f"again; got {directory!r} (rename it, e.g. with '_' or '-')")
+            f"{name} must not contain {' or '.join(repr(c) for c in bad)}: TensorFlow reads a "
+            f"checkpoint's path as a file pattern, in which [...] is a set of characters and "
+            f"a backslash escapes the next one, and would not find the files again; got "
+            f"{directory!r} (rename it, e.g. with '_' or '-')")
     return directory
 
 
@@ -248,7 +254,10 @@ def _replaceable(directory: str) -> bool:
         if local is None:
             return False
         real = os.path.realpath(local)
+        # (The siblings' paths are built from the resolved one: see
+        # check_directory.)
         if (not os.path.isfile(os.path.join(real, MANIFEST)) or os.path.ismount(real)
+                or "[" in real or "\\" in real
                 or real in _mount_points() or not _name_fits(real)
                 or not os.access(os.path.dirname(real), os.W_OK | os.X_OK)
                 or not _keeps_owner_and_mode(real) or _holds_working_directory(real)):

@@ -61,7 +61,7 @@ def _saves(directory: str) -> list[tuple[int, str, bool]]:
             f"{directory} is a file; SaveCheckpoints, resume and latest_checkpoint take the "
             "directory that SaveCheckpoints writes its saves into (as ckpt-<step> "
             "directories)")
-    if tf.io.gfile.exists(os.path.join(directory, MANIFEST)):
+    if _is_one_save(directory):
         parent = os.path.dirname(directory.rstrip("/")) or "."
         raise ValueError(
             f"{directory} is one save (it holds {MANIFEST}), not a directory of saves as "
@@ -76,6 +76,17 @@ def _saves(directory: str) -> list[tuple[int, str, bool]]:
             found.append((int(match.group(1)), int(match.group(2) or 0), path,
                           tf.io.gfile.exists(os.path.join(path, MANIFEST))))
     return [(step, path, done) for step, _, path, done in sorted(found)]
+
+
+def _is_one_save(directory: str) -> bool:
+    """Whether ``directory`` holds a ``manifest.json`` that
+    ``tf_sfctr.distributed.save`` wrote (a file of the user's by that name
+    in a directory of saves is not one: a review)."""
+    try:
+        manifest = _read_json(os.path.join(directory, MANIFEST))
+    except (OSError, tf.errors.OpError, ValueError):
+        return False
+    return isinstance(manifest, dict) and "world_size" in manifest
 
 
 def _next_name(directory: str, step: int) -> str:

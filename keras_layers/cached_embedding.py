@@ -557,6 +557,19 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         count = tf.where(plan.usable, plan.count, tf.zeros_like(plan.count))
         return plan.ids.value()[:count]
 
+    #: Properties that build an unbuilt layer (its table, and under Horovod
+    #: a collective): left out of ``dir()`` until it is built, because
+    #: Keras's saving (``model.save``, ``pickle`` and ``copy.deepcopy``
+    #: through it) reads every attribute ``dir()`` lists, and built the
+    #: table of an unbuilt template layer that was only copied (a review).
+    _BUILDING_PROPERTIES = ("mode", "store", "table_updates")
+
+    def __dir__(self):
+        names = super().__dir__()
+        if self._store is None:
+            names = [n for n in names if n not in self._BUILDING_PROPERTIES]
+        return names
+
     @property
     def store(self) -> EmbeddingStore:
         """The host table and cache directory (built on first use)."""
@@ -1265,13 +1278,21 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         if self._mode == "model_parallel" and self._world_size > 1:
             raise ValueError(
                 f"CachedEmbedding {self.name!r}: {what} of a model-parallel table is not "
-                f"supported in the Keras format: each of the {self._world_size} ranks holds "
+                f"supported in the Keras format (model.save, save_weights, ModelCheckpoint, "
+                f"BackupAndRestore, Keras's TensorBoard(embeddings_freq=...), pickle and "
+                f"copy.deepcopy all go through it): each of the {self._world_size} ranks holds "
                 "only its shard, so a weights file would hold one shard (or load a whole "
                 "table onto every rank). Use tf_sfctr.distributed.save / restore (sharded, "
                 "restorable on any number of ranks), or export_for_serving for a complete "
                 "SavedModel.")
 
     def save_own_variables(self, store) -> None:
+        if self._store is None and not self.table_restore_pending:
+            # Unbuilt: no table yet, and nothing saved (as an unbuilt Keras
+            # layer saves no variables). Building here made a deepcopy or
+            # pickle of a template layer build the template's table, and
+            # under Horovod refused it as a model-parallel table (a review).
+            return
         self._require_built()
         self._refuse_keras_format_when_sharded("saving")
         saved = self._store.table_tensors()
@@ -1284,10 +1305,12 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             store["table_learning_rate"] = np.array([rate.numpy()], np.float32)
 
     def load_own_variables(self, store) -> None:
+        present = set(store.keys())
+        if not present and self._store is None:
+            return  # saved unbuilt (save_own_variables): stays unbuilt
         self._require_built()
         self._refuse_keras_format_when_sharded("loading")
         keys = ("header", "ids", "rows", "counts", "counters")
-        present = set(store.keys())
         missing = [k for k in keys if f"table_{k}" not in present]
         if missing:
             raise ValueError(

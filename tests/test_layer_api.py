@@ -804,3 +804,26 @@ def test_export_rows_gives_every_current_row_and_its_uses(rng):
     assert got.pop(int(vocab[-1])) == 0 and got == uses
     with pytest.raises(ValueError, match="part_rows must be a positive int, got 0"):
         layer.export_rows(part_rows=0)
+
+
+def test_deepcopy_and_pickle_of_unbuilt_and_built_layers():
+    """copy.deepcopy and pickle go through Keras's saving format. An unbuilt
+    layer copies unbuilt (it built the original's table, and under Horovod
+    refused it as a model-parallel table); a built one copies its table."""
+    import copy
+    import pickle
+
+    template = CachedEmbedding(4, cache_capacity=16, optimizer="sgd")
+    for copied in (copy.deepcopy(template), pickle.loads(pickle.dumps(template))):
+        assert not template.built and not copied.built
+        assert copied.get_config()["cache_capacity"] == 16
+        copied.build(None)
+        assert copied.lookup_rows([5]).shape == (1, 4)
+    assert not template.built
+    ids = np.array([5, -2, 2**40], np.int64)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(template(ids, training=True))
+    tape.gradient(loss, template.trainable_weights)
+    for copied in (copy.deepcopy(template), pickle.loads(pickle.dumps(template))):
+        np.testing.assert_array_equal(copied.lookup_rows(ids), template.lookup_rows(ids))
+        assert copied.table_updates == template.table_updates == 1

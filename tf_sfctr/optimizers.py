@@ -103,8 +103,11 @@ def _check_positive(name: str, value: float, allow_zero: bool = False) -> float:
     if value > limit.max:
         raise ValueError(f"{name} must be finite in float32 (at most {float(limit.max):.4g}), "
                          f"got {value}")
-    if 0 < value < limit.tiny and not allow_zero:
-        raise ValueError(f"{name} must be > 0 in float32, whose computations flush numbers "
+    if 0 < value < limit.tiny:
+        # (With allow_zero too: a denormal epsilon or initial accumulator
+        # passed the zero checks and the first update divided 0 by 0; a review.)
+        raise ValueError(f"{name} must be {'0 or ' if allow_zero else ''}> 0 in float32, "
+                         f"whose computations flush numbers "
                          f"below {float(limit.tiny):.4g} to 0; got {value}")
     return value
 
@@ -503,7 +506,7 @@ class Adagrad(TableOptimizer):
             raise ValueError(
                 f"accumulate must be 'per_occurrence' (Keras 3) or 'summed' "
                 f"(TF1/Keras 2), got {accumulate!r}")
-        if np.float32(self.initial_accumulator_value + self.epsilon) == 0:
+        if np.float32(self.initial_accumulator_value + self.epsilon) < np.finfo(np.float32).tiny:
             raise ValueError(
                 "initial_accumulator_value + epsilon must be > 0 in float32 (the stored "
                 "accumulator), got "
@@ -684,7 +687,7 @@ class Ftrl(TableOptimizer):
             "l2_shrinkage_regularization_strength", l2_shrinkage_regularization_strength,
             allow_zero=True)
         self.beta = _check_positive("beta", beta, allow_zero=True)
-        if (power < 0 and np.float32(self.initial_accumulator_value) == 0
+        if (power < 0 and self.initial_accumulator_value == 0
                 and self.l2_regularization_strength == 0 and self.beta == 0):
             raise ValueError(
                 "Ftrl: initial_accumulator_value must be > 0 when learning_rate_power < 0 "

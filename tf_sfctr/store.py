@@ -136,7 +136,9 @@ def check_rows_savable(rows: np.ndarray, ids: np.ndarray, dim: int, table: str) 
             f"{part[row, :dim].tolist()}): its training overflowed float32, with a learning "
             "rate too large for its gradients (or a schedule that grew), or an optimizer "
             "state that overflowed. Nothing was saved, since a restore refuses such rows: "
-            "restore an earlier checkpoint and train on with a smaller learning rate.")
+            "restore an earlier checkpoint and train on with a smaller learning rate (not one "
+            "at the path of this save if it is a Keras file, .keras or .weights.h5: Keras "
+            "has emptied that file already).")
 
 
 def _saved_integers(name: str, values) -> np.ndarray:

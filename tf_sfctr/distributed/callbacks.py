@@ -691,6 +691,6 @@ def callbacks(root_rank: int = 0) -> list[keras.callbacks.Callback]:
 
         model.fit(ds, steps_per_epoch=steps,  # the same on every rank
                   callbacks=[*tf_sfctr.distributed.callbacks(),
-                             keras.callbacks.EarlyStopping(patience=2)])
+                             keras.callbacks.EarlyStopping(monitor="loss", patience=2)])
     """
     return [BroadcastInitialState(root_rank), AverageMetrics()]

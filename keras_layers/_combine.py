@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sfctr import _ops
+from tf_sfctr._checks import ArgumentTypeError
 
 
 def in_range_segment_sum(data: tf.Tensor, row_ids: tf.Tensor, nrows: tf.Tensor,
@@ -182,7 +183,7 @@ def check_float_policy(layer: keras.layers.Layer) -> None:
 
 def check_mask_zero(mask_zero: Any, combiner: Optional[str]) -> bool:
     if not isinstance(mask_zero, (bool, np.bool_)):
-        raise ValueError(f"mask_zero must be True or False, got {mask_zero!r}")
+        raise ArgumentTypeError(f"mask_zero must be True or False, got {mask_zero!r}")
     mask_zero = bool(mask_zero)
     if mask_zero and combiner is not None:
         raise ValueError(

@@ -16,7 +16,7 @@ from tf_sfctr import _ops
 from tf_sfctr import optimizers as _optimizers
 from tf_sfctr.distributed import _horovod
 from tf_sfctr.keras_layers._layer_checks import check_id_dtype
-from tf_sfctr._checks import ArgumentTypeError
+from tf_sfctr._checks import ArgumentTypeError, argument_error, is_int
 
 
 def _kth_smallest_over_ranks(values: np.ndarray, k: int, total) -> Optional[int]:
@@ -51,15 +51,13 @@ def check_prune_bound(min_uses: Any, to_rows: Any, decay: Any = None) -> None:
         raise ValueError("prune takes one of min_uses (remove ids used in fewer steps) and "
                          f"to_rows (keep the most used ids), got min_uses={min_uses!r} and "
                          f"to_rows={to_rows!r}")
-    if min_uses is not None and (isinstance(min_uses, (bool, np.bool_))
-                                 or not isinstance(min_uses, (int, np.integer))
-                                 or not 1 <= min_uses <= 65536):
-        raise ValueError(
+    if min_uses is not None and (not is_int(min_uses) or not 1 <= min_uses <= 65536):
+        raise argument_error(
+            not is_int(min_uses),
             f"min_uses must be an int in [1, 65536] (use counters saturate at 65535), "
             f"got {min_uses!r}")
-    if to_rows is not None and (isinstance(to_rows, (bool, np.bool_))
-                                or not isinstance(to_rows, (int, np.integer)) or to_rows < 0):
-        raise ValueError(f"to_rows must be an int >= 0, got {to_rows!r}")
+    if to_rows is not None and (not is_int(to_rows) or to_rows < 0):
+        raise argument_error(not is_int(to_rows), f"to_rows must be an int >= 0, got {to_rows!r}")
     if decay is not None and (isinstance(decay, (bool, np.bool_))
                               or not isinstance(decay, (int, float, np.integer, np.floating))
                               or not 0 <= decay <= 1):

@@ -289,7 +289,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         self.expected_rows = (None if expected_rows is None
                               else self._positive_int("expected_rows", expected_rows))
         if not isinstance(reserve_rows, (bool, np.bool_)):
-            raise ValueError(f"reserve_rows must be True or False, got {reserve_rows!r}")
+            raise ArgumentTypeError(f"reserve_rows must be True or False, got {reserve_rows!r}")
         if reserve_rows and self.expected_rows is None:
             raise ValueError(
                 "reserve_rows=True needs expected_rows (how many rows to reserve); "
@@ -817,7 +817,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
     @staticmethod
     def _checked_seed(seed: Any) -> int:
         if not isinstance(seed, (int, np.integer)) or isinstance(seed, (bool, np.bool_)):
-            raise ValueError(f"seed must be an int or None, got {seed!r}")
+            raise ArgumentTypeError(f"seed must be an int or None, got {seed!r}")
         if not -(2**63) <= int(seed) < 2**63:
             raise ValueError(f"seed must fit in 64 bits (-2**63 <= seed < 2**63), got {seed}")
         return int(seed)

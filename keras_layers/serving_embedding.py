@@ -28,7 +28,7 @@ from tf_sfctr.keras_layers._combine import (
     ragged_row_ids,
     zero_mask,
 )
-from tf_sfctr._checks import ArgumentTypeError
+from tf_sfctr._checks import ArgumentTypeError, argument_error, is_int
 
 
 @keras.saving.register_keras_serializable(package="tf_sfctr")
@@ -43,9 +43,9 @@ def _pad(pad_id: Any) -> Optional[int]:
     """A pad id: None or an int64 id (a float 1.9 was cut to 1, masking id 1)."""
     if pad_id is None:
         return None
-    if isinstance(pad_id, (bool, np.bool_)) or not isinstance(pad_id, (int, np.integer)) \
-            or not -(2**63) <= int(pad_id) < 2**63:
-        raise ValueError(f"pad_id must be None or an int64 id, got {pad_id!r}")
+    if not is_int(pad_id) or not -(2**63) <= int(pad_id) < 2**63:
+        raise argument_error(not is_int(pad_id),
+                             f"pad_id must be None or an int64 id, got {pad_id!r}")
     return int(pad_id)
 
 

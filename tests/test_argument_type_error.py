@@ -31,7 +31,54 @@ CASES = {
     # otherwise).
     "with_unique_ids float ids": lambda: data.with_unique_ids(
         tf.data.Dataset.from_tensor_slices({"sparse": np.ones((2, 3), np.float32)}).batch(1)),
+    # From a README audit: these raised a plain ValueError.
+    "layer seed": lambda: CachedEmbedding(4, cache_capacity=5, seed="1"),
+    "layer mask_zero": lambda: CachedEmbedding(4, cache_capacity=5, mask_zero="yes"),
+    "layer reserve_rows": lambda: CachedEmbedding(4, cache_capacity=5, reserve_rows="yes"),
+    "prune min_uses": lambda: _built().prune("2"),
+    "prune to_rows": lambda: _built().prune(to_rows=1.5),
+    "PruneHostTable min_uses": lambda: callbacks.PruneHostTable(min_uses="2"),
+    "PruneHostTable every_steps": lambda: callbacks.PruneHostTable(1, every_steps="5"),
+    "SaveCheckpoints every_steps": lambda: distributed.SaveCheckpoints(None, "c",
+                                                                       every_steps="3"),
+    "SaveCheckpoints keep": lambda: distributed.SaveCheckpoints(None, "c", keep=2.0),
+    "FollowKerasLearningRate ratio": lambda: callbacks.FollowKerasLearningRate(ratio="x"),
+    "equal_batches max_batches": lambda: distributed.equal_batches(
+        tf.data.Dataset.range(3), max_batches="3"),
+    "export max_rows": lambda: tf_sfctr.export_for_serving(_model(), "x", max_rows="3"),
+    "export pad_id": lambda: tf_sfctr.export_for_serving(_model(), "x", pad_id=1.5),
+    "ServingEmbedding pad_id": lambda: tf_sfctr.keras_layers.ServingEmbedding(
+        np.arange(2), np.ones((2, 2), np.float32), pad_id="0"),
+    "with_unique_ids eviction_hints": lambda: data.with_unique_ids(
+        tf.data.Dataset.from_tensor_slices({"sparse": np.ones((2, 3), np.int64)}).batch(1),
+        eviction_hints="2"),
+    "vsi_inputs eviction_hints": lambda: data.vsi_inputs("sparse", (3,), eviction_hints="2"),
 }
+
+
+def _built():
+    layer = CachedEmbedding(4, cache_capacity=8, seed=0)
+    layer.build(None)
+    return layer
+
+
+def _model():
+    inp = keras.Input((2,), dtype="int64")
+    return keras.Model(inp, CachedEmbedding(2, cache_capacity=4, seed=0)(inp))
+
+
+def test_out_of_range_values_stay_plain_value_errors():
+    for make in (lambda: CachedEmbedding(4, cache_capacity=5, seed=2**64),
+                 lambda: _built().prune(0), lambda: _built().prune(to_rows=-1),
+                 lambda: callbacks.PruneHostTable(1, every_steps=0),
+                 lambda: distributed.SaveCheckpoints(None, "c", keep=0),
+                 lambda: callbacks.FollowKerasLearningRate(ratio=-1.0),
+                 lambda: tf_sfctr.export_for_serving(_model(), "x", max_rows=-1),
+                 lambda: tf_sfctr.export_for_serving(_model(), "x", pad_id=2**64),
+                 lambda: data.vsi_inputs("sparse", (3,), eviction_hints=99)):
+        with pytest.raises(ValueError) as info:
+            make()
+        assert not isinstance(info.value, TypeError), info.value
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

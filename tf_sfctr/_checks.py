@@ -23,6 +23,23 @@ class ArgumentTypeError(TypeError, ValueError):
     __init__ = Exception.__init__
 
 
+def is_int(value: Any) -> bool:
+    """A Python or NumPy int, not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def is_number(value: Any) -> bool:
+    """A Python or NumPy int or float, not a bool."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+        value, (bool, np.bool_))
+
+
+def argument_error(wrong_type: bool, message: str) -> ValueError:
+    """The error of a refused argument: ``ArgumentTypeError`` (a TypeError
+    too) for one of the wrong type, a plain ValueError for one out of range."""
+    return (ArgumentTypeError if wrong_type else ValueError)(message)
+
+
 #: The largest value an int64 holds: counts and sizes above it cannot reach
 #: TensorFlow (which says "out-of-range integer" without naming the argument).
 INT64_MAX = 2**63 - 1

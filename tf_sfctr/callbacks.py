@@ -21,7 +21,8 @@ from typing import Any, Optional
 import keras
 import numpy as np
 
-from tf_sfctr._checks import ArgumentTypeError, check_bool, check_number, check_path
+from tf_sfctr._checks import (ArgumentTypeError, argument_error, check_bool, check_number,
+                              check_path, is_int, is_number)
 
 __all__ = ["CacheMetrics", "EarlyStopping", "FollowKerasLearningRate", "PruneHostTable",
            "cached_embeddings", "table_log_names"]
@@ -423,10 +424,9 @@ class PruneHostTable(keras.callbacks.Callback):
         super().__init__()
         # NumPy integers are ints here, as in CachedEmbedding.prune.
         check_prune_bound(min_uses, to_rows, decay)
-        if every_steps is not None and (isinstance(every_steps, (bool, np.bool_))
-                                        or not isinstance(every_steps, (int, np.integer))
-                                        or every_steps < 1):
-            raise ValueError(f"every_steps must be None or an int >= 1, got {every_steps!r}")
+        if every_steps is not None and (not is_int(every_steps) or every_steps < 1):
+            raise argument_error(not is_int(every_steps),
+                                 f"every_steps must be None or an int >= 1, got {every_steps!r}")
         self.min_uses = None if min_uses is None else int(min_uses)
         self.to_rows = None if to_rows is None else int(to_rows)
         self.decay = None if decay is None else decay_value(decay)
@@ -568,10 +568,10 @@ class FollowKerasLearningRate(keras.callbacks.Callback):
             given = None  # one ratio for every table
         values = list(given.values()) if given is not None else [ratio]
         for value in values:
-            if isinstance(value, (bool, np.bool_)) or not isinstance(
-                    value, (int, float, np.integer, np.floating)) or not 0 < value < np.inf:
-                raise ValueError(f"FollowKerasLearningRate: ratio must be None, a number > 0 "
-                                 f"or a dict of them by table name, got {ratio!r}")
+            if not is_number(value) or not 0 < value < np.inf:
+                raise argument_error(
+                    not is_number(value), f"FollowKerasLearningRate: ratio must be None, a "
+                    f"number > 0 or a dict of them by table name, got {ratio!r}")
         self._every = None if given is not None else float(ratio)
         # table name -> its rate / Keras's (given, or measured in the first fit)
         self._given = dict(given or {})

@@ -20,7 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_sfctr._checks import check_path
+from tf_sfctr._checks import argument_error, check_path, is_int
 from tf_sfctr.distributed import _horovod
 from tf_sfctr.keras_layers._layer_inputs import VSI_OPTIONAL_KEYS, VSI_REQUIRED_KEYS
 from tf_sfctr.keras_layers.cached_embedding import CachedEmbedding
@@ -705,22 +705,27 @@ def _write_traced(model: keras.Model, fn, twins: dict, export_dir) -> None:
 
 
 def _check_serving_arguments(max_rows: Any, pad_id: Any) -> None:
-    if max_rows is not None and (isinstance(max_rows, (bool, np.bool_))
-                                 or not isinstance(max_rows, (int, np.integer))
-                                 or max_rows < 0):
-        raise ValueError(f"max_rows must be None or an int >= 0, got {max_rows!r}")
+    if max_rows is not None and (not is_int(max_rows) or max_rows < 0):
+        raise argument_error(not is_int(max_rows),
+                             f"max_rows must be None or an int >= 0, got {max_rows!r}")
     def bad(p):
         return p is not None and not (isinstance(p, str) and p == "auto") and (
             isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, np.integer))
             or not -(2**63) <= p < 2**63)
 
+    def wrong_type(p):  # (not an out-of-range int)
+        return bad(p) and not is_int(p)
+
     if isinstance(pad_id, dict):
         if not pad_id or any(not isinstance(k, str) or bad(v) for k, v in pad_id.items()):
-            raise ValueError(f"pad_id as a dict maps table names to 'auto', None or an int "
-                             f"id, got {pad_id!r}")
+            raise argument_error(
+                any(not isinstance(k, str) or wrong_type(v) for k, v in pad_id.items()),
+                f"pad_id as a dict maps table names to 'auto', None or an int id, got "
+                f"{pad_id!r}")
     elif bad(pad_id):
-        raise ValueError(f"pad_id must be 'auto', None, an int64 id, or a dict of them by "
-                         f"table name, got {pad_id!r}")
+        raise argument_error(wrong_type(pad_id), f"pad_id must be 'auto', None, an int64 id, "
+                                                 f"or a dict of them by table name, got "
+                                                 f"{pad_id!r}")
 
 
 def _build_pending_tables(model: keras.Model) -> None:

@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from tf_sfctr import _ops
 from tf_sfctr.data._common import SPARSE_KEY, check_names
-from tf_sfctr._checks import ArgumentTypeError
+from tf_sfctr._checks import ArgumentTypeError, argument_error, is_int
 
 __all__ = ["VSI_KEYS", "deduplicate", "vsi_inputs", "with_unique_ids"]
 
@@ -214,7 +214,9 @@ def with_unique_ids(
     except TypeError:
         eviction_hints = -1
     if not 0 <= eviction_hints <= MAX_HINT_BATCHES:
-        raise ValueError(
+        # (A type error when it is no int at all: -1 above.)
+        raise argument_error(
+            eviction_hints == -1 and not (is_int(given) and given == -1),
             f"with_unique_ids: eviction_hints must be an int from 0 (none) to "
             f"{MAX_HINT_BATCHES} (later batches whose ids are hints; the cache tells "
             f"distances apart up to {MAX_HINT_BATCHES}), got {given!r}"
@@ -362,13 +364,15 @@ def vsi_inputs(
             f"and None, e.g. (26,) or (None,), got {shape!r}")
     if not isinstance(eviction_hints, (bool, np.bool_)):
         try:  # the dataset's k also works: any k > 0 means hints
-            if not 0 <= operator.index(eviction_hints) <= MAX_HINT_BATCHES:
-                raise TypeError
+            in_range = 0 <= operator.index(eviction_hints) <= MAX_HINT_BATCHES
         except TypeError:
-            raise ValueError(
+            in_range = None  # no int
+        if not in_range:
+            raise argument_error(
+                in_range is None,
                 f"vsi_inputs: eviction_hints must be True/False or the k of the dataset's "
                 f"with_unique_ids(..., eviction_hints=k) (0 to {MAX_HINT_BATCHES}), got "
-                f"{eviction_hints!r}") from None
+                f"{eviction_hints!r}")
     extra: dict[str, Any] = {}
     if ragged:
         if "ragged" not in inspect.signature(keras.Input).parameters:

@@ -25,11 +25,11 @@ import warnings
 from typing import Optional
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 
 from tf_sfctr.distributed._horovod import explain_shutdown, world
+from tf_sfctr._checks import argument_error, is_int
 from tf_sfctr.distributed.checkpoint import (MANIFEST, _allgather, _read_json, _write_json,
                                              check_directory, read_metadata, restore, save)
 from tf_sfctr.store import CheckpointMismatchError
@@ -210,10 +210,9 @@ class SaveCheckpoints(keras.callbacks.Callback):
         directory = check_directory("SaveCheckpoints: directory", directory)
         _saves(directory)  # refuses a file, or one save's own directory
         for name, value in (("every_steps", every_steps), ("keep", keep)):
-            if value is not None and (isinstance(value, (bool, np.bool_))
-                                      or not isinstance(value, (int, np.integer)) or value < 1):
-                raise ValueError(f"SaveCheckpoints: {name} must be None or an integer >= 1, "
-                                 f"got {value!r}")
+            if value is not None and (not is_int(value) or value < 1):
+                raise argument_error(not is_int(value), f"SaveCheckpoints: {name} must be None "
+                                                        f"or an integer >= 1, got {value!r}")
         self.checkpoint = checkpoint
         self.directory = directory
         self.every_steps = None if every_steps is None else int(every_steps)

@@ -14,7 +14,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sfctr.distributed import _horovod
-from tf_sfctr._checks import ArgumentTypeError
+from tf_sfctr._checks import ArgumentTypeError, argument_error, is_int
 
 
 def equal_batches(dataset: tf.data.Dataset, max_batches: Optional[int] = None
@@ -52,10 +52,9 @@ def equal_batches(dataset: tf.data.Dataset, max_batches: Optional[int] = None
     if not isinstance(dataset, tf.data.Dataset):
         error = ArgumentTypeError(
             f"equal_batches takes a tf.data.Dataset, got {type(dataset).__name__}")
-    elif max_batches is not None and (isinstance(max_batches, (bool, np.bool_))
-                                      or not isinstance(max_batches, (int, np.integer))
-                                      or max_batches < 1):
-        error = ValueError(f"max_batches must be None or an int >= 1, got {max_batches!r}")
+    elif max_batches is not None and (not is_int(max_batches) or max_batches < 1):
+        error = argument_error(not is_int(max_batches),
+                               f"max_batches must be None or an int >= 1, got {max_batches!r}")
     size, _ = _horovod.world()
     launched = os.environ.get("HOROVOD_SIZE", "1")
     if size == 1 and launched.isdigit() and int(launched) > 1:

@@ -407,7 +407,27 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         # on Keras's state lock once the first was done), and rows written
         # to the table it replaced were lost.
         with self._build_lock:
-            self._build_table()
+            # A checkpoint restored into this layer before it was built is
+            # read now, as its variables and table are tracked.
+            restoring = bool(getattr(self, "_self_unconditional_deferred_dependencies", None))
+            try:
+                self._build_table()
+            except tf.errors.OpError as err:
+                if not restoring or self._store is not None:
+                    raise
+                # (A save deleted or moved since the restore gave TF's bare
+                # "Failed to find any matching files"; a review.) TF has
+                # dropped the restores it began, so the failure stays.
+                reason = (
+                    f"could not be read: {err.message.strip()}; a checkpoint restored into a "
+                    f"layer not built yet is read when the layer is built (TensorFlow's "
+                    f"deferred restore), so keep the checkpoint until then (call the model on "
+                    f"a batch), or build the layers before the restore")
+                self._failed_restore = CheckpointMismatchError(f"it {reason}")
+                raise CheckpointMismatchError(
+                    f"CachedEmbedding {self.name!r}: the checkpoint restored into it before it "
+                    f"was built {reason}. To retry, make a new layer and restore the checkpoint "
+                    f"into it.") from err
 
     def _build_table(self) -> None:
         if self._store is not None:

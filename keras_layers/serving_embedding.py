@@ -31,10 +31,10 @@ from tf_sfctr.keras_layers._combine import (
 from tf_sfctr._checks import ArgumentTypeError, argument_error, is_int
 
 
-@keras.saving.register_keras_serializable(package="tf_sfctr")
 def _count(name: str, value: Any, least: int) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
-            or value < least:
+    if not is_int(value):
+        raise ArgumentTypeError(f"{name} must be an integer >= {least}, got {value!r}")
+    if value < least:
         raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
     return int(value)
 
@@ -49,6 +49,7 @@ def _pad(pad_id: Any) -> Optional[int]:
     return int(pad_id)
 
 
+@keras.saving.register_keras_serializable(package="tf_sfctr")
 class ServingEmbedding(keras.layers.Layer):
     """Read-only embedding over known ids, unknown ids -> a zero vector.
 

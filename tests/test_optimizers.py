@@ -520,12 +520,40 @@ def test_get_takes_keras_style_dicts_and_names_what_is_wrong_with_others():
     # about register_keras_serializable.
     with pytest.raises(ValueError, match="dict without 'class_name'.*'Adagrad'"):
         tf_sfctr.optimizers.get(adam.get_config())
-    with pytest.raises(ValueError, match="is not a table optimizer"):
+    with pytest.raises(ValueError, match="Lion.*no class of that name is known.*SGD, Adagrad"):
         tf_sfctr.optimizers.get({"class_name": "Lion", "config": {}})
-    with pytest.raises(ValueError, match="unexpected keyword argument 'name'.*a Keras "
-                                         "optimizer's config is not a table optimizer's"):
+    with pytest.raises(ValueError, match=r"unexpected keyword argument 'name'.*keys \[.*'name'.*"
+                                         r"are a Keras optimizer's"):
         tf_sfctr.optimizers.get({"class_name": "Adam",
                                  "config": keras.optimizers.Adam().get_config()})
+    with pytest.raises(ValueError, match=r"unexpected keyword argument 'lr_decay'.*takes "
+                                         r"\(learning_rate[^()]*\)$"):
+        tf_sfctr.optimizers.get({"class_name": "SGD", "config": {"lr_decay": 3}})
+    # A keras.optimizers.Adam saved whole is named as a Keras optimizer.
+    with pytest.raises(ValueError, match="optimizer=Adam is a Keras optimizer"):
+        tf_sfctr.optimizers.get(keras.saving.serialize_keras_object(keras.optimizers.Adam()))
+
+
+def test_get_lets_a_found_class_say_what_is_wrong_with_its_config():
+    """A review: every error of a saved table optimizer's config (a value of
+    the wrong type, a bad value, a misspelled key, an unregistered subclass
+    in a .keras file) read "is not a table optimizer"."""
+    with pytest.raises(tf_sfctr.ArgumentTypeError, match="learning_rate must be a number, "
+                                                         "got '0.1'"):
+        tf_sfctr.optimizers.get({"class_name": "Adam", "config": {"learning_rate": "0.1"}})
+    saved = keras.saving.serialize_keras_object(tf_sfctr.optimizers.SGD(0.1))
+    saved["config"]["learning_rate"] = -1.0
+    with pytest.raises(ValueError, match="learning_rate must be a finite number > 0, got -1.0"):
+        tf_sfctr.optimizers.get(saved)
+    saved = keras.saving.serialize_keras_object(tf_sfctr.optimizers.Adam(0.1))
+    saved["config"]["beta_one"] = 0.5
+    with pytest.raises(TypeError, match="unexpected keyword argument 'beta_one'"):
+        tf_sfctr.optimizers.get(saved)
+    unknown = {"module": "not_imported_here", "class_name": "MyAdagrad", "config": {},
+               "registered_name": "mine>MyAdagrad"}
+    with pytest.raises(ValueError, match="MyAdagrad.*cannot be imported.*register_keras_"
+                                         "serializable\(\) and imported before"):
+        tf_sfctr.optimizers.get(unknown)
 
 
 # ---------------------------------------------------------------- weight decay

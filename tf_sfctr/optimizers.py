@@ -782,6 +782,13 @@ _BY_NAME: dict[str, Callable[..., TableOptimizer]] = {
     "sgd": SGD, "adagrad": Adagrad, "adam": Adam, "ftrl": Ftrl}
 
 
+# Keys of a Keras optimizer's config that no table optimizer takes.
+_KERAS_ONLY_KEYS = frozenset({
+    "name", "clipnorm", "global_clipnorm", "clipvalue", "use_ema", "ema_momentum",
+    "ema_overwrite_frequency", "loss_scale_factor", "gradient_accumulation_steps",
+    "amsgrad"})
+
+
 def get(identifier: Any) -> TableOptimizer:
     """An optimizer from an instance, a name ("sgd", "adagrad", "adam", "ftrl") or a dict.
 
@@ -804,13 +811,18 @@ def get(identifier: Any) -> TableOptimizer:
         name = identifier.get("class_name")
         if isinstance(name, str) and name.lower() in _BY_NAME and "module" not in identifier:
             cls = _BY_NAME[name.lower()]
+            config = dict(identifier.get("config") or {})
             try:
-                return cls.from_config(dict(identifier.get("config") or {}))
-            except TypeError as err:  # a Keras optimizer's config has more keys
+                return cls.from_config(config)
+            except ArgumentTypeError:
+                raise  # a value of the wrong type: the message names it
+            except TypeError as err:  # an argument the class does not take
+                keras_keys = sorted(set(config) & _KERAS_ONLY_KEYS)
                 raise ValueError(
                     f"optimizer={identifier!r}: {err}. tf_sfctr.optimizers.{cls.__name__} "
-                    f"takes {inspect.signature(cls)} (a Keras optimizer's config is not a "
-                    "table optimizer's)") from None
+                    f"takes {inspect.signature(cls)}"
+                    + (f" (keys {keras_keys} are a Keras optimizer's: its config is not a "
+                       f"table optimizer's)" if keras_keys else "")) from None
         if name is None:
             raise ValueError(
                 f"optimizer={identifier!r} is a dict without 'class_name'; a table optimizer "
@@ -818,10 +830,21 @@ def get(identifier: Any) -> TableOptimizer:
                 f"{sorted(c.__name__ for c in _BY_NAME.values())}).")
         try:
             obj = keras.saving.deserialize_keras_object(identifier)
-        except (TypeError, ValueError):
-            obj = None
+        except (TypeError, ValueError) as err:
+            if not any(s in str(err).lower() for s in ("could not locate", "cannot be imported")):
+                # The class was found and refused its config (a saved file
+                # edited by hand, say): its own error says what is wrong (a
+                # review: it was hidden behind "not a table optimizer").
+                raise
+            raise ValueError(
+                f"optimizer={identifier!r}: no class of that name is known ({err}). A table "
+                f"optimizer is tf_sfctr.optimizers.SGD, Adagrad, Adam or Ftrl, or a subclass "
+                f"of one registered with @keras.saving.register_keras_serializable() and "
+                f"imported before the model is loaded.") from None
         if isinstance(obj, TableOptimizer):
             return obj
+        if isinstance(obj, keras.optimizers.Optimizer):
+            identifier = obj
     if isinstance(identifier, keras.optimizers.Optimizer):
         raise ValueError(
             f"optimizer={type(identifier).__name__} is a Keras optimizer; a table "

@@ -129,6 +129,27 @@ def test_a_bracket_in_a_save_directory_is_refused_before_anything_is_written(tmp
         np.testing.assert_array_equal(_restored(str(tmp_path / name)), emb.lookup_rows(VOCAB))
 
 
+def test_a_dot_dot_after_a_missing_directory_is_refused_before_anything_is_written(tmp_path):
+    """save(ck, "missing/../dir"): TensorFlow made "dir" (it drops
+    "missing/.."), the OS could not open files under the path as given, and
+    the save failed half made."""
+    model, emb = _model()
+    _train(model)
+    given = str(tmp_path / "missing" / ".." / "run")
+    with pytest.raises(ValueError, match=r"goes through '.*missing', which is not a directory, "
+                                         r"before a '\.\.'.*e\.g\. '.*/run'"):
+        save(_ckpt(model), given)
+    assert sorted(os.listdir(tmp_path)) == []
+    with pytest.raises(ValueError, match="which is not a directory"):
+        tf_sfctr.distributed.SaveCheckpoints(None, given)
+    # Through a directory that exists, ".." is what the OS makes of it.
+    (tmp_path / "there").mkdir()
+    save(_ckpt(model), str(tmp_path / "there" / ".." / "run"))
+    np.testing.assert_array_equal(_restored(str(tmp_path / "there" / ".." / "run")),
+                                  emb.lookup_rows(VOCAB))
+    np.testing.assert_array_equal(_restored(str(tmp_path / "run")), emb.lookup_rows(VOCAB))
+
+
 def test_a_bracket_reached_through_the_working_directory_is_saved_in_place(
         tmp_path, monkeypatch):
     """A relative path under a working directory with '[' passes the check

@@ -189,6 +189,19 @@ def check_directory(name: str, directory) -> str:
             f"checkpoint's path as a file pattern, in which [...] is a set of characters and "
             f"a backslash escapes the next one, and would not find the files again; got "
             f"{directory!r} (rename it, e.g. with '_' or '-')")
+    if "://" not in directory:
+        # TensorFlow's file functions drop "missing/.." from a path, the OS
+        # needs "missing" to exist: a save made the directory one way and
+        # wrote its files the other (FileNotFoundError, a save half made).
+        parts = directory.split("/")
+        for i, part in enumerate(parts):
+            prefix = "/".join(parts[:i])
+            if part == ".." and prefix and not os.path.isdir(prefix):
+                raise ValueError(
+                    f"{name} {directory!r} goes through {prefix!r}, which is not a "
+                    f"directory, before a '..': the operating system cannot follow that path "
+                    f"(TensorFlow's file functions would, and write elsewhere); give it "
+                    f"without the '..', e.g. {os.path.normpath(directory)!r}")
     return directory
 
 

@@ -4,6 +4,7 @@ max_rows keeps the most used rows."""
 
 import gc
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -662,9 +663,9 @@ def test_bad_export_arguments_are_refused_with_what_to_do(tmp_path):
     with pytest.raises(ValueError, match="needs a keras.Model"):
         tf_sfctr.export_for_serving(model.emb, str(tmp_path / "served"))
     functional = _identity_model(CachedEmbedding(3, cache_capacity=8, seed=0))
-    with pytest.raises(ValueError, match="input_signature is for models it traces"):
+    with pytest.raises(ValueError, match="input_signature must be what the model is called on"):
         tf_sfctr.export_for_serving(functional, str(tmp_path / "served"),
-                                    input_signature=tf.TensorSpec((None, 2), tf.int64))
+                                    input_signature=[(None, 2)])
     assert not (tmp_path / "served").exists()
     a_file = tmp_path / "a_file"
     a_file.write_text("")
@@ -1204,3 +1205,148 @@ def test_a_dense_shared_table_called_alone_and_in_a_list_call_exports(rng, tmp_p
     frozen = tf_sfctr.export_for_serving(both, str(tmp_path / "served"))
     for got, want in zip(frozen.predict(x, verbose=0), both.predict(x, verbose=0)):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+class _Temperature(keras.layers.Layer):
+    """A weighted layer whose temperature is set after construction (a
+    callback's annealing, say): Keras's automatic config keeps the
+    constructor's value."""
+
+    def __init__(self, temperature=1.0, **kwargs):
+        super().__init__(**kwargs)
+        self.temperature = temperature
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1], 1), initializer="ones", name="w")
+
+    def call(self, x):
+        return keras.ops.matmul(x, self.w) / self.temperature
+
+
+class _Scaled(keras.layers.Layer):
+    """A weighted layer built on a function, which no config holds."""
+
+    def __init__(self, fn, **kwargs):
+        super().__init__(**kwargs)
+        self.fn = fn
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1],), initializer="ones", name="w")
+
+    def call(self, x):
+        return self.fn(x * self.w)
+
+    def get_config(self):
+        raise NotImplementedError("_Scaled has no config")
+
+
+@pytest.mark.parametrize("kind", ["incomplete_config", "no_config"])
+def test_a_layer_its_config_cannot_rebuild_is_refused_or_traced(tmp_path, kind):
+    """A review: layers with weights are rebuilt from their config beside the
+    frozen tables, and one whose config missed an option (temperature 4.0
+    served at 1.0) gave a SavedModel that computed something else, with no
+    word; one without a config failed with Keras's NotImplementedError. Both
+    are refused, naming the layer, and input_signature traces the model as
+    it is (for functional models too)."""
+    inp = keras.Input((2,), dtype="int64", name="ids")
+    emb = CachedEmbedding(3, cache_capacity=8, seed=1, name="emb")
+    head = _Temperature(name="head") if kind == "incomplete_config" else \
+        _Scaled(lambda v: 2.0 * v, name="head")
+    model = keras.Model(inp, head(keras.layers.Flatten()(emb(inp))))
+    x = np.array([[1, 2], [3, 4]], np.int64)
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    model.fit(x, np.ones((2, 1 if kind == "incomplete_config" else 6)), verbose=0)
+    if kind == "incomplete_config":
+        head.temperature = 4.0
+        match = r"layer 'head' \(_Temperature\).*temperature is 1.0 where the layer's is 4.0"
+    else:
+        match = r"layer 'head' \(_Scaled\).*failed: NotImplementedError"
+    with pytest.raises(ValueError, match=match + r".*pass input_signature"):
+        tf_sfctr.export_for_serving(model, str(tmp_path / "refused"))
+    assert not (tmp_path / "refused").exists()
+    signature = tf.TensorSpec((None, 2), tf.int64, name="ids")
+    assert tf_sfctr.export_for_serving(model, str(tmp_path / "served"),
+                                       input_signature=signature) is None
+    served = tf.saved_model.load(str(tmp_path / "served"))
+    expected = model.predict(x, verbose=0)
+    np.testing.assert_allclose(served.serve(tf.constant(x)).numpy(), expected, rtol=1e-6)
+    got = served.signatures["serving_default"](ids=tf.constant(x))
+    np.testing.assert_allclose(next(iter(got.values())).numpy(), expected, rtol=1e-6)
+
+
+def test_a_dict_model_serves_its_inputs_by_key_and_odd_names_or_paths_are_refused(tmp_path):
+    """A review: a dict model's serve() took a list in sorted-key order (the
+    model's order gave another feature's ids, silently); an input named
+    "user-id" was served as "user_id" and "user id" failed once written; a
+    "[" in the path wrote a SavedModel that did not load."""
+    user = keras.Input((1,), dtype="int64", name="z_user")
+    item = keras.Input((1,), dtype="int64", name="a_item")
+    flat = keras.layers.Flatten()
+    model = keras.Model({"user": user, "item": item}, keras.layers.Concatenate()([
+        flat(CachedEmbedding(2, cache_capacity=8, seed=1, name="users")(user)),
+        flat(CachedEmbedding(2, cache_capacity=8, seed=2, name="items")(item))]))
+    model.compile(keras.optimizers.SGD(0.1), "mse")
+    feed = {"user": np.array([[1], [2]]), "item": np.array([[10], [20]])}
+    model.fit(feed, np.ones((2, 4)), verbose=0)
+    tf_sfctr.export_for_serving(model, str(tmp_path / "served"))
+    served = tf.saved_model.load(str(tmp_path / "served"))
+    expected = model.predict(feed, verbose=0)
+    got = served.serve({k: tf.constant(v) for k, v in feed.items()})
+    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-6)
+    by_name = served.signatures["serving_default"](z_user=tf.constant(feed["user"]),
+                                                     a_item=tf.constant(feed["item"]))
+    np.testing.assert_allclose(next(iter(by_name.values())).numpy(), expected, rtol=1e-6)
+    for name in ("user-id", "user id", "1st"):
+        inp = keras.Input((2,), dtype="int64", name=name)
+        odd = keras.Model(inp, CachedEmbedding(2, cache_capacity=8, seed=1)(inp))
+        with pytest.raises(ValueError, match=rf"input names \['{name}'\] are not Python "
+                                             r"identifiers.*or pass input_signature"):
+            tf_sfctr.export_for_serving(odd, str(tmp_path / "odd"))
+        assert not (tmp_path / "odd").exists()
+    # The way out the message gives: traced on names of one's own.
+    tf_sfctr.export_for_serving(odd, str(tmp_path / "traced"), input_signature=tf.TensorSpec(
+        (None, 2), tf.int64, name="first"))
+    assert list(tf.saved_model.load(str(tmp_path / "traced")).signatures["serving_default"]
+                .structured_input_signature[1]) == ["first"]
+    with pytest.raises(ValueError, match=r"export_dir must not contain '\['"):
+        tf_sfctr.export_for_serving(model, str(tmp_path / "run[1]" / "1"))
+    assert not (tmp_path / "run[1]").exists()
+
+
+def test_a_new_export_directory_appears_only_complete(tmp_path, monkeypatch):
+    """A review: TF Serving, watching served/ for new versions, saw served/2
+    without its saved_model.pb while it was written. A new local directory is
+    written beside and renamed into place; a failed write leaves nothing."""
+    import tf_sfctr.export as export
+
+    model = _identity_model(CachedEmbedding(3, cache_capacity=8, seed=0, name="emb"))
+    model.get_layer("emb").assign_rows(np.array([1, 2]), np.ones((2, 3), np.float32))
+    seen = []
+    write = export._write_saved_model
+
+    def watched(frozen, directory):
+        seen.append((directory, os.path.exists(tmp_path / "served" / "2")))
+        write(frozen, directory)
+        assert not os.path.exists(tmp_path / "served" / "2")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(export, "_write_saved_model", watched)
+        tf_sfctr.export_for_serving(model, str(tmp_path / "served" / "2"))
+    assert seen[0][0].startswith(str(tmp_path / "served" / "2.tmp-")) and not seen[0][1]
+    assert sorted(os.listdir(tmp_path / "served")) == ["2"]
+    served = tf.saved_model.load(str(tmp_path / "served" / "2"))
+    np.testing.assert_array_equal(served.serve(tf.constant([[1, 2]], tf.int64)).numpy(),
+                                  np.ones((1, 2, 3)))
+
+    def fails(frozen, directory):
+        os.makedirs(os.path.join(directory, "variables"))
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(export, "_write_saved_model", fails)
+        with pytest.raises(OSError, match="No space left"):
+            tf_sfctr.export_for_serving(model, str(tmp_path / "served" / "3"))
+    assert sorted(os.listdir(tmp_path / "served")) == ["2"]
+    # Over an existing directory: written in place, as before.
+    tf_sfctr.export_for_serving(model, str(tmp_path / "served" / "2"))
+    assert sorted(os.listdir(tmp_path / "served")) == ["2"]

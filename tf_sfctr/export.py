@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import os
 import re
+import shutil
 import tempfile
 import warnings
 from typing import Any, Optional, Union
@@ -20,7 +21,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_sfctr._checks import argument_error, check_path, is_int
+from tf_sfctr._checks import argument_error, is_int
 from tf_sfctr.distributed import _horovod
 from tf_sfctr.keras_layers._layer_inputs import VSI_OPTIONAL_KEYS, VSI_REQUIRED_KEYS
 from tf_sfctr.keras_layers.cached_embedding import CachedEmbedding
@@ -294,6 +295,56 @@ def _twin(layer: keras.layers.Layer) -> keras.layers.Layer:
     return twin
 
 
+_TRACE_INSTEAD = (
+    "or pass input_signature (the model's inputs, as tf.TensorSpec) to have "
+    "export_for_serving trace the model as it is instead (it then returns None)")
+
+
+def _plain_attributes(layer: keras.layers.Layer) -> dict:
+    """A layer's public attributes that are numbers, strings, flags or
+    tuples and lists of them (its constructor's options, mostly)."""
+    def plain(v):
+        if isinstance(v, (list, tuple)):
+            return all(plain(x) for x in v)
+        return v is None or isinstance(v, (bool, int, float, str))
+
+    # (Not the name: a sublayer made in the constructor gets a new one.)
+    return {k: v for k, v in vars(layer).items()
+            if not k.startswith("_") and k != "name" and plain(v)}
+
+
+def _check_rebuilt(layer: keras.layers.Layer, copy: keras.layers.Layer) -> None:
+    """Refuses a copy made through ``from_config`` that differs from the
+    layer in an option its ``get_config`` leaves out (a review: a custom
+    layer's ``temperature`` was served at its default, with no word)."""
+    pairs = zip(layer._flatten_layers(include_self=True), copy._flatten_layers(include_self=True))
+    for original, rebuilt in pairs:
+        were, are = _plain_attributes(original), _plain_attributes(rebuilt)
+        differ = sorted(k for k in were.keys() | are.keys() if were.get(k) != are.get(k))
+        if differ:
+            shown = ", ".join(f"{k} is {are.get(k)!r} where the layer's is {were.get(k)!r}"
+                              for k in differ[:3])
+            raise ValueError(
+                f"export_for_serving rebuilds layer {original.name!r} "
+                f"({type(original).__name__}) from its config (from_config(get_config())) "
+                f"beside the frozen tables, and the copy differs: {shown}. Its get_config() "
+                f"leaves that out, so the SavedModel would compute something else. Add it to "
+                f"get_config(), {_TRACE_INSTEAD}.")
+
+
+def _rebuilt(layer: keras.layers.Layer) -> keras.layers.Layer:
+    """A layer with weights, made again from its config (its weights are
+    copied after the frozen model is built)."""
+    try:
+        return layer.__class__.from_config(layer.get_config())
+    except Exception as err:
+        raise ValueError(
+            f"export_for_serving rebuilds layer {layer.name!r} ({type(layer).__name__}) from "
+            f"its config (from_config(get_config())) beside the frozen tables, and that "
+            f"failed: {type(err).__name__}: {err}. Give the layer a get_config() that holds "
+            f"its constructor's arguments, {_TRACE_INSTEAD}.") from err
+
+
 def _copy_state(source: keras.Model, target: keras.Model) -> None:
     """Copies every layer's weights, and the state Keras saves as assets
     (an adapted ``StringLookup``'s or ``IntegerLookup``'s vocabulary, which
@@ -308,6 +359,7 @@ def _copy_state(source: keras.Model, target: keras.Model) -> None:
             _copy_state(layer, copy)
             continue
         if layer.weights:
+            _check_rebuilt(layer, copy)
             copy.set_weights(layer.get_weights())
         if hasattr(layer, "save_assets") and hasattr(copy, "load_assets"):
             with tempfile.TemporaryDirectory(prefix="tf_sfctr_export_") as assets:
@@ -809,7 +861,7 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None,
             # what a config cannot hold, e.g. a Lambda's globals (its function
             # then fails with NameError) or its inferred output shape.
             return _twin(layer)
-        return layer.__class__.from_config(layer.get_config())
+        return _rebuilt(layer)
 
     _refuse_hidden_tables(model)
     copy = keras.models.clone_model(model, clone_function=clone, recursive=True)
@@ -818,6 +870,42 @@ def serving_model(model: keras.Model, max_rows: Optional[int] = None,
         return copy
     inputs, feed = plain
     return keras.Model(inputs, copy(feed), name=f"{model.name}_served")
+
+
+def _check_served_names(model: keras.Model) -> None:
+    """Refuses input names that ``serving_default`` cannot take as they are
+    (TF renamed "user-id" to "user_id" and "1st" to "arg_1st", and failed on
+    "user id" only once the SavedModel was written, with a message about
+    arguments of one name)."""
+    structure = _model_input(model)
+    if any(True for _ in _vsi_features(structure)):
+        structure = _plain_inputs(structure)[0]
+    odd = sorted({x.name for x in keras.tree.flatten(structure) if not x.name.isidentifier()})
+    if odd:
+        raise ValueError(
+            f"export_for_serving: the model's input names {odd} are not Python identifiers, "
+            f"and serving_default takes each input by its name (TensorFlow would rename or "
+            f"refuse them). Name the keras.Input with letters, digits and _ (name='user_id'), "
+            f"or pass input_signature with a tf.TensorSpec(..., name='user_id') per input "
+            f"to have the model traced on those names instead.")
+
+
+def _staging_for(export_dir: str) -> Optional[str]:
+    """Where a SavedModel for a new local ``export_dir`` is written first, to
+    be renamed into place once complete (TF Serving, watching the parent for
+    new versions, saw one without its saved_model.pb while it was written; a
+    review); None: written in place (an existing directory, a remote file
+    system, a name too long for the suffix)."""
+    local = export_dir.rstrip("/") or export_dir
+    if "://" in local or os.path.lexists(local):
+        return None
+    staging = f"{local}.tmp-{os.urandom(8).hex()}"
+    parent = os.path.dirname(os.path.abspath(staging))
+    try:
+        limit = os.pathconf(parent, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    return staging if len(os.fsencode(os.path.basename(staging))) <= limit else None
 
 
 def _write_saved_model(frozen: keras.Model, export_dir) -> None:
@@ -837,10 +925,13 @@ def _write_saved_model(frozen: keras.Model, export_dir) -> None:
             continue
         if layer.built or layer.weights:  # (tracking refuses unbuilt layers)
             archive.track(layer)  # with its sublayers' variables
-    # The serving signature of Keras's export_model: one TensorSpec per input.
-    specs = [tf.TensorSpec((None,) + tuple(x.shape[1:]), dtype=x.dtype, name=x.name)
-             for x in frozen.inputs]
-    archive.add_endpoint("serve", frozen.__call__, [specs] if len(specs) > 1 else specs)
+    # One TensorSpec per input, in the model's input structure: Keras's
+    # export_model takes a list, so a dict model's serve() took its inputs
+    # by position, in sorted-key order (a review).
+    specs = keras.tree.map_structure(
+        lambda x: tf.TensorSpec((None,) + tuple(x.shape[1:]), dtype=x.dtype, name=x.name),
+        _model_input(frozen))
+    archive.add_endpoint("serve", frozen.__call__, [specs])
     archive.write_out(os.fspath(export_dir))
 
 
@@ -871,7 +962,8 @@ def export_for_serving(model: keras.Model, export_dir: str,
 
     A subclassed model (or a functional one holding tables inside
     subclassed layers) cannot be rebuilt with frozen tables: it is traced
-    instead, ``model(inputs, training=False)`` on ``input_signature`` (what
+    instead (as is a functional model given ``input_signature``: on input
+    names of one's own, or where a layer cannot be rebuilt from its config), ``model(inputs, training=False)`` on ``input_signature`` (what
     the model is called on, as ``tf.TensorSpec``: one, or a dict or list of
     them; a functional model's inputs by default), with each
     ``CachedEmbedding`` reading its frozen copy. The SavedModel then has the
@@ -898,7 +990,12 @@ def export_for_serving(model: keras.Model, export_dir: str,
     size, rank = _horovod.world()
     refused, traced = None, False
     try:
-        export_dir = check_path("export_dir", export_dir)
+        from tf_sfctr.distributed.checkpoint import check_directory
+
+        # A SavedModel's variables are a checkpoint, which TensorFlow finds
+        # again through a file pattern: a "[" in the path gave a SavedModel
+        # that did not load (a review).
+        export_dir = check_directory("export_dir", export_dir)
         # Through tf.io.gfile, as TensorFlow writes the SavedModel: the
         # directory may be on any file system it knows (gs://...).
         if tf.io.gfile.exists(export_dir) and not tf.io.gfile.isdir(export_dir):
@@ -910,14 +1007,15 @@ def export_for_serving(model: keras.Model, export_dir: str,
             raise ValueError("export_for_serving needs a keras.Model (functional, Sequential "
                              f"or subclassed), got {type(model).__name__}")
         _build_pending_tables(model)
-        traced = not _is_graph_model(model) or bool(_hidden_tables(model))
+        # A functional model given an input_signature is traced too (as it
+        # is, where a layer cannot be rebuilt from its config).
+        traced = not _is_graph_model(model) or bool(_hidden_tables(model)) \
+            or input_signature is not None
         _check_pad_tables(model, pad_id)
-        if input_signature is not None and not traced:
-            raise ValueError(
-                "export_for_serving: input_signature is for models it traces (subclassed "
-                "ones); a functional or Sequential model is served on its inputs.")
         if traced:
             _checked_traced_signature(model, input_signature)  # (refuses what it cannot)
+        else:
+            _check_served_names(model)
     except ValueError as err:
         refused = err
     if size > 1:
@@ -977,14 +1075,20 @@ def export_for_serving(model: keras.Model, export_dir: str,
             parent = os.path.dirname(export_dir.rstrip("/"))
             if parent:
                 tf.io.gfile.makedirs(parent)
+            staging = _staging_for(export_dir)
             was_logging = keras.config.is_interactive_logging_enabled()
             keras.config.disable_interactive_logging()  # Keras prints every signature
             try:
                 if traced:
-                    _write_traced(model, frozen, twins, export_dir)
+                    _write_traced(model, frozen, twins, staging or export_dir)
                 else:
-                    _write_saved_model(frozen, export_dir)
+                    _write_saved_model(frozen, staging or export_dir)
+                if staging:
+                    os.rename(staging, export_dir.rstrip("/") or export_dir)
+                    staging = None
             finally:
+                if staging:
+                    shutil.rmtree(staging, ignore_errors=True)
                 if was_logging:
                     keras.config.enable_interactive_logging()
 

@@ -36,9 +36,10 @@ class BuildTfOps(build_ext):
             import tensorflow as tf
         except ImportError as err:  # pragma: no cover - build-time message
             raise SystemExit(
-                "tf_sfctr builds against the installed TensorFlow, and none was "
-                "found. Install it first (pip install -c constraints.txt "
-                "tensorflow-cpu==2.16.2), then build with "
+                "tf_sfctr builds against the installed TensorFlow, and this build "
+                "cannot import one: pip builds in an isolated environment unless "
+                "given --no-build-isolation. Install TensorFlow first (pip install "
+                "-c constraints.txt tensorflow-cpu==2.16.2), then build with "
                 "`pip install --no-build-isolation .`."
             ) from err
         version = tf.__version__
@@ -101,7 +102,8 @@ setup(
     ),
     long_description=open(os.path.join(HERE, "README.md")).read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.9",
+    # TensorFlow 2.16 has wheels for Python 3.9 to 3.12.
+    python_requires=">=3.9,<3.13",
     # The MovieLens copy that data.movielens() reads goes into the wheel too
     # (as tf_sfctr/movielens_data/), so it works outside the repository.
     packages=find_packages(include=["tf_sfctr", "tf_sfctr.*"])
@@ -114,7 +116,9 @@ setup(
     cmdclass={"build_ext": BuildTfOps},
     # TensorFlow itself is not listed: users pick tensorflow (GPU) or
     # tensorflow-cpu 2.16.x, and pip cannot express "either of the two".
-    install_requires=["numpy<2"],
+    # TensorFlow 2.16 takes any Keras 3, and pip picks the newest; the
+    # library is tested with 3.5 (constraints.txt).
+    install_requires=["numpy<2", "keras>=3.5,<3.6"],
     extras_require={
         # data.parquet: pyarrow is its default engine and checks files for
         # the other engine, tensorflow-io's, which misreads nulls and

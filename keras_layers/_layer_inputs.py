@@ -220,7 +220,10 @@ class InputsMixin:
         record = dict(self._trained_sparse or {})
         seen = record.get(len(fed))
         record[len(fed)] = fed if seen is None else [a or b for a, b in zip(seen, fed)]
-        self._trained_sparse = record
+        if record != self._trained_sparse:
+            # (Only when it changes: Keras tracks each dict assigned, one
+            # more entry per training call otherwise.)
+            self._trained_sparse = record
 
     def _checked_vsi(self, ids: tf.Tensor, unique_ids: Any, inverse: Any):
         """(unique_ids int64, inverse int32) of a de-duplicated feature, once

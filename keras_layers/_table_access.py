@@ -156,7 +156,7 @@ class TableAccessMixin:
         return self._assign_lock
 
     def _lookup_graph(self, ids: tf.Tensor) -> tf.Tensor:
-        self._call_suffixes = {}  # this graph's collectives (see _collective_name)
+        self._reset_call_suffixes()  # this graph's collectives (see _collective_name)
         unique_ids, inverse = tf.unique(ids, out_idx=tf.int32)
         rows, _ = self._unique_rows(unique_ids, training=False)
         return tf.gather(rows, inverse)
@@ -391,7 +391,7 @@ class TableAccessMixin:
             return int(self._read_function("flush", self._flush_graph)())
 
     def _flush_graph(self) -> tf.Tensor:
-        self._call_suffixes = {}  # this graph's collectives (see _collective_name)
+        self._reset_call_suffixes()  # this graph's collectives (see _collective_name)
         with tf.control_dependencies([self._deliver_deferred()]):
             settled = self._settle()
         ahead = self._counted_ahead()

@@ -42,6 +42,7 @@ from typing import Any, Optional, Union
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.eager import record
 
 from tf_sfctr import _ops
 from tf_sfctr import initializers as _initializers
@@ -564,6 +565,12 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         trigger's restore failed there, leaving the layer without it."""
         self._trigger = trigger
 
+    def _reset_call_suffixes(self) -> None:
+        """Empties the collective names of the call or graph being made. (A
+        new dict per call grew Keras's list of tracked attributes by one
+        entry at every eager call; a review.)"""
+        self._call_suffixes.clear()
+
     def _counted_ahead(self) -> Optional[tf.Tensor]:
         """The ids of a lookahead plan whose step the directory has already
         counted (prepared, not trained yet): a flush leaves that count in the
@@ -917,7 +924,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             scale = self._training_loss_scale()
             self._check_staged_update()
         update_graph = self._check_one_training_call() if training else None
-        self._call_suffixes = {}
+        self._reset_call_suffixes()
         if keras_shape_inference():
             # Only shapes matter here (the graph never runs): take Keras's
             # float32 placeholders as ids rather than fail the model's build.
@@ -1066,10 +1073,11 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         # update runs: no later call may have prepared the cache since.
         # (identity: an assign's value is read lazily, i.e. at the check.)
         call_number = tf.identity(self._training_calls.var.assign_add(1, read_value=True))
-        if tf.executing_eagerly():
+        if tf.executing_eagerly() and record.could_possibly_record():
             # Until its gradient (and, staged, the optimizer's apply) runs:
             # a delta exported meanwhile would lose this update (see
-            # export_rows).
+            # export_rows). (Outside any tape no gradient can follow: a
+            # review saw Monte-Carlo dropout scoring refuse table_updates.)
             self._eager_update_pending = int(call_number)
         # Steps run (tf_sfctr.callbacks): Keras's optimizer counts the steps
         # it applied, and may count a step that failed for want of data.

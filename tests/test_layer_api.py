@@ -3,6 +3,8 @@ stats, predict/evaluate without side effects, XLA auto-disable, op loading."""
 
 import json
 import os
+import sys
+import textwrap
 import warnings
 
 import keras
@@ -649,6 +651,65 @@ def test_op_library_refuses_other_tensorflow_version(tmp_path, monkeypatch):
         _ops._check_build()
 
 
+def test_op_library_messages_outside_a_checkout_and_for_a_broken_library(tmp_path):
+    """A review: an installed package was told to run `pip install -e .`,
+    which works in a checkout only, and a damaged library gave TensorFlow's
+    bare "file too short"."""
+    import subprocess
+
+    assert "pip install --no-build-isolation -e ." in _ops._rebuild_advice(_ops._HERE)
+    installed = _ops._rebuild_advice(str(tmp_path / "site-packages" / "tf_sfctr"))
+    assert "--force-reinstall" in installed and "-e ." not in installed
+    damaged = tmp_path / "_sfctr_ops.so"
+    damaged.write_bytes(b"\x7fELF")
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        from tf_sfctr import _ops
+        _ops._LIBRARY = {str(damaged)!r}
+        try:
+            _ops.load()
+        except _ops.OpLibraryError as err:
+            print("refused:", err)
+        """)], capture_output=True, text=True, timeout=300)
+    assert f"refused: tf_sfctr's op library {damaged} could not be loaded" in done.stdout, \
+        done.stdout + done.stderr
+    assert "rebuild it" in done.stdout
+
+
+def test_a_broken_horovod_install_leaves_single_process_training_working(tmp_path):
+    """A review: Horovod re-raises TensorFlow's NotFoundError when its
+    library cannot load (a missing libmpi), which only ImportError was
+    caught for: every layer failed, single-process too; and require() hid
+    why Horovod failed."""
+    import subprocess
+
+    stub = tmp_path / "horovod"
+    stub.mkdir()
+    (stub / "__init__.py").write_text("")
+    (stub / "tensorflow.py").write_text(
+        "import tensorflow as tf\n"
+        "raise tf.errors.NotFoundError(None, None, 'libmpi.so.40: cannot open shared object')\n")
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(tmp_path)!r})
+        import numpy as np, keras
+        from tf_sfctr.keras_layers import CachedEmbedding
+        from tf_sfctr.distributed import _horovod
+        inp = keras.Input((2,), dtype="int64")
+        m = keras.Model(inp, keras.layers.Flatten()(CachedEmbedding(2, cache_capacity=8)(inp)))
+        m.compile("sgd", "mse")
+        m.fit(np.array([[1, 2]]), np.ones((1, 4)), verbose=0)
+        print("trained on", _horovod.world())
+        try:
+            _horovod.require()
+        except ImportError as err:
+            print("require:", err)
+        """)], capture_output=True, text=True, timeout=300)
+    assert "trained on (1, 0)" in done.stdout, done.stdout + done.stderr
+    assert ("require: tf_sfctr's distributed mode needs Horovod, and horovod.tensorflow is "
+            "installed but failed to load (NotFoundError: libmpi.so.40") in done.stdout
+    assert "--force-reinstall" in done.stdout
+
+
 def test_assign_rows_takes_bfloat16_values():
     """Under mixed_bfloat16 the layer's own outputs are bfloat16: rows copied
     from them are taken as they are (bfloat16 values are exact in float32)."""
@@ -827,3 +888,37 @@ def test_deepcopy_and_pickle_of_unbuilt_and_built_layers():
     for copied in (copy.deepcopy(template), pickle.loads(pickle.dumps(template))):
         np.testing.assert_array_equal(copied.lookup_rows(ids), template.lookup_rows(ids))
         assert copied.table_updates == template.table_updates == 1
+
+
+def test_a_training_call_outside_any_tape_leaves_table_updates_settable():
+    """A review: Monte-Carlo dropout scoring (model(x, training=True), no
+    tape) left an update "pending" that no gradient could run, and
+    table_updates was refused until the next fit step."""
+    emb = CachedEmbedding(2, cache_capacity=8, seed=1, name="emb")
+    emb(np.array([1, 2]), training=True)
+    emb.table_updates = 7
+    assert emb.table_updates == 7
+    # Under a tape the update can still come: refused until it does.
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(emb(np.array([1, 3]), training=True))
+    with pytest.raises(RuntimeError, match="table_updates set between a training call"):
+        emb.table_updates = 9
+    tape.gradient(loss, emb.trainable_weights)
+    assert emb.table_updates == 8
+    emb.table_updates = 9
+    assert emb.table_updates == 9
+
+
+def test_eager_calls_do_not_grow_the_layers_tracked_attributes():
+    """A review: each call made a new dict for its collective names, which
+    Keras tracked again, one more entry per eager call, forever."""
+    emb = CachedEmbedding(2, cache_capacity=8, seed=1, name="emb")
+    emb(np.array([1, 2]))
+    emb(np.array([1, 2]), training=True)  # (records its input kinds once)
+    tracked = len(emb._tracked)
+    for _ in range(20):
+        emb(np.array([1, 2]))
+        emb(np.array([1, 2]), training=True)
+        emb.lookup_rows(np.array([1]))
+        emb.assign_rows(np.array([5]), np.ones((1, 2), np.float32))
+    assert len(emb._tracked) == tracked

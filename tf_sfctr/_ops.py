@@ -21,7 +21,18 @@ from tf_sfctr._checks import ArgumentTypeError
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LIBRARY = os.path.join(_HERE, "_sfctr_ops.so")
 _BUILD_INFO = os.path.join(_HERE, "_build_info.json")
-_REBUILD = "rebuild it with `pip install --no-build-isolation -e .` (or `make build`)"
+# In a checkout the library is rebuilt there; an installed package (a
+# wheel, an sdist) is reinstalled from its source (a review: the checkout's
+# advice failed outside one).
+def _rebuild_advice(here: str) -> str:
+    if os.path.exists(os.path.join(os.path.dirname(here), "setup.py")):
+        return "rebuild it with `pip install --no-build-isolation -e .` (or `make build`)"
+    return ("reinstall tf_sfctr from its source, which builds it against the installed "
+            "TensorFlow: `pip install --no-build-isolation --force-reinstall --no-deps "
+            "<tf_sfctr's sdist or checkout>`")
+
+
+_REBUILD = _rebuild_advice(_HERE)
 
 _lock = threading.Lock()
 _module = None
@@ -81,8 +92,7 @@ def _check_build() -> None:
     if not os.path.exists(_LIBRARY):
         raise OpLibraryError(
             f"tf_sfctr's op library {_LIBRARY} is missing: the package was not "
-            f"built. Build it with `pip install --no-build-isolation -e .` "
-            f"(or `make build`)."
+            f"built; {_REBUILD}."
         )
     try:
         with open(_BUILD_INFO) as f:
@@ -114,7 +124,14 @@ def load():
         with _lock:
             if _module is None:
                 _check_build()
-                module = tf.load_op_library(_LIBRARY)
+                try:
+                    module = tf.load_op_library(_LIBRARY)
+                except (tf.errors.OpError, OSError) as err:
+                    # (TF's bare "file too short" named no library and no
+                    # remedy; a review.)
+                    raise OpLibraryError(
+                        f"tf_sfctr's op library {_LIBRARY} could not be loaded "
+                        f"({getattr(err, 'message', err)}); {_REBUILD}.") from err
                 for op_type in _OP_TYPES:
                     tf.no_gradient(op_type)
                 # Reads of a variable: automatic control dependencies may run

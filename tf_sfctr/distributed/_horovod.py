@@ -6,11 +6,28 @@ from types import ModuleType
 from typing import Optional
 
 
+# Why ``horovod.tensorflow`` did not import, when it is installed but broken
+# (kept: importing it again would fail again, and cost as much).
+_BROKEN: Optional[BaseException] = None
+
+
 def horovod() -> Optional[ModuleType]:
-    """``horovod.tensorflow`` if installed, else None (imported on first use)."""
+    """``horovod.tensorflow`` if installed and loadable, else None (imported
+    on first use). An install that fails to load (built for another
+    TensorFlow, a missing libmpi: Horovod re-raises TensorFlow's
+    NotFoundError) counts as none, so single-process training still works (a
+    review); ``require`` names the failure."""
+    global _BROKEN
+    if _BROKEN is not None:
+        return None
     try:
         import horovod.tensorflow as hvd
-    except ImportError:
+    except ModuleNotFoundError as err:
+        if err.name not in ("horovod", "horovod.tensorflow"):
+            _BROKEN = err  # (a module Horovod needs)
+        return None
+    except Exception as err:  # noqa: BLE001 - kept for require()'s message
+        _BROKEN = err
         return None
     return hvd
 
@@ -18,11 +35,19 @@ def horovod() -> Optional[ModuleType]:
 def require() -> ModuleType:
     hvd = horovod()
     if hvd is None:
+        install = ("HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 "
+                   "pip install --no-build-isolation horovod==0.28.1, with cmake < 4 (its "
+                   "bundled Gloo fails to build with cmake 4; see the Makefile)")
+        if _BROKEN is not None:
+            again = install.replace("pip install", "pip install --force-reinstall "
+                                    "--no-cache-dir", 1)
+            raise ImportError(
+                f"tf_sfctr's distributed mode needs Horovod, and horovod.tensorflow is "
+                f"installed but failed to load ({type(_BROKEN).__name__}: {_BROKEN}); "
+                f"rebuild it against the running TensorFlow: {again}.") from _BROKEN
         raise ImportError(
-            "tf_sfctr's distributed mode needs Horovod built with TensorFlow and Gloo: "
-            "HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 "
-            "pip install --no-build-isolation horovod==0.28.1, with cmake < 4 (its bundled "
-            "Gloo fails to build with cmake 4; see the Makefile).")
+            f"tf_sfctr's distributed mode needs Horovod built with TensorFlow and Gloo: "
+            f"{install}.")
     return hvd
 
 

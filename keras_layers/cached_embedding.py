@@ -413,7 +413,9 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             restoring = bool(getattr(self, "_self_unconditional_deferred_dependencies", None))
             try:
                 self._build_table()
-            except tf.errors.OpError as err:
+            except (tf.errors.NotFoundError, tf.errors.DataLossError) as err:
+                # (Reading the checkpoint; not the table's own failures, a
+                # host_rows_dir it cannot write, say: a review.)
                 if not restoring or self._store is not None:
                     raise
                 # (A save deleted or moved since the restore gave TF's bare

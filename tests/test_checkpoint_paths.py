@@ -142,6 +142,16 @@ def test_a_dot_dot_after_a_missing_directory_is_refused_before_anything_is_writt
     assert sorted(os.listdir(tmp_path)) == []
     with pytest.raises(ValueError, match="which is not a directory"):
         tf_sfctr.distributed.SaveCheckpoints(None, given)
+    # Through a symbolic link, the OS goes up from where it points and
+    # TensorFlow from the link's parent.
+    (tmp_path / "deep" / "a").mkdir(parents=True)
+    os.symlink(tmp_path / "deep" / "a", tmp_path / "link")
+    with pytest.raises(ValueError, match=r"'.*link', which is a symbolic link, before a"):
+        save(_ckpt(model), str(tmp_path / "link" / ".." / "run"))
+    with pytest.raises(ValueError, match=r"export_dir .* which is a symbolic link"):
+        tf_sfctr.export_for_serving(model, str(tmp_path / "link" / ".." / "served"))
+    assert sorted(os.listdir(tmp_path)) == ["deep", "link"]
+    assert os.listdir(tmp_path / "deep") == ["a"]
     # Through a directory that exists, ".." is what the OS makes of it.
     (tmp_path / "there").mkdir()
     save(_ckpt(model), str(tmp_path / "there" / ".." / "run"))

@@ -1350,3 +1350,73 @@ def test_a_new_export_directory_appears_only_complete(tmp_path, monkeypatch):
     # Over an existing directory: written in place, as before.
     tf_sfctr.export_for_serving(model, str(tmp_path / "served" / "2"))
     assert sorted(os.listdir(tmp_path / "served")) == ["2"]
+
+
+class _Counting(keras.layers.Dense):
+    """Counts its calls: not an option of its constructor."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls_seen = 0
+
+    def call(self, x):
+        self.calls_seen += 1
+        return super().call(x)
+
+
+def test_the_rebuilt_layer_check_compares_options_only_and_adapted_state_is_served(tmp_path):
+    """A review of the check above: MultiHeadAttention(dropout>0) was refused
+    (its inner Dropout, built by training calls only, is unbuilt in the
+    copy: `built` differed), and so was a layer counting its calls; an
+    adapted Normalization was served with a zero mean (its weights were
+    copied, its mean and variance not derived from them)."""
+    rng = np.random.default_rng(0)
+    ids = keras.Input((4,), dtype="int64", name="ids")
+    dense = keras.Input((3,), name="dense")
+    norm = keras.layers.Normalization(name="norm")
+    norm.adapt(rng.normal(5.0, 2.0, size=(64, 3)).astype(np.float32))
+    h = CachedEmbedding(4, cache_capacity=64, seed=1, name="emb")(ids)
+    h = keras.layers.MultiHeadAttention(2, 4, dropout=0.1, name="mha")(h, h)
+    h = keras.layers.Concatenate()([keras.layers.Flatten()(h), norm(dense)])
+    model = keras.Model({"ids": ids, "dense": dense}, _Counting(1, name="head")(h))
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    x = {"ids": rng.integers(0, 50, size=(16, 4)),
+         "dense": rng.normal(5.0, 2.0, size=(16, 3)).astype(np.float32)}
+    model.fit(x, rng.normal(size=(16, 1)), batch_size=8, verbose=0)
+    tf_sfctr.export_for_serving(model, str(tmp_path / "served"))
+    served = tf.saved_model.load(str(tmp_path / "served"))
+    got = served.serve({k: tf.constant(v) for k, v in x.items()}).numpy()
+    np.testing.assert_allclose(got, model.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_on_a_one_input_list_is_served_on_the_bare_tensor(tmp_path):
+    """keras.Model([x], y): serve(x) as before the served structure followed
+    the model's (a review of that change)."""
+    inp = keras.Input((2,), dtype="int64", name="ids")
+    emb = CachedEmbedding(2, cache_capacity=8, seed=1, name="emb")
+    emb.assign_rows(np.array([1, 2]), np.array([[1, 2], [3, 4]], np.float32))
+    model = keras.Model([inp], keras.layers.Flatten()(emb(inp)))
+    tf_sfctr.export_for_serving(model, str(tmp_path / "served"))
+    served = tf.saved_model.load(str(tmp_path / "served"))
+    np.testing.assert_array_equal(served.serve(tf.constant([[1, 2]], tf.int64)).numpy(),
+                                  [[1, 2, 3, 4]])
+
+
+def test_a_de_duplicated_feature_with_an_odd_key_names_the_key(tmp_path):
+    """Served under its dict key, a feature keyed "user-id" was refused with
+    advice to rename the keras.Input (which changes nothing) or to pass
+    input_signature (refused for such models, naming "[]" as their
+    subclassed layers)."""
+    from tf_sfctr.data import vsi_inputs
+
+    feats = {"user-id": vsi_inputs("user_id", (2,))}
+    emb = CachedEmbedding(2, cache_capacity=8, seed=1, name="emb")
+    model = keras.Model(feats, keras.layers.Flatten()(emb(feats["user-id"])))
+    with pytest.raises(ValueError, match=r"dict keys, and the keys \['user-id'\] are not "
+                                         r"Python identifiers"):
+        tf_sfctr.export_for_serving(model, str(tmp_path / "served"))
+    with pytest.raises(ValueError, match=r"input_signature is for models it traces, and this "
+                                         r"one takes de-duplicated features"):
+        tf_sfctr.export_for_serving(model, str(tmp_path / "served"),
+                                    input_signature=tf.TensorSpec((None, 2), tf.int64))
+    assert not (tmp_path / "served").exists()

@@ -549,6 +549,16 @@ def test_get_lets_a_found_class_say_what_is_wrong_with_its_config():
     saved["config"]["beta_one"] = 0.5
     with pytest.raises(TypeError, match="unexpected keyword argument 'beta_one'"):
         tf_sfctr.optimizers.get(saved)
+    # A registered subclass: Keras wraps the constructor's error in a
+    # TypeError, and the constructor's own error comes through.
+    @keras.saving.register_keras_serializable(package="test_optimizers")
+    class MySGD(tf_sfctr.optimizers.SGD):
+        pass
+
+    saved = keras.saving.serialize_keras_object(MySGD(0.1))
+    saved["config"]["learning_rate"] = "x"
+    with pytest.raises(tf_sfctr.ArgumentTypeError, match="learning_rate must be a number"):
+        tf_sfctr.optimizers.get(saved)
     unknown = {"module": "not_imported_here", "class_name": "MyAdagrad", "config": {},
                "registered_name": "mine>MyAdagrad"}
     with pytest.raises(ValueError, match="MyAdagrad.*cannot be imported.*register_keras_"

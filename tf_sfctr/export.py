@@ -10,6 +10,7 @@ with CPU and GPU kernels. Ids absent from the table (never seen, or dropped by
 from __future__ import annotations
 
 import gc
+import inspect
 import os
 import re
 import shutil
@@ -313,14 +314,31 @@ def _plain_attributes(layer: keras.layers.Layer) -> dict:
             if not k.startswith("_") and k != "name" and plain(v)}
 
 
+def _options(layer: keras.layers.Layer) -> set:
+    """The names of the arguments of ``layer``'s constructor."""
+    try:
+        params = inspect.signature(type(layer).__init__).parameters
+    except (TypeError, ValueError):
+        return set()
+    return {n for n, p in params.items()
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)} - {"self", "name"}
+
+
 def _check_rebuilt(layer: keras.layers.Layer, copy: keras.layers.Layer) -> None:
     """Refuses a copy made through ``from_config`` that differs from the
     layer in an option its ``get_config`` leaves out (a review: a custom
-    layer's ``temperature`` was served at its default, with no word)."""
+    layer's ``temperature`` was served at its default, with no word). Only
+    attributes named as the constructor's arguments are compared: counters
+    and Keras's bookkeeping (``built``: a sublayer only a training call
+    builds) may differ (a review of this check)."""
     pairs = zip(layer._flatten_layers(include_self=True), copy._flatten_layers(include_self=True))
     for original, rebuilt in pairs:
+        if type(original) is not type(rebuilt):
+            continue
+        options = _options(original)
         were, are = _plain_attributes(original), _plain_attributes(rebuilt)
-        differ = sorted(k for k in were.keys() | are.keys() if were.get(k) != are.get(k))
+        differ = sorted(k for k in (were.keys() | are.keys()) & options
+                        if were.get(k) != are.get(k))
         if differ:
             shown = ", ".join(f"{k} is {are.get(k)!r} where the layer's is {were.get(k)!r}"
                               for k in differ[:3])
@@ -361,6 +379,11 @@ def _copy_state(source: keras.Model, target: keras.Model) -> None:
         if layer.weights:
             _check_rebuilt(layer, copy)
             copy.set_weights(layer.get_weights())
+            if hasattr(copy, "finalize_state"):
+                # An adapted Normalization computes from its mean and
+                # variance, which finalize_state derives from the weights
+                # copied (it served zeros for a mean; a review).
+                copy.finalize_state()
         if hasattr(layer, "save_assets") and hasattr(copy, "load_assets"):
             with tempfile.TemporaryDirectory(prefix="tf_sfctr_export_") as assets:
                 layer.save_assets(assets)
@@ -650,9 +673,16 @@ def _checked_traced_signature(model: keras.Model, input_signature: Any) -> Any:
     """The named signature a traced export serves; refuses what it cannot."""
     signature = _named_signature(_traced_signature(model, input_signature))
     if _is_graph_model(model) and any(True for _ in _vsi_features(_model_input(model))):
+        hidden = _hidden_tables(model)
+        if not hidden:
+            raise ValueError(
+                "export_for_serving: input_signature is for models it traces, and this one "
+                "takes de-duplicated features (vsi_inputs), which export serves as plain ids "
+                "only by rebuilding the graph: leave input_signature out (a served input is "
+                "named after its feature's dict key).")
         raise ValueError(
             "export_for_serving: this model holds CachedEmbedding layers inside subclassed "
-            f"layers ({_hidden_tables(model)}) and takes de-duplicated features "
+            f"layers ({hidden}) and takes de-duplicated features "
             "(vsi_inputs), which export serves as plain ids only by rebuilding the graph. "
             "Call the CachedEmbedding layers in the functional model itself.")
     return signature
@@ -879,7 +909,15 @@ def _check_served_names(model: keras.Model) -> None:
     arguments of one name)."""
     structure = _model_input(model)
     if any(True for _ in _vsi_features(structure)):
-        structure = _plain_inputs(structure)[0]
+        # A de-duplicated feature is served under its dict key.
+        odd = sorted({x.name for x in keras.tree.flatten(_plain_inputs(structure)[0])
+                      if not x.name.isidentifier()})
+        if odd:
+            raise ValueError(
+                f"export_for_serving: de-duplicated features are served as inputs named "
+                f"after their dict keys, and the keys {odd} are not Python identifiers, "
+                f"which serving_default takes each input by (TensorFlow would rename or "
+                f"refuse them). Use keys of letters, digits and _ ('user_id').")
     odd = sorted({x.name for x in keras.tree.flatten(structure) if not x.name.isidentifier()})
     if odd:
         raise ValueError(
@@ -928,9 +966,12 @@ def _write_saved_model(frozen: keras.Model, export_dir) -> None:
     # One TensorSpec per input, in the model's input structure: Keras's
     # export_model takes a list, so a dict model's serve() took its inputs
     # by position, in sorted-key order (a review).
+    structure = _model_input(frozen)
+    if isinstance(structure, (list, tuple)) and len(structure) == 1:
+        structure = structure[0]  # (keras.Model([x], y): served on x, as before)
     specs = keras.tree.map_structure(
         lambda x: tf.TensorSpec((None,) + tuple(x.shape[1:]), dtype=x.dtype, name=x.name),
-        _model_input(frozen))
+        structure)
     archive.add_endpoint("serve", frozen.__call__, [specs])
     archive.write_out(os.fspath(export_dir))
 

@@ -835,6 +835,11 @@ def get(identifier: Any) -> TableOptimizer:
                 # The class was found and refused its config (a saved file
                 # edited by hand, say): its own error says what is wrong (a
                 # review: it was hidden behind "not a table optimizer").
+                # Keras wraps it in a TypeError: the constructor's own
+                # ValueError (or ArgumentTypeError) is raised as it was.
+                inner = err.__context__ or err.__cause__
+                if isinstance(inner, ValueError) and not isinstance(err, ValueError):
+                    raise inner from err
                 raise
             raise ValueError(
                 f"optimizer={identifier!r}: no class of that name is known ({err}). A table "

@@ -196,12 +196,16 @@ def check_directory(name: str, directory) -> str:
         parts = directory.split("/")
         for i, part in enumerate(parts):
             prefix = "/".join(parts[:i])
-            if part == ".." and prefix and not os.path.isdir(prefix):
+            # (A symbolic link too: the OS goes up from where it points,
+            # TensorFlow from the link's own parent; a review.)
+            if part == ".." and prefix and (os.path.islink(prefix)
+                                            or not os.path.isdir(prefix)):
+                what = "a symbolic link" if os.path.islink(prefix) else "not a directory"
                 raise ValueError(
-                    f"{name} {directory!r} goes through {prefix!r}, which is not a "
-                    f"directory, before a '..': the operating system cannot follow that path "
-                    f"(TensorFlow's file functions would, and write elsewhere); give it "
-                    f"without the '..', e.g. {os.path.normpath(directory)!r}")
+                    f"{name} {directory!r} goes through {prefix!r}, which is {what}, before "
+                    f"a '..': the operating system and TensorFlow's file functions follow that "
+                    f"path to different places; give it without the '..', e.g. "
+                    f"{os.path.normpath(directory)!r}")
     return directory
 
 

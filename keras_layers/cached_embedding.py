@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import stat
 import threading
 import warnings
@@ -1330,6 +1331,8 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             store[f"table_{key}"] = value.numpy()
         store["table_step"] = np.array([self._table_step.numpy()])
         store["trigger"] = np.array([self._trigger.numpy()])
+        # Which layer saved it: Keras matches layers by place, not name.
+        store["table_layer"] = np.frombuffer(self.name.encode("utf-8"), np.uint8)
         rate = getattr(self.table_optimizer, "learning_rate_variable", None)
         if rate is not None:
             store["table_learning_rate"] = np.array([rate.numpy()], np.float32)
@@ -1345,7 +1348,9 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         if missing:
             raise ValueError(
                 f"CachedEmbedding {self.name}: the saved weights hold no table "
-                f"(missing {missing}); they were not written by a CachedEmbedding.")
+                f"(missing {missing}); they were not written by a CachedEmbedding, or the "
+                f"save that wrote them failed or was refused (Keras empties the file before "
+                f"it asks each layer for its weights).")
         table = {k: np.asarray(store[f"table_{k}"]) for k in keys}
         # Read before the table is replaced: a bad one changes nothing.
         step = np.asarray(store["table_step"]) if "table_step" in present else None
@@ -1355,11 +1360,38 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                 f"optimizer's update count) is {'missing' if step is None else step!r}, not "
                 "one integer >= 0; they are corrupt. The current table was left untouched.")
         rate = self._saved_learning_rate(store, present)
+        self._warn_if_saved_by_another_layer(store, present)
         self._store.load_table(table["header"], table["ids"], table["rows"],
                                table["counts"], table["counters"])
         self._table_step.assign(int(step.ravel()[0]))
         if rate is not None:
             self.table_optimizer.learning_rate_variable.assign(rate)
+
+    def _warn_if_saved_by_another_layer(self, store, present) -> None:
+        """Keras's weight files match layers by their place in the model: a
+        model whose tables of one shape come in another order loaded each
+        table into another layer, silently (a review; a keras.layers.Embedding
+        is usually saved by a vocabulary size that differs, and refused).
+        Warns when the saving layer had another name, unless both names are
+        Keras's own (cached_embedding, cached_embedding_1...), which change
+        with the order layers are made."""
+        if "table_layer" not in present:
+            return  # saved before names were
+        saved = np.asarray(store["table_layer"])
+        if saved.dtype != np.uint8 or saved.ndim != 1:
+            return
+        saved_name = saved.tobytes().decode("utf-8", "replace")
+        generated = re.compile(r"cached_embedding(_\d+)?")
+        if saved_name == self.name or (generated.fullmatch(saved_name)
+                                       and generated.fullmatch(self.name)):
+            return
+        warnings.warn(
+            f"CachedEmbedding {self.name!r} loads the table that layer {saved_name!r} saved: "
+            f"Keras weight files (.keras, save_weights, ModelCheckpoint, BackupAndRestore) "
+            f"match layers by their place in the model, not by name, so if the model's "
+            f"layers now come in another order, each table went to another layer. If the "
+            f"layer was only renamed, this is expected. (tf_sfctr.distributed.restore "
+            f"refuses tables that moved.)", stacklevel=2)
 
     def _saved_learning_rate(self, store, present) -> Optional[float]:
         """The table optimizer's learning rate in saved weights, checked; None

@@ -4,6 +4,7 @@ checkpoints raise clear errors and leave the current table untouched."""
 
 import os
 import shutil
+import warnings
 
 import keras
 import numpy as np
@@ -1399,3 +1400,44 @@ def test_a_second_restore_without_the_table_keeps_the_first_pending(rng, tmp_pat
     model(x[:8])
     probe = np.arange(40)
     np.testing.assert_array_equal(model.emb.lookup_rows(probe), saved.emb.lookup_rows(probe))
+
+
+def _two_tables(tmp_path, user_first, names=("user_emb", "item_emb")):
+    u = keras.Input((1,), dtype="int64", name="u")
+    i = keras.Input((1,), dtype="int64", name="i")
+    users = CachedEmbedding(4, cache_capacity=8, seed=1, name=names[0])
+    items = CachedEmbedding(4, cache_capacity=8, seed=2, name=names[1])
+    fu, fi = keras.layers.Flatten()(users(u)), keras.layers.Flatten()(items(i))
+    # The same layers, inputs and product in another order.
+    model = keras.Model([u, i] if user_first else [i, u],
+                        keras.layers.Dot(axes=-1)([fu, fi] if user_first else [fi, fu]))
+    return model, users, items
+
+
+def test_keras_weight_files_warn_when_a_table_loads_into_another_layer(tmp_path):
+    """A review: Keras matches a weight file's layers by place, and two
+    tables of one shape in another order loaded into each other's layers
+    with no word (a keras.layers.Embedding's vocabulary size usually
+    differs, and is refused). The saving layer's name is kept, and a load
+    into a layer of another name warns; Keras's own generated names are
+    left alone (they follow the order layers are made)."""
+    model, users, items = _two_tables(tmp_path, True)
+    users.assign_rows(np.array([1]), np.ones((1, 4), np.float32))
+    items.assign_rows(np.array([1]), 2 * np.ones((1, 4), np.float32))
+    path = str(tmp_path / "m.weights.h5")
+    model.save_weights(path)
+    same, _, _ = _two_tables(tmp_path, True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same.load_weights(path)
+    moved, users2, _ = _two_tables(tmp_path, False)
+    with pytest.warns(UserWarning, match=r"'item_emb' loads the table that layer 'user_emb' "
+                                         r"saved: Keras weight files .* by their place"):
+        moved.load_weights(path)
+    np.testing.assert_array_equal(users2.lookup_rows(np.array([1])), 2 * np.ones((1, 4)))
+    auto, _, _ = _two_tables(tmp_path, True, names=(None, None))
+    auto.save_weights(path)
+    reordered, _, _ = _two_tables(tmp_path, False, names=(None, None))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reordered.load_weights(path)

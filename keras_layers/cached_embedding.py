@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import stat
 import threading
 import warnings
@@ -271,6 +270,8 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         # "mean" or "sqrtn" then gave NaN or zeros (a review).
         kwargs.setdefault("autocast", False)
         super().__init__(name=name, **kwargs)
+        # Keras made the name (from the class's, numbered in order made).
+        self._generated_name = name is None
         check_float_policy(self)
         self.output_dim = self._positive_int("output_dim", output_dim)
         if self.output_dim > MAX_OUTPUT_DIM:
@@ -1333,6 +1334,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         store["trigger"] = np.array([self._trigger.numpy()])
         # Which layer saved it: Keras matches layers by place, not name.
         store["table_layer"] = np.frombuffer(self.name.encode("utf-8"), np.uint8)
+        store["table_layer_generated"] = np.array([int(self._generated_name)], np.uint8)
         rate = getattr(self.table_optimizer, "learning_rate_variable", None)
         if rate is not None:
             store["table_learning_rate"] = np.array([rate.numpy()], np.float32)
@@ -1372,18 +1374,18 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         model whose tables of one shape come in another order loaded each
         table into another layer, silently (a review; a keras.layers.Embedding
         is usually saved by a vocabulary size that differs, and refused).
-        Warns when the saving layer had another name, unless both names are
-        Keras's own (cached_embedding, cached_embedding_1...), which change
-        with the order layers are made."""
+        Warns when the saving layer had another name, unless Keras made
+        both names (cached_embedding_3, a subclass's my_emb_1...), which
+        change with the order layers are made."""
         if "table_layer" not in present:
             return  # saved before names were
         saved = np.asarray(store["table_layer"])
         if saved.dtype != np.uint8 or saved.ndim != 1:
             return
         saved_name = saved.tobytes().decode("utf-8", "replace")
-        generated = re.compile(r"cached_embedding(_\d+)?")
-        if saved_name == self.name or (generated.fullmatch(saved_name)
-                                       and generated.fullmatch(self.name)):
+        flag = np.asarray(store["table_layer_generated"]) \
+            if "table_layer_generated" in present else np.zeros(1)
+        if saved_name == self.name or (bool(flag.ravel()[:1].any()) and self._generated_name):
             return
         warnings.warn(
             f"CachedEmbedding {self.name!r} loads the table that layer {saved_name!r} saved: "

@@ -1402,7 +1402,7 @@ def test_a_second_restore_without_the_table_keeps_the_first_pending(rng, tmp_pat
     np.testing.assert_array_equal(model.emb.lookup_rows(probe), saved.emb.lookup_rows(probe))
 
 
-def _two_tables(tmp_path, user_first, names=("user_emb", "item_emb")):
+def _user_item_tables(tmp_path, user_first, names=("user_emb", "item_emb")):
     u = keras.Input((1,), dtype="int64", name="u")
     i = keras.Input((1,), dtype="int64", name="i")
     users = CachedEmbedding(4, cache_capacity=8, seed=1, name=names[0])
@@ -1421,23 +1421,39 @@ def test_keras_weight_files_warn_when_a_table_loads_into_another_layer(tmp_path)
     differs, and is refused). The saving layer's name is kept, and a load
     into a layer of another name warns; Keras's own generated names are
     left alone (they follow the order layers are made)."""
-    model, users, items = _two_tables(tmp_path, True)
+    model, users, items = _user_item_tables(tmp_path, True)
     users.assign_rows(np.array([1]), np.ones((1, 4), np.float32))
     items.assign_rows(np.array([1]), 2 * np.ones((1, 4), np.float32))
     path = str(tmp_path / "m.weights.h5")
     model.save_weights(path)
-    same, _, _ = _two_tables(tmp_path, True)
+    same, _, _ = _user_item_tables(tmp_path, True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         same.load_weights(path)
-    moved, users2, _ = _two_tables(tmp_path, False)
+    moved, users2, _ = _user_item_tables(tmp_path, False)
     with pytest.warns(UserWarning, match=r"'item_emb' loads the table that layer 'user_emb' "
                                          r"saved: Keras weight files .* by their place"):
         moved.load_weights(path)
     np.testing.assert_array_equal(users2.lookup_rows(np.array([1])), 2 * np.ones((1, 4)))
-    auto, _, _ = _two_tables(tmp_path, True, names=(None, None))
+    auto, _, _ = _user_item_tables(tmp_path, True, names=(None, None))
     auto.save_weights(path)
-    reordered, _, _ = _two_tables(tmp_path, False, names=(None, None))
+    reordered, _, _ = _user_item_tables(tmp_path, False, names=(None, None))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         reordered.load_weights(path)
+
+    # A subclass's generated names (my_table, my_table_1, then my_table_2...
+    # in a second model) are Keras's too (a recheck: it warned).
+    class MyTable(CachedEmbedding):
+        pass
+
+    def subclassed():
+        inp = keras.Input((1,), dtype="int64")
+        a = MyTable(2, cache_capacity=8, seed=1)
+        b = MyTable(2, cache_capacity=8, seed=2)
+        return keras.Model(inp, keras.layers.Add()([a(inp), b(inp)]))
+
+    subclassed().save_weights(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        subclassed().load_weights(path)

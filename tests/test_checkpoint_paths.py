@@ -144,14 +144,25 @@ def test_a_dot_dot_after_a_missing_directory_is_refused_before_anything_is_writt
         tf_sfctr.distributed.SaveCheckpoints(None, given)
     # Through a symbolic link, the OS goes up from where it points and
     # TensorFlow from the link's parent.
-    (tmp_path / "deep" / "a").mkdir(parents=True)
+    # (Also spelled "link//..", "link/./.." or "link/inner/../..", which
+    # passed a check of the component before each "..": a recheck.)
+    (tmp_path / "deep" / "a" / "inner").mkdir(parents=True)
     os.symlink(tmp_path / "deep" / "a", tmp_path / "link")
-    with pytest.raises(ValueError, match=r"'.*link', which is a symbolic link, before a"):
-        save(_ckpt(model), str(tmp_path / "link" / ".." / "run"))
-    with pytest.raises(ValueError, match=r"export_dir .* which is a symbolic link"):
+    for spelled in ("link/../run", "link//../run", "link/./../run", "link/inner/../../run"):
+        with pytest.raises(ValueError, match=r"has a '\.\.' after a symbolic link: the "
+                                             r"operating system reaches '.*deep/run'"):
+            save(_ckpt(model), str(tmp_path / spelled))
+    with pytest.raises(ValueError, match=r"export_dir .* after a symbolic link"):
         tf_sfctr.export_for_serving(model, str(tmp_path / "link" / ".." / "served"))
     assert sorted(os.listdir(tmp_path)) == ["deep", "link"]
     assert os.listdir(tmp_path / "deep") == ["a"]
+    # A link to a sibling: both reach the same place, which is fine.
+    os.symlink(tmp_path / "deep", tmp_path / "sibling")
+    save(_ckpt(model), str(tmp_path / "sibling" / ".." / "run_s"))
+    assert (tmp_path / "run_s" / "manifest.json").exists()
+    (tmp_path / "sibling").unlink()
+    import shutil
+    shutil.rmtree(tmp_path / "run_s")
     # Through a directory that exists, ".." is what the OS makes of it.
     (tmp_path / "there").mkdir()
     save(_ckpt(model), str(tmp_path / "there" / ".." / "run"))

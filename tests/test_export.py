@@ -1353,11 +1353,16 @@ def test_a_new_export_directory_appears_only_complete(tmp_path, monkeypatch):
 
 
 class _Counting(keras.layers.Dense):
-    """Counts its calls: not an option of its constructor."""
+    """Counts its calls: not an option of its constructor. Draws a seed when
+    given None (a seed is not compared: inference does not use it)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, seed=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.calls_seen = 0
+        self.seed = seed if seed is not None else int(np.random.randint(2**31))
+
+    def get_config(self):
+        return {**super().get_config(), "seed": None}
 
     def call(self, x):
         self.calls_seen += 1

@@ -307,7 +307,10 @@ def test_a_training_call_never_differentiated_does_not_block_table_updates():
     and table_updates may be set again (it was refused for good: a review)."""
     layer = CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=1, optimizer="adam")
     _step(layer, np.array([[1, 2]]), np.zeros(DIM, np.float32))
-    layer(np.array([[3]]), training=True)  # no tape
+    layer(np.array([[3]]), training=True)  # no tape: no update can follow
+    layer.table_updates = 1
+    with tf.GradientTape():  # a tape, but no gradient taken
+        layer(np.array([[3]]), training=True)
     with pytest.raises(RuntimeError, match="between a training call and its table update"):
         layer.table_updates = 5
     inp = keras.Input((2,), dtype="int64")

@@ -315,13 +315,15 @@ def _plain_attributes(layer: keras.layers.Layer) -> dict:
 
 
 def _options(layer: keras.layers.Layer) -> set:
-    """The names of the arguments of ``layer``'s constructor."""
+    """The names of the arguments of ``layer``'s constructor (not a seed,
+    which a layer may draw when given None, and which inference does not
+    use)."""
     try:
         params = inspect.signature(type(layer).__init__).parameters
     except (TypeError, ValueError):
         return set()
     return {n for n, p in params.items()
-            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)} - {"self", "name"}
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)} - {"self", "name", "seed"}
 
 
 def _check_rebuilt(layer: keras.layers.Layer, copy: keras.layers.Layer) -> None:

@@ -189,23 +189,27 @@ def check_directory(name: str, directory) -> str:
             f"checkpoint's path as a file pattern, in which [...] is a set of characters and "
             f"a backslash escapes the next one, and would not find the files again; got "
             f"{directory!r} (rename it, e.g. with '_' or '-')")
-    if "://" not in directory:
-        # TensorFlow's file functions drop "missing/.." from a path, the OS
-        # needs "missing" to exist: a save made the directory one way and
-        # wrote its files the other (FileNotFoundError, a save half made).
+    if "://" not in directory and ".." in directory.split("/"):
+        # TensorFlow's file functions drop "x/.." from a path as text; the
+        # OS needs "x" to exist and goes up from where a symbolic link
+        # points: a save made its directory one way and wrote its files the
+        # other (FileNotFoundError, a save half made; reviews).
         parts = directory.split("/")
         for i, part in enumerate(parts):
             prefix = "/".join(parts[:i])
-            # (A symbolic link too: the OS goes up from where it points,
-            # TensorFlow from the link's own parent; a review.)
-            if part == ".." and prefix and (os.path.islink(prefix)
-                                            or not os.path.isdir(prefix)):
-                what = "a symbolic link" if os.path.islink(prefix) else "not a directory"
+            if part == ".." and prefix and not os.path.isdir(prefix):
                 raise ValueError(
-                    f"{name} {directory!r} goes through {prefix!r}, which is {what}, before "
-                    f"a '..': the operating system and TensorFlow's file functions follow that "
-                    f"path to different places; give it without the '..', e.g. "
-                    f"{os.path.normpath(directory)!r}")
+                    f"{name} {directory!r} goes through {prefix!r}, which is not a "
+                    f"directory, before a '..': the operating system cannot follow that path "
+                    f"(TensorFlow's file functions would, and write elsewhere); give it "
+                    f"without the '..', e.g. {os.path.normpath(directory)!r}")
+        by_os = os.path.realpath(directory)
+        by_tf = os.path.realpath(os.path.normpath(directory))
+        if by_os != by_tf:
+            raise ValueError(
+                f"{name} {directory!r} has a '..' after a symbolic link: the operating "
+                f"system reaches {by_os!r} and TensorFlow's file functions {by_tf!r}; give "
+                f"the path without the '..'")
     return directory
 
 

@@ -153,7 +153,8 @@ def output_shape(input_shape: Any, combiner: Optional[str], dim: int,
         if len(shape) < 2:
             raise ValueError(
                 f"CachedEmbedding {name!r}: combiner={combiner!r} reduces the last axis of "
-                f"dense ids, so they need rank >= 2, got the shape {shape}")
+                f"dense ids, so they need rank >= 2, got the shape {shape}; give a one-id "
+                f"feature the shape [batch, 1]")
         shape = shape[:-1]
     return shape + (dim,)
 
@@ -188,7 +189,11 @@ def check_mask_zero(mask_zero: Any, combiner: Optional[str]) -> bool:
     if mask_zero and combiner is not None:
         raise ValueError(
             f"mask_zero=True masks positions of id 0 in sequences of ids (no combiner); "
-            f"with combiner={combiner!r} each row becomes one vector, with nothing to mask. "
-            "Feed multi-hot ids as tf.SparseTensor / tf.RaggedTensor, whose combiner "
-            "counts only the ids present")
+            f"with combiner={combiner!r} the last axis of ids becomes one vector, and the "
+            "layer gives no mask for the axes before it. For a sequence of multi-hot "
+            "positions ([batch, T, k] ids, 0 for padding) use combiner=None with "
+            "mask_zero=True, which gives [batch, T, k, dim] and a [batch, T, k] mask, and "
+            "pool over k yourself; or keep the combiner and build the [batch, T] mask as "
+            "keras.ops.any(ids != 0, axis=-1). For 2-D multi-hot ids, a tf.SparseTensor / "
+            "tf.RaggedTensor's combiner counts only the ids present")
     return mask_zero

@@ -288,8 +288,10 @@ class InputsMixin:
             check_id_dtype(inputs.dtype)
             if inputs.ragged_rank != 1 or inputs.shape.rank != 2:
                 raise ValueError(
-                    f"CachedEmbedding takes 2-D ragged ids [batch, (ids)], got "
-                    f"ragged_rank={inputs.ragged_rank}, rank={inputs.shape.rank}")
+                    f"CachedEmbedding {self.name!r} takes 2-D ragged ids [batch, (ids)], got "
+                    f"ragged_rank={inputs.ragged_rank}, rank={inputs.shape.rank}; for "
+                    f"sequences of multi-hot positions pad them, ids.to_tensor() (0 for "
+                    f"padding), and see mask_zero")
             self._require_combiner("tf.RaggedTensor")
             return tf.cast(inputs.values, tf.int64), {
                 "kind": "rows", "row_ids": ragged_row_ids(inputs, use_kernel=_ops.use_kernels()),
@@ -298,8 +300,10 @@ class InputsMixin:
             check_id_dtype(inputs.dtype)
             if inputs.shape.rank != 2:
                 raise ValueError(
-                    f"CachedEmbedding takes 2-D sparse ids [batch, ids], got rank "
-                    f"{inputs.shape.rank}")
+                    f"CachedEmbedding {self.name!r} takes 2-D sparse ids [batch, ids], got "
+                    f"rank {inputs.shape.rank}; for sequences of multi-hot positions "
+                    f"densify them, tf.sparse.to_dense(ids) (0 for padding), and see "
+                    f"mask_zero")
             self._require_combiner("tf.SparseTensor")
             rows, nrows = inputs.indices[:, 0], inputs.dense_shape[0]
             # A row outside the batch would be dropped by the combiner's
@@ -327,8 +331,9 @@ class InputsMixin:
                 f"give the tf.function or keras.Input a shape such as [None, None]")
         if self.combiner is not None and x.shape.rank < 2:
             raise ValueError(
-                f"combiner={self.combiner!r} reduces the last axis of dense ids, "
-                f"so they need rank >= 2, got shape {x.shape}")
+                f"CachedEmbedding {self.name!r}: combiner={self.combiner!r} reduces the "
+                f"last axis of dense ids, so they need rank >= 2, got shape {x.shape}; "
+                f"give a one-id feature the shape [batch, 1]")
         return tf.reshape(tf.cast(x, tf.int64), [-1]), {
             "kind": "dense", "shape": tf.shape(x), "static": x.shape}
 
@@ -440,8 +445,11 @@ class InputsMixin:
     def _require_combiner(self, what: str) -> None:
         if self.combiner is None:
             raise ValueError(
-                f"{what} input needs a combiner to give one vector per row: "
-                f"create the layer with combiner='sum', 'mean' or 'sqrtn'")
+                f"CachedEmbedding {self.name!r}: a {what} input needs a combiner to give "
+                f"one vector per row: create the layer with combiner='sum', 'mean' or "
+                f"'sqrtn'. For a sequence (attention, RNN) pad it to a dense [batch, T] "
+                f"tensor instead, 0 for padding (ids.to_tensor() or "
+                f"tf.sparse.to_dense(ids)), with mask_zero=True")
 
     def _combine(self, rows: tf.Tensor, layout: dict) -> Any:
         dim = self.output_dim

@@ -1430,16 +1430,19 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                 rank = len(x.shape)
                 if getattr(x, "sparse", False):
                     if rank != 2:
-                        raise ValueError(f"CachedEmbedding takes 2-D sparse ids [batch, ids], "
-                                         f"got a symbolic sparse input of shape {x.shape}")
-                    self._require_combiner("A sparse")
+                        raise ValueError(
+                            f"CachedEmbedding {self.name!r} takes 2-D sparse ids [batch, "
+                            f"ids], got a symbolic sparse input of shape {x.shape}")
+                    self._require_combiner("sparse")
                 elif rank == 0:
                     raise ValueError("CachedEmbedding needs ids of rank >= 1 ([batch, ...]), "
                                      "got a scalar symbolic input")
                 elif self.combiner is not None and rank < 2:
                     raise ValueError(
-                        f"combiner={self.combiner!r} reduces the last axis of dense ids, so "
-                        f"they need rank >= 2, got a symbolic input of shape {x.shape}")
+                        f"CachedEmbedding {self.name!r}: combiner={self.combiner!r} "
+                        f"reduces the last axis of dense ids, so they need rank >= 2, got a "
+                        f"symbolic input of shape {x.shape}; give a one-id feature the "
+                        f"shape [batch, 1]")
                 try:
                     check_id_dtype(tf.as_dtype(x.dtype))
                 except TypeError as err:

@@ -233,8 +233,25 @@ def test_traced_step_with_a_bad_gradient_changes_nothing(monkeypatch, opt, kerne
 
 
 def test_ragged_without_combiner(trained):
-    with pytest.raises(ValueError, match="needs a combiner"):
+    # A sequence model's user is pointed at padding, not only at a combiner.
+    with pytest.raises(ValueError, match=r"needs a combiner.*For a sequence.*ids.to_tensor\(\)"
+                       r".*mask_zero=True"):
         trained(tf.ragged.constant([[1, 2], [3]], dtype=tf.int64))
+
+
+def test_multi_hot_sequences_as_ragged_or_sparse_are_pointed_at_padding():
+    layer = CachedEmbedding(4, cache_capacity=32, seed=0, combiner="mean", name="hist")
+    ragged = tf.ragged.constant([[[1, 2], [3]], [[4]]], dtype=tf.int64)
+    with pytest.raises(ValueError, match=r"'hist' takes 2-D ragged ids.*ragged_rank=2.*"
+                       r"ids.to_tensor\(\)"):
+        layer(ragged)
+    sparse = tf.sparse.from_dense(tf.constant([[[1, 0], [2, 3]]], tf.int64))
+    with pytest.raises(ValueError, match=r"'hist' takes 2-D sparse ids.*got rank 3.*"
+                       r"tf.sparse.to_dense"):
+        layer(sparse)
+    with pytest.raises(ValueError, match=r"'hist': combiner='mean'.*rank >= 2.*"
+                       r"shape \[batch, 1\]"):
+        layer(tf.constant([1, 2], tf.int64))
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -654,9 +671,9 @@ def test_sequential_without_input_says_to_add_an_int64_input():
 
 
 @pytest.mark.parametrize("make_input, combiner, match", [
-    (lambda: keras.Input((), dtype="int64"), "mean", r"need rank >= 2, got a symbolic input"),
+    (lambda: keras.Input((), dtype="int64"), "mean", r"need rank >= 2, got a symbolic input.*shape \[batch, 1\]"),
     (lambda: keras.Input((10,), dtype="int64", sparse=True), None,
-     r"A sparse input needs a combiner"),
+     r"a sparse input needs a combiner.*pad it to a dense \[batch, T\]"),
     (lambda: keras.Input((4, 5), dtype="int64", sparse=True), "sum",
      r"takes 2-D sparse ids \[batch, ids\], got a symbolic sparse input"),
 ])

@@ -199,7 +199,9 @@ def test_keras_embedding_arguments_that_do_not_apply_are_refused():
     for kwargs, message in [
             (dict(input_dim=1000), "no input_dim: ids are any int64 values.*max_rows"),
             (dict(embeddings_regularizer="l2"), "no embeddings_regularizer.*Ftrl"),
-            (dict(mask_zero=True, combiner="mean"), "mask_zero=True masks.*combiner='mean'"),
+            (dict(mask_zero=True, combiner="mean"),
+             r"mask_zero=True masks.*combiner='mean'.*combiner=None with mask_zero=True.*"
+             r"keras.ops.any\(ids != 0, axis=-1\)"),
             (dict(mask_zero=1), "mask_zero must be True or False"),
             (dict(weights=[np.ones((3, 4))]), r"no weights: .*layer\.assign_rows\(")]:
         with pytest.raises(ValueError, match=message):

@@ -203,3 +203,58 @@ def test_lists_of_scalars_are_ids_and_bad_lists_say_what_is_allowed():
     feature = tf_sfctr.data.deduplicate(tf.constant([[1, 2]], tf.int64))
     with pytest.raises(ValueError, match="does not take the input pipeline's de-duplicated"):
         emb([feature])
+
+
+class TiedSoftmax(keras.Model):
+    """Next-item scores: a masked mean of the history, times every item's row
+    of the same table (weight tying). ``shared`` is a CachedEmbedding taking
+    both in one list call; otherwise a keras.layers.Embedding called twice."""
+
+    def __init__(self, emb, items, shared):
+        super().__init__()
+        self.emb, self.shared = emb, shared
+        self.items = tf.range(items, dtype=tf.int64)
+        self.pool = keras.layers.GlobalAveragePooling1D()
+
+    def call(self, history, training=None):
+        if self.shared:
+            seq, cands = self.emb([history, self.items], training=training)
+        else:
+            seq, cands = self.emb(history), self.emb(self.items)
+        return keras.ops.matmul(self.pool(seq), keras.ops.transpose(cands))
+
+
+@pytest.mark.parametrize("make_opts", [
+    lambda: (tf_sfctr.optimizers.SGD(0.3), keras.optimizers.SGD(0.3)),
+    lambda: (tf_sfctr.optimizers.Adagrad(0.2), keras.optimizers.Adagrad(0.2)),
+], ids=["sgd", "adagrad"])
+def test_the_table_as_its_own_output_layer_trains_like_a_tied_keras_embedding(make_opts):
+    """README, "The table as the output layer": the candidates go in the list
+    call with the history, so one step trains both uses of each row."""
+    items, dim = 40, 6
+    table_opt, keras_opt = make_opts()
+    ours = CachedEmbedding(dim, cache_capacity=items + 16, seed=0, mask_zero=True,
+                           optimizer=table_opt)
+    theirs = keras.layers.Embedding(items, dim, mask_zero=True)
+    tied, ref = TiedSoftmax(ours, items, True), TiedSoftmax(theirs, items, False)
+    data_rng = np.random.default_rng(5)
+    batches = []
+    for length in (6, 2, 9, 1):  # histories of several lengths, padded with 0
+        history = data_rng.integers(1, items, (4, length))
+        for row in range(4):
+            history[row, data_rng.integers(1, length + 1):] = 0
+        batches.append((history, data_rng.integers(1, items, (4,))))
+    tied(batches[0][0]), ref(batches[0][0])
+    theirs.set_weights([ours.lookup_rows(np.arange(items))])
+    tied.compile(optimizer=keras_opt, loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True))
+    ref.compile(optimizer=keras_opt.__class__.from_config(keras_opt.get_config()),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    for history, target in batches:
+        np.testing.assert_allclose(tied.predict_on_batch(history),
+                                   ref.predict_on_batch(history), atol=1e-6)
+        tied.train_on_batch(history, target)
+        ref.train_on_batch(history, target)
+    rows = ours.lookup_rows(np.arange(items))
+    assert not np.allclose(rows, theirs.get_weights()[0][[0] * items])  # it trained
+    np.testing.assert_allclose(rows, theirs.get_weights()[0], atol=1e-6)

@@ -203,7 +203,14 @@ def test_a_keras_embedding_and_its_optimizer_carry_over(rng, name):
     ("adagrad", {"acc": 1.0}, "missing ['accumulator']; not Adagrad state: ['acc']"),
     ("adagrad", {"accumulator": -1.0}, "state['accumulator'] must be >= 0; row 1 (id 11)"),
     ("adagrad", {"accumulator": np.nan}, "state['accumulator'] must not hold NaN; row 1 (id 11)"),
-    ("adam", {"momentum": np.nan, "velocity": 0.0}, "state['momentum'] must not hold NaN"),
+    ("adam", {"momentum": np.nan, "velocity": 0.0}, "state['momentum'] must be finite"),
+    # Infinities training cannot make: the next update wrote them into the
+    # row, which then blocked every save (a review).
+    ("adam", {"momentum": np.inf, "velocity": 0.0}, "state['momentum'] must be finite in float32"),
+    ("adam", {"momentum": 1e39, "velocity": 0.0}, "state['momentum'] must be finite in float32"),
+    ("ftrl_plain", {"accumulator": 1.0, "linear": -np.inf}, "state['linear'] must be finite"),
+    ("sgd_momentum", {"momentum": np.inf}, "state['momentum'] must be finite in float32"),
+    ("adam", {"momentum": 0.0, "velocity": -np.inf}, "state['velocity'] must be >= 0"),
     ("adam", {"momentum": 0.0, "velocity": -0.5}, "state['velocity'] must be >= 0"),
     ("adam", {"momentum": 0.0}, "missing ['velocity']"),
     ("ftrl_plain", {"accumulator": 0.0, "linear": 0.0},
@@ -341,3 +348,16 @@ def test_an_overflowed_accumulator_copies_as_a_checkpoint_keeps_it():
                            optimizer=tf_sfctr.optimizers.Adagrad(0.1))
     copy.assign_rows(got_ids, got_rows, state=got_state)
     np.testing.assert_array_equal(copy.lookup_rows(ids), layer.lookup_rows(ids))
+
+
+@pytest.mark.parametrize("make,state", [
+    (lambda: tf_sfctr.optimizers.Adam(0.1), {"momentum": 0.5, "velocity": np.inf}),
+    (lambda: tf_sfctr.optimizers.Ftrl(0.1), {"accumulator": np.inf, "linear": 0.5}),
+])
+def test_the_other_sums_of_squares_may_be_infinite_too(make, state):
+    layer = CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=4, optimizer=make())
+    layer.assign_rows([5], np.ones((1, DIM), np.float32),
+                      state={n: np.full((1, DIM), v) for n, v in state.items()})
+    _, _, _, got = next(iter(layer.export_rows(with_state=True)))
+    for n, v in state.items():
+        np.testing.assert_array_equal(got[n], np.full((1, DIM), v, np.float32))

@@ -148,6 +148,9 @@ class TableOptimizer:
     num_state: int = 0
     #: Whether ``apply`` needs the per-occurrence sum of squared gradients.
     needs_squared_occurrences: bool = False
+    #: State names (sums of squared gradients) that training can overflow to
+    #: +inf, which ``assign_rows(state=...)`` therefore takes back.
+    _overflowing_state: tuple[str, ...] = ()
 
     #: Settings fixed once the optimizer is made: they decide its state
     #: layout or are built into a traced step, so setting one again would
@@ -297,15 +300,21 @@ class TableOptimizer:
             arrays.append(value)
         stored = self._to_stored(arrays)
         for name, public, kept in zip(names, arrays, stored):
-            # Infinite state is taken, as a checkpoint restores it (training
-            # can overflow an accumulator, and export_rows gives it so); NaN
-            # is not.
+            # +inf in a sum of squares is taken, as a checkpoint restores it
+            # (training can overflow one, and export_rows gives it so; the
+            # row then stops moving or fails the next step's gate, as in
+            # Keras); NaN is not, nor an infinity training cannot make,
+            # which the next update would write into the row.
             bad = np.isnan(public) | np.isnan(kept)
+            if name not in self._overflowing_state:
+                bad |= np.isinf(public) | np.isinf(kept)
             if bad.any():
                 row = int(np.argwhere(bad)[0, 0])
+                allowed = ("must not hold NaN" if name in self._overflowing_state else
+                           "must be finite in float32 (about +-3.4e38)")
                 raise ValueError(
-                    f"state[{name!r}] must not hold NaN; row {row} (id "
-                    f"{int(ids[row])}) holds {public[row].tolist()}. Nothing was changed.")
+                    f"state[{name!r}] {allowed}; row {row} (id {int(ids[row])}) holds "
+                    f"{public[row].tolist()}. Nothing was changed.")
         self._check_stored(dict(zip(names, arrays)), stored, ids)
         return stored
 
@@ -491,6 +500,7 @@ class Adagrad(TableOptimizer):
                                           initial_accumulator_value=0.1)
     """
 
+    _overflowing_state = ("accumulator",)
     num_state = 1
     state_kind = "Adagrad"  # subclasses keep the state's meaning
 
@@ -579,6 +589,7 @@ class Adam(TableOptimizer):
         opt = tf_sfctr.optimizers.Adam(learning_rate=1e-3)
     """
 
+    _overflowing_state = ("velocity",)
     num_state = 2
     state_kind = "Adam"  # subclasses keep the state's meaning
 
@@ -646,6 +657,7 @@ class Ftrl(TableOptimizer):
                                        l1_regularization_strength=0.001)
     """
 
+    _overflowing_state = ("accumulator",)
     num_state = 2
     state_kind = "Ftrl"  # subclasses keep the state's meaning
 

@@ -97,7 +97,8 @@ class CachePlanMixin:
                     f"CachedEmbedding {name!r}: {count} training "
                     "steps in a row could not use the cache their previous step prepared, "
                     "as their ids were not the batch that step named as next "
-                    "(next_unique_ids). Each such step prepares the cache twice, and the "
+                    "(next_unique_ids must equal the next step's unique_ids element by "
+                    "element, in the same order, as tf.unique gives them). Each such step prepares the cache twice, and the "
                     "named batches' ids count as used. If the feature comes from "
                     "tf_sfctr.data.with_unique_ids(lookahead=True), apply it after every "
                     "stage that splits, drops or reorders batches (ds.shard(hvd.size(), "
@@ -109,7 +110,8 @@ class CachePlanMixin:
             lambda: tf.numpy_function(warn, [], tf.bool, stateful=True),
             lambda: tf.constant(False))
 
-    def _apply_plan(self, miss_slots, miss_rows, evict_slots, evict_ids, evict_uses):
+    def _apply_plan(self, miss_slots, miss_rows, evict_slots, evict_ids, evict_uses,
+                    ahead: bool = False):
         """Device side of a cache plan: evicted rows (value + state) are
         copied out before their slots are filled with the fetched rows.
         Returns (done, evictions): ``done`` once the cache holds the plan's
@@ -123,6 +125,15 @@ class CachePlanMixin:
         with tf.control_dependencies(evicted):
             fills = [v.scatter_update(tf.IndexedSlices(p, miss_slots))
                      for v, p in zip(variables, miss_rows)]
+        if ahead:
+            with tf.control_dependencies(fills):
+                # The fetched rows are the host table's: a lookahead plan
+                # (``ahead``) gave these slots their ids before the last
+                # step's update marked them dirty for the rows they held
+                # then (which the evictions above carry), so a flush wrote
+                # the fetched rows back as changed (a review). A plan made
+                # now commits after that update, which cleans its slots.
+                fills = [self._store.cache_mark_clean(miss_slots)]
         with tf.control_dependencies(fills):
             return tf.constant(True), (evict_ids, evict_uses, *evicted)
 
@@ -207,7 +218,7 @@ class CachePlanMixin:
             done, evictions = self._apply_plan(
                 plan.miss_slots.read_value(), [v.read_value() for v in plan.miss_rows],
                 plan.evict_slots.read_value(), plan.evict_ids.read_value(),
-                plan.evict_uses.read_value())
+                plan.evict_uses.read_value(), ahead=True)
             # Slots change hands here: a training call whose update is still
             # to come must not apply it to them (see _attach_update).
             moved = self._training_calls.var.assign_add(1)

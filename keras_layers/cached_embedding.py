@@ -185,7 +185,8 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
     with the batch's distinct ids and, for each flattened id, its position in
     ``u`` (what ``tf.unique`` returns), computed in the input pipeline so
     the training step skips de-duplication. With ``"next_unique_ids"`` (the
-    distinct ids of the next batch, ``tf_sfctr.data.with_unique_ids(...,
+    next batch's ``unique_ids``, in the same order: the plan is used only when
+    they are equal element by element; ``tf_sfctr.data.with_unique_ids(...,
     lookahead=True)``) a training step also prepares the cache for the next
     batch (directory update, host fetch of missed rows, copy to the device)
     while it computes, as in ScaleFreeCTR's pipeline; the next step then only

@@ -127,6 +127,24 @@ def test_lookahead_deltas_are_complete(rng):
         del before
 
 
+def test_a_planned_row_in_a_slot_the_last_update_marked_is_not_a_change():
+    """The plan for [1, 7] takes the slots of 3 and 4 before the update of
+    their step marks those slots; the fetched row of 1 (stored, untouched)
+    used to be written back and come in the delta (a review)."""
+    layer = CachedEmbedding(DIM, cache_capacity=2, seed=4,
+                            optimizer=tf_sfctr.optimizers.SGD(0.01))
+    _step(layer, [[1, 2]])
+    _step(layer, [[3, 4]])  # evicts 1 and 2
+    _delta(layer)
+    row_1 = layer.lookup_rows([1])
+    _step(layer, [[3, 4]], next_ids=[[1, 7]])
+    assert layer.flush() == 0  # 3 and 4 were written back when the plan evicted them
+    ids, rows = _delta(layer)
+    assert sorted(ids.tolist()) == [3, 4, 7]  # 7 is new: inserted by the plan
+    np.testing.assert_array_equal(layer.lookup_rows([1]), row_1)
+    np.testing.assert_array_equal(rows, layer.lookup_rows(ids))
+
+
 def test_changed_only_must_be_a_bool():
     layer = _layer()
     with pytest.raises(TypeError, match="changed_only must be True or False, got 'yes'"):

@@ -278,6 +278,7 @@ def test_next_ids_of_batches_never_trained_warn(shard_after):
     messages = [str(w.message) for w in caught if "could not use the cache" in str(w.message)]
     if shard_after:
         assert len(messages) == 1 and "apply it after" in messages[0], messages
+        assert "element by element, in the same order" in messages[0]
         assert emb.cache_stats()["prepared_ahead"] == 0
     else:
         assert messages == []

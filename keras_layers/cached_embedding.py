@@ -798,6 +798,12 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         self._require_built()
         return int(self._table_step.numpy())
 
+    #: Options the build lays out (the host table's limits and files, the
+    #: cache variables' shape): setting one afterwards changed the attribute
+    #: and get_config() but not the table (a review).
+    _FIXED_AT_BUILD = ("output_dim", "cache_capacity", "max_rows", "expected_rows",
+                       "host_rows_dir")
+
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "table_updates":
             # Straight to the property: Keras's own __setattr__ would first
@@ -805,6 +811,17 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             # new state of this built layer, and refuse it.
             CachedEmbedding.table_updates.fset(self, value)
             return
+        if (name in self._FIXED_AT_BUILD and getattr(self, "_store", None) is not None
+                and value != getattr(self, name)):
+            move = ("" if name == "output_dim" else
+                    " and restore the table into it: a checkpoint (tf.train.Checkpoint, "
+                    "tf_sfctr.distributed.save / restore), or export_rows(with_state=True) "
+                    "then assign_rows(ids, rows, state=...)")
+            raise AttributeError(
+                f"CachedEmbedding {self.name!r}: {name} is fixed once the layer is built "
+                f"(its table and cache were made with {name}={getattr(self, name)!r}). For "
+                f"another {name}, make a new layer with {name}={value!r}{move}. Nothing was "
+                f"changed.")
         super().__setattr__(name, value)
 
     @table_updates.setter

@@ -337,3 +337,25 @@ def test_column_names_as_a_set_are_refused():
     ds = tf.data.Dataset.from_tensors(({"sparse": tf.constant([[1]], tf.int64)}, tf.zeros([1])))
     with pytest.raises(TypeError, match="not a set"):
         tf_sfctr.data.with_unique_ids(ds, keys={"sparse"})
+
+
+@pytest.mark.parametrize("name,value,hint", [
+    ("max_rows", 1000, "restore the table into it"),
+    ("cache_capacity", 64, "restore the table into it"),
+    ("expected_rows", 5000, "restore the table into it"),
+    ("output_dim", 3, "output_dim=3. Nothing"),
+])
+def test_options_the_build_lays_out_cannot_be_set_afterwards(name, value, hint):
+    """They changed the attribute and get_config() but not the table: a full
+    table stayed full after max_rows was raised as its error advised (a
+    review), and a .keras copy then behaved otherwise."""
+    layer = CachedEmbedding(2, cache_capacity=8, max_rows=20, expected_rows=10)
+    setattr(layer, name, value)  # before the build: taken
+    assert getattr(layer, name) == value
+    layer = CachedEmbedding(2, cache_capacity=8, max_rows=20, expected_rows=10)
+    layer.build((None, 3))
+    before = getattr(layer, name)
+    setattr(layer, name, before)  # the same value: no change, no error
+    with pytest.raises(AttributeError, match=f"{name} is fixed once the layer is built.*{hint}"):
+        setattr(layer, name, value)
+    assert getattr(layer, name) == before and layer.get_config()[name] == before

@@ -154,7 +154,7 @@ def output_shape(input_shape: Any, combiner: Optional[str], dim: int,
             raise ValueError(
                 f"CachedEmbedding {name!r}: combiner={combiner!r} reduces the last axis of "
                 f"dense ids, so they need rank >= 2, got the shape {shape}; give a one-id "
-                f"feature the shape [batch, 1]")
+                f"feature the shape [n, 1]")
         shape = shape[:-1]
     return shape + (dim,)
 
@@ -182,18 +182,20 @@ def check_float_policy(layer: keras.layers.Layer) -> None:
             f"{layer.dtype_policy.name!r}, whose outputs would be {compute}")
 
 
-def check_mask_zero(mask_zero: Any, combiner: Optional[str]) -> bool:
+def check_mask_zero(mask_zero: Any, combiner: Optional[str], layer: str = "") -> bool:
     if not isinstance(mask_zero, (bool, np.bool_)):
         raise ArgumentTypeError(f"mask_zero must be True or False, got {mask_zero!r}")
     mask_zero = bool(mask_zero)
     if mask_zero and combiner is not None:
         raise ValueError(
-            f"mask_zero=True masks positions of id 0 in sequences of ids (no combiner); "
+            f"{layer}{': ' if layer else ''}mask_zero=True masks positions of id 0 in sequences of ids (no combiner); "
             f"with combiner={combiner!r} the last axis of ids becomes one vector, and the "
             "layer gives no mask for the axes before it. For a sequence of multi-hot "
             "positions ([batch, T, k] ids, 0 for padding) use combiner=None with "
             "mask_zero=True, which gives [batch, T, k, dim] and a [batch, T, k] mask, and "
-            "pool over k yourself; or keep the combiner and build the [batch, T] mask as "
+            "pool over k yourself; or keep the combiner, give the padding weight 0 "
+            "(layer(ids, weights=keras.ops.cast(ids != 0, 'float32')): a combiner counts "
+            "every id of dense ids, 0 too) and build the [batch, T] mask as "
             "keras.ops.any(ids != 0, axis=-1). For 2-D multi-hot ids, a tf.SparseTensor / "
             "tf.RaggedTensor's combiner counts only the ids present")
     return mask_zero

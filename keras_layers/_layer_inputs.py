@@ -333,7 +333,7 @@ class InputsMixin:
             raise ValueError(
                 f"CachedEmbedding {self.name!r}: combiner={self.combiner!r} reduces the "
                 f"last axis of dense ids, so they need rank >= 2, got shape {x.shape}; "
-                f"give a one-id feature the shape [batch, 1]")
+                f"give a one-id feature the shape [n, 1]")
         return tf.reshape(tf.cast(x, tf.int64), [-1]), {
             "kind": "dense", "shape": tf.shape(x), "static": x.shape}
 

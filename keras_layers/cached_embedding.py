@@ -287,7 +287,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         if combiner is not None and combiner not in COMBINERS:
             raise ValueError(f"combiner must be None or one of {COMBINERS}, got {combiner!r}")
         self.combiner = combiner
-        self.mask_zero = check_mask_zero(mask_zero, combiner)
+        self.mask_zero = check_mask_zero(mask_zero, combiner, f"CachedEmbedding {self.name!r}")
         self.supports_masking = self.mask_zero
         self.max_rows = None if max_rows is None else self._positive_int("max_rows", max_rows)
         self.expected_rows = (None if expected_rows is None
@@ -802,7 +802,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
     #: cache variables' shape): setting one afterwards changed the attribute
     #: and get_config() but not the table (a review).
     _FIXED_AT_BUILD = ("output_dim", "cache_capacity", "max_rows", "expected_rows",
-                       "host_rows_dir")
+                       "reserve_rows", "host_rows_dir", "distribution")
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "table_updates":
@@ -811,8 +811,17 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             # new state of this built layer, and refuse it.
             CachedEmbedding.table_updates.fset(self, value)
             return
-        if (name in self._FIXED_AT_BUILD and getattr(self, "_store", None) is not None
-                and value != getattr(self, name)):
+        if name == "embeddings_initializer" and hasattr(self, "embeddings_initializer") \
+                and value is not self.embeddings_initializer:
+            # The rows of unseen ids follow the spec the constructor resolved.
+            raise AttributeError(
+                f"CachedEmbedding {self.name!r}: embeddings_initializer is fixed once the "
+                f"layer is made (the rows of ids new to the table follow it); pass "
+                f"embeddings_initializer={value!r} to a new layer, or store the rows you want "
+                f"with assign_rows. Nothing was changed.")
+        if name in self._FIXED_AT_BUILD and getattr(self, "_store", None) is not None:
+            if self._normalized(name, value) == getattr(self, name):
+                return  # the same option, kept as the constructor stored it
             move = ("" if name == "output_dim" else
                     " and restore the table into it: a checkpoint (tf.train.Checkpoint, "
                     "tf_sfctr.distributed.save / restore), or export_rows(with_state=True) "
@@ -823,6 +832,17 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                 f"another {name}, make a new layer with {name}={value!r}{move}. Nothing was "
                 f"changed.")
         super().__setattr__(name, value)
+
+    @staticmethod
+    def _normalized(name: str, value: Any) -> Any:
+        """``value`` as the constructor stores option ``name`` (a
+        ``host_rows_dir`` as an absolute path), to compare with it."""
+        if name == "host_rows_dir":
+            try:
+                return check_host_rows_dir(value)
+            except (TypeError, ValueError):
+                return value
+        return value
 
     @table_updates.setter
     def table_updates(self, value: Any) -> None:
@@ -1460,7 +1480,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                         f"CachedEmbedding {self.name!r}: combiner={self.combiner!r} "
                         f"reduces the last axis of dense ids, so they need rank >= 2, got a "
                         f"symbolic input of shape {x.shape}; give a one-id feature the "
-                        f"shape [batch, 1]")
+                        f"shape [n, 1]")
                 try:
                     check_id_dtype(tf.as_dtype(x.dtype))
                 except TypeError as err:

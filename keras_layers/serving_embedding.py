@@ -127,7 +127,7 @@ class ServingEmbedding(keras.layers.Layer):
         self.output_dim = _count("output_dim", output_dim, 1)
         self.num_keys = _count("num_keys", num_keys, 0)
         self.combiner = combiner
-        self.mask_zero = check_mask_zero(mask_zero, combiner)
+        self.mask_zero = check_mask_zero(mask_zero, combiner, f"ServingEmbedding {self.name!r}")
         self.supports_masking = self.mask_zero
         # Served multi-hot inputs arrive as dense rows padded with pad_id
         # (what RaggedTensor.to_tensor() and tf.sparse.to_dense use: 0);

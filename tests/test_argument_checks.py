@@ -359,3 +359,24 @@ def test_options_the_build_lays_out_cannot_be_set_afterwards(name, value, hint):
     with pytest.raises(AttributeError, match=f"{name} is fixed once the layer is built.*{hint}"):
         setattr(layer, name, value)
     assert getattr(layer, name) == before and layer.get_config()[name] == before
+
+
+def test_the_other_fixed_options_and_an_equal_path_spelled_otherwise(tmp_path, monkeypatch):
+    (tmp_path / "rows").mkdir()
+    layer = CachedEmbedding(2, cache_capacity=8, host_rows_dir=str(tmp_path / "rows"))
+    layer.distribution = "data_parallel"  # read at the build: taken before it
+    layer.distribution = "auto"
+    with pytest.raises(AttributeError, match="embeddings_initializer is fixed once the layer "
+                       "is made.*assign_rows"):
+        layer.embeddings_initializer = "zeros"  # the constructor resolved the rows' spec
+    layer.build((None, 3))
+    for name, value in (("distribution", "data_parallel"), ("reserve_rows", True)):
+        with pytest.raises(AttributeError, match=f"{name} is fixed once the layer is built"):
+            setattr(layer, name, value)
+    # The same directory as a Path, or relative to the working directory.
+    layer.host_rows_dir = tmp_path / "rows"
+    monkeypatch.chdir(tmp_path)
+    layer.host_rows_dir = "rows"
+    with pytest.raises(AttributeError, match="host_rows_dir is fixed"):
+        layer.host_rows_dir = str(tmp_path / "other")
+    assert layer.get_config()["distribution"] == "auto"

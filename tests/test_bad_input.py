@@ -250,7 +250,7 @@ def test_multi_hot_sequences_as_ragged_or_sparse_are_pointed_at_padding():
                        r"tf.sparse.to_dense"):
         layer(sparse)
     with pytest.raises(ValueError, match=r"'hist': combiner='mean'.*rank >= 2.*"
-                       r"shape \[batch, 1\]"):
+                       r"shape \[n, 1\]"):
         layer(tf.constant([1, 2], tf.int64))
 
 
@@ -671,7 +671,7 @@ def test_sequential_without_input_says_to_add_an_int64_input():
 
 
 @pytest.mark.parametrize("make_input, combiner, match", [
-    (lambda: keras.Input((), dtype="int64"), "mean", r"need rank >= 2, got a symbolic input.*shape \[batch, 1\]"),
+    (lambda: keras.Input((), dtype="int64"), "mean", r"need rank >= 2, got a symbolic input.*shape \[n, 1\]"),
     (lambda: keras.Input((10,), dtype="int64", sparse=True), None,
      r"a sparse input needs a combiner.*pad it to a dense \[batch, T\]"),
     (lambda: keras.Input((4, 5), dtype="int64", sparse=True), "sum",

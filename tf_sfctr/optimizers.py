@@ -149,8 +149,12 @@ class TableOptimizer:
     #: Whether ``apply`` needs the per-occurrence sum of squared gradients.
     needs_squared_occurrences: bool = False
     #: State names (sums of squared gradients) that training can overflow to
-    #: +inf, which ``assign_rows(state=...)`` therefore takes back.
-    _overflowing_state: tuple[str, ...] = ()
+    #: +inf while the row stays finite (it stops moving), so a checkpoint
+    #: keeps it and ``assign_rows(state=...)`` takes it back; other state must
+    #: be finite. A subclass that renames such state lists it here. (Not
+    #: Ftrl's accumulator: an infinite one makes the row NaN at its next
+    #: update.)
+    overflowing_state: tuple[str, ...] = ()
 
     #: Settings fixed once the optimizer is made: they decide its state
     #: layout or are built into a traced step, so setting one again would
@@ -306,11 +310,11 @@ class TableOptimizer:
             # Keras); NaN is not, nor an infinity training cannot make,
             # which the next update would write into the row.
             bad = np.isnan(public) | np.isnan(kept)
-            if name not in self._overflowing_state:
+            if name not in self.overflowing_state:
                 bad |= np.isinf(public) | np.isinf(kept)
             if bad.any():
                 row = int(np.argwhere(bad)[0, 0])
-                allowed = ("must not hold NaN" if name in self._overflowing_state else
+                allowed = ("must not hold NaN" if name in self.overflowing_state else
                            "must be finite in float32 (about +-3.4e38)")
                 raise ValueError(
                     f"state[{name!r}] {allowed}; row {row} (id {int(ids[row])}) holds "
@@ -500,7 +504,7 @@ class Adagrad(TableOptimizer):
                                           initial_accumulator_value=0.1)
     """
 
-    _overflowing_state = ("accumulator",)
+    overflowing_state = ("accumulator",)
     num_state = 1
     state_kind = "Adagrad"  # subclasses keep the state's meaning
 
@@ -589,7 +593,7 @@ class Adam(TableOptimizer):
         opt = tf_sfctr.optimizers.Adam(learning_rate=1e-3)
     """
 
-    _overflowing_state = ("velocity",)
+    overflowing_state = ("velocity",)
     num_state = 2
     state_kind = "Adam"  # subclasses keep the state's meaning
 
@@ -657,7 +661,6 @@ class Ftrl(TableOptimizer):
                                        l1_regularization_strength=0.001)
     """
 
-    _overflowing_state = ("accumulator",)
     num_state = 2
     state_kind = "Ftrl"  # subclasses keep the state's meaning
 

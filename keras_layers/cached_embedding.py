@@ -814,11 +814,18 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         if name == "embeddings_initializer" and hasattr(self, "embeddings_initializer") \
                 and value is not self.embeddings_initializer:
             # The rows of unseen ids follow the spec the constructor resolved.
+            given = _initializer_config(value)
+            if given is not None and given == _initializer_config(self.embeddings_initializer):
+                return  # the same initializer
             raise AttributeError(
-                f"CachedEmbedding {self.name!r}: embeddings_initializer is fixed once the "
-                f"layer is made (the rows of ids new to the table follow it); pass "
-                f"embeddings_initializer={value!r} to a new layer, or store the rows you want "
-                f"with assign_rows. Nothing was changed.")
+                f"{type(self).__name__} {self.name!r}: embeddings_initializer is fixed once the "
+                f"layer is made (the rows of ids new to the table follow it), got "
+                f"{given if given is not None else value!r}; pass it to the constructor "
+                f"(a subclass: to super().__init__(embeddings_initializer=...)), or store the "
+                f"rows you want with assign_rows. Nothing was changed.")
+        if name in self._FIXED_AT_BUILD and hasattr(self, name) and \
+                getattr(self, "_store", None) is None:
+            value = self._checked_option(name, value)  # as the constructor checks it
         if name in self._FIXED_AT_BUILD and getattr(self, "_store", None) is not None:
             if self._normalized(name, value) == getattr(self, name):
                 return  # the same option, kept as the constructor stored it
@@ -832,6 +839,26 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                 f"another {name}, make a new layer with {name}={value!r}{move}. Nothing was "
                 f"changed.")
         super().__setattr__(name, value)
+
+    def _checked_option(self, name: str, value: Any) -> Any:
+        """An option set again before the build, checked and stored as the
+        constructor does (a .keras file of a layer given a wrong one did not
+        load; a relative host_rows_dir followed the working directory)."""
+        if name in ("output_dim", "cache_capacity", "max_rows", "expected_rows"):
+            return None if value is None and name in ("max_rows", "expected_rows") \
+                else self._positive_int(name, value)
+        if name == "reserve_rows":
+            if not isinstance(value, (bool, np.bool_)):
+                raise ArgumentTypeError(f"reserve_rows must be True or False, got {value!r}")
+            if value and self.expected_rows is None:
+                raise ValueError("reserve_rows=True needs expected_rows (how many rows to "
+                                 "reserve); set expected_rows first")
+            return bool(value)
+        if name == "host_rows_dir":
+            return check_host_rows_dir(value)
+        if name == "distribution" and value not in DISTRIBUTIONS:
+            raise ValueError(f"distribution must be one of {DISTRIBUTIONS}, got {value!r}")
+        return value
 
     @staticmethod
     def _normalized(name: str, value: Any) -> Any:
@@ -1577,6 +1604,15 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         config = dict(config)
         config["optimizer"] = _optimizers.get(config.get("optimizer"))
         return cls(**config)
+
+
+def _initializer_config(value: Any) -> Any:
+    """A Keras initializer's serialized form, to compare two; None if
+    ``value`` is not one."""
+    try:
+        return keras.initializers.serialize(keras.initializers.get(value))
+    except (TypeError, ValueError):
+        return None
 
 
 class _TrainingCall:

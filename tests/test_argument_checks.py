@@ -367,8 +367,16 @@ def test_the_other_fixed_options_and_an_equal_path_spelled_otherwise(tmp_path, m
     layer.distribution = "data_parallel"  # read at the build: taken before it
     layer.distribution = "auto"
     with pytest.raises(AttributeError, match="embeddings_initializer is fixed once the layer "
-                       "is made.*assign_rows"):
+                       "is made.*super\\(\\).__init__"):
         layer.embeddings_initializer = "zeros"  # the constructor resolved the rows' spec
+    layer.embeddings_initializer = keras.initializers.get("uniform")  # the same: kept
+    # Set again before the build, checked as the constructor checks them (a
+    # .keras file of such a layer did not load).
+    with pytest.raises(ValueError, match="distribution must be one of"):
+        layer.distribution = "bogus"
+    with pytest.raises(ValueError, match="reserve_rows=True needs expected_rows"):
+        layer.reserve_rows = True
+    assert layer.distribution == "auto" and layer.reserve_rows is False
     layer.build((None, 3))
     for name, value in (("distribution", "data_parallel"), ("reserve_rows", True)):
         with pytest.raises(AttributeError, match=f"{name} is fixed once the layer is built"):

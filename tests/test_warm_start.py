@@ -377,6 +377,15 @@ def test_an_infinite_ftrl_accumulator_is_refused():
     with pytest.raises(ValueError, match=r"state\['accumulator'\] must be finite in float32"):
         _assign_state(layer, {"accumulator": np.inf, "linear": 0.5})
     assert layer.cache_stats()["host_rows"] == 0
+    # With learning_rate_power 0 the accumulator does not enter the update:
+    # an overflowed one keeps the row finite, and a copy takes it.
+    flat = CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=4,
+                           optimizer=tf_sfctr.optimizers.Ftrl(0.1, learning_rate_power=0.0))
+    _assign_state(flat, {"accumulator": np.inf, "linear": 0.5})
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(flat(tf.constant([[5]], tf.int64), training=True))
+    tape.gradient(loss, flat.trainable_weights)
+    assert np.all(np.isfinite(flat.lookup_rows([5])))
 
 
 def test_a_subclass_names_its_own_overflowing_state():

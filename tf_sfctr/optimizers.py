@@ -151,9 +151,9 @@ class TableOptimizer:
     #: State names (sums of squared gradients) that training can overflow to
     #: +inf while the row stays finite (it stops moving), so a checkpoint
     #: keeps it and ``assign_rows(state=...)`` takes it back; other state must
-    #: be finite. A subclass that renames such state lists it here. (Not
-    #: Ftrl's accumulator: an infinite one makes the row NaN at its next
-    #: update.)
+    #: be finite. A subclass that renames such state lists it here. (Ftrl's
+    #: accumulator only with learning_rate_power 0: otherwise an infinite one
+    #: makes the row NaN.)
     overflowing_state: tuple[str, ...] = ()
 
     #: Settings fixed once the optimizer is made: they decide its state
@@ -662,7 +662,15 @@ class Ftrl(TableOptimizer):
     """
 
     num_state = 2
-    state_kind = "Ftrl"  # subclasses keep the state's meaning
+    state_kind = "Ftrl"
+
+    @property
+    def overflowing_state(self) -> tuple[str, ...]:
+        # With learning_rate_power 0 the accumulator leaves the update alone
+        # (n ** 0 = 1), so an overflowed one keeps the row finite and a
+        # checkpoint keeps it; otherwise the update that overflows it makes
+        # the row NaN (sqrt(inf) - sqrt(n)).
+        return ("accumulator",) if self.learning_rate_power == 0 else ()  # subclasses keep the state's meaning
 
     def __init__(self, learning_rate: LearningRate = 0.001,
                  learning_rate_power: float = -0.5,

@@ -14,6 +14,11 @@ what a training step pays for rows in a file.
    written a part at a time), restores it into itself, reads the ids back
    again and, as the baseline, writes a plain ``tf.train.Checkpoint`` (which
    gathers the table in memory: expected to be killed by the limit).
+   With ``--disk-write-mbps`` the children's writes to that disk are also
+   throttled (a cgroup v1 ``blkio`` group), as on a slow or shared disk: a
+   table written faster than its disk takes must not pile up unwritten pages
+   until the limit kills it (CI's disk did that to a restore). The tiny run
+   throttles to 30 MB/s.
 2. **Step time.** The lookup + update step of ``bench/lookup_update.py``
    (Zipf ``--alpha`` over ``--vocab`` ids, 4096 x 26 ids per step, dim 16,
    Adagrad, cache 20%), in one process, for a layer with its rows in memory
@@ -41,6 +46,7 @@ import _common as C  # noqa: E402
 import numpy as np  # noqa: E402
 
 CGROUP_ROOT = "/sys/fs/cgroup/memory"
+BLKIO_ROOT = "/sys/fs/cgroup/blkio"
 LR, ACC0 = 0.05, 0.1
 
 
@@ -151,25 +157,64 @@ def _make_cgroup() -> str | None:
         return None
 
 
+def _disk_of(path: str) -> str | None:
+    """The "major:minor" of the whole disk that holds ``path`` (a throttle
+    takes disks, not partitions), or None (no block device: tmpfs, overlay)."""
+    dev = os.stat(path).st_dev
+    sys_dev = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
+    if not os.path.exists(sys_dev):
+        return None
+    if os.path.exists(os.path.join(sys_dev, "partition")):
+        with open(os.path.join(os.path.realpath(sys_dev), "..", "dev")) as f:
+            return f.read().strip()
+    return f"{os.major(dev)}:{os.minor(dev)}"
+
+
+def _make_blkio_group(rows_dir: str, mbps: int) -> tuple[str | None, str]:
+    """A cgroup v1 blkio group whose writes to the disk of ``rows_dir`` are
+    throttled to ``mbps`` MB/s, and what was done (None and why not, where
+    none can be made)."""
+    disk = _disk_of(rows_dir)
+    if disk is None:
+        return None, f"not throttled ({rows_dir} is on no block device)"
+    path = os.path.join(BLKIO_ROOT, f"tf_sfctr_bench_{os.getpid()}_{time.monotonic_ns()}")
+    try:
+        os.mkdir(path)
+        with open(os.path.join(path, "blkio.throttle.write_bps_device"), "w") as f:
+            f.write(f"{disk} {mbps << 20}")
+    except OSError as e:
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
+        return None, f"not throttled (cannot make a blkio cgroup: {e.strerror})"
+    return path, f"children's writes to disk {disk} throttled to {mbps} MB/s (blkio)"
+
+
 def _read_int(path: str) -> int:
     with open(path) as f:
         return int(f.read().split()[0])
 
 
-def _run_limited(args, cgroup: str, rows_dir: str | None) -> dict:
+def _run_limited(args, cgroup: str, rows_dir: str | None, blkio: str | None = None) -> dict:
     """One child inside the cgroup; what it printed last and how it ended."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--rows", str(args.rows),
            "--dim", str(args.dim), "--chunk", str(args.chunk), "--probes", str(args.probes),
            "--cgroup", cgroup, "--limit-mib", str(args.limit_mib)]
     if rows_dir:
         cmd += ["--rows-dir", rows_dir]
-    procs_file = os.path.join(cgroup, "cgroup.procs")
+    groups = [os.path.join(g, "cgroup.procs") for g in (cgroup, blkio) if g]
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    # The child joins the group before it starts (preexec), so every page it
-    # touches is charged there.
+
+    def join():
+        for procs_file in groups:
+            with open(procs_file, "w") as f:
+                f.write(str(os.getpid()))
+
+    # The child joins the groups before it starts (preexec), so every page
+    # it touches is charged there.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, preexec_fn=lambda: open(procs_file, "w").write(
-                                str(os.getpid())))
+                            env=env, preexec_fn=join)
     out, _ = proc.communicate()
     inserted, seconds, done, base, saved = 0, 0.0, {}, 0, {}
     for line in out.splitlines():
@@ -206,15 +251,21 @@ def larger_than_memory(args) -> None:
     if cgroup is None:
         return
     rows_dir = tempfile.mkdtemp(prefix="tf_sfctr_rows_", dir=args.disk_dir)
+    blkio = None
+    if args.disk_write_mbps:
+        blkio, said = _make_blkio_group(rows_dir, args.disk_write_mbps)
+        print(f"disk writes: {said}", flush=True)
     try:
-        mem = _run_limited(args, cgroup, None)
-        disk = _run_limited(args, cgroup, rows_dir)
+        mem = _run_limited(args, cgroup, None, blkio)
+        disk = _run_limited(args, cgroup, rows_dir, blkio)
     finally:
         shutil.rmtree(rows_dir, ignore_errors=True)
-        try:
-            os.rmdir(cgroup)
-        except OSError:
-            pass
+        for group in (cgroup, blkio):
+            try:
+                if group:
+                    os.rmdir(group)
+            except OSError:
+                pass
     rows = []
     for name, r in (("rows in memory (baseline)", mem), ("host_rows_dir", disk)):
         d = r["done"]
@@ -364,6 +415,9 @@ def main(argv=None) -> int:
     p.add_argument("--limit-mib", type=int, default=1024)
     p.add_argument("--disk-dir", default=None,
                    help="where the row files go (default: the system's temporary directory)")
+    p.add_argument("--disk-write-mbps", type=int, default=0,
+                   help="throttle the larger-than-memory children's disk writes to this many "
+                        "MB/s (cgroup v1 blkio; 0: not throttled)")
     p.add_argument("--vocab", type=int, default=1_000_000)
     p.add_argument("--alpha", type=float, default=1.05)
     p.add_argument("--batch", type=int, default=4096)
@@ -378,6 +432,7 @@ def main(argv=None) -> int:
         return child(args)
     if args.tiny:
         args.rows, args.chunk, args.probes, args.limit_mib = 2_000_000, 100_000, 20_000, 128
+        args.disk_write_mbps = args.disk_write_mbps or 30
         args.vocab, args.batch, args.steps, args.rounds = 50_000, 256, 3, 2
     C.print_command(argv)
     larger_than_memory(args)

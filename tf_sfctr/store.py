@@ -617,6 +617,8 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
                 ids, rows, counts, cursor = ids.numpy(), rows.numpy(), counts.numpy(), int(cursor)
                 check_rows_savable(rows, ids, self.config.dim, self.config.name)
                 writer.write(ids, rows, counts)
+                del ids, rows, counts
+                table_file.release_freed_memory()
             now = int(self.stats()[3])
         if writer.rows != held or now != held:
             raise RuntimeError(

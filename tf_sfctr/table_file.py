@@ -22,6 +22,8 @@ do (``gs://`` and the like).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import struct
 import zlib
@@ -42,6 +44,30 @@ PART_BYTES = 8 << 20
 #: A local table file is synced to the disk every this many bytes written,
 #: and its written pages dropped from the page cache (see _LocalFile).
 SYNC_BYTES = 64 << 20
+
+
+@functools.lru_cache(maxsize=None)
+def _malloc_trim():
+    """glibc's malloc_trim, or None where the C library has none (musl)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def release_freed_memory() -> None:
+    """Gives the memory the C library holds freed back to the system. Called
+    after each part a save writes and a restore reads: a part's buffers are several
+    MB, and once a process has freed a large array glibc serves arrays of
+    that size from its heap and keeps them there when freed, so a restore's
+    resident memory grew by ~90 MB of freed parts (a table on file, restored
+    under a cgroup memory limit with a disk slower than the restore, was
+    killed by the limit). A no-op elsewhere; takes well under a millisecond."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 class TableFileError(ValueError):
@@ -292,3 +318,7 @@ def _read_parts(path, width, save_id, table, rows):
             total += n
             part += 1
             yield ids, values.astype(np.float32, copy=False), counts
+            # The caller is done with the part (its copies of it are freed
+            # once it takes the next one).
+            del body, ids, counts, values
+            release_freed_memory()

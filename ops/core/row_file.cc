@@ -162,6 +162,24 @@ void RowFile::StartWriteback(uint64_t offset, uint64_t bytes) const {
   if (!Owner()) return;
   sync_file_range(fd_, static_cast<off_t>(offset), static_cast<off_t>(bytes),
                   SYNC_FILE_RANGE_WRITE);  // a hint: failure is harmless
+  std::vector<std::pair<uint64_t, uint64_t>> wait;
+  {
+    std::lock_guard<std::mutex> lock(writeback_mu_);
+    writing_.emplace_back(offset, bytes);
+    writing_bytes_ += bytes;
+    while (writing_bytes_ > kWritebackWindow) {
+      wait.push_back(writing_.front());
+      writing_bytes_ -= writing_.front().second;
+      writing_.pop_front();
+    }
+  }
+  // Outside the lock: other writers start their ranges meanwhile. A range
+  // unmapped since (or mapped again) is only waited for, harmlessly.
+  for (const auto& [from, n] : wait) {
+    sync_file_range(fd_, static_cast<off_t>(from), static_cast<off_t>(n),
+                    SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE |
+                        SYNC_FILE_RANGE_WAIT_AFTER);
+  }
 }
 
 void RowFile::WillNeed(uint64_t offset, uint64_t bytes) const {
@@ -172,6 +190,11 @@ void RowFile::WillNeed(uint64_t offset, uint64_t bytes) const {
 uint64_t RowFile::length() const {
   std::lock_guard<std::mutex> lock(mu_);
   return end_;
+}
+
+uint64_t RowFile::writing_bytes() const {
+  std::lock_guard<std::mutex> lock(writeback_mu_);
+  return writing_bytes_;
 }
 
 uint64_t RowFile::mapped_bytes() const {

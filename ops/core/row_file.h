@@ -31,6 +31,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -90,7 +91,12 @@ class RowFile {
   // pressure can drop them at once instead of waiting for the kernel's
   // periodic writeback (under a cgroup v1 memory limit, dirty file pages
   // cannot be reclaimed, and a growing table was killed by the limit).
+  // Once more than kWritebackWindow bytes are being written, waits for the
+  // oldest ranges to reach the disk first: pages under writeback cannot be
+  // reclaimed either, and a writer faster than the disk (a restore) piled
+  // them up until a cgroup v1 limit killed it.
   void StartWriteback(uint64_t offset, uint64_t bytes) const;
+  static constexpr uint64_t kWritebackWindow = 16 << 20;
 
   // Is the page holding `p` (inside a mapping of this file) in memory?
   static bool Resident(const void* p);
@@ -100,6 +106,9 @@ class RowFile {
   uint64_t mapped_bytes() const;
   // The file's length: mapped ranges and holes kept for reuse.
   uint64_t length() const;
+  // Bytes handed to StartWriteback and not waited for (at most
+  // kWritebackWindow).
+  uint64_t writing_bytes() const;
 
  private:
   RowFile(int fd, std::string dir);
@@ -118,6 +127,11 @@ class RowFile {
   // file grows: a table cleared and refilled (a restore) takes the same
   // space again instead of growing the file.
   std::multimap<uint64_t, uint64_t> free_;
+  // Ranges handed to StartWriteback whose writing has not been waited for,
+  // oldest first, and their bytes.
+  mutable std::mutex writeback_mu_;
+  mutable std::deque<std::pair<uint64_t, uint64_t>> writing_;
+  mutable uint64_t writing_bytes_ = 0;
 };
 
 }  // namespace sfctr

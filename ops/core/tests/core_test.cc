@@ -763,6 +763,33 @@ TEST_CASE(HostTableRowFileSurvivesAForkedChild) {
   CHECK_EQ(rmdir(dir.c_str()), 0);
 }
 
+TEST_CASE(HostTableRowFileBoundsTheRowsBeingWritten) {
+  // New rows are handed to the disk as blocks fill; past a window the
+  // writer waits for the oldest, so a restore faster than the disk cannot
+  // pile up pages under writeback (which no memory limit can reclaim).
+  const std::string dir = MakeTempDir();
+  HostTableOptions o = Options(32, 1);
+  o.rows_dir = dir;
+  HostTable t(o);
+  std::vector<int64_t> ids(200000);  // 256 B a row: 51 MB, 3x the window
+  std::iota(ids.begin(), ids.end(), int64_t{1});
+  std::vector<float> rows(ids.size() * 64);
+  for (size_t i = 0; i < rows.size(); ++i) rows[i] = static_cast<float>(i % 1009);
+  size_t most = 0;
+  for (size_t at = 0; at < ids.size(); at += 10000) {
+    CHECK(t.Write(ids.data() + at, 10000, rows.data() + at * 64).ok());
+    most = std::max(most, t.RowFileWriting());
+  }
+  CHECK(most > 0);
+  CHECK(most <= RowFile::kWritebackWindow);
+  std::vector<float> got(rows.size());
+  t.DropFileRowsFromMemory();
+  t.Find(ids.data(), ids.size(), got.data());
+  CHECK(got == rows);
+  t.Clear();
+  CHECK_EQ(rmdir(dir.c_str()), 0);
+}
+
 TEST_CASE(HostTableRowFileIsReusedAfterClear) {
   // A restore clears the table and writes it again: with reserve_rows the
   // cleared shards are sized again at once, and the file must not grow.

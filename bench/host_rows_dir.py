@@ -14,11 +14,13 @@ what a training step pays for rows in a file.
    written a part at a time), restores it into itself, reads the ids back
    again and, as the baseline, writes a plain ``tf.train.Checkpoint`` (which
    gathers the table in memory: expected to be killed by the limit).
-   With ``--disk-write-mbps`` the children's writes to that disk are also
-   throttled (a cgroup v1 ``blkio`` group), as on a slow or shared disk: a
-   table written faster than its disk takes must not pile up unwritten pages
-   until the limit kills it (CI's disk did that to a restore). The tiny run
-   throttles to 30 MB/s.
+   With ``--disk-write-mbps`` the writes the children submit themselves
+   (``sync_file_range``, ``fdatasync``, ``msync``: how the table hands its
+   rows and files to the disk) are throttled to that many MiB/s (a cgroup v1
+   ``blkio`` group; the kernel's own background writeback is not), as on a
+   slow or shared disk: a table written faster than its disk takes must not
+   pile up unwritten pages until the limit kills it (CI's disk did that to a
+   restore). The tiny run throttles to 30 MiB/s.
 2. **Step time.** The lookup + update step of ``bench/lookup_update.py``
    (Zipf ``--alpha`` over ``--vocab`` ids, 4096 x 26 ids per step, dim 16,
    Adagrad, cache 20%), in one process, for a layer with its rows in memory
@@ -172,7 +174,7 @@ def _disk_of(path: str) -> str | None:
 
 def _make_blkio_group(rows_dir: str, mbps: int) -> tuple[str | None, str]:
     """A cgroup v1 blkio group whose writes to the disk of ``rows_dir`` are
-    throttled to ``mbps`` MB/s, and what was done (None and why not, where
+    throttled to ``mbps`` MiB/s, and what was done (None and why not, where
     none can be made)."""
     disk = _disk_of(rows_dir)
     if disk is None:
@@ -188,7 +190,8 @@ def _make_blkio_group(rows_dir: str, mbps: int) -> tuple[str | None, str]:
         except OSError:
             pass
         return None, f"not throttled (cannot make a blkio cgroup: {e.strerror})"
-    return path, f"children's writes to disk {disk} throttled to {mbps} MB/s (blkio)"
+    return path, (f"the writes the children submit to disk {disk} are throttled to {mbps} "
+                  "MiB/s (blkio; not the kernel's background writeback)")
 
 
 def _read_int(path: str) -> int:
@@ -252,10 +255,10 @@ def larger_than_memory(args) -> None:
         return
     rows_dir = tempfile.mkdtemp(prefix="tf_sfctr_rows_", dir=args.disk_dir)
     blkio = None
-    if args.disk_write_mbps:
-        blkio, said = _make_blkio_group(rows_dir, args.disk_write_mbps)
-        print(f"disk writes: {said}", flush=True)
     try:
+        if args.disk_write_mbps:
+            blkio, said = _make_blkio_group(rows_dir, args.disk_write_mbps)
+            print(f"disk writes: {said}", flush=True)
         mem = _run_limited(args, cgroup, None, blkio)
         disk = _run_limited(args, cgroup, rows_dir, blkio)
     finally:
@@ -415,9 +418,9 @@ def main(argv=None) -> int:
     p.add_argument("--limit-mib", type=int, default=1024)
     p.add_argument("--disk-dir", default=None,
                    help="where the row files go (default: the system's temporary directory)")
-    p.add_argument("--disk-write-mbps", type=int, default=0,
-                   help="throttle the larger-than-memory children's disk writes to this many "
-                        "MB/s (cgroup v1 blkio; 0: not throttled)")
+    p.add_argument("--disk-write-mbps", type=int, default=None,
+                   help="throttle the disk writes the larger-than-memory children submit to "
+                        "this many MiB/s (cgroup v1 blkio; 0: not throttled; --tiny: 30)")
     p.add_argument("--vocab", type=int, default=1_000_000)
     p.add_argument("--alpha", type=float, default=1.05)
     p.add_argument("--batch", type=int, default=4096)
@@ -432,7 +435,8 @@ def main(argv=None) -> int:
         return child(args)
     if args.tiny:
         args.rows, args.chunk, args.probes, args.limit_mib = 2_000_000, 100_000, 20_000, 128
-        args.disk_write_mbps = args.disk_write_mbps or 30
+        if args.disk_write_mbps is None:
+            args.disk_write_mbps = 30
         args.vocab, args.batch, args.steps, args.rounds = 50_000, 256, 3, 2
     C.print_command(argv)
     larger_than_memory(args)

@@ -278,6 +278,7 @@ class HostTable {
   size_t RowFileLength() const { return row_file_ ? row_file_->length() : 0; }
   // Bytes of new rows handed to the disk and not yet waited for.
   size_t RowFileWriting() const { return row_file_ ? row_file_->writing_bytes() : 0; }
+  size_t RowFileWaited() const { return row_file_ ? row_file_->waited_bytes() : 0; }
   // With rows_dir: is the page of any of a few rows of `ids` (up to 8,
   // spread over them) on the disk, not in memory? Reads of rows on disk are
   // then started together (POSIX_FADV_WILLNEED) before they are copied, as

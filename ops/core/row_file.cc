@@ -120,6 +120,12 @@ void RowFile::Unmap(void* p, size_t bytes, uint64_t offset) {
   munmap(p, len);
   if (mappings_.empty()) {
     // Nothing mapped (the table was cleared or is going): start over.
+    {
+      // Ranges still recorded are gone: a refill must not wait on them.
+      std::lock_guard<std::mutex> writing(writeback_mu_);
+      writing_.clear();
+      writing_bytes_ = 0;
+    }
     if (ftruncate(fd_, 0) == 0) {
       end_ = 0;
       free_.clear();
@@ -173,12 +179,17 @@ void RowFile::StartWriteback(uint64_t offset, uint64_t bytes) const {
       writing_.pop_front();
     }
   }
-  // Outside the lock: other writers start their ranges meanwhile. A range
-  // unmapped since (or mapped again) is only waited for, harmlessly.
+  // Outside the lock: other writers start their ranges meanwhile. Waits
+  // for the writes started then only (rows rewritten since are left to the
+  // kernel). A range unmapped since (or mapped again) is only waited for,
+  // harmlessly.
   for (const auto& [from, n] : wait) {
     sync_file_range(fd_, static_cast<off_t>(from), static_cast<off_t>(n),
-                    SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE |
-                        SYNC_FILE_RANGE_WAIT_AFTER);
+                    SYNC_FILE_RANGE_WAIT_BEFORE);
+  }
+  if (!wait.empty()) {
+    std::lock_guard<std::mutex> lock(writeback_mu_);
+    for (const auto& range : wait) waited_bytes_ += range.second;
   }
 }
 
@@ -195,6 +206,11 @@ uint64_t RowFile::length() const {
 uint64_t RowFile::writing_bytes() const {
   std::lock_guard<std::mutex> lock(writeback_mu_);
   return writing_bytes_;
+}
+
+uint64_t RowFile::waited_bytes() const {
+  std::lock_guard<std::mutex> lock(writeback_mu_);
+  return waited_bytes_;
 }
 
 uint64_t RowFile::mapped_bytes() const {

@@ -91,10 +91,12 @@ class RowFile {
   // pressure can drop them at once instead of waiting for the kernel's
   // periodic writeback (under a cgroup v1 memory limit, dirty file pages
   // cannot be reclaimed, and a growing table was killed by the limit).
-  // Once more than kWritebackWindow bytes are being written, waits for the
-  // oldest ranges to reach the disk first: pages under writeback cannot be
-  // reclaimed either, and a writer faster than the disk (a restore) piled
-  // them up until a cgroup v1 limit killed it.
+  // Once more than kWritebackWindow bytes are being written (per file, so
+  // per table), waits for the oldest ranges to reach the disk first: pages
+  // under writeback cannot be reclaimed either, and a writer faster than
+  // the disk (a restore) piled them up until a cgroup v1 limit killed it.
+  // So a table grows at most at its disk's speed, a training step's new
+  // rows too (the caller holds its shard's lock meanwhile).
   void StartWriteback(uint64_t offset, uint64_t bytes) const;
   static constexpr uint64_t kWritebackWindow = 16 << 20;
 
@@ -109,6 +111,8 @@ class RowFile {
   // Bytes handed to StartWriteback and not waited for (at most
   // kWritebackWindow).
   uint64_t writing_bytes() const;
+  // Bytes of ranges StartWriteback has waited for, in all.
+  uint64_t waited_bytes() const;
 
  private:
   RowFile(int fd, std::string dir);
@@ -132,6 +136,7 @@ class RowFile {
   mutable std::mutex writeback_mu_;
   mutable std::deque<std::pair<uint64_t, uint64_t>> writing_;
   mutable uint64_t writing_bytes_ = 0;
+  mutable uint64_t waited_bytes_ = 0;
 };
 
 }  // namespace sfctr

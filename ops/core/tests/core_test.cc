@@ -782,10 +782,20 @@ TEST_CASE(HostTableRowFileBoundsTheRowsBeingWritten) {
   }
   CHECK(most > 0);
   CHECK(most <= RowFile::kWritebackWindow);
+  // Of the rows handed to the disk (all but each of the 64 shards' last
+  // partial 256 KiB, so most), all but the last window were waited for.
+  CHECK(t.RowFileWaited() > 0);
+  CHECK(t.RowFileWaited() + t.RowFileWriting() >= size_t{200000} * 256 / 2);
   std::vector<float> got(rows.size());
   t.DropFileRowsFromMemory();
   t.Find(ids.data(), ids.size(), got.data());
   CHECK(got == rows);
+  // Emptied, the file forgets its ranges: a refill waits for its own only.
+  t.Clear();
+  CHECK_EQ(t.RowFileWriting(), size_t{0});
+  const size_t waited = t.RowFileWaited();
+  CHECK(t.Write(ids.data(), 10000, rows.data()).ok());
+  CHECK_EQ(t.RowFileWaited(), waited);
   t.Clear();
   CHECK_EQ(rmdir(dir.c_str()), 0);
 }

@@ -159,6 +159,26 @@ def _make_cgroup() -> str | None:
         return None
 
 
+def _fs_type(path: str) -> str:
+    """The type of the file system that holds ``path`` (its mount point is
+    the longest one the real path lies under), or "" if unknown."""
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                # ... mount point (5th) ... optional fields, "-", fs type, ...
+                mount = fields[4].replace("\\040", " ")
+                fs = fields[fields.index("-") + 1]
+                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best):
+                    best, kind = mount, fs
+    except (OSError, ValueError, IndexError):
+        return ""
+    return kind
+
+
 def _disk_of(path: str) -> str | None:
     """The "major:minor" of the whole disk that holds ``path`` (a throttle
     takes disks, not partitions), or None (no block device: tmpfs, overlay)."""
@@ -250,10 +270,23 @@ def larger_than_memory(args) -> None:
           f"insert (Python, TensorFlow; its cgroup limit is that + {args.limit_mib} MiB): "
           f"{args.rows * payload / limit:.1f}x the payload; load average "
           f"{C.load_average()}", flush=True)
+    # The row file must be on a disk: on tmpfs its pages are memory, which
+    # the limit counts and no disk can take (the default temporary directory
+    # may be one: then the repository's build/ is tried).
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    places = [args.disk_dir] if args.disk_dir else [tempfile.gettempdir(),
+                                                    os.path.join(here, "build")]
+    on_disk = [d for d in places if _fs_type(d if os.path.exists(d) else os.path.dirname(d))
+               not in ("tmpfs", "ramfs")]
+    if not on_disk:
+        print(f"skipping the memory-limit part: {' and '.join(places)} are in memory "
+              "(tmpfs), where a row file's pages are memory too; give --disk-dir on a disk")
+        return
     cgroup = _make_cgroup()
     if cgroup is None:
         return
-    rows_dir = tempfile.mkdtemp(prefix="tf_sfctr_rows_", dir=args.disk_dir)
+    os.makedirs(on_disk[0], exist_ok=True)
+    rows_dir = tempfile.mkdtemp(prefix="tf_sfctr_rows_", dir=on_disk[0])
     blkio = None
     try:
         if args.disk_write_mbps:
@@ -294,7 +327,7 @@ def larger_than_memory(args) -> None:
              "inserts/s, second half", f"host_read of {args.probes:,} random held ids/s",
              "every value read back right", "row file"], rows,
             title=f"Inserting {args.rows * payload / limit:.1f}x the memory budget of "
-                  f"payload ({args.limit_mib} MiB budget, disk: {args.disk_dir or '/tmp'})")
+                  f"payload ({args.limit_mib} MiB budget, disk: {os.path.dirname(rows_dir)})")
     s = disk["saved"]
     if not s:
         print("The table on file was not saved and restored; its child ended:",

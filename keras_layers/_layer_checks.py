@@ -51,6 +51,69 @@ def physical_memory() -> int:
         return 0
 
 
+def _first_int(path: str, key: Optional[str] = None) -> int:
+    """The integer in file ``path`` (the value of line ``key`` when given);
+    0 if it cannot be read or is not one ("max")."""
+    try:
+        with open(path) as f:
+            for line in f:
+                words = line.split()
+                if key is None or (len(words) == 2 and words[0] == key):
+                    return int(words[-1]) if words and words[-1].isdigit() else 0
+    except OSError:
+        pass
+    return 0
+
+
+def cgroup_memory_limit(proc_cgroup: str = "/proc/self/cgroup",
+                        root: str = "/sys/fs/cgroup") -> int:
+    """The memory limit of this process's control group in bytes, or 0 if
+    it has none or it cannot be read: cgroup v2's ``memory.max`` of its
+    group and every group above it (the least), v1's effective
+    ``hierarchical_memory_limit``. A container's limit, far below its host's
+    memory, which ``SC_PHYS_PAGES`` reports."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return 0
+    limits = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and not controllers:  # v2
+            group = path
+            while True:
+                limits.append(_first_int(os.path.join(root, group.lstrip("/"), "memory.max")))
+                if group in ("/", ""):
+                    break
+                group = os.path.dirname(group)
+        elif "memory" in controllers.split(","):  # v1
+            # Inside a container the group's path is the host's, and the
+            # mount holds only the container's own group.
+            for group in (path, "/"):
+                stat = os.path.join(root, "memory", group.lstrip("/"), "memory.stat")
+                if os.path.exists(stat):
+                    limits.append(_first_int(stat, "hierarchical_memory_limit"))
+                    break
+    # (v1 says "no limit" as a page-rounded 2**63 - 1.)
+    limits = [v for v in limits if 0 < v < 1 << 62]
+    return min(limits) if limits else 0
+
+
+def usable_memory() -> tuple[int, str]:
+    """The memory this process may use, in bytes (0: unknown), and the words
+    for it in an error: this machine's, or its control group's limit."""
+    physical, limit = physical_memory(), cgroup_memory_limit()
+    if limit and (not physical or limit < physical):
+        return limit, (f"the {limit / 2**30:.1f} GiB of memory this process's control group "
+                       f"may use (its limit"
+                       + (f"; the machine has {physical / 2**30:.1f} GiB)" if physical else ")"))
+    return physical, f"this machine's {physical / 2**30:.1f} GiB of memory"
+
+
 def directory_bytes(capacity: int) -> int:
     """Host bytes of the cache directory (ops/core/cache_directory.h): a
     32-byte slot and a 2-byte scan key per row, and a map of 16-byte entries
@@ -62,12 +125,13 @@ def directory_bytes(capacity: int) -> int:
 
 
 def check_cache_memory(name: str, capacity: int, dim: int, num_state: int) -> None:
-    """Refuses a cache whose host memory exceeds the machine's: its directory
+    """Refuses a cache whose host memory exceeds the machine's (or its
+    control group's limit, ``usable_memory``): its directory
     (always in host memory) and, on a machine without a GPU, its rows and
     their optimizer state (float32). A typo in cache_capacity would otherwise
     take it all. On a GPU, TF's allocator refuses too many rows itself
     (ResourceExhaustedError)."""
-    physical = physical_memory()
+    physical, words = usable_memory()
     rows = capacity * dim * 4 * (1 + num_state) if compute_device() == "/CPU:0" else 0
     directory = directory_bytes(capacity)
     if physical and rows + directory > physical:
@@ -77,8 +141,8 @@ def check_cache_memory(name: str, capacity: int, dim: int, num_state: int) -> No
             + (f"{rows / 2**30:.1f} GiB of rows of output_dim={dim}"
                + (f" with the table optimizer's state (x{1 + num_state})" if num_state else "")
                + " held in host memory without a GPU, " if rows else "")
-            + f"{directory / 2**30:.1f} GiB for the cache's directory), more than this "
-            f"machine's {physical / 2**30:.1f} GiB. The cache must only hold one step's "
+            + f"{directory / 2**30:.1f} GiB for the cache's directory), more than "
+            f"{words}. The cache must only hold one step's "
             "distinct ids (and what you want kept hot); lower cache_capacity")
 
 
@@ -107,7 +171,7 @@ def check_index_memory(name: str, expected_rows: Optional[int], share: int,
     """Refuses an ``expected_rows`` whose presized indexes (and, with
     ``reserve_rows``, its reserved rows: ``row_bytes`` each) would not fit in
     this machine's memory (a typo would otherwise take it all)."""
-    physical = physical_memory()
+    physical, words = usable_memory()
     if not share or not physical:
         return
     per_row = INDEX_BYTES_PER_ROW + row_bytes
@@ -119,7 +183,7 @@ def check_index_memory(name: str, expected_rows: Optional[int], share: int,
         raise ValueError(
             f"CachedEmbedding {name!r}: expected_rows={expected_rows} would size the "
             f"{what} at about {need / 2**30:.1f} GiB ({per_row} bytes per expected {rows}), "
-            f"more than this machine's {physical / 2**30:.1f} GiB of memory; lower "
+            f"more than {words}; lower "
             f"expected_rows (an estimate of the distinct ids the table will hold)"
             + (" or leave reserve_rows False" if row_bytes else ""))
 

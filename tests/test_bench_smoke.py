@@ -42,7 +42,7 @@ def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "RESULTS.md"
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     proc = subprocess.run([sys.executable, RUN_ALL, "--tiny", "--quiet", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+                          capture_output=True, text=True, timeout=1200, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return out.read_text()
 

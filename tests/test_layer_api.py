@@ -249,12 +249,17 @@ def test_a_cache_beyond_the_machine_memory_is_refused():
     assert layer._store is None and not layer.built and not layer.weights
 
 
-def test_a_cache_directory_beyond_the_machine_memory_is_refused():
+def test_a_cache_directory_beyond_the_machine_memory_is_refused(monkeypatch):
     """The directory (~66-98 bytes per cached row, in host memory, GPU or
     not) was left out of the check: a cache of 1-float rows whose rows fit
-    passed it, and the op then failed blaming expected_rows."""
-    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    capacity = min(physical // 40, 2**31 - 1)  # rows: 4 bytes each, a tenth of memory
+    passed it, and the op then failed blaming expected_rows. (A machine of
+    16 GiB: on one of more than ~140 GiB, a container's host say, the
+    largest cache's directory would fit.)"""
+    from tf_sfctr.keras_layers import _layer_checks
+
+    physical = 16 << 30
+    monkeypatch.setattr(_layer_checks, "physical_memory", lambda: physical)
+    capacity = physical // 40  # rows: 4 bytes each, a tenth of memory
     layer = CachedEmbedding(1, cache_capacity=capacity, seed=0)
     with pytest.raises(ValueError, match=r"GiB for the cache's directory\), more than this "
                                          r"machine's .* lower cache_capacity"):
@@ -922,3 +927,52 @@ def test_eager_calls_do_not_grow_the_layers_tracked_attributes():
         emb.lookup_rows(np.array([1]))
         emb.assign_rows(np.array([5]), np.ones((1, 2), np.float32))
     assert len(emb._tracked) == tracked
+
+
+def test_the_cgroup_memory_limit_is_read_for_v1_and_v2(tmp_path):
+    """A container's limit, not its host's memory, bounds what a layer may
+    size: read from the process's control group (v2: the least memory.max
+    of its group and those above; v1: hierarchical_memory_limit, also when
+    the group's host path is not mounted inside the container)."""
+    from tf_sfctr.keras_layers._layer_checks import cgroup_memory_limit
+
+    def write(path, text):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+    v2 = tmp_path / "v2"
+    write(v2 / "proc", "0::/pod/app\n")
+    write(v2 / "fs" / "pod" / "app" / "memory.max", "max\n")
+    write(v2 / "fs" / "pod" / "memory.max", f"{3 << 30}\n")
+    write(v2 / "fs" / "memory.max", f"{8 << 30}\n")
+    assert cgroup_memory_limit(str(v2 / "proc"), str(v2 / "fs")) == 3 << 30
+    write(v2 / "fs" / "pod" / "memory.max", "max\n")
+    write(v2 / "fs" / "memory.max", "max\n")
+    assert cgroup_memory_limit(str(v2 / "proc"), str(v2 / "fs")) == 0
+
+    v1 = tmp_path / "v1"
+    write(v1 / "proc", "5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n0::/\n")
+    stat = f"cache 0\nhierarchical_memory_limit {2 << 30}\ntotal_rss 0\n"
+    write(v1 / "fs" / "memory" / "memory.stat", stat)  # the container's own mount
+    assert cgroup_memory_limit(str(v1 / "proc"), str(v1 / "fs")) == 2 << 30
+    write(v1 / "fs" / "memory" / "memory.stat",
+          "hierarchical_memory_limit 9223372036854771712\n")
+    assert cgroup_memory_limit(str(v1 / "proc"), str(v1 / "fs")) == 0
+    assert cgroup_memory_limit(str(tmp_path / "missing"), str(v1 / "fs")) == 0
+
+
+def test_expected_rows_beyond_the_cgroup_limit_is_refused(monkeypatch):
+    from tf_sfctr.keras_layers import _layer_checks
+
+    monkeypatch.setattr(_layer_checks, "cgroup_memory_limit", lambda: 1 << 30)
+    layer = CachedEmbedding(4, cache_capacity=8, seed=0, expected_rows=100_000_000)
+    with pytest.raises(ValueError, match=r"expected_rows=100000000 would size .* more than the "
+                                         r"1\.0 GiB of memory this process's control group may "
+                                         r"use \(its limit; the machine has .* GiB\); lower"):
+        layer.build(None)
+    assert layer._store is None and not layer.built
+    # Under the machine's memory but above the limit: refused for the cache too.
+    layer = CachedEmbedding(64, cache_capacity=3_000_000, seed=0)
+    with pytest.raises(ValueError, match=r"cache_capacity=3000000 needs .* more than the 1\.0 "
+                                         r"GiB of memory this process's control group may use"):
+        layer.build(None)

@@ -35,7 +35,7 @@ def test_suites_pass_on_the_stock_op_path():
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
          *[str(TESTS / s) for s in SUITES]],
-        cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=900)
+        cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=1800)
     tail = "\n".join(result.stdout.splitlines()[-30:])
     assert result.returncode == 0, f"stock-op path failed:\n{tail}\n{result.stderr[-2000:]}"
     assert " passed" in tail

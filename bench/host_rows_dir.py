@@ -279,14 +279,16 @@ def larger_than_memory(args) -> None:
     on_disk = [d for d in places if _fs_type(d if os.path.exists(d) else os.path.dirname(d))
                not in ("tmpfs", "ramfs")]
     if not on_disk:
-        print(f"skipping the memory-limit part: {' and '.join(places)} are in memory "
+        print(f"skipping the memory-limit part: {' and '.join(places)} "
+              f"{'are' if len(places) > 1 else 'is'} in memory "
               "(tmpfs), where a row file's pages are memory too; give --disk-dir on a disk")
-        return
-    cgroup = _make_cgroup()
-    if cgroup is None:
         return
     os.makedirs(on_disk[0], exist_ok=True)
     rows_dir = tempfile.mkdtemp(prefix="tf_sfctr_rows_", dir=on_disk[0])
+    cgroup = _make_cgroup()
+    if cgroup is None:
+        shutil.rmtree(rows_dir, ignore_errors=True)
+        return
     blkio = None
     try:
         if args.disk_write_mbps:

@@ -55,7 +55,7 @@ def _first_int(path: str, key: Optional[str] = None) -> int:
     """The integer in file ``path`` (the value of line ``key`` when given);
     0 if it cannot be read or is not one ("max")."""
     try:
-        with open(path) as f:
+        with open(path, errors="surrogateescape") as f:
             for line in f:
                 words = line.split()
                 if key is None or (len(words) == 2 and words[0] == key):
@@ -73,7 +73,7 @@ def cgroup_memory_limit(proc_cgroup: str = "/proc/self/cgroup",
     ``hierarchical_memory_limit``. A container's limit, far below its host's
     memory, which ``SC_PHYS_PAGES`` reports."""
     try:
-        with open(proc_cgroup) as f:
+        with open(proc_cgroup, errors="surrogateescape") as f:
             lines = f.read().splitlines()
     except OSError:
         return 0
@@ -83,6 +83,9 @@ def cgroup_memory_limit(proc_cgroup: str = "/proc/self/cgroup",
         if len(parts) != 3:
             continue
         hierarchy, controllers, path = parts
+        if ".." in path.split("/"):
+            # Outside this cgroup namespace's root: its groups are not ours.
+            continue
         if hierarchy == "0" and not controllers:  # v2
             group = path
             while True:

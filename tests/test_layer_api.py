@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 import tf_sfctr
+from tf_sfctr.keras_layers import _layer_checks
 from tf_sfctr import _ops
 from tf_sfctr.keras_layers import CachedEmbedding
 
@@ -213,7 +214,9 @@ def test_reserve_rows_holds_the_expected_rows_memory_from_build_and_trains_the_s
     assert reserved.cache_stats()["host_bytes"] == held
 
 
-def test_reserve_rows_beyond_the_machine_memory_is_refused():
+def test_reserve_rows_beyond_the_machine_memory_is_refused(monkeypatch):
+    # The machine's memory, not a limit of the control group this runs in.
+    monkeypatch.setattr(_layer_checks, "cgroup_memory_limit", lambda: 0)
     physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     # Indexes alone would fit; with 64-float rows (+ Adagrad state) they do not.
     rows = physical // 200
@@ -225,7 +228,9 @@ def test_reserve_rows_beyond_the_machine_memory_is_refused():
     assert layer._store is None and not layer.built and not layer.weights
 
 
-def test_expected_rows_beyond_the_machine_memory_is_refused():
+def test_expected_rows_beyond_the_machine_memory_is_refused(monkeypatch):
+    # The machine's memory, not a limit of the control group this runs in.
+    monkeypatch.setattr(_layer_checks, "cgroup_memory_limit", lambda: 0)
     layer = CachedEmbedding(4, cache_capacity=8, seed=0, expected_rows=10**15)
     with pytest.raises(ValueError, match=r"expected_rows=1000000000000000 would size .* "
                                          r"more than this machine's .* GiB of memory"):
@@ -235,10 +240,12 @@ def test_expected_rows_beyond_the_machine_memory_is_refused():
 
 @pytest.mark.skipif(bool(tf.config.list_logical_devices("GPU")),
                     reason="checks host memory, where the cache lives without a GPU")
-def test_a_cache_beyond_the_machine_memory_is_refused():
+def test_a_cache_beyond_the_machine_memory_is_refused(monkeypatch):
     """Without a GPU the cache (rows and optimizer state) lives in host
     memory: 2**31 - 1 rows x 1024 x 2 floats (Adagrad), 16 TiB, is refused
     before anything is allocated."""
+    # The machine's memory, not a limit of the control group this runs in.
+    monkeypatch.setattr(_layer_checks, "cgroup_memory_limit", lambda: 0)
     layer = CachedEmbedding(1024, cache_capacity=2**31 - 1, seed=0, optimizer="adagrad")
     with pytest.raises(ValueError, match=r"cache_capacity=2147483647 needs 16516\.0 GiB of host "
                                          r"memory \(16384\.0 GiB of rows of output_dim=1024 with "
@@ -255,10 +262,9 @@ def test_a_cache_directory_beyond_the_machine_memory_is_refused(monkeypatch):
     passed it, and the op then failed blaming expected_rows. (A machine of
     16 GiB: on one of more than ~140 GiB, a container's host say, the
     largest cache's directory would fit.)"""
-    from tf_sfctr.keras_layers import _layer_checks
-
     physical = 16 << 30
     monkeypatch.setattr(_layer_checks, "physical_memory", lambda: physical)
+    monkeypatch.setattr(_layer_checks, "cgroup_memory_limit", lambda: 0)
     capacity = physical // 40  # rows: 4 bytes each, a tenth of memory
     layer = CachedEmbedding(1, cache_capacity=capacity, seed=0)
     with pytest.raises(ValueError, match=r"GiB for the cache's directory\), more than this "
@@ -934,7 +940,7 @@ def test_the_cgroup_memory_limit_is_read_for_v1_and_v2(tmp_path):
     size: read from the process's control group (v2: the least memory.max
     of its group and those above; v1: hierarchical_memory_limit, also when
     the group's host path is not mounted inside the container)."""
-    from tf_sfctr.keras_layers._layer_checks import cgroup_memory_limit
+    cgroup_memory_limit = _layer_checks.cgroup_memory_limit
 
     def write(path, text):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -959,11 +965,16 @@ def test_the_cgroup_memory_limit_is_read_for_v1_and_v2(tmp_path):
           "hierarchical_memory_limit 9223372036854771712\n")
     assert cgroup_memory_limit(str(v1 / "proc"), str(v1 / "fs")) == 0
     assert cgroup_memory_limit(str(tmp_path / "missing"), str(v1 / "fs")) == 0
+    # Outside the namespace's root ("/.." paths), or a path that is not
+    # UTF-8: no limit read, and no error.
+    write(v2 / "proc", "0::/../sibling\n")
+    write(v2 / "fs" / "memory.max", f"{1 << 30}\n")
+    assert cgroup_memory_limit(str(v2 / "proc"), str(v2 / "fs")) == 0
+    (v2 / "proc").write_bytes(b"0::/caf\xe9\n")
+    assert cgroup_memory_limit(str(v2 / "proc"), str(v2 / "fs")) == 1 << 30
 
 
 def test_expected_rows_beyond_the_cgroup_limit_is_refused(monkeypatch):
-    from tf_sfctr.keras_layers import _layer_checks
-
     monkeypatch.setattr(_layer_checks, "cgroup_memory_limit", lambda: 1 << 30)
     layer = CachedEmbedding(4, cache_capacity=8, seed=0, expected_rows=100_000_000)
     with pytest.raises(ValueError, match=r"expected_rows=100000000 would size .* more than the "
@@ -971,8 +982,9 @@ def test_expected_rows_beyond_the_cgroup_limit_is_refused(monkeypatch):
                                          r"use \(its limit; the machine has .* GiB\); lower"):
         layer.build(None)
     assert layer._store is None and not layer.built
-    # Under the machine's memory but above the limit: refused for the cache too.
-    layer = CachedEmbedding(64, cache_capacity=3_000_000, seed=0)
-    with pytest.raises(ValueError, match=r"cache_capacity=3000000 needs .* more than the 1\.0 "
+    # Under the machine's memory but above the limit: refused for the cache
+    # too (its directory alone, ~1.7 GiB, on a GPU as well).
+    layer = CachedEmbedding(1, cache_capacity=20_000_000, seed=0)
+    with pytest.raises(ValueError, match=r"cache_capacity=20000000 needs .* more than the 1\.0 "
                                          r"GiB of memory this process's control group may use"):
         layer.build(None)

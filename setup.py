@@ -102,6 +102,10 @@ setup(
     ),
     long_description=open(os.path.join(HERE, "README.md")).read(),
     long_description_content_type="text/markdown",
+    # The code; the MovieLens copy (tf_sfctr/movielens_data) keeps GroupLens's
+    # terms, in its README.txt.
+    license="Apache-2.0",
+    classifiers=["License :: OSI Approved :: Apache Software License"],
     # TensorFlow 2.16 has wheels for Python 3.9 to 3.12.
     python_requires=">=3.9,<3.13",
     # The MovieLens copy that data.movielens() reads goes into the wheel too

@@ -22,6 +22,10 @@ sees each row once), on the same batches after the same warm-up:
   ``combiner="mean"``, ``tf_sfctr.optimizers.Adagrad(accumulate="summed")``,
   cache of ``--cache-frac`` x vocab rows, told the vocabulary size;
 * ``CachedEmbedding, sparse ids``: the same rows as a ``tf.SparseTensor``;
+* ``CachedEmbedding, ragged ids in a list (per-id gradient)``: the ragged ids
+  as a one-feature list call (``layer([ids])``), whose table update takes
+  each id's gradient, gathered from the combined rows' (a feature alone in
+  its call sums the combined rows' gradient per distinct id in one pass);
 * ``tf_keras Embedding``: the full table of a Keras 2 ``Embedding`` read as
   ``tf.nn.embedding_lookup_sparse`` reads it (``lookup_mean``: a gather of the
   distinct rows, a sparse segment mean), ``tf_keras.optimizers.legacy.Adagrad``
@@ -51,6 +55,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 OURS_R, OURS_S = "CachedEmbedding, ragged ids", "CachedEmbedding, sparse ids"
+OURS_L = "CachedEmbedding, ragged ids in a list (per-id gradient)"
 TFK, K3, TFRA = L.TFK, L.K3, L.TFRA
 LAWS = ("uniform", "long-tail")
 SIGMA = 1.5
@@ -100,7 +105,7 @@ def _loss(out, w):
     return tf.reduce_sum(out * w)
 
 
-def make_ours(dim: int, capacity: int, vocab: int, w, spec, name: str):
+def make_ours(dim: int, capacity: int, vocab: int, w, spec, name: str, as_list: bool = False):
     import tf_sfctr
     from tf_sfctr.keras_layers import CachedEmbedding
 
@@ -113,7 +118,8 @@ def make_ours(dim: int, capacity: int, vocab: int, w, spec, name: str):
     @tf.function(input_signature=[spec])
     def step(ids):
         with tf.GradientTape() as tape:
-            loss = _loss(layer(ids, training=True), w)
+            out = layer([ids], training=True)[0] if as_list else layer(ids, training=True)
+            loss = _loss(out, w)
         grads = tape.gradient(loss, layer.trainable_weights)
         return loss + tf.add_n(grads)
 
@@ -245,10 +251,12 @@ def main(argv=None) -> int:
               f"{np.mean(b.distinct[timed]):,.0f} distinct/step; {warmup} warm-up steps "
               f"(the cache first evicts at step {fill})", flush=True)
         variants = []
-        for name, spec, inputs in ((OURS_R, SPLITS, b.ragged), (OURS_S, SPARSE, b.sparse)):
+        for name, spec, inputs in ((OURS_R, SPLITS, b.ragged), (OURS_S, SPARSE, b.sparse),
+                                   (OURS_L, SPLITS, b.ragged)):
+            kind = {OURS_R: "ragged", OURS_S: "sparse", OURS_L: "list"}[name]
             step, layer = make_ours(args.dim, capacity, args.vocab, w, spec,
-                                    name=f"{'ragged' if spec is SPLITS else 'sparse'}_"
-                                         f"{law.replace('-', '_')}")
+                                    name=f"{kind}_{law.replace('-', '_')}",
+                                    as_list=name == OURS_L)
             err = reference_check(layer, inputs[0], b, args.dim)
             print(f"  check ({name}): max |ours - tf.nn.embedding_lookup_sparse| on the "
                   f"first batch = {err:.2e}")

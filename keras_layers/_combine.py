@@ -92,19 +92,32 @@ def combine_segments(rows: tf.Tensor, row_ids: tf.Tensor, nrows: tf.Tensor,
 
     if weights is None:
         total = sums(rows)
-        if combiner in (None, "sum"):
-            return total
-        if lengths is None:
-            counts = sums(tf.ones_like(row_ids, rows.dtype))
-        else:
-            counts = tf.cast(lengths, rows.dtype)
-        counts = tf.maximum(counts, 1.0)[:, None]
-        return total / (counts if combiner == "mean" else tf.sqrt(counts))
+        divisor = segment_divisor(row_ids, nrows, combiner, rows.dtype, lengths=lengths,
+                                  sorted_ids=sorted_ids, use_kernel=use_kernel)
+        return total if divisor is None else total / divisor
     total = sums(rows * weights[:, None])
     if combiner in (None, "sum"):
         return total
     norm = sums(weights if combiner == "mean" else tf.square(weights))
     return tf.math.divide_no_nan(total, (norm if combiner == "mean" else tf.sqrt(norm))[:, None])
+
+
+def segment_divisor(row_ids: tf.Tensor, nrows: tf.Tensor, combiner: Optional[str],
+                    dtype: tf.DType, lengths: Optional[tf.Tensor] = None,
+                    sorted_ids: bool = False, use_kernel: bool = False) -> Optional[tf.Tensor]:
+    """What an unweighted :func:`combine_segments` divides each row's sum by,
+    [nrows, 1]: the row's number of ids ("mean") or its square root
+    ("sqrtn"), at least 1; None for "sum". The gradient of a combined row,
+    divided by it, is the gradient of each of the row's ids."""
+    if combiner in (None, "sum"):
+        return None
+    if lengths is None:
+        counts = in_range_segment_sum(tf.ones_like(row_ids, dtype), row_ids, nrows,
+                                      sorted_ids=sorted_ids, use_kernel=use_kernel)
+    else:
+        counts = tf.cast(lengths, dtype)
+    counts = tf.maximum(counts, 1.0)[:, None]
+    return counts if combiner == "mean" else tf.sqrt(counts)
 
 
 def combine_last_axis(rows: tf.Tensor, combiner: str, keep: Optional[tf.Tensor] = None,

@@ -11,7 +11,9 @@ import numpy as np
 import tensorflow as tf
 
 from tf_sfctr import _ops
-from tf_sfctr.keras_layers._combine import combine_last_axis, combine_segments, ragged_row_ids
+from tf_sfctr.keras_layers._combine import (combine_last_axis, combine_segments,
+                                            in_range_segment_sum, ragged_row_ids,
+                                            segment_divisor)
 from tf_sfctr.keras_layers._layer_checks import check_id_dtype
 from tf_sfctr._checks import ArgumentTypeError
 
@@ -469,3 +471,22 @@ class InputsMixin:
                                 weights=weights, lengths=layout.get("lengths"),
                                 sorted_ids=layout.get("sorted", False),
                                 use_kernel=_ops.use_kernels())
+
+    def _combine_for_update(self, rows: tf.Tensor, layout: dict):
+        """``(combined rows, divisor)`` of a multi-hot feature without weights
+        (a ragged or sparse one, alone in its call), whose table update then
+        takes the gradient of the combined rows: the gradient of an id is its
+        row's divided by ``divisor`` ([nrows, 1], None for "sum"), summed per
+        distinct id with no per-id [N, D] tensor in between. None for other
+        inputs, whose update takes the gradient per id."""
+        if layout["kind"] != "rows" or layout.get("weights") is not None:
+            return None
+        use_kernel = _ops.use_kernels()
+        row_ids, nrows = layout["row_ids"], layout["nrows"]
+        sorted_ids = layout.get("sorted", False)
+        divisor = segment_divisor(row_ids, nrows, self.combiner, rows.dtype,
+                                  lengths=layout.get("lengths"), sorted_ids=sorted_ids,
+                                  use_kernel=use_kernel)
+        total = in_range_segment_sum(rows, row_ids, nrows, sorted_ids=sorted_ids,
+                                     use_kernel=use_kernel)
+        return (total if divisor is None else total / divisor), divisor

@@ -1067,13 +1067,23 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             rows, apply_update = self._unique_rows(unique_ids, bool(training), next_ids, hints)
             num_unique = tf.size(unique_ids)
             rows = _ops.gather_tensor_rows(rows, inverse)
-        if apply_update is not None:
-            rows = self._attach_update(rows, inverse, num_unique, apply_update, update_graph,
-                                       scale)
-        elif (flag is None and self.trainable and not tf.executing_eagerly()
-              and not keras_shape_inference()):
-            rows = self._warn_if_differentiated(rows)
-        out = self._combine(rows, layout)
+        combined = self._combine_for_update(rows, layout) if apply_update is not None else None
+        if combined is not None:
+            # A multi-hot feature: the update takes the gradient of the
+            # combined rows and sums it per distinct id in one pass
+            # (SfctrGatherSegmentSums), instead of a gather of it per id and
+            # then a sum ([N, D] written and read again).
+            out, divisor = combined
+            out = self._attach_update(out, inverse, num_unique, apply_update, update_graph,
+                                      scale, row_ids=layout["row_ids"], divisor=divisor)
+        else:
+            if apply_update is not None:
+                rows = self._attach_update(rows, inverse, num_unique, apply_update,
+                                           update_graph, scale)
+            elif (flag is None and self.trainable and not tf.executing_eagerly()
+                  and not keras_shape_inference()):
+                rows = self._warn_if_differentiated(rows)
+            out = self._combine(rows, layout)
         if isinstance(out, list):
             return [tf.cast(x, self.compute_dtype) for x in out]
         return tf.cast(out, self.compute_dtype)
@@ -1131,7 +1141,10 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
 
     # ------------------------------------------------------- table update
     def _attach_update(self, rows, inverse, num_unique, apply_update, update_graph=None,
-                       scale: Optional[LossScale] = None):
+                       scale: Optional[LossScale] = None, row_ids=None, divisor=None):
+        """Returns ``rows`` (each id's row, or with ``row_ids`` the combined rows
+        of a multi-hot feature: see _combine_for_update) with the table update
+        attached to their gradient."""
         trigger = tf.convert_to_tensor(self._trigger.value)
         # Updates so far: a call's update must be the next one. Checked when
         # it runs (TF may trace a backward function more than once, e.g.
@@ -1155,7 +1168,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
         with tf.control_dependencies([num_unique]):
             self._steps_run.var.assign_add(1)
         call = _TrainingCall(apply_update, inverse, num_unique, update_graph, scale,
-                             step_at_call, call_number)
+                             step_at_call, call_number, row_ids, divisor)
         # The gradient function holds the layer and the call weakly: TF keeps
         # the gradient function of every traced tf.custom_gradient in a
         # global registry for the life of the process, so a strong reference
@@ -1232,14 +1245,18 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             # (tf.identity: a cast of float32 gradients is no op, and would
             # wait for nothing.)
             g_occ = tf.identity(tf.cast(tf.convert_to_tensor(d_rows), tf.float32))
+        if call.divisor is not None:
+            # (Combined rows: the divisor's gradient, per row before it is per id.)
+            g_occ = g_occ / call.divisor
         if scale is not None:
             # As the Keras optimizer divides the gradients it applies.
             g_occ = g_occ / scale.value()
         # Sum per unique id (and of squares for per-occurrence
-        # Adagrad) in one pass over the occurrences.
+        # Adagrad) in one pass over the occurrences (of combined rows: each
+        # id's gradient is its row's, read where it is).
         g, g_sq = _ops.segment_sums(
             g_occ, call.inverse, call.num_unique,
-            squares=self.table_optimizer.needs_squared_occurrences)
+            squares=self.table_optimizer.needs_squared_occurrences, data_rows=call.row_ids)
         # One scalar, NaN if any element of g is NaN or Inf or would
         # square to Inf (an accumulator of squares would store it),
         # or if a sum of squares is: much cheaper to check than
@@ -1621,13 +1638,15 @@ class _TrainingCall:
     step count; ``inverse`` and ``num_unique`` sum the occurrences' gradient
     per distinct id; ``update_graph`` is the graph whose pending training
     call this clears; ``scale`` a LossScale or None; ``step_at_call`` and
-    ``call_number`` are checked when the update runs."""
+    ``call_number`` are checked when the update runs. ``row_ids`` (None
+    unless the gradient is of combined rows): each id's row, whose gradient
+    divided by ``divisor`` (None: 1) is the id's."""
 
     __slots__ = ("apply_update", "inverse", "num_unique", "update_graph", "scale",
-                 "step_at_call", "call_number", "__weakref__")
+                 "step_at_call", "call_number", "row_ids", "divisor", "__weakref__")
 
     def __init__(self, apply_update, inverse, num_unique, update_graph, scale, step_at_call,
-                 call_number):
+                 call_number, row_ids=None, divisor=None):
         self.apply_update = apply_update
         self.inverse = inverse
         self.num_unique = num_unique
@@ -1635,6 +1654,8 @@ class _TrainingCall:
         self.scale = scale
         self.step_at_call = step_at_call
         self.call_number = call_number
+        self.row_ids = row_ids
+        self.divisor = divisor
 
 
 class _StagedUpdate(keras.constraints.Constraint):

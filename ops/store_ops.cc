@@ -542,6 +542,39 @@ max_shards ranges (0: half the pool's threads, at least 1); the result does not
 depend on the split.
 )doc");
 
+REGISTER_OP("SfctrGatherSegmentSums")
+    .Input("data: float")
+    .Input("data_rows: int32")
+    .Input("segment_ids: int32")
+    .Input("num_segments: int32")
+    .Attr("squares: bool = false")
+    .Attr("max_shards: int = 0")
+    .Output("sums: float")
+    .Output("sums_of_squares: float")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle data, rows, segments;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &data));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &rows));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &segments));
+      shape_inference::DimensionHandle unused;
+      TF_RETURN_IF_ERROR(c->Merge(c->Dim(rows, 0), c->Dim(segments, 0), &unused));
+      shape_inference::DimensionHandle n;
+      TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(3, &n));
+      bool squares = false;
+      TF_RETURN_IF_ERROR(c->GetAttr("squares", &squares));
+      c->set_output(0, c->Matrix(n, c->Dim(data, 1)));
+      c->set_output(1, squares ? c->Matrix(n, c->Dim(data, 1)) : c->Matrix(0, c->Dim(data, 1)));
+      return OkStatus();
+    })
+    .Doc(R"doc(
+SfctrSegmentSums of the rows data[data_rows[i]] (i in [0, N)), read in place:
+the same sums, in the same order, as of tf.gather(data, data_rows), without
+that [N, D] tensor. The backward of a combined multi-hot lookup: data is the
+gradient of the combined rows [B, D], data_rows each id's row of the batch and
+segment_ids its index among the distinct ids. data_rows must be in
+[0, rows of data).
+)doc");
+
 REGISTER_OP("SfctrSparseApplyAdagrad")
     .Input("var: resource")
     .Input("accum: resource")

@@ -87,6 +87,77 @@ def test_multi_hot_matches_embedding_lookup_sparse(rng, combiner, kind):
     np.testing.assert_allclose(layer.lookup_rows(vocab), want_params, rtol=1e-5, atol=1e-6)
 
 
+def _table(layer):
+    """Every row and its optimizer state, sorted by id."""
+    ids, rows, _, state = (np.concatenate(x) if not isinstance(x[0], dict) else
+                           {k: np.concatenate([d[k] for d in x]) for k in x[0]}
+                           for x in zip(*layer.export_rows(with_state=True)))
+    order = np.argsort(ids)
+    return ids[order], rows[order], {k: v[order] for k, v in state.items()}
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("kind", ["ragged", "sparse"])
+@pytest.mark.parametrize("traced", [False, True])
+def test_multi_hot_update_sums_the_combined_gradient_in_place(rng, combiner, kind, traced):
+    """A multi-hot feature alone in its call updates the table from the
+    gradient of its combined rows, summed per distinct id in one pass
+    (SfctrGatherSegmentSums reads each id's row of it where it is): the
+    same bits as the per-id path a list call takes (each id's gradient
+    gathered, then summed), with Keras 3's per-occurrence Adagrad, whose
+    squares see each id's own gradient; and no per-id gather of the
+    gradient in the traced step."""
+    vocab = random_vocab(rng, 40)
+
+    def make():
+        return CachedEmbedding(DIM, cache_capacity=24, combiner=combiner, seed=3,
+                               optimizer=tf_sfctr.optimizers.Adagrad(learning_rate=0.3))
+
+    fused, per_id = make(), make()
+
+    def step(layer, ids, up, as_list):
+        with tf.GradientTape() as tape:
+            out = layer([ids] if as_list else ids, training=True)
+            out = out[0] if as_list else out
+            loss = tf.reduce_sum(out * up) + tf.reduce_sum(tf.square(out))
+        tape.gradient(loss, layer.trainable_weights)
+        return out
+
+    spec = (tf.RaggedTensorSpec([None, None], tf.int64, 1, tf.int64) if kind == "ragged"
+            else tf.SparseTensorSpec([None, None], tf.int64))
+    runs = {}
+    for layer, as_list in ((fused, False), (per_id, True)):
+        fn = lambda ids, up, layer=layer, as_list=as_list: step(layer, ids, up, as_list)  # noqa: E731
+        runs[as_list] = tf.function(fn, input_signature=[spec, tf.TensorSpec([None, DIM])]) \
+            if traced else fn
+    for _ in range(4):  # the cache (24 rows) evicts: ids move between steps
+        lengths = rng.integers(0, 7, size=9)
+        lengths[-1] = 0  # an empty last row
+        ragged = tf.RaggedTensor.from_row_lengths(
+            vocab[rng.zipf(1.3, size=lengths.sum()) % len(vocab)], lengths)
+        ids = ragged if kind == "ragged" else ragged.to_sparse()
+        up = tf.constant(rng.normal(size=(len(lengths), DIM)), tf.float32)
+        got, want = runs[False](ids, up), runs[True](ids, up)
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+    got_ids, got_rows, got_state = _table(fused)
+    want_ids, want_rows, want_state = _table(per_id)
+    np.testing.assert_array_equal(got_ids, want_ids)
+    np.testing.assert_array_equal(got_rows, want_rows)
+    assert got_state.keys() == want_state.keys() == {"accumulator"}
+    np.testing.assert_array_equal(got_state["accumulator"], want_state["accumulator"])
+    # (They trained: the rows moved from the seed's initial ones.)
+    assert np.abs(got_rows - make().lookup_rows(got_ids)).max() > 1e-3
+    if traced:
+        def op_types(fn):
+            return {op.type for op in fn.get_concrete_function().graph.get_operations()}
+        fused_ops, per_id_ops = op_types(runs[False]), op_types(runs[True])
+        assert "SfctrGatherSegmentSums" in fused_ops
+        assert "SfctrGatherSegmentSums" not in per_id_ops
+        if kind == "ragged":  # (the per-id gather of the gradient: int32 row ids)
+            assert "SfctrGatherTensorRows" in per_id_ops
+            assert "SfctrGatherTensorRows" not in fused_ops
+
+
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
 def test_dense_ids_with_combiner_reduce_last_axis(rng, combiner):
     vocab = random_vocab(rng, 6)

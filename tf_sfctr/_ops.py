@@ -63,6 +63,7 @@ _OP_TYPES = (
     "SfctrStoreSetCounters",
     "SfctrUnique",
     "SfctrSegmentSums",
+    "SfctrGatherSegmentSums",
     "SfctrGatherIndex",
     "SfctrSparseApplyAdagrad",
     "SfctrNonFiniteMarker",
@@ -212,14 +213,18 @@ def _int32_indices(x, what: str) -> tf.Tensor:
 
 def segment_sums(data: tf.Tensor, segment_ids: tf.Tensor, num_segments,
                  squares: bool = False, use_kernel: bool | None = None,
-                 max_shards: int = 0):
+                 max_shards: int = 0, data_rows: tf.Tensor | None = None):
     """``(sums, sums_of_squares)`` of the rows of ``data`` [N, D] per segment.
 
     ``sums`` equals ``tf.math.unsorted_segment_sum(data, segment_ids,
     num_segments)``; ``sums_of_squares`` (None unless ``squares``) the same
     sum of ``data ** 2``. Segment ids must be in ``[0, num_segments)``.
+    ``data_rows`` [N] (int32 or int64): sum the rows ``data[data_rows]``
+    instead, read in place (the same result as ``tf.gather(data,
+    data_rows)`` first, with no such tensor).
 
-    On CPU this is one pass of our ``SfctrSegmentSums`` kernel, several times
+    On CPU this is one pass of our ``SfctrSegmentSums`` kernel (with
+    ``data_rows``, ``SfctrGatherSegmentSums``), several times
     faster than TF's kernel and reading ``data`` once for both sums. With a GPU
     visible it is TF's own ops, so the gradient never leaves the device.
     ``use_kernel`` forces one or the other (None: decide as above).
@@ -228,13 +233,21 @@ def segment_sums(data: tf.Tensor, segment_ids: tf.Tensor, num_segments,
     data = tf.cast(data, tf.float32)
     segment_ids = _int32_indices(segment_ids, "segment_ids")
     num_segments = _int32_indices(num_segments, "num_segments")
+    if data_rows is not None:
+        data_rows = _int32_indices(data_rows, "data_rows")
     if not _use_kernel(use_kernel):
+        if data_rows is not None:
+            data = tf.gather(data, data_rows)
         sums = tf.math.unsorted_segment_sum(data, segment_ids, num_segments)
         if not squares:
             return sums, None
         return sums, tf.math.unsorted_segment_sum(tf.square(data), segment_ids, num_segments)
-    sums, sums_sq = load().sfctr_segment_sums(data, segment_ids, num_segments, squares=squares,
-                                              max_shards=max_shards)
+    if data_rows is not None:
+        sums, sums_sq = load().sfctr_gather_segment_sums(
+            data, data_rows, segment_ids, num_segments, squares=squares, max_shards=max_shards)
+    else:
+        sums, sums_sq = load().sfctr_segment_sums(data, segment_ids, num_segments,
+                                                  squares=squares, max_shards=max_shards)
     return sums, (sums_sq if squares else None)
 
 

@@ -9,8 +9,8 @@ namespace {
 // kDim > 0 fixes the width at compile time: the common widths get a loop the
 // compiler fully unrolls and vectorises. kDim == 0 takes `dim` at run time.
 template <int kDim>
-void AddRows(const float* data, const int32_t* segment, int64_t n, int64_t dim_arg,
-             int64_t begin, int64_t end, float* sums, float* squares) {
+void AddRows(const float* data, const int32_t* data_rows, const int32_t* segment, int64_t n,
+             int64_t dim_arg, int64_t begin, int64_t end, float* sums, float* squares) {
   const int64_t dim = kDim > 0 ? kDim : dim_arg;
   const uint64_t span = static_cast<uint64_t>(end - begin);
   // The output rows are visited at random and (at a batch's sizes) do not
@@ -32,7 +32,7 @@ void AddRows(const float* data, const int32_t* segment, int64_t n, int64_t dim_a
     }
     const uint64_t s = static_cast<uint64_t>(segment[i] - begin);
     if (s >= span) continue;  // another range's segment (or below begin)
-    const float* row = data + i * dim;
+    const float* row = data + (data_rows != nullptr ? data_rows[i] : i) * dim;
     float* out = sums + (begin + static_cast<int64_t>(s)) * dim;
     for (int64_t k = 0; k < dim; ++k) out[k] += row[k];
     if (squares != nullptr) {
@@ -51,19 +51,20 @@ int64_t FirstBadSegment(const int32_t* segment, int64_t n, int64_t num_segments)
   return -1;
 }
 
-void SegmentSums(const float* data, const int32_t* segment, int64_t n, int64_t dim,
-                 int64_t begin, int64_t end, float* sums, float* squares) {
+void SegmentSums(const float* data, const int32_t* data_rows, const int32_t* segment,
+                 int64_t n, int64_t dim, int64_t begin, int64_t end, float* sums,
+                 float* squares) {
   if (end <= begin || dim == 0) return;
   const size_t bytes = static_cast<size_t>(end - begin) * dim * sizeof(float);
   std::memset(sums + begin * dim, 0, bytes);
   if (squares != nullptr) std::memset(squares + begin * dim, 0, bytes);
   switch (dim) {
-    case 8: return AddRows<8>(data, segment, n, dim, begin, end, sums, squares);
-    case 16: return AddRows<16>(data, segment, n, dim, begin, end, sums, squares);
-    case 32: return AddRows<32>(data, segment, n, dim, begin, end, sums, squares);
-    case 64: return AddRows<64>(data, segment, n, dim, begin, end, sums, squares);
-    case 128: return AddRows<128>(data, segment, n, dim, begin, end, sums, squares);
-    default: return AddRows<0>(data, segment, n, dim, begin, end, sums, squares);
+    case 8: return AddRows<8>(data, data_rows, segment, n, dim, begin, end, sums, squares);
+    case 16: return AddRows<16>(data, data_rows, segment, n, dim, begin, end, sums, squares);
+    case 32: return AddRows<32>(data, data_rows, segment, n, dim, begin, end, sums, squares);
+    case 64: return AddRows<64>(data, data_rows, segment, n, dim, begin, end, sums, squares);
+    case 128: return AddRows<128>(data, data_rows, segment, n, dim, begin, end, sums, squares);
+    default: return AddRows<0>(data, data_rows, segment, n, dim, begin, end, sums, squares);
   }
 }
 

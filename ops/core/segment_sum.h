@@ -24,8 +24,13 @@ int64_t FirstBadSegment(const int32_t* segment, int64_t n, int64_t num_segments)
 
 // Zeroes, then fills, rows [begin, end) of sums (and of squares unless it is
 // null), each [num_segments x dim] row-major. Segment ids must be valid.
-void SegmentSums(const float* data, const int32_t* segment, int64_t n, int64_t dim,
-                 int64_t begin, int64_t end, float* sums, float* squares);
+// With data_rows, the i-th summed row is data[data_rows[i]] instead of
+// data[i] (rows read once per use, never copied out: the backward of a
+// combiner, whose per-id gradient is its output row's); those must be valid
+// rows of data too.
+void SegmentSums(const float* data, const int32_t* data_rows, const int32_t* segment,
+                 int64_t n, int64_t dim, int64_t begin, int64_t end, float* sums,
+                 float* squares);
 
 // Row splits of a 2-D ragged tensor: splits[0..nrows], the values of row r at
 // [splits[r], splits[r + 1]). Index of the first split that breaks

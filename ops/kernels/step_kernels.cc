@@ -136,6 +136,9 @@ void RunKernelShards(OpKernelContext* ctx, const sfctr::Scheduler* schedule, int
       [&] { sfctr::RunShards(schedule, shards, shards - 1, fn); });
 }
 
+// SfctrSegmentSums (kGathered false) and SfctrGatherSegmentSums (true: the
+// summed rows are data[data_rows[i]], read in place).
+template <bool kGathered>
 class SegmentSumsOp : public OpKernel {
  public:
   explicit SegmentSumsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -145,23 +148,37 @@ class SegmentSumsOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& data = ctx->input(0);
-    const Tensor& segments = ctx->input(1);
-    const Tensor& num_segments_t = ctx->input(2);
+    const Tensor& segments = ctx->input(kGathered ? 2 : 1);
+    const Tensor& num_segments_t = ctx->input(kGathered ? 3 : 2);
     OP_REQUIRES(ctx, data.dims() == 2,
                 errors::InvalidArgument("data must be a matrix [N, D], got shape ",
                                         data.shape().DebugString()));
-    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(segments.shape()) &&
-                         segments.dim_size(0) == data.dim_size(0),
+    const int32_t* rows = nullptr;
+    int64_t n = data.dim_size(0);
+    if (kGathered) {
+      const Tensor& data_rows = ctx->input(1);
+      OP_REQUIRES(ctx, TensorShapeUtils::IsVector(data_rows.shape()),
+                  errors::InvalidArgument("data_rows must be a vector, got shape ",
+                                          data_rows.shape().DebugString()));
+      n = data_rows.dim_size(0);
+      rows = data_rows.flat<int32_t>().data();
+      const int64_t bad_row = sfctr::FirstBadSegment(rows, n, data.dim_size(0));
+      OP_REQUIRES(ctx, bad_row < 0,
+                  errors::InvalidArgument("data_rows[", bad_row, "] = ",
+                                          bad_row < 0 ? 0 : rows[bad_row],
+                                          " is not a row of data [0, ", data.dim_size(0), ")"));
+    }
+    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(segments.shape()) && segments.dim_size(0) == n,
                 errors::InvalidArgument(
-                    "segment_ids must be a vector with one id per row of data (",
-                    data.dim_size(0), "), got shape ", segments.shape().DebugString()));
+                    "segment_ids must be a vector with one id per ",
+                    kGathered ? "entry of data_rows (" : "row of data (", n, "), got shape ",
+                    segments.shape().DebugString()));
     OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(num_segments_t.shape()),
                 errors::InvalidArgument("num_segments must be a scalar, got shape ",
                                         num_segments_t.shape().DebugString()));
     const int64_t num_segments = num_segments_t.scalar<int32_t>()();
     OP_REQUIRES(ctx, num_segments >= 0,
                 errors::InvalidArgument("num_segments must be >= 0, got ", num_segments));
-    const int64_t n = data.dim_size(0);
     const int64_t dim = data.dim_size(1);
     const int32_t* seg = segments.flat<int32_t>().data();
     const int64_t bad = sfctr::FirstBadSegment(seg, n, num_segments);
@@ -189,7 +206,7 @@ class SegmentSumsOp : public OpKernel {
     const sfctr::Scheduler schedule = PoolScheduler(ctx);
     RunKernelShards(ctx, &schedule, shards, [&](int64_t s) {
       const int64_t begin = s * per;
-      sfctr::SegmentSums(in, seg, n, dim, begin, std::min(num_segments, begin + per), out,
+      sfctr::SegmentSums(in, rows, seg, n, dim, begin, std::min(num_segments, begin + per), out,
                          out_sq);
     });
   }
@@ -589,7 +606,8 @@ class SparseApplyFtrlOp : public OpKernel {
   REGISTER_KERNEL_BUILDER(Name(name).Device(DEVICE_CPU), cls)
 
 SFCTR_CPU_KERNEL("SfctrUnique", UniqueOp);
-SFCTR_CPU_KERNEL("SfctrSegmentSums", SegmentSumsOp);
+SFCTR_CPU_KERNEL("SfctrSegmentSums", SegmentSumsOp<false>);
+SFCTR_CPU_KERNEL("SfctrGatherSegmentSums", SegmentSumsOp<true>);
 SFCTR_CPU_KERNEL("SfctrGatherIndex", GatherIndexOp);
 SFCTR_CPU_KERNEL("SfctrSparseApplyAdagrad", SparseApplyAdagradOp);
 SFCTR_CPU_KERNEL("SfctrSparseApplyFtrl", SparseApplyFtrlOp);

@@ -1869,20 +1869,55 @@ TEST_CASE(SegmentSumsSplitInvariant) {
       std::vector<float> sums(segments * dim, -1.0f), sq(segments * dim, -1.0f);
       const int64_t per = (segments + parts - 1) / parts;
       for (int64_t b = 0; b < segments; b += per) {
-        sfctr::SegmentSums(data.data(), seg.data(), n, dim, b, std::min(segments, b + per),
-                           sums.data(), sq.data());
+        sfctr::SegmentSums(data.data(), nullptr, seg.data(), n, dim, b,
+                           std::min(segments, b + per), sums.data(), sq.data());
       }
       CHECK(std::memcmp(sums.data(), want.data(), want.size() * sizeof(float)) == 0);
       CHECK(std::memcmp(sq.data(), want_sq.data(), want_sq.size() * sizeof(float)) == 0);
     }
     std::vector<float> only(segments * dim, -1.0f);
-    sfctr::SegmentSums(data.data(), seg.data(), n, dim, 0, segments, only.data(), nullptr);
+    sfctr::SegmentSums(data.data(), nullptr, seg.data(), n, dim, 0, segments, only.data(),
+                       nullptr);
     CHECK(only == want);
   }
   const std::vector<int32_t> ids = {0, 2, 3, -1};
   CHECK_EQ(sfctr::FirstBadSegment(ids.data(), 4, 4), int64_t{3});
   CHECK_EQ(sfctr::FirstBadSegment(ids.data(), 4, 3), int64_t{2});
   CHECK_EQ(sfctr::FirstBadSegment(ids.data(), 3, 4), int64_t{-1});
+}
+
+// With data_rows, each summed row is read from data by index: the same bits
+// as summing the gathered rows, under any split into segment ranges.
+TEST_CASE(SegmentSumsOfIndexedRowsEqualGatheredRows) {
+  std::mt19937_64 rng(11);
+  for (int64_t dim : {3, 16, 64}) {
+    const int64_t rows = 50, n = 1500, segments = 200;
+    std::vector<float> data(rows * dim);
+    std::normal_distribution<float> normal;
+    for (float& x : data) x = normal(rng);
+    std::vector<int32_t> at(n), seg(n);
+    for (int64_t i = 0; i < n; ++i) {
+      at[i] = static_cast<int32_t>(i * rows / n);  // sorted, as a ragged batch's row ids
+      seg[i] = static_cast<int32_t>(rng() % segments);
+    }
+    std::vector<float> gathered(n * dim);
+    for (int64_t i = 0; i < n; ++i) {
+      std::memcpy(&gathered[i * dim], &data[at[i] * dim], dim * sizeof(float));
+    }
+    std::vector<float> want(segments * dim), want_sq(segments * dim);
+    sfctr::SegmentSums(gathered.data(), nullptr, seg.data(), n, dim, 0, segments, want.data(),
+                       want_sq.data());
+    for (int64_t parts : {1, 3, 200}) {
+      std::vector<float> sums(segments * dim, -1.0f), sq(segments * dim, -1.0f);
+      const int64_t per = (segments + parts - 1) / parts;
+      for (int64_t b = 0; b < segments; b += per) {
+        sfctr::SegmentSums(data.data(), at.data(), seg.data(), n, dim, b,
+                           std::min(segments, b + per), sums.data(), sq.data());
+      }
+      CHECK(std::memcmp(sums.data(), want.data(), want.size() * sizeof(float)) == 0);
+      CHECK(std::memcmp(sq.data(), want_sq.data(), want_sq.size() * sizeof(float)) == 0);
+    }
+  }
 }
 
 // Row ids from row splits: empty rows first, inside and last; both split

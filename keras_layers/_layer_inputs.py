@@ -473,20 +473,31 @@ class InputsMixin:
                                 use_kernel=_ops.use_kernels())
 
     def _combine_for_update(self, rows: tf.Tensor, layout: dict):
-        """``(combined rows, divisor)`` of a multi-hot feature without weights
-        (a ragged or sparse one, alone in its call), whose table update then
-        takes the gradient of the combined rows: the gradient of an id is its
-        row's divided by ``divisor`` ([nrows, 1], None for "sum"), summed per
-        distinct id with no per-id [N, D] tensor in between. None for other
-        inputs, whose update takes the gradient per id."""
+        """``(combined rows, divisor, row_ids)`` of a multi-hot feature without
+        weights (a ragged or sparse one, alone in its call), whose table update
+        then takes the gradient of the combined rows: the gradient of an id is
+        its row's (``row_ids``, int32) divided by ``divisor`` ([nrows, 1], None
+        for "sum"), summed per distinct id with no per-id [N, D] tensor in
+        between (with our CPU kernels). None for other inputs, whose update
+        takes the gradient per id."""
         if layout["kind"] != "rows" or layout.get("weights") is not None:
             return None
         use_kernel = _ops.use_kernels()
         row_ids, nrows = layout["row_ids"], layout["nrows"]
         sorted_ids = layout.get("sorted", False)
+        if row_ids.dtype != tf.int32:
+            # A sparse tensor's rows, checked to be in [0, nrows) (_flatten):
+            # int32 once, for the kernels, by one scalar check rather than
+            # a check of every id in the forward and again in the backward.
+            fits = cheap_check(
+                tf.cast(nrows, tf.int64) <= 2**31,
+                f"CachedEmbedding {self.name!r}: a tf.SparseTensor of ids with more than "
+                f"2**31 rows (dense_shape[0]); the combiner's rows are int32")
+            with tf.control_dependencies([fits]):
+                row_ids = tf.cast(row_ids, tf.int32)
         divisor = segment_divisor(row_ids, nrows, self.combiner, rows.dtype,
                                   lengths=layout.get("lengths"), sorted_ids=sorted_ids,
                                   use_kernel=use_kernel)
         total = in_range_segment_sum(rows, row_ids, nrows, sorted_ids=sorted_ids,
                                      use_kernel=use_kernel)
-        return (total if divisor is None else total / divisor), divisor
+        return (total if divisor is None else total / divisor), divisor, row_ids

@@ -1073,9 +1073,9 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             # combined rows and sums it per distinct id in one pass
             # (SfctrGatherSegmentSums), instead of a gather of it per id and
             # then a sum ([N, D] written and read again).
-            out, divisor = combined
+            out, divisor, row_ids = combined
             out = self._attach_update(out, inverse, num_unique, apply_update, update_graph,
-                                      scale, row_ids=layout["row_ids"], divisor=divisor)
+                                      scale, row_ids=row_ids, divisor=divisor)
         else:
             if apply_update is not None:
                 rows = self._attach_update(rows, inverse, num_unique, apply_update,

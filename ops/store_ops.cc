@@ -23,6 +23,31 @@ Status IdsVector(InferenceContext* c, ShapeHandle* ids) {
   return c->WithRank(c->input(1), 1, ids);
 }
 
+// SfctrSegmentSums: data [N, D], segment_ids [N], num_segments. Gathered
+// (SfctrGatherSegmentSums): data [M, D], data_rows [N], segment_ids [N],
+// num_segments. Outputs [num_segments, D] and, with squares, the same
+// (else [0, D]).
+Status SegmentSumsShape(InferenceContext* c, bool gathered) {
+  const int segments_at = gathered ? 2 : 1;
+  ShapeHandle data, per_id, segments;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &data));
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(segments_at), 1, &segments));
+  if (gathered) {
+    TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &per_id));
+  } else {
+    per_id = data;
+  }
+  shape_inference::DimensionHandle unused;
+  TF_RETURN_IF_ERROR(c->Merge(c->Dim(per_id, 0), c->Dim(segments, 0), &unused));
+  shape_inference::DimensionHandle n;
+  TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(segments_at + 1, &n));
+  bool squares = false;
+  TF_RETURN_IF_ERROR(c->GetAttr("squares", &squares));
+  c->set_output(0, c->Matrix(n, c->Dim(data, 1)));
+  c->set_output(1, c->Matrix(squares ? n : c->MakeDim(0), c->Dim(data, 1)));
+  return OkStatus();
+}
+
 }  // namespace
 
 REGISTER_OP("SfctrStoreCreate")
@@ -516,20 +541,7 @@ REGISTER_OP("SfctrSegmentSums")
     .Attr("max_shards: int = 0")
     .Output("sums: float")
     .Output("sums_of_squares: float")
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle data, segments;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &data));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &segments));
-      shape_inference::DimensionHandle unused;
-      TF_RETURN_IF_ERROR(c->Merge(c->Dim(data, 0), c->Dim(segments, 0), &unused));
-      shape_inference::DimensionHandle n;
-      TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(2, &n));
-      bool squares = false;
-      TF_RETURN_IF_ERROR(c->GetAttr("squares", &squares));
-      c->set_output(0, c->Matrix(n, c->Dim(data, 1)));
-      c->set_output(1, squares ? c->Matrix(n, c->Dim(data, 1)) : c->Matrix(0, c->Dim(data, 1)));
-      return OkStatus();
-    })
+    .SetShapeFn([](InferenceContext* c) { return SegmentSumsShape(c, /*gathered=*/false); })
     .Doc(R"doc(
 Sums of the rows of data [N, D] per segment: sums[s] adds the rows i with
 segment_ids[i] == s, in row order (tf.math.unsorted_segment_sum on CPU adds in
@@ -551,21 +563,7 @@ REGISTER_OP("SfctrGatherSegmentSums")
     .Attr("max_shards: int = 0")
     .Output("sums: float")
     .Output("sums_of_squares: float")
-    .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle data, rows, segments;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &data));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &rows));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &segments));
-      shape_inference::DimensionHandle unused;
-      TF_RETURN_IF_ERROR(c->Merge(c->Dim(rows, 0), c->Dim(segments, 0), &unused));
-      shape_inference::DimensionHandle n;
-      TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(3, &n));
-      bool squares = false;
-      TF_RETURN_IF_ERROR(c->GetAttr("squares", &squares));
-      c->set_output(0, c->Matrix(n, c->Dim(data, 1)));
-      c->set_output(1, squares ? c->Matrix(n, c->Dim(data, 1)) : c->Matrix(0, c->Dim(data, 1)));
-      return OkStatus();
-    })
+    .SetShapeFn([](InferenceContext* c) { return SegmentSumsShape(c, /*gathered=*/true); })
     .Doc(R"doc(
 SfctrSegmentSums of the rows data[data_rows[i]] (i in [0, N)), read in place:
 the same sums, in the same order, as of tf.gather(data, data_rows), without

@@ -119,3 +119,38 @@ def test_ids_outside_int32_are_refused_not_wrapped(use_kernel):
         _ops.segment_sums(data, tf.constant([0.0, 1.7]), 2, use_kernel=use_kernel)
     sums, _ = _ops.segment_sums(data, tf.constant([1, 1], tf.int64), 2, use_kernel=use_kernel)
     np.testing.assert_array_equal(sums.numpy(), [[0, 0], [2, 2]])
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+@pytest.mark.parametrize("n,dim,rows,num_segments", [
+    (1000, 16, 40, 300),
+    (5000, 7, 500, 2000),
+    (300_000, 16, 4096, 40_000),  # large enough to be split over threads
+    (0, 4, 0, 5),                  # no ids, no rows of data
+])
+def test_indexed_rows_equal_gathered_rows(use_kernel, n, dim, rows, num_segments):
+    """With data_rows (SfctrGatherSegmentSums on CPU): the sums of
+    data[data_rows], read in place, the same bits as gathering them first,
+    split over threads or not; int64 data_rows too."""
+    rng = np.random.default_rng(n + dim)
+    data = rng.standard_normal((rows, dim)).astype(np.float32)
+    at = np.sort(rng.integers(0, max(rows, 1), n)).astype(np.int64)  # a ragged batch's rows
+    segments = np.minimum(rng.zipf(1.3, n) - 1, num_segments - 1).astype(np.int32)
+    want, want_sq = _reference(data[at], segments, num_segments)
+    for shards in (0, 3):
+        sums, squares = _ops.segment_sums(data, segments, num_segments, squares=True,
+                                          data_rows=at, use_kernel=use_kernel,
+                                          max_shards=shards)
+        np.testing.assert_array_equal(sums.numpy(), want)
+        np.testing.assert_array_equal(squares.numpy(), want_sq)
+
+
+@pytest.mark.parametrize("bad", [-1, 3])
+def test_rejects_data_rows_out_of_range(bad):
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=rf"data_rows\[1\] = {bad} is not a row of data \[0, 3\)"):
+        _ops.segment_sums(tf.ones([3, 2]), tf.zeros([2], tf.int32), 1,
+                          data_rows=tf.constant([0, bad]), use_kernel=True)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="one id per entry of data_rows"):
+        _ops.segment_sums(tf.ones([3, 2]), tf.zeros([3], tf.int32), 1,
+                          data_rows=tf.constant([0, 1]), use_kernel=True)

@@ -23,13 +23,16 @@ def in_range_segment_sum(data: tf.Tensor, row_ids: tf.Tensor, nrows: tf.Tensor,
     [N, D] tensors). Not ``_ops.segment_sums`` alone, the table update's
     sums per distinct id.
 
-    ``sorted_ids``: the row ids never decrease (a ragged tensor's): TF's
-    sorted segment sum, padded to ``nrows`` (empty rows last), which took a
-    third of the unsorted one's time on a multi-hot batch
-    (``bench/multi_hot.py``), but has no XLA kernel. ``use_kernel``: our CPU kernels
-    (``_ops.segment_sums`` for an unsorted sum, ``_ops.gather_tensor_rows``
+    ``sorted_ids``: the row ids never decrease (a ragged tensor's): without
+    our kernels, TF's sorted segment sum, padded to ``nrows`` (empty rows
+    last), which took a third of the unsorted one's time on a multi-hot batch
+    (``bench/multi_hot.py``), but has no XLA kernel. ``use_kernel``: our CPU
+    kernels (``_ops.segment_sums``, sorted or not, ``_ops.gather_tensor_rows``
     for the gradient) where the data is a float32 matrix and, for the
-    gather, the row ids are int32; else TF's ops."""
+    gather, the row ids are int32; else TF's ops. Our sums add each row's
+    values in order, as the layer's fused forward (``SfctrVarSegmentSums``)
+    does, so a feature gives the same bits alone or in a list call; TF's
+    sorted sum adds in another order (up to ~1e-6 apart)."""
     matrix = use_kernel and data.dtype == tf.float32 and data.shape.rank == 2
     nrows = tf.cast(nrows, tf.int64)
 
@@ -44,15 +47,15 @@ def in_range_segment_sum(data: tf.Tensor, row_ids: tf.Tensor, nrows: tf.Tensor,
 
     @tf.custom_gradient
     def segment_sum(x):
-        if sorted_ids:
+        if matrix:
+            total = _ops.segment_sums(x, row_ids, nrows, use_kernel=True)[0]
+        elif sorted_ids:
             total = tf.math.segment_sum(x, row_ids)
             missing = nrows - tf.shape(total, out_type=tf.int64)[0]
             total = tf.pad(total, [[0, missing]] + [[0, 0]] * (x.shape.rank - 1))
             # (tf.pad by a tensor loses the static number of rows.)
             total.set_shape(tf.TensorShape([tf.get_static_value(nrows)]).concatenate(
                 x.shape[1:]))
-        elif matrix:
-            total = _ops.segment_sums(x, row_ids, nrows, use_kernel=True)[0]
         else:
             total = tf.math.unsorted_segment_sum(x, row_ids, nrows)
 

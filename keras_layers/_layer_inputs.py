@@ -472,14 +472,19 @@ class InputsMixin:
                                 sorted_ids=layout.get("sorted", False),
                                 use_kernel=_ops.use_kernels())
 
-    def _combine_for_update(self, rows: tf.Tensor, layout: dict):
+    def _combine_for_update(self, source, index: tf.Tensor, layout: dict):
         """``(combined rows, divisor, row_ids)`` of a multi-hot feature without
         weights (a ragged or sparse one, alone in its call), whose table update
         then takes the gradient of the combined rows: the gradient of an id is
         its row's (``row_ids``, int32) divided by ``divisor`` ([nrows, 1], None
         for "sum"), summed per distinct id with no per-id [N, D] tensor in
         between (with our CPU kernels). None for other inputs, whose update
-        takes the gradient per id."""
+        takes the gradient per id.
+
+        The per-id rows are ``source[index]``: ``source`` the cache variable
+        or a tensor of the batch's distinct rows. With our CPU kernels the
+        forward sums read them in place too (``SfctrVarSegmentSums``,
+        ``SfctrGatherSegmentSums``), the same bits as gathering them first."""
         if layout["kind"] != "rows" or layout.get("weights") is not None:
             return None
         use_kernel = _ops.use_kernels()
@@ -495,9 +500,17 @@ class InputsMixin:
                 f"2**31 rows (dense_shape[0]); the combiner's rows are int32")
             with tf.control_dependencies([fits]):
                 row_ids = tf.cast(row_ids, tf.int32)
-        divisor = segment_divisor(row_ids, nrows, self.combiner, rows.dtype,
+        divisor = segment_divisor(row_ids, nrows, self.combiner, source.dtype,
                                   lengths=layout.get("lengths"), sorted_ids=sorted_ids,
                                   use_kernel=use_kernel)
-        total = in_range_segment_sum(rows, row_ids, nrows, sorted_ids=sorted_ids,
-                                     use_kernel=use_kernel)
+        if not use_kernel:
+            rows = (_ops.gather_rows(source, index, use_kernel=False)
+                    if isinstance(source, tf.Variable)
+                    else _ops.gather_tensor_rows(source, index, use_kernel=False))
+            total = in_range_segment_sum(rows, row_ids, nrows, sorted_ids=sorted_ids)
+        elif isinstance(source, tf.Variable):
+            total = _ops.var_segment_sums(source, index, row_ids, nrows, use_kernel=True)
+        else:
+            total = _ops.segment_sums(source, row_ids, nrows, use_kernel=True,
+                                      data_rows=index)[0]
         return (total if divisor is None else total / divisor), divisor, row_ids

@@ -1044,15 +1044,19 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             direct = (not training and self._mode != "model_parallel" and _ops.use_kernels())
             if self._mode != "model_parallel" and not direct:
                 unique_ids, inverse, _ = _ops.unique(ids)
+        # The per-id rows are source[index] (the cache variable or the
+        # batch's distinct rows), gathered only where they are needed: a
+        # combined multi-hot feature sums them in place.
+        source = index = None
         if unique_ids is None and self._mode != "model_parallel":  # (direct, above)
             rows, apply_update = self._inference_rows(ids), None
         elif self._mode == "local" and training:
-            # One gather of the batch's rows straight from the cache. Ids
-            # de-duplicated in the input pipeline are checked to be distinct
-            # (by the cache prepare, which then changes nothing).
+            # The batch's rows straight from the cache. Ids de-duplicated in
+            # the input pipeline are checked to be distinct (by the cache
+            # prepare, which then changes nothing).
             slots = self._cached_slots(unique_ids, next_ids, hints,
                                        from_input=isinstance(inputs, dict))
-            rows = _ops.gather_rows(self._cache_rows, _ops.gather_index(slots, inverse))
+            source, index = self._cache_rows, _ops.gather_index(slots, inverse)
             apply_update = lambda g, g_sq: self._apply_update(slots, g, g_sq)  # noqa: E731
             num_unique = tf.size(unique_ids)
         elif self._mode == "model_parallel":
@@ -1060,14 +1064,19 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             # in that order directly, with no reordering gathers.
             route, inverse, extras = self._route(ids, unique_ids, inverse, bool(training),
                                                  next_ids, hints)
-            rows, apply_update = self._model_parallel_rows(route, bool(training), extras)
-            num_unique = tf.shape(rows)[0]
-            rows = _ops.gather_tensor_rows(rows, inverse)
+            source, apply_update = self._model_parallel_rows(route, bool(training), extras)
+            num_unique = tf.shape(source)[0]
+            index = inverse
         else:
-            rows, apply_update = self._unique_rows(unique_ids, bool(training), next_ids, hints)
+            source, apply_update = self._unique_rows(unique_ids, bool(training), next_ids, hints)
             num_unique = tf.size(unique_ids)
-            rows = _ops.gather_tensor_rows(rows, inverse)
-        combined = self._combine_for_update(rows, layout) if apply_update is not None else None
+            index = inverse
+        combined = None
+        if apply_update is not None:
+            combined = self._combine_for_update(source, index, layout)
+        if combined is None and source is not None:
+            rows = (_ops.gather_rows(source, index) if isinstance(source, tf.Variable)
+                    else _ops.gather_tensor_rows(source, index))
         if combined is not None:
             # A multi-hot feature: the update takes the gradient of the
             # combined rows and sums it per distinct id in one pass

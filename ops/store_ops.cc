@@ -573,6 +573,34 @@ segment_ids its index among the distinct ids. data_rows must be in
 [0, rows of data).
 )doc");
 
+REGISTER_OP("SfctrVarSegmentSums")
+    .Input("var: resource")
+    .Input("data_rows: int32")
+    .Input("segment_ids: int32")
+    .Input("num_segments: int32")
+    .Attr("max_shards: int = 0")
+    .Output("sums: float")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle per_id, segments;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &per_id));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &segments));
+      shape_inference::DimensionHandle unused;
+      TF_RETURN_IF_ERROR(c->Merge(c->Dim(per_id, 0), c->Dim(segments, 0), &unused));
+      shape_inference::DimensionHandle n;
+      TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(3, &n));
+      c->set_output(0, c->Matrix(n, c->UnknownDim()));
+      return OkStatus();
+    })
+    .Doc(R"doc(
+SfctrGatherSegmentSums of the rows of a float32 matrix variable, read under its
+lock. The sums[s] add var[data_rows[i]] over the i with segment_ids[i] == s, in
+order of i, with no [N, D] tensor of the gathered rows. The forward of a
+combined multi-hot lookup from the device cache: data_rows are each id's cache
+slot, segment_ids its row of the batch. Upcoming rows of the variable are
+prefetched. The sums are those of tf.gather then SfctrSegmentSums, bit for bit.
+)doc");
+
 REGISTER_OP("SfctrSparseApplyAdagrad")
     .Input("var: resource")
     .Input("accum: resource")

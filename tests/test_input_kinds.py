@@ -100,18 +100,21 @@ def _table(layer):
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
 @pytest.mark.parametrize("kind", ["ragged", "sparse"])
 @pytest.mark.parametrize("traced", [False, True])
-def test_multi_hot_update_sums_the_combined_gradient_in_place(rng, combiner, kind, traced):
-    """A multi-hot feature alone in its call updates the table from the
-    gradient of its combined rows, summed per distinct id in one pass
+@pytest.mark.parametrize("dim", [DIM, 16])
+def test_multi_hot_update_sums_the_combined_gradient_in_place(rng, combiner, kind, traced, dim):
+    """A multi-hot feature alone in its call sums its rows straight from the
+    cache (SfctrVarSegmentSums) and updates the table from the gradient of
+    its combined rows, summed per distinct id in one pass
     (SfctrGatherSegmentSums reads each id's row of it where it is): the
-    same bits as the per-id path a list call takes (each id's gradient
-    gathered, then summed), with Keras 3's per-occurrence Adagrad, whose
-    squares see each id's own gradient; and no per-id gather of the
-    gradient in the traced step."""
+    same bits as the per-id path a list call takes (each id's row gathered
+    and summed, its gradient gathered, then summed), with Keras 3's
+    per-occurrence Adagrad, whose squares see each id's own gradient; and no
+    per-id gather of rows or gradients in the traced step. (16: a width our
+    kernels unroll.)"""
     vocab = random_vocab(rng, 40)
 
     def make():
-        return CachedEmbedding(DIM, cache_capacity=24, combiner=combiner, seed=3,
+        return CachedEmbedding(dim, cache_capacity=24, combiner=combiner, seed=3,
                                optimizer=tf_sfctr.optimizers.Adagrad(learning_rate=0.3))
 
     fused, per_id = make(), make()
@@ -129,7 +132,7 @@ def test_multi_hot_update_sums_the_combined_gradient_in_place(rng, combiner, kin
     runs = {}
     for layer, as_list in ((fused, False), (per_id, True)):
         fn = lambda ids, up, layer=layer, as_list=as_list: step(layer, ids, up, as_list)  # noqa: E731
-        runs[as_list] = tf.function(fn, input_signature=[spec, tf.TensorSpec([None, DIM])]) \
+        runs[as_list] = tf.function(fn, input_signature=[spec, tf.TensorSpec([None, dim])]) \
             if traced else fn
     for _ in range(4):  # the cache (24 rows) evicts: ids move between steps
         lengths = rng.integers(0, 7, size=9)
@@ -137,7 +140,7 @@ def test_multi_hot_update_sums_the_combined_gradient_in_place(rng, combiner, kin
         ragged = tf.RaggedTensor.from_row_lengths(
             vocab[rng.zipf(1.3, size=lengths.sum()) % len(vocab)], lengths)
         ids = ragged if kind == "ragged" else ragged.to_sparse()
-        up = tf.constant(rng.normal(size=(len(lengths), DIM)), tf.float32)
+        up = tf.constant(rng.normal(size=(len(lengths), dim)), tf.float32)
         got, want = runs[False](ids, up), runs[True](ids, up)
         np.testing.assert_array_equal(got.numpy(), want.numpy())
     got_ids, got_rows, got_state = _table(fused)
@@ -157,6 +160,8 @@ def test_multi_hot_update_sums_the_combined_gradient_in_place(rng, combiner, kin
             return
         assert "SfctrGatherSegmentSums" in fused_ops
         assert "SfctrGatherSegmentSums" not in per_id_ops
+        assert "SfctrVarSegmentSums" in fused_ops and "SfctrGatherRows" not in fused_ops
+        assert "SfctrVarSegmentSums" not in per_id_ops and "SfctrGatherRows" in per_id_ops
         if kind == "ragged":  # (the per-id gather of the gradient: int32 row ids)
             assert "SfctrGatherTensorRows" in per_id_ops
             assert "SfctrGatherTensorRows" not in fused_ops

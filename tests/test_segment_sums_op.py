@@ -154,3 +154,74 @@ def test_rejects_data_rows_out_of_range(bad):
     with pytest.raises(tf.errors.InvalidArgumentError, match="one id per entry of data_rows"):
         _ops.segment_sums(tf.ones([3, 2]), tf.zeros([3], tf.int32), 1,
                           data_rows=tf.constant([0, 1]), use_kernel=True)
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+@pytest.mark.parametrize("n,dim,rows,num_segments", [
+    (3000, 16, 500, 120),    # the unrolled width, rows of ~25 ids
+    (3000, 64, 500, 120),
+    (2000, 7, 300, 2000),    # any width, most rows empty
+    (1, 8, 1, 1),
+    (0, 4, 10, 5),           # no ids: zeros
+])
+def test_sums_of_variable_rows_equal_gathered_rows(use_kernel, n, dim, rows, num_segments):
+    """var_segment_sums (SfctrVarSegmentSums on CPU), the forward of a
+    combined multi-hot lookup from the cache: the sums of var[data_rows]
+    read under the variable's lock, the same bits as gathering them first
+    and summing in row order, sorted segments (a ragged batch) or not, split
+    over threads or not; the variable is left as it was."""
+    rng = np.random.default_rng(n + dim)
+    values = (rng.standard_normal((rows, dim)) * rng.exponential(1.0, (rows, 1))).astype(
+        np.float32)
+    var = tf.Variable(values)
+    at = rng.integers(0, rows, n).astype(np.int32)
+    for sorted_segments in (True, False):
+        segments = np.sort(rng.integers(0, num_segments, n)).astype(np.int32)
+        if not sorted_segments:
+            rng.shuffle(segments)
+        want = tf.math.unsorted_segment_sum(values[at], segments, num_segments).numpy()
+        for shards in (0, 3):
+            sums = _ops.var_segment_sums(var, at, segments, num_segments,
+                                         use_kernel=use_kernel, max_shards=shards)
+            assert sums.shape == (num_segments, dim)
+            np.testing.assert_array_equal(sums.numpy(), want)
+    np.testing.assert_array_equal(var.numpy(), values)
+
+
+def test_sums_of_variable_rows_in_a_function():
+    var = tf.Variable(np.arange(12, dtype=np.float32).reshape(4, 3))
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.int32),
+                                  tf.TensorSpec([None], tf.int32), tf.TensorSpec([], tf.int32)])
+    def f(at, segments, n):
+        sums = _ops.var_segment_sums(var, at, segments, n, use_kernel=True)
+        assert sums.shape.as_list() == [None, 3]
+        return sums
+
+    got = f(tf.constant([3, 0, 3, 1]), tf.constant([0, 0, 2, 2]), tf.constant(4))
+    np.testing.assert_array_equal(got.numpy(), [[9, 11, 13], [0, 0, 0], [12, 14, 16], [0, 0, 0]])
+    var.assign(var * 2)  # a later read sees the variable's new rows
+    got = f(tf.constant([1]), tf.constant([1]), tf.constant(2))
+    np.testing.assert_array_equal(got.numpy(), [[0, 0, 0], [6, 8, 10]])
+
+
+@pytest.mark.parametrize("bad", [-1, 4])
+def test_sums_of_variable_rows_refuse_bad_input(bad):
+    var = tf.Variable(tf.ones([4, 2]))
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=rf"data_rows\[1\] = {bad} is not a row of var \[0, 4\)"):
+        _ops.var_segment_sums(var, tf.constant([0, bad]), tf.zeros([2], tf.int32), 1,
+                              use_kernel=True)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=rf"segment_ids\[0\] = {bad} is not in \[0, 3\)"):
+        _ops.var_segment_sums(var, tf.constant([0]), tf.constant([bad]), 3, use_kernel=True)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="one id per entry of data_rows"):
+        _ops.var_segment_sums(var, tf.constant([0, 1]), tf.zeros([3], tf.int32), 1,
+                              use_kernel=True)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="must be a float32 variable"):
+        _ops.var_segment_sums(tf.Variable(tf.ones([4, 2], tf.int32)), tf.constant([0]),
+                              tf.constant([0]), 1, use_kernel=True)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="var must be a matrix"):
+        _ops.var_segment_sums(tf.Variable(tf.ones([4])), tf.constant([0]), tf.constant([0]), 1,
+                              use_kernel=True)
+    np.testing.assert_array_equal(var.numpy(), np.ones([4, 2]))

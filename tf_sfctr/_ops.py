@@ -477,6 +477,31 @@ def gather_rows(var: tf.Variable, indices: tf.Tensor, use_kernel: bool | None = 
     return tf.ensure_shape(rows, [None, var.shape[1]])
 
 
+def var_segment_sums(var: tf.Variable, data_rows: tf.Tensor, segment_ids: tf.Tensor,
+                     num_segments, use_kernel: bool | None = None, max_shards: int = 0):
+    """``segment_sums(var, segment_ids, num_segments, data_rows=data_rows)[0]``
+    for a float32 matrix variable: the sum per segment of the rows
+    ``var[data_rows[i]]``, read under the variable's lock (no [N, D] tensor of
+    gathered rows, and no copy of the variable). Segment ids must be in
+    ``[0, num_segments)`` and ``data_rows`` rows of ``var``.
+
+    On CPU our ``SfctrVarSegmentSums`` (the same bits as :func:`gather_rows`
+    then :func:`segment_sums`); with a GPU visible, ``tf.gather`` then
+    ``tf.math.unsorted_segment_sum``. No gradient flows through it (the layer
+    computes the table's gradient itself). ``use_kernel`` forces one or the
+    other; ``max_shards``: see :data:`MAX_SHARDS_DOC`.
+    """
+    segment_ids = _int32_indices(segment_ids, "segment_ids")
+    num_segments = _int32_indices(num_segments, "num_segments")
+    data_rows = _int32_indices(data_rows, "data_rows")
+    if not _use_kernel(use_kernel):
+        return tf.math.unsorted_segment_sum(tf.gather(var, data_rows), segment_ids,
+                                            num_segments)
+    sums = load().sfctr_var_segment_sums(var.handle, data_rows, segment_ids, num_segments,
+                                         max_shards=max_shards)
+    return tf.ensure_shape(sums, [None, var.shape[1]])
+
+
 def gather_tensor_rows(params: tf.Tensor, indices: tf.Tensor, use_kernel: bool | None = None,
                        max_shards: int = 0):
     """``tf.gather(params, indices)`` for a float32 matrix tensor and an index

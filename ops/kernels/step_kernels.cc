@@ -136,22 +136,44 @@ void RunKernelShards(OpKernelContext* ctx, const sfctr::Scheduler* schedule, int
       [&] { sfctr::RunShards(schedule, shards, shards - 1, fn); });
 }
 
-// SfctrSegmentSums (kGathered false) and SfctrGatherSegmentSums (true: the
-// summed rows are data[data_rows[i]], read in place).
-template <bool kGathered>
+// Where SegmentSumsOp reads its summed rows: the rows of data in order
+// (SfctrSegmentSums), data[data_rows[i]] read in place
+// (SfctrGatherSegmentSums), or var[data_rows[i]] from a float matrix
+// variable read under its lock (SfctrVarSegmentSums).
+enum class SumsOf { kRows, kGathered, kVariable };
+
+template <SumsOf kSource>
 class SegmentSumsOp : public OpKernel {
  public:
   explicit SegmentSumsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("squares", &squares_));
+    if (kSource != SumsOf::kVariable) OP_REQUIRES_OK(ctx, ctx->GetAttr("squares", &squares_));
     OP_REQUIRES_OK(ctx, GetMaxShards(ctx, &max_shards_));
   }
 
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& data = ctx->input(0);
+    if (kSource != SumsOf::kVariable) {
+      Sum(ctx, ctx->input(0));
+      return;
+    }
+    using CPUDevice = Eigen::ThreadPoolDevice;
+    core::RefCountPtr<Var> var;
+    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &var));
+    OP_REQUIRES_OK(ctx, CheckFloatVariable(var.get(), "var"));
+    // As SfctrGatherRows: a shared lock for the whole read, so that an update
+    // running beside it never sees a second reference and copies the table.
+    OP_REQUIRES_OK(ctx, EnsureSparseVariableAccess<CPUDevice, float>(ctx, var.get()));
+    tf_shared_lock lock(*var->mu());
+    Sum(ctx, *var->tensor());
+  }
+
+ private:
+  void Sum(OpKernelContext* ctx, const Tensor& data) {
+    constexpr bool kGathered = kSource != SumsOf::kRows;
+    const char* data_name = kSource == SumsOf::kVariable ? "var" : "data";
     const Tensor& segments = ctx->input(kGathered ? 2 : 1);
     const Tensor& num_segments_t = ctx->input(kGathered ? 3 : 2);
     OP_REQUIRES(ctx, data.dims() == 2,
-                errors::InvalidArgument("data must be a matrix [N, D], got shape ",
+                errors::InvalidArgument(data_name, " must be a matrix [N, D], got shape ",
                                         data.shape().DebugString()));
     const int32_t* rows = nullptr;
     int64_t n = data.dim_size(0);
@@ -165,8 +187,8 @@ class SegmentSumsOp : public OpKernel {
       const int64_t bad_row = sfctr::FirstBadSegment(rows, n, data.dim_size(0));
       OP_REQUIRES(ctx, bad_row < 0,
                   errors::InvalidArgument("data_rows[", bad_row, "] = ",
-                                          bad_row < 0 ? 0 : rows[bad_row],
-                                          " is not a row of data [0, ", data.dim_size(0), ")"));
+                                          bad_row < 0 ? 0 : rows[bad_row], " is not a row of ",
+                                          data_name, " [0, ", data.dim_size(0), ")"));
     }
     OP_REQUIRES(ctx, TensorShapeUtils::IsVector(segments.shape()) && segments.dim_size(0) == n,
                 errors::InvalidArgument(
@@ -193,8 +215,10 @@ class SegmentSumsOp : public OpKernel {
     TensorShape sums_shape;
     OP_REQUIRES_OK(ctx, TensorShape::BuildTensorShape({num_segments, dim}, &sums_shape));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, sums_shape, &sums));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            1, squares_ ? sums_shape : TensorShape({0, dim}), &squares));
+    if (kSource != SumsOf::kVariable) {
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                              1, squares_ ? sums_shape : TensorShape({0, dim}), &squares));
+    }
     const float* in = data.flat<float>().data();
     float* out = sums->flat<float>().data();
     float* out_sq = squares_ ? squares->flat<float>().data() : nullptr;
@@ -211,7 +235,6 @@ class SegmentSumsOp : public OpKernel {
     });
   }
 
- private:
   bool squares_ = false;
   int64_t max_shards_ = 0;
 };
@@ -606,8 +629,9 @@ class SparseApplyFtrlOp : public OpKernel {
   REGISTER_KERNEL_BUILDER(Name(name).Device(DEVICE_CPU), cls)
 
 SFCTR_CPU_KERNEL("SfctrUnique", UniqueOp);
-SFCTR_CPU_KERNEL("SfctrSegmentSums", SegmentSumsOp<false>);
-SFCTR_CPU_KERNEL("SfctrGatherSegmentSums", SegmentSumsOp<true>);
+SFCTR_CPU_KERNEL("SfctrSegmentSums", SegmentSumsOp<SumsOf::kRows>);
+SFCTR_CPU_KERNEL("SfctrGatherSegmentSums", SegmentSumsOp<SumsOf::kGathered>);
+SFCTR_CPU_KERNEL("SfctrVarSegmentSums", SegmentSumsOp<SumsOf::kVariable>);
 SFCTR_CPU_KERNEL("SfctrGatherIndex", GatherIndexOp);
 SFCTR_CPU_KERNEL("SfctrSparseApplyAdagrad", SparseApplyAdagradOp);
 SFCTR_CPU_KERNEL("SfctrSparseApplyFtrl", SparseApplyFtrlOp);

@@ -1849,15 +1849,20 @@ TEST_CASE(FtrlMatchesTheFormulaAndColumnSplitsKeepEveryBit) {
   }
 }
 
+// Every width the kernel unrolls (8, 16, 32, 64, 128: runs of one segment add
+// into local accumulators) and others, with segments at random and sorted (a
+// ragged batch's rows): the bits of a plain loop over the rows in order.
 TEST_CASE(SegmentSumsSplitInvariant) {
   std::mt19937_64 rng(7);
-  for (int64_t dim : {1, 5, 16, 64}) {
+  for (int64_t dim : {1, 5, 8, 16, 32, 64, 128})
+  for (bool sorted : {false, true}) {
     const int64_t n = 2000, segments = 300;
     std::vector<float> data(n * dim);
     std::vector<int32_t> seg(n);
     std::normal_distribution<float> normal;
     for (float& x : data) x = normal(rng);
     for (int32_t& s : seg) s = static_cast<int32_t>(rng() % (rng() % 2 ? 10 : segments));
+    if (sorted) std::sort(seg.begin(), seg.end());
     std::vector<float> want(segments * dim, 0.0f), want_sq(segments * dim, 0.0f);
     for (int64_t i = 0; i < n; ++i) {
       for (int64_t k = 0; k < dim; ++k) {

@@ -63,8 +63,8 @@ void AddRowsAnyWidth(const float* data, const int32_t* data_rows, const int32_t*
 // vectorised, and a run of rows of one segment (a sorted segment, a multi-hot
 // row's ids) adds into local accumulators, stored once at the run's end: in
 // memory, each row's add waited for the previous one's store of the same
-// output row (0.7 -> 0.5 ms for 106k rows into 4096 sorted segments, dim 16,
-// docs/design.md). The additions are the same, in the same order.
+// output row (105k rows into 4096 sorted segments, dim 16, a standalone
+// loop: 1.4-1.5 -> 0.5-0.7 ms). The additions are the same, in the same order.
 template <int kDim>
 void AddRows(const float* data, const int32_t* data_rows, const int32_t* segment, int64_t n,
              int64_t begin, int64_t end, float* sums, float* squares) {

@@ -136,6 +136,22 @@ void RunKernelShards(OpKernelContext* ctx, const sfctr::Scheduler* schedule, int
       [&] { sfctr::RunShards(schedule, shards, shards - 1, fn); });
 }
 
+// Runs read(var) on input 0, a float32 variable, holding its lock shared for
+// the whole read, as TF's ResourceGather does: an update running beside it
+// then never sees a second reference to the buffer and copies the table.
+template <typename Read>
+void ReadFloatVariable(OpKernelContext* ctx, const Read& read) {
+  using CPUDevice = Eigen::ThreadPoolDevice;
+  core::RefCountPtr<Var> var;
+  OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &var));
+  // Before anything reads it as float (EnsureSparseVariableAccess may copy it
+  // as float): these ops have no dtype attribute to guarantee it.
+  OP_REQUIRES_OK(ctx, CheckFloatVariable(var.get(), "var"));
+  OP_REQUIRES_OK(ctx, EnsureSparseVariableAccess<CPUDevice, float>(ctx, var.get()));
+  tf_shared_lock lock(*var->mu());
+  read(*var->tensor());
+}
+
 // Where SegmentSumsOp reads its summed rows: the rows of data in order
 // (SfctrSegmentSums), data[data_rows[i]] read in place
 // (SfctrGatherSegmentSums), or var[data_rows[i]] from a float matrix
@@ -155,15 +171,7 @@ class SegmentSumsOp : public OpKernel {
       Sum(ctx, ctx->input(0));
       return;
     }
-    using CPUDevice = Eigen::ThreadPoolDevice;
-    core::RefCountPtr<Var> var;
-    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &var));
-    OP_REQUIRES_OK(ctx, CheckFloatVariable(var.get(), "var"));
-    // As SfctrGatherRows: a shared lock for the whole read, so that an update
-    // running beside it never sees a second reference and copies the table.
-    OP_REQUIRES_OK(ctx, EnsureSparseVariableAccess<CPUDevice, float>(ctx, var.get()));
-    tf_shared_lock lock(*var->mu());
-    Sum(ctx, *var->tensor());
+    ReadFloatVariable(ctx, [&](const Tensor& var) { Sum(ctx, var); });
   }
 
  private:
@@ -399,23 +407,14 @@ class GatherRowsOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    using CPUDevice = Eigen::ThreadPoolDevice;
-    core::RefCountPtr<Var> var;
-    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &var));
-    // Before anything reads it as float (EnsureSparseVariableAccess may copy
-    // it as float): these ops have no dtype attribute to guarantee it.
-    OP_REQUIRES_OK(ctx, CheckFloatVariable(var.get(), "var"));
-    // As TF's ResourceGather: hold a shared lock for the whole copy, so that
-    // a concurrent update never sees a second reference and copies the table.
-    OP_REQUIRES_OK(ctx, EnsureSparseVariableAccess<CPUDevice, float>(ctx, var.get()));
-    tf_shared_lock lock(*var->mu());
-    const Tensor& params = *var->tensor();
-    OP_REQUIRES(ctx, params.dtype() == DT_FLOAT && params.dims() == 2,
-                errors::InvalidArgument("var must be a float32 matrix, got ",
-                                        DataTypeString(params.dtype()), " ",
-                                        params.shape().DebugString()));
-    const Tensor& indices = ctx->input(1);
-    GatherMatrixRows(ctx, params, indices, max_shards_);
+    ReadFloatVariable(ctx, [&](const Tensor& params) {
+      OP_REQUIRES(ctx, params.dtype() == DT_FLOAT && params.dims() == 2,
+                  errors::InvalidArgument("var must be a float32 matrix, got ",
+                                          DataTypeString(params.dtype()), " ",
+                                          params.shape().DebugString()));
+      const Tensor& indices = ctx->input(1);
+      GatherMatrixRows(ctx, params, indices, max_shards_);
+    });
   }
 
  private:

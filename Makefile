@@ -45,7 +45,7 @@ build: tf_sfctr/_sfctr_ops.so
 # The TF-free core has its own unit tests (no TensorFlow needed).
 build/core_test: $(CORE_SRCS) $(wildcard ops/core/*.h ops/core/tests/*)
 	mkdir -p build
-	$(CXX) -std=c++17 -O2 -Wall -Wextra -pthread -o $@ ops/core/tests/core_test.cc $(CORE_SRCS)
+	$(CXX) -std=c++17 -O2 -ffp-contract=off -Wall -Wextra -pthread -o $@ ops/core/tests/core_test.cc $(CORE_SRCS)
 
 test-core: build/core_test
 	./build/core_test
@@ -53,7 +53,7 @@ test-core: build/core_test
 # The same tests under AddressSanitizer + UndefinedBehaviorSanitizer and under
 # ThreadSanitizer (the store's fetch and commit run on two threads); any
 # report fails the run.
-SAN_FLAGS := -std=c++17 -O1 -g -fno-omit-frame-pointer -Wall -Wextra -pthread
+SAN_FLAGS := -std=c++17 -O1 -g -fno-omit-frame-pointer -ffp-contract=off -Wall -Wextra -pthread
 build/core_test_asan: $(CORE_SRCS) $(wildcard ops/core/*.h ops/core/tests/*)
 	mkdir -p build
 	$(CXX) $(SAN_FLAGS) -fsanitize=address,undefined -fno-sanitize-recover=all -o $@ \

@@ -10,9 +10,12 @@ One training step (see docs/design.md for the picture):
 3. evicted rows are gathered from the device cache and written back to the
    host table with their optimizer state, then the fetched rows are scattered
    into their slots;
-4. the rows are gathered and combined;
-5. backward: the gradient reaching the gathered rows is summed per unique id
-   and the table optimizer updates the cache rows and their state in place.
+4. the rows are gathered and combined (a multi-hot feature alone in its call,
+   with no per-id weights, sums its ids' rows where they are, with no per-id
+   tensor);
+5. backward: the gradient reaching the gathered rows (for such a feature, the
+   combined rows, read per id) is summed per unique id and the table
+   optimizer updates the cache rows and their state in place.
 
 The update in step 5 is attached with ``tf.custom_gradient`` to a scalar
 trainable weight (``table_update_trigger``, always zero) so that a plain

@@ -567,9 +567,11 @@ REGISTER_OP("SfctrGatherSegmentSums")
     .Doc(R"doc(
 SfctrSegmentSums of the rows data[data_rows[i]] (i in [0, N)), read in place:
 the same sums, in the same order, as of tf.gather(data, data_rows), without
-that [N, D] tensor. The backward of a combined multi-hot lookup: data is the
+that [N, D] tensor. The backward of a combined multi-hot lookup (data is the
 gradient of the combined rows [B, D], data_rows each id's row of the batch and
-segment_ids its index among the distinct ids. data_rows must be in
+segment_ids its index among the distinct ids) and the forward of one whose
+rows came from other ranks (data the distinct rows, data_rows each id's index
+among them, segment_ids its row of the batch). data_rows must be in
 [0, rows of data).
 )doc");
 

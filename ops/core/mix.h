@@ -8,7 +8,7 @@
 namespace sfctr {
 
 // The splitmix64 finalizer: a bijection on 64-bit words with good avalanche.
-inline uint64_t Mix64(uint64_t x) {
+constexpr uint64_t Mix64(uint64_t x) {
   x ^= x >> 30;
   x *= 0xbf58476d1ce4e5b9ULL;
   x ^= x >> 27;
@@ -17,10 +17,14 @@ inline uint64_t Mix64(uint64_t x) {
   return x;
 }
 
+// The half of Mix2 that depends on its second word alone, for callers that
+// combine one word with many small counters (an initializer's columns) and
+// look these up instead of computing them again: Mix2(a, b) is
+// Mix64(a ^ Mix2Second(b)).
+constexpr uint64_t Mix2Second(uint64_t b) { return Mix64(b + 0x9e3779b97f4a7c15ULL); }
+
 // Combines two words into one well-mixed word (order matters).
-inline uint64_t Mix2(uint64_t a, uint64_t b) {
-  return Mix64(a ^ Mix64(b + 0x9e3779b97f4a7c15ULL));
-}
+constexpr uint64_t Mix2(uint64_t a, uint64_t b) { return Mix64(a ^ Mix2Second(b)); }
 
 // A uniform float in [0, 1) from the top 24 bits of a mixed word.
 inline float UnitFloat(uint64_t bits) {

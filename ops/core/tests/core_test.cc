@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <new>
 #include <numeric>
@@ -164,6 +165,63 @@ TEST_CASE(InitializerIsDeterministicAndInRange) {
   const double var = sq / (4.0 * n) - mean * mean;
   CHECK(std::fabs(mean - 1.0) < 0.05);
   CHECK(std::fabs(std::sqrt(var) - 2.0) < 0.05);
+}
+
+// The initializer looks the column half of Mix2 up in a table of 512
+// counters: rows wider than that, and every kind, give the values of the
+// formulas written with Mix2 (a saved table's never-stored rows, and
+// inference reads of them, must not change between versions). The uniform
+// rows are also pinned by a hash of their bits (integer mixing and IEEE
+// float arithmetic only, the same on every platform).
+TEST_CASE(InitializerValuesFollowTheirFormulasPastTheCounterTable) {
+  const int dim = 600;
+  const int64_t ids[] = {0, -7, 123456789012345LL, std::numeric_limits<int64_t>::min()};
+  auto normal_pair = [](uint64_t base, uint64_t counter, float* z0, float* z1) {
+    const uint64_t stream = Mix2(base, counter);
+    for (uint64_t k = 0;; ++k) {
+      const uint64_t h = Mix2(stream, k);
+      const float v1 = static_cast<float>(static_cast<int32_t>(h >> 32)) * (1.0f / 2147483648.0f);
+      const float v2 = static_cast<float>(static_cast<int32_t>(h & 0xffffffffu)) *
+                       (1.0f / 2147483648.0f);
+      const float q = v1 * v1 + v2 * v2;
+      if (q >= 1.0f || q == 0.0f) continue;
+      const float f = std::sqrt(-2.0f * std::log(q) / q);
+      *z0 = v1 * f;
+      *z1 = v2 * f;
+      return;
+    }
+  };
+  uint64_t hash = 1469598103934665603ULL;  // FNV-1a over the uniform rows' bits
+  for (uint64_t seed : {0ULL, 42ULL}) {
+    InitializerSpec uniform;
+    uniform.seed = seed;
+    InitializerSpec normal = uniform;
+    normal.kind = InitKind::kNormal;
+    normal.a = 0.5f;
+    normal.b = 0.25f;
+    std::vector<float> row(dim);
+    for (int64_t id : ids) {
+      const uint64_t base = Mix2(seed, static_cast<uint64_t>(id));
+      RowInitializer(uniform).Fill(id, dim, row.data());
+      const float top = std::nextafter(uniform.b, uniform.a);
+      for (int j = 0; j < dim; ++j) {
+        const float want = std::min(
+            uniform.a + (uniform.b - uniform.a) * UnitFloat(Mix2(base, j)), top);
+        CHECK_EQ(row[j], want);
+        uint32_t bits;
+        std::memcpy(&bits, &row[j], 4);
+        hash = (hash ^ bits) * 1099511628211ULL;
+      }
+      RowInitializer(normal).Fill(id, dim, row.data());
+      for (int j = 0; j < dim; j += 2) {
+        float z0, z1;
+        normal_pair(base, static_cast<uint64_t>(j / 2), &z0, &z1);
+        CHECK_EQ(row[j], normal.a + normal.b * z0);
+        CHECK_EQ(row[j + 1], normal.a + normal.b * z1);
+      }
+    }
+  }
+  CHECK_EQ(hash, 0xa50c0fe1784fe9ffULL);  // computed before the table existed
 }
 
 // Each column of a normal (or truncated normal) row follows the standard

@@ -73,7 +73,7 @@ test-core-sanitize: build/core_test_asan build/core_test_tsan
 	TSAN_OPTIONS=halt_on_error=1 $(NO_ASLR) ./build/core_test_tsan
 
 test-py: build
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check tf_sfctr keras_layers tests bench examples setup.py

@@ -5,6 +5,7 @@ exactly as one that never stopped. (Under Horovod the callback calls the
 collective save every rank makes; tests/test_distributed.py covers that.)"""
 
 import shutil
+import warnings
 
 import keras
 import numpy as np
@@ -63,7 +64,9 @@ def test_a_run_resumed_from_its_epoch_saves_equals_one_that_never_stopped(tmp_pa
     # A new process: a fresh model (built, its optimizer not yet) resumes
     # after epoch 3 and trains epoch 4.
     again, again_emb = _model(seed=9)
-    start = resume(_ckpt(again), str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a save at an epoch's end: nothing to warn of
+        start = resume(_ckpt(again), str(tmp_path))
     assert start == 3
     resumed = _fit(again, x, y, epochs=4, initial_epoch=start)
     assert resumed == losses[3:]
@@ -86,10 +89,15 @@ def test_every_steps_saves_after_each_nth_step_and_keeps_the_newest(tmp_path):
     assert resume(_ckpt(other), str(tmp_path)) == 2
     # Step 9 is in the second epoch: resuming from it (as after a crash
     # before the end) starts that epoch again.
-    assert read_metadata(saver.saved[-2]) == {"step": 9, "epochs": 1}
+    # It records the 4 batches of that epoch it had trained, and resume
+    # warns that they train again.
+    assert read_metadata(saver.saved[-2]) == {"step": 9, "epochs": 1, "batches_into_epoch": 4}
     shutil.rmtree(saver.saved[-1])
     other, other_emb = _model(seed=9)
-    assert resume(_ckpt(other), str(tmp_path)) == 1
+    with pytest.warns(UserWarning, match=r"ckpt-000000000009 was saved 4 batches into epoch 2; "
+                                         r"fit\(initial_epoch=1\) starts that epoch at its "
+                                         r"first batch, so those 4 batches train again"):
+        assert resume(_ckpt(other), str(tmp_path)) == 1
     assert int(other.optimizer.iterations) == 9
     # A save after an epoch's last step resumes after that epoch.
     model, _ = _model()
@@ -252,8 +260,9 @@ def test_a_save_at_an_epochs_last_step_counts_the_epoch_on_data_of_unknown_size(
     # Saved again with that count, after the epoch, so that a resumed Adam
     # counts (and corrects its bias) as the one that goes on (a review: two
     # resumed days diverged from one uninterrupted run).
-    assert [read_metadata(p) for p in saver.saved] == [{"step": STEPS, "epochs": 0},
-                                                       {"step": STEPS + 1, "epochs": 1}]
+    assert [read_metadata(p) for p in saver.saved] == [
+        {"step": STEPS, "epochs": 0, "batches_into_epoch": STEPS},
+        {"step": STEPS + 1, "epochs": 1}]
     again, _ = _model()
     assert resume(_ckpt(again), str(tmp_path)) == 1
     assert int(again.optimizer.iterations) == STEPS + 1
@@ -326,8 +335,9 @@ def test_steps_of_a_last_partial_execution_are_saved(tmp_path):
     # Keras counts 21 iterations for 20 batches: 6 executions of 3, one of
     # 2 (unreported), and one more count once the data ran out.
     assert [read_metadata(p) for p in saver.saved] == [
-        {"step": 6, "epochs": 0}, {"step": 12, "epochs": 0}, {"step": 18, "epochs": 0},
-        {"step": 21, "epochs": 1}]
+        {"step": 6, "epochs": 0, "batches_into_epoch": 6},
+        {"step": 12, "epochs": 0, "batches_into_epoch": 12},
+        {"step": 18, "epochs": 0, "batches_into_epoch": 18}, {"step": 21, "epochs": 1}]
     again, again_emb = model_spe3()
     assert resume(_ckpt(again), str(tmp_path)) == 1
     np.testing.assert_array_equal(again_emb.lookup_rows(vocab), whole_emb.lookup_rows(vocab))
@@ -354,7 +364,8 @@ def test_a_loss_scale_optimizer_s_last_partial_execution_is_saved(tmp_path):
     saver = SaveCheckpoints(None, str(tmp_path), every_steps=3, keep=None)
     _fit(model, x, y, epochs=1, callbacks=[saver])
     assert [read_metadata(p) for p in saver.saved] == [
-        {"step": 3, "epochs": 0}, {"step": 6, "epochs": 0}, {"step": 7, "epochs": 1}]
+        {"step": 3, "epochs": 0, "batches_into_epoch": 3},
+        {"step": 6, "epochs": 0, "batches_into_epoch": 6}, {"step": 7, "epochs": 1}]
     again, again_emb = model_lso()
     assert resume(_ckpt(again), str(tmp_path)) == 1
     np.testing.assert_array_equal(again_emb.lookup_rows(vocab), emb.lookup_rows(vocab))
@@ -376,4 +387,5 @@ def test_a_fit_stopped_inside_an_epoch_resumes_at_its_start(tmp_path):
     saver = SaveCheckpoints(None, str(tmp_path), every_steps=4, keep=None)
     _fit(model, x, y, epochs=3, callbacks=[saver, StopAt()])
     assert int(model.optimizer.iterations) == STEPS + 2
-    assert read_metadata(saver.saved[-1]) == {"step": STEPS + 2, "epochs": 1}
+    assert read_metadata(saver.saved[-1]) == {"step": STEPS + 2, "epochs": 1,
+                                              "batches_into_epoch": 2}

@@ -159,7 +159,8 @@ def resume(checkpoint: tf.train.Checkpoint, directory: str) -> int:
     saved, for ``fit(initial_epoch=...)``; returns 0 and restores nothing
     when there is none yet. A save taken in the middle of an epoch resumes
     at the start of that epoch: its batches before the save are trained
-    again. Collective under Horovod.
+    again, and rank 0 warns how many (the save's metadata records them as
+    ``batches_into_epoch``). Collective under Horovod.
 
     If the newest save cannot be restored, its error is raised, with the
     next older complete save named (a save damaged by a crash while it was
@@ -180,8 +181,25 @@ def resume(checkpoint: tf.train.Checkpoint, directory: str) -> int:
                 f"(a crash while it was written), move it out of {directory} and resume "
                 f"again, from {paths[-2]}.") from err
         raise
-    return _on_rank_0(lambda: int((read_metadata(path) or {}).get("epochs", 0)),
-                      "sfctr_resume_epochs")
+    epochs, into = _on_rank_0(lambda: _resume_point(path), "sfctr_resume_epochs")
+    if into > 0 and world()[1] == 0:
+        warnings.warn(
+            f"tf_sfctr.distributed.resume: {path} was saved {into} batches into epoch "
+            f"{epochs + 1}; fit(initial_epoch={epochs}) starts that epoch at its first "
+            f"batch, so those {into} batches train again (their ids' rows and the dense "
+            f"weights get their updates twice), as with keras.callbacks.BackupAndRestore. To "
+            f"resume exactly, save only at epochs' ends (SaveCheckpoints without every_steps, "
+            f"or with a multiple of the epoch's number of batches), or leave those batches "
+            f"out of the resumed epoch's data (read_metadata(path)['batches_into_epoch']).",
+            stacklevel=2)
+    return epochs
+
+
+def _resume_point(path: str) -> tuple[int, int]:
+    """(epochs finished, batches of the next one trained) when ``path`` was
+    saved; saves from before the second was recorded give 0 for it."""
+    metadata = read_metadata(path) or {}
+    return int(metadata.get("epochs", 0)), int(metadata.get("batches_into_epoch", 0))
 
 
 class SaveCheckpoints(keras.callbacks.Callback):
@@ -280,7 +298,8 @@ class SaveCheckpoints(keras.callbacks.Callback):
             total = self.params.get("steps") if self.params else None
             stopped = bool(getattr(self.model, "stop_training", False))
             done = not (stopped and total is not None and self._reported < total)
-            self._save(step, epochs=self._epoch + 1 if done else self._epoch)
+            self._save(step, epochs=self._epoch + 1 if done else self._epoch,
+                       into_epoch=0 if done else self._reported)
 
     def _unreported_steps(self, step: int) -> int:
         """Steps of this epoch that ran after the last batch Keras reported
@@ -304,7 +323,7 @@ class SaveCheckpoints(keras.callbacks.Callback):
             return
         step = _steps_done(self.model)
         if step // self.every_steps > self._last_step // self.every_steps:
-            self._save(step, epochs=self._epoch)
+            self._save(step, epochs=self._epoch, into_epoch=self._reported)
         self._last_step = step
 
     def on_epoch_end(self, epoch, logs=None):
@@ -338,7 +357,10 @@ class SaveCheckpoints(keras.callbacks.Callback):
                                   f"saved after epoch {epoch + 1} ({err}); resuming from it "
                                   f"trains epoch {epoch + 1} again.", stacklevel=2)
 
-    def _save(self, step: int, epochs: int) -> None:
+    def _save(self, step: int, epochs: int, into_epoch: int = 0) -> None:
+        """``into_epoch``: batches of epoch ``epochs + 1`` trained before the
+        save (0 at an epoch's end), recorded as ``batches_into_epoch`` for
+        ``resume``'s warning."""
         path = os.path.join(self.directory, f"{PREFIX}{step:012d}")
         if step in (self._saved_step, self._begin_step):
             # A step this run saved or started from: only steps a
@@ -358,7 +380,10 @@ class SaveCheckpoints(keras.callbacks.Callback):
                 f"step; it is not overwritten. Resume from the directory's saves "
                 f"(tf_sfctr.distributed.resume) rather than with BackupAndRestore, or give "
                 f"this run a directory of its own.")
-        save(self.checkpoint, path, metadata={"step": step, "epochs": epochs})
+        metadata = {"step": step, "epochs": epochs}
+        if into_epoch > 0:
+            metadata["batches_into_epoch"] = int(into_epoch)
+        save(self.checkpoint, path, metadata=metadata)
         self.saved.append(path)
         self._saved_step = step
         self._batches_after_save = 0

@@ -307,9 +307,11 @@ def test_a_bad_argument_on_one_rank_is_refused_on_every_rank(tmp_path):
     restore, equal_batches, latest_checkpoint and export_for_serving, each
     with a bad argument on one rank; restore of a different save per rank;
     PruneHostTable, SaveCheckpoints and tables made with other settings on
-    each rank: every rank raises and nothing changes (before, the others
-    hung in a collective, trained apart, or another rank's rows were set
-    while the failing rank said nothing was changed)."""
+    each rank (a learning rate, table_updates, a table frozen on one rank, a
+    model-parallel seed per rank, an initializer); ranks in different Keras
+    calls (fit, evaluate, predict): every rank raises and nothing changes
+    (before, the others hung in a collective, trained apart, or another
+    rank's rows were set while the failing rank said nothing was changed)."""
     proc = _run_worker(tmp_path, "one_rank_refusals")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     for rank in range(sc.WORLD):

@@ -1636,6 +1636,46 @@ def run_one_rank_refusals(out_dir, rank, size):
     counted.table_updates = 100
     model.fit(*data, batch_size=2, verbose=0, callbacks=callbacks())
     assert counted.table_updates == 102, counted.table_updates
+    # A table frozen on one rank only ran inference there while the other
+    # rank trained it, and both waited forever (a review): refused at fit;
+    # evaluate and predict read it alike either way.
+    frozen = CachedEmbedding(3, cache_capacity=8, seed=3, name="refusals_frozen")
+    model = keras.Model(x, keras.layers.Dense(1)(keras.layers.Flatten()(frozen(x))))
+    model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    frozen.trainable = rank == 0
+    _expect_error(lambda: model.fit(*data, batch_size=2, verbose=0, callbacks=callbacks()),
+                  "'trainable=True'], on rank 1" if rank == 0 else "'trainable=False'], on rank 0")
+    assert frozen.cache_stats()["host_rows"] == 0
+    model.evaluate(*data, batch_size=2, verbose=0, callbacks=callbacks())
+    # Ranks in different Keras calls: evaluate against predict (one rank's
+    # predict was answered by the other's evaluate), fit against predict
+    # (each waited for the other's collectives).
+    for calls in (("evaluate", "predict"), ("fit", "predict"), ("evaluate", "fit")):
+        mine = calls[rank]
+        run = {"fit": lambda: model.fit(*data, batch_size=2, verbose=0, callbacks=callbacks()),
+               "evaluate": lambda: model.evaluate(*data, batch_size=2, verbose=0,
+                                                  callbacks=callbacks()),
+               "predict": lambda: model.predict(data[0], batch_size=2, verbose=0,
+                                                callbacks=callbacks())}[mine]
+        _expect_error(run, f"different Keras calls: this rank ({rank}) in {mine}, the ranks "
+                           f"in {calls[0]} (rank 0), {calls[1]} (rank 1)")
+        assert int(hvd.allreduce(tf.constant(rank + 1), op=hvd.Sum,
+                                 name=f"after_{'_'.join(calls)}")) == 3
+    frozen.trainable = True
+    model.fit(*data, batch_size=2, verbose=0, callbacks=callbacks())
+    # A model-parallel table given a seed per rank (each owner made its ids'
+    # initial rows from its own), or another initializer on one rank.
+    for name, kwargs, shown in (
+            ("refusals_seed", dict(seed=100 + rank), f"seed={100 + rank}"),
+            ("refusals_init", dict(seed=3, embeddings_initializer="zeros" if rank else "uniform"),
+             "Zeros" if rank else "RandomUniform")):
+        apart = CachedEmbedding(3, cache_capacity=8, name=name, **kwargs)
+        model = keras.Model(x, keras.layers.Dense(1)(keras.layers.Flatten()(apart(x))))
+        model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+        _expect_error(lambda: model.fit(*data, batch_size=2, verbose=0, callbacks=callbacks()),
+                      f"on this rank ({rank})")
+        _expect_error(lambda: model.predict(data[0], verbose=0, callbacks=callbacks()), shown)
+        assert apart.cache_stats()["host_rows"] == 0
     # A data-parallel replica with less room than the other (it would refuse
     # a step the other trains, which then waits in the step's all-reduce).
     for name, bounds, shown in (

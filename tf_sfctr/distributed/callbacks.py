@@ -59,9 +59,12 @@ def _table_wiring(config: dict, prefix: str = "") -> list:
     return sorted(wiring)
 
 
-def _check_same_tables(model) -> None:
-    """Collective: refuses, on every rank, models whose CachedEmbedding
-    layers are wired to other inputs on other ranks. Ranks pair a layer's
+def _check_same_tables(model, call: str) -> None:
+    """Collective: refuses, on every rank, ranks in different Keras calls
+    (``call``: "fit", "evaluate" or "predict"; their steps run other
+    collectives, so they waited for each other forever, or one rank's
+    predict was answered by the other's evaluate), and models whose
+    CachedEmbedding layers are wired to other inputs on other ranks. Ranks pair a layer's
     collectives by its name, and Keras names layers in creation order: a
     model built by looping over a set of features (whose order differs
     between processes) would train each rank's features into other
@@ -90,19 +93,27 @@ def _check_same_tables(model) -> None:
     # And each table's settings: a learning rate set otherwise on one rank
     # trained silently apart, another optimizer or output_dim failed in a
     # collective with a shape error (a review).
-    settings = _table_settings(model)
+    settings = _table_settings(model, training=call == "fit")
     # 48 bits of a digest: exact in float64, so one max-reduction of (h, -h)
     # tells whether every rank has the same wiring.
     digest = float(int.from_bytes(hashlib.sha256(
-        json.dumps([key, settings]).encode()).digest()[:6], "little"))
+        json.dumps([call, key, settings]).encode()).digest()[:6], "little"))
     hvd = require()
     most = hvd.allreduce(tf.constant([digest, -digest], tf.float64), op=hvd.Max,
                          name="sfctr_tables_wiring").numpy()
     if most[0] == -most[1]:
         return
-    every = hvd.allgather_object((key, shown, settings, core),
-                                 name="sfctr_tables_wiring_detail")
+    gathered = hvd.allgather_object((call, key, shown, settings, core),
+                                    name="sfctr_tables_wiring_detail")
+    calls, every = [g[0] for g in gathered], [g[1:] for g in gathered]
     rank = hvd.rank()
+    if any(c != call for c in calls):
+        raise ValueError(
+            f"The Horovod ranks are in different Keras calls: this rank ({rank}) in "
+            f"{call}, the ranks in {', '.join(f'{c} (rank {r})' for r, c in enumerate(calls))}"
+            f". Each step of fit, evaluate and predict is collective (a table's ids and rows "
+            f"go to their owners), so every rank must make the same call with as many "
+            f"batches: call model.{call} on every rank, not on some only.")
     if all(k == key for k, _, _, _ in every):
         other = next(r for r, e in enumerate(every) if e[2] != settings)
         differ = [(mine, theirs) for mine, theirs in zip(settings, every[other][2])
@@ -111,7 +122,8 @@ def _check_same_tables(model) -> None:
             f"The Horovod ranks' CachedEmbedding layers have different settings: on this "
             f"rank ({rank}) {differ[0][0]}, on rank {other} {differ[0][1]}. Make every rank's "
             f"tables alike (output_dim, table optimizer and its learning rate, distribution, "
-            f"combiner, table_updates; a data-parallel table's cache_capacity and max_rows).")
+            f"combiner, embeddings_initializer, trainable, table_updates; a model-parallel "
+            f"table's seed; a data-parallel table's cache_capacity and max_rows).")
     other = next(r for r, (k, _, _, _) in enumerate(every) if k != key)
     differ = [line for line, pair in zip(shown, key) if pair not in every[other][0]]
     if all(c == core for _, _, _, c in every):
@@ -139,16 +151,36 @@ def _is_vsi_extra(input_name) -> bool:
     return isinstance(input_name, str) and input_name.endswith(VSI_OPTIONAL_KEYS)
 
 
-def _table_settings(model) -> list:
-    """What every rank's copy of each table must share, by layer name."""
+def _table_settings(model, training: bool) -> list:
+    """What every rank's copy of each table must share, by layer name.
+    ``training``: also whether it trains (a table frozen on one rank only
+    ran inference there while the others trained it: each waited for the
+    other's collectives, silently; a review)."""
     from tf_sfctr.callbacks import cached_embeddings
 
     return sorted(
         [layer.name, layer.output_dim, layer.distribution, layer.combiner,
          type(layer.table_optimizer).__name__,
          json.dumps(layer.table_optimizer.get_config(), sort_keys=True, default=str),
-         _update_count(layer)]
+         _update_count(layer),
+         "initializer " + json.dumps(keras.initializers.serialize(
+             layer.embeddings_initializer), sort_keys=True, default=str),
+         _seed(layer)]
+        + ([f"trainable={bool(layer.trainable)}"] if training else [])
         for layer in cached_embeddings(model))
+
+
+def _seed(layer) -> str:
+    """A built model-parallel table's seed: each owner makes the initial
+    rows of its ids from its own, so seeds given per rank
+    (``seed=100 + rank``) trained a table that no other number of ranks
+    reproduces, and unseen ids read other rows after a restore (a review).
+    Unbuilt, a drawn seed is each rank's own until build replaces it with
+    rank 0's; a data-parallel replica's is compared by
+    _check_replicas_agree."""
+    if getattr(layer, "_store", None) is None or layer.mode != "model_parallel":
+        return ""
+    return f"seed={int(layer.seed)}"
 
 
 def _update_count(layer) -> str:
@@ -224,9 +256,11 @@ class BroadcastInitialState(keras.callbacks.Callback):
         # At every fit, not only before the first broadcast: a replica changed
         # on one rank between two fits with one callbacks() list (its
         # table_updates, say) trained apart silently (a review).
+        # The tables (and the call) first: a rank in evaluate or predict meets
+        # this one's first collective there.
+        _check_same_tables(self.model, "fit")  # before the broadcast, which would hang
         if self.model.built:
             _check_replicas_agree(self.model)
-        _check_same_tables(self.model)  # before the broadcast, which would hang
         if self._done(self.model) or not (self.model.built and self.model.trainable_variables):
             return  # not built yet: after the first step
         self._broadcast(self.model)
@@ -543,7 +577,7 @@ class AverageMetrics(keras.callbacks.Callback):
         self._validating = self._in_fit and self.params is self._fit_params
         if not self._validating:
             self._note_caller()
-            _check_same_tables(self.model)
+            _check_same_tables(self.model, "evaluate")
             self._test_steps = self._params_steps()
             self._check_steps("evaluate", self._test_steps)
         else:
@@ -569,7 +603,7 @@ class AverageMetrics(keras.callbacks.Callback):
 
     def on_predict_begin(self, logs=None):
         self._note_caller()
-        _check_same_tables(self.model)
+        _check_same_tables(self.model, "predict")
         self._predict_done, self._predict_steps = 0, self._params_steps()
         self._check_steps("predict", self._predict_steps)
 

@@ -1631,8 +1631,9 @@ def run_one_rank_refusals(out_dir, rank, size):
     model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
     counted.table_updates = 100 * rank
     _expect_error(lambda: model.fit(*data, batch_size=2, verbose=0, callbacks=callbacks()),
-                  "'table_updates=0'], on rank 1" if rank == 0
-                  else "'table_updates=100'], on rank 0")
+                  "table 'refusals_updates': table_updates=0; on rank 1 table_updates=100"
+                  if rank == 0 else
+                  "table 'refusals_updates': table_updates=100; on rank 0 table_updates=0")
     counted.table_updates = 100
     model.fit(*data, batch_size=2, verbose=0, callbacks=callbacks())
     assert counted.table_updates == 102, counted.table_updates
@@ -1644,7 +1645,9 @@ def run_one_rank_refusals(out_dir, rank, size):
     model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
     frozen.trainable = rank == 0
     _expect_error(lambda: model.fit(*data, batch_size=2, verbose=0, callbacks=callbacks()),
-                  "'trainable=True'], on rank 1" if rank == 0 else "'trainable=False'], on rank 0")
+                  "table 'refusals_frozen': trainable=True; on rank 1 trainable=False"
+                  if rank == 0 else
+                  "table 'refusals_frozen': trainable=False; on rank 0 trainable=True")
     assert frozen.cache_stats()["host_rows"] == 0
     model.evaluate(*data, batch_size=2, verbose=0, callbacks=callbacks())
     # Ranks in different Keras calls: evaluate against predict (one rank's
@@ -1666,9 +1669,11 @@ def run_one_rank_refusals(out_dir, rank, size):
     # A model-parallel table given a seed per rank (each owner made its ids'
     # initial rows from its own), or another initializer on one rank.
     for name, kwargs, shown in (
-            ("refusals_seed", dict(seed=100 + rank), f"seed={100 + rank}"),
+            ("refusals_seed", dict(seed=100 + rank),
+             f"table 'refusals_seed': seed={100 + rank}; on rank {1 - rank} seed={101 - rank}"),
             ("refusals_init", dict(seed=3, embeddings_initializer="zeros" if rank else "uniform"),
-             "Zeros" if rank else "RandomUniform")):
+             "table 'refusals_init': embeddings_initializer={\"class_name\": "
+             + ('"Zeros"' if rank else '"RandomUniform"'))):
         apart = CachedEmbedding(3, cache_capacity=8, name=name, **kwargs)
         model = keras.Model(x, keras.layers.Dense(1)(keras.layers.Flatten()(apart(x))))
         model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")

@@ -117,10 +117,19 @@ def _check_same_tables(model, call: str) -> None:
     if all(k == key for k, _, _, _ in every):
         other = next(r for r, e in enumerate(every) if e[2] != settings)
         differ = [(mine, theirs) for mine, theirs in zip(settings, every[other][2])
-                  if mine != theirs] or [(settings, every[other][2])]
+                  if mine != theirs]
+        if differ and len(differ[0][0]) == len(differ[0][1]) \
+                and differ[0][0][0] == differ[0][1][0]:
+            # One table, set otherwise: name it and the settings that differ.
+            mine, theirs = differ[0]
+            fields = [(a, b) for a, b in zip(mine[1:], theirs[1:]) if a != b]
+            shown_mine = f"table {mine[0]!r}: {', '.join(a for a, _ in fields)}"
+            shown_theirs = ", ".join(b for _, b in fields)
+        else:
+            shown_mine, shown_theirs = settings, every[other][2]
         raise ValueError(
             f"The Horovod ranks' CachedEmbedding layers have different settings: on this "
-            f"rank ({rank}) {differ[0][0]}, on rank {other} {differ[0][1]}. Make every rank's "
+            f"rank ({rank}) {shown_mine}; on rank {other} {shown_theirs}. Make every rank's "
             f"tables alike (output_dim, table optimizer and its learning rate, distribution, "
             f"combiner, embeddings_initializer, trainable, table_updates; a model-parallel "
             f"table's seed; a data-parallel table's cache_capacity and max_rows).")
@@ -159,11 +168,12 @@ def _table_settings(model, training: bool) -> list:
     from tf_sfctr.callbacks import cached_embeddings
 
     return sorted(
-        [layer.name, layer.output_dim, layer.distribution, layer.combiner,
-         type(layer.table_optimizer).__name__,
-         json.dumps(layer.table_optimizer.get_config(), sort_keys=True, default=str),
+        [layer.name, f"output_dim={layer.output_dim}", f"distribution={layer.distribution!r}",
+         f"combiner={layer.combiner!r}",
+         f"optimizer={type(layer.table_optimizer).__name__} " + json.dumps(
+             layer.table_optimizer.get_config(), sort_keys=True, default=str),
          _update_count(layer),
-         "initializer " + json.dumps(keras.initializers.serialize(
+         "embeddings_initializer=" + json.dumps(keras.initializers.serialize(
              layer.embeddings_initializer), sort_keys=True, default=str),
          _seed(layer)]
         + ([f"trainable={bool(layer.trainable)}"] if training else [])

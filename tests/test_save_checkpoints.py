@@ -389,3 +389,23 @@ def test_a_fit_stopped_inside_an_epoch_resumes_at_its_start(tmp_path):
     assert int(model.optimizer.iterations) == STEPS + 2
     assert read_metadata(saver.saved[-1]) == {"step": STEPS + 2, "epochs": 1,
                                               "batches_into_epoch": 2}
+
+
+def test_batches_into_epoch_count_executions_on_data_of_unknown_size(tmp_path):
+    """With steps_per_execution, Keras reports each execution by its first
+    batch when it knows the epoch's size and by its last when not (a
+    review): the count of batches a save inside an epoch had trained is
+    the same either way."""
+    vocab, x, y = _data()
+    x, y = np.concatenate([x] * 4), np.concatenate([y] * 4)  # 20 batches
+    for known in (True, False):
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+        if not known:
+            data = data.filter(lambda *_: True)
+        model, _ = _model()
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", steps_per_execution=3)
+        saver = SaveCheckpoints(None, str(tmp_path / str(known)), every_steps=6, keep=None)
+        model.fit(data, epochs=1, verbose=0, callbacks=[saver])
+        inside = [read_metadata(p) for p in saver.saved[:3]]
+        assert inside == [{"step": s, "epochs": 0, "batches_into_epoch": s}
+                          for s in (6, 12, 18)], (known, inside)

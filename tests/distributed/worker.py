@@ -1666,21 +1666,34 @@ def run_one_rank_refusals(out_dir, rank, size):
                                  name=f"after_{'_'.join(calls)}")) == 3
     frozen.trainable = True
     model.fit(*data, batch_size=2, verbose=0, callbacks=callbacks())
-    # A model-parallel table given a seed per rank (each owner made its ids'
-    # initial rows from its own), or another initializer on one rank.
-    for name, kwargs, shown in (
-            ("refusals_seed", dict(seed=100 + rank),
-             f"table 'refusals_seed': seed={100 + rank}; on rank {1 - rank} seed={101 - rank}"),
-            ("refusals_init", dict(seed=3, embeddings_initializer="zeros" if rank else "uniform"),
-             "table 'refusals_init': embeddings_initializer={\"class_name\": "
-             + ('"Zeros"' if rank else '"RandomUniform"'))):
-        apart = CachedEmbedding(3, cache_capacity=8, name=name, **kwargs)
-        model = keras.Model(x, keras.layers.Dense(1)(keras.layers.Flatten()(apart(x))))
-        model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
-        _expect_error(lambda: model.fit(*data, batch_size=2, verbose=0, callbacks=callbacks()),
-                      f"on this rank ({rank})")
-        _expect_error(lambda: model.predict(data[0], verbose=0, callbacks=callbacks()), shown)
-        assert apart.cache_stats()["host_rows"] == 0
+    # Another initializer on one rank: refused.
+    apart = CachedEmbedding(3, cache_capacity=8, seed=3, name="refusals_init",
+                            embeddings_initializer="zeros" if rank else "uniform")
+    model = keras.Model(x, keras.layers.Dense(1)(keras.layers.Flatten()(apart(x))))
+    model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    shown = ("embeddings_initializer=constant(0.0, 0.0); on rank 0 "
+             "embeddings_initializer=uniform(-0.05, 0.05)" if rank else
+             "embeddings_initializer=uniform(-0.05, 0.05); on rank 1 "
+             "embeddings_initializer=constant(0.0, 0.0)")
+    _expect_error(lambda: model.fit(*data, batch_size=2, verbose=0, callbacks=callbacks()),
+                  shown)
+    _expect_error(lambda: model.predict(data[0], verbose=0, callbacks=callbacks()), shown)
+    assert apart.cache_stats()["host_rows"] == 0
+    # A model-parallel table given a seed per rank (each owner makes its
+    # ids' initial rows from its own): fit warns on rank 0 and trains (a
+    # shard restored with tf.train.Checkpoint brings the seed it was saved
+    # with, which cannot be changed once built).
+    seeded = CachedEmbedding(3, cache_capacity=8, name="refusals_seed", seed=100 + rank)
+    model = keras.Model(x, keras.layers.Dense(1)(keras.layers.Flatten()(seeded(x))))
+    model.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(*data, batch_size=2, verbose=0, callbacks=callbacks())
+    said = [str(w.message) for w in caught if "different seed on each" in str(w.message)]
+    assert len(said) == (0 if rank else 1), said
+    if rank == 0:
+        assert "'refusals_seed' (rank 0: 100, rank 1: 101)" in said[0], said
+    assert seeded.cache_stats()["host_rows"] > 0
     # A data-parallel replica with less room than the other (it would refuse
     # a step the other trains, which then waits in the step's all-reduce).
     for name, bounds, shown in (

@@ -122,7 +122,8 @@ def _check_same_tables(model, call: str) -> None:
                 and differ[0][0][0] == differ[0][1][0]:
             # One table, set otherwise: name it and the settings that differ.
             mine, theirs = differ[0]
-            fields = [(a, b) for a, b in zip(mine[1:], theirs[1:]) if a != b]
+            fields = [(a or "(not set)", b or "(not set)")
+                      for a, b in zip(mine[1:], theirs[1:]) if a != b]
             shown_mine = f"table {mine[0]!r}: {', '.join(a for a, _ in fields)}"
             shown_theirs = ", ".join(b for _, b in fields)
         else:
@@ -131,8 +132,8 @@ def _check_same_tables(model, call: str) -> None:
             f"The Horovod ranks' CachedEmbedding layers have different settings: on this "
             f"rank ({rank}) {shown_mine}; on rank {other} {shown_theirs}. Make every rank's "
             f"tables alike (output_dim, table optimizer and its learning rate, distribution, "
-            f"combiner, embeddings_initializer, trainable, table_updates; a model-parallel "
-            f"table's seed; a data-parallel table's cache_capacity and max_rows).")
+            f"combiner, embeddings_initializer, trainable, table_updates; a data-parallel "
+            f"table's cache_capacity and max_rows).")
     other = next(r for r, (k, _, _, _) in enumerate(every) if k != key)
     differ = [line for line, pair in zip(shown, key) if pair not in every[other][0]]
     if all(c == core for _, _, _, c in every):
@@ -173,24 +174,63 @@ def _table_settings(model, training: bool) -> list:
          f"optimizer={type(layer.table_optimizer).__name__} " + json.dumps(
              layer.table_optimizer.get_config(), sort_keys=True, default=str),
          _update_count(layer),
-         "embeddings_initializer=" + json.dumps(keras.initializers.serialize(
-             layer.embeddings_initializer), sort_keys=True, default=str),
-         _seed(layer)]
+         # What makes the rows (kind and its two numbers), not the Keras
+         # initializer's config, whose own seed the layer's seed overrides.
+         "embeddings_initializer={0.kind}({0.a!r}, {0.b!r})".format(layer._init_spec)]
         + ([f"trainable={bool(layer.trainable)}"] if training else [])
         for layer in cached_embeddings(model))
 
 
-def _seed(layer) -> str:
-    """A built model-parallel table's seed: each owner makes the initial
-    rows of its ids from its own, so seeds given per rank
-    (``seed=100 + rank``) trained a table that no other number of ranks
-    reproduces, and unseen ids read other rows after a restore (a review).
-    Unbuilt, a drawn seed is each rank's own until build replaces it with
-    rank 0's; a data-parallel replica's is compared by
-    _check_replicas_agree."""
-    if getattr(layer, "_store", None) is None or layer.mode != "model_parallel":
-        return ""
-    return f"seed={int(layer.seed)}"
+def _seeds(model) -> list:
+    """The seeds of model-parallel tables (each owner makes the initial rows
+    of its ids from its own): built ones', and explicit ones' before build
+    (a drawn one is each rank's own until build replaces it with rank 0's).
+    A data-parallel replica's is compared by _check_replicas_agree."""
+    from tf_sfctr.callbacks import cached_embeddings
+
+    seeds = []
+    for layer in cached_embeddings(model):
+        built = getattr(layer, "_store", None) is not None
+        if layer.distribution == "data_parallel" or (built and layer.mode != "model_parallel") \
+                or (not built and layer._seed_drawn):
+            continue
+        seeds.append((layer.name, int(layer.seed)))
+    return sorted(seeds)
+
+
+def _warn_of_seeds(model) -> None:
+    """Collective (at fit): warns, on rank 0, of model-parallel tables whose
+    seed differs between ranks. Not refused: the table trains, and a plain
+    tf.train.Checkpoint restore of each rank's shard gives each rank the seed
+    its shard was saved with (checkpoints of versions whose drawn seeds were
+    each rank's own), which the user cannot change once built. But each
+    owner's new ids start from its own seed's rows, so no other number of
+    ranks reproduces the table (``seed=100 + rank``: a review)."""
+    hvd = require()
+    seeds = _seeds(model)
+    digest = float(int.from_bytes(hashlib.sha256(
+        json.dumps(seeds).encode()).digest()[:6], "little"))
+    most = hvd.allreduce(tf.constant([digest, -digest], tf.float64), op=hvd.Max,
+                         name="sfctr_tables_seeds").numpy()
+    if most[0] == -most[1]:
+        return
+    every = hvd.allgather_object(seeds, name="sfctr_tables_seeds_detail")
+    if hvd.rank() != 0:
+        return
+    names = sorted({name for ranks in every for name, _ in ranks})
+    shown = []
+    for name in names:
+        per_rank = [dict(ranks).get(name) for ranks in every]
+        if len(set(per_rank)) > 1:
+            shown.append(f"{name!r} (" + ", ".join(
+                f"rank {r}: {seed}" for r, seed in enumerate(per_rank)) + ")")
+    warnings.warn(
+        f"Model-parallel CachedEmbedding tables have a different seed on each Horovod rank: "
+        f"{', '.join(shown)}. Each rank makes the initial rows of the ids it owns from its "
+        f"own seed, so the table trains, but no other number of ranks (and no restore into "
+        f"one) gives ids it has not stored the same rows. Give every rank the same seed= "
+        f"(or none: rank 0's is used), or restore with tf_sfctr.distributed.restore, which "
+        f"gives every rank the save's seed.", stacklevel=3)
 
 
 def _update_count(layer) -> str:
@@ -269,6 +309,7 @@ class BroadcastInitialState(keras.callbacks.Callback):
         # The tables (and the call) first: a rank in evaluate or predict meets
         # this one's first collective there.
         _check_same_tables(self.model, "fit")  # before the broadcast, which would hang
+        _warn_of_seeds(self.model)
         if self.model.built:
             _check_replicas_agree(self.model)
         if self._done(self.model) or not (self.model.built and self.model.trainable_variables):

@@ -188,9 +188,9 @@ def resume(checkpoint: tf.train.Checkpoint, directory: str) -> int:
             f"{epochs + 1}; fit(initial_epoch={epochs}) starts that epoch at its first "
             f"batch, so those {into} batches train again (their ids' rows and the dense "
             f"weights get their updates twice), as with keras.callbacks.BackupAndRestore. To "
-            f"resume exactly, save only at epochs' ends (SaveCheckpoints without every_steps, "
-            f"or with a multiple of the epoch's number of batches), or leave those batches "
-            f"out of the resumed epoch's data (read_metadata(path)['batches_into_epoch']).",
+            f"resume exactly, save only at epochs' ends (SaveCheckpoints without every_steps), "
+            f"or leave those batches out of the resumed epoch's data "
+            f"(read_metadata(path)['batches_into_epoch']).",
             stacklevel=2)
     return epochs
 
@@ -241,6 +241,11 @@ class SaveCheckpoints(keras.callbacks.Callback):
         self._saved_step: Optional[int] = None
         self._batches_after_save = 0
         self._reported = 0  # batches of this epoch Keras reported so far
+        # Batches of this epoch trained by the executions Keras reported: each
+        # report is one execution of steps_per_execution batches (its batch
+        # number is the execution's first batch when Keras knows the epoch's
+        # size and its last when not, so it cannot count them).
+        self._epoch_batches = 0
         self.saved: list[str] = []  # paths written by this callback, oldest first
 
     def on_train_begin(self, logs=None):
@@ -275,6 +280,7 @@ class SaveCheckpoints(keras.callbacks.Callback):
             self._start()
         self._epoch = epoch
         self._reported = 0
+        self._epoch_batches = 0
 
     def on_train_end(self, logs=None):
         # Keras ends every epoch it began before fit ends, also one a
@@ -299,7 +305,7 @@ class SaveCheckpoints(keras.callbacks.Callback):
             stopped = bool(getattr(self.model, "stop_training", False))
             done = not (stopped and total is not None and self._reported < total)
             self._save(step, epochs=self._epoch + 1 if done else self._epoch,
-                       into_epoch=0 if done else self._reported)
+                       into_epoch=0 if done else self._epoch_batches)
 
     def _unreported_steps(self, step: int) -> int:
         """Steps of this epoch that ran after the last batch Keras reported
@@ -318,12 +324,13 @@ class SaveCheckpoints(keras.callbacks.Callback):
         # `batch` is the first batch of the execution that ended.
         spe = int(getattr(self.model, "steps_per_execution", 1) or 1)
         self._reported = max(self._reported, int(batch) + spe)
+        self._epoch_batches += spe
         self._batches_after_save += 1
         if self.every_steps is None:
             return
         step = _steps_done(self.model)
         if step // self.every_steps > self._last_step // self.every_steps:
-            self._save(step, epochs=self._epoch, into_epoch=self._reported)
+            self._save(step, epochs=self._epoch, into_epoch=self._epoch_batches)
         self._last_step = step
 
     def on_epoch_end(self, epoch, logs=None):

@@ -539,6 +539,50 @@ def run_broadcast(out_dir, rank):
     for layer in (tables[0], sub_dp.emb):  # data parallel: replicas read locally
         rows = hvd.allgather(tf.constant(layer.lookup_rows(ids))[None]).numpy()
         np.testing.assert_array_equal(rows[0], rows[1])
+    # A model called on rank 0 only before fit (to see its summary, say):
+    # built there, not on rank 1. Its state goes out after the first step
+    # on both (rank 0 alone broadcast when fit began and waited forever).
+    # (A seeded data-parallel table: its build and inference need no
+    # collective; a drawn seed is broadcast when built.)
+    class Seeded(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.emb = CachedEmbedding(3, cache_capacity=32, seed=5, name="built_on_one",
+                                       distribution="data_parallel")
+            self.dense = keras.layers.Dense(1)
+
+        def call(self, ids, training=None):
+            return self.dense(keras.ops.reshape(self.emb(ids, training=training), (-1, 6)))
+
+    one = Seeded()
+    if rank == 0:
+        one(x[:1])
+    one.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    _expect_error(lambda: one.fit(x, np.ones((4, 1)), batch_size=4, epochs=1, verbose=0,
+                                  callbacks=callbacks()),
+                  f"table 'built_on_one' is built {'on' if rank == 0 else 'not on'} this rank "
+                  f"({rank}) and {'not ' if rank == 0 else ''}on rank {1 - rank}")
+    # A model without tables (a dense tower) called on rank 0 only: its
+    # state goes out after the first step on both ranks (rank 0 alone
+    # broadcast when fit began and waited forever).
+    class Tower(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(
+                1, kernel_initializer=keras.initializers.RandomNormal(seed=rank))
+
+        def call(self, features, training=None):
+            return self.dense(features)
+
+    tower = Tower()
+    features = np.ones((4, 3), np.float32) * (rank + 1)
+    if rank == 0:
+        tower(features[:1])
+    tower.compile(optimizer=DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    tower.fit(features, np.ones((4, 1)), batch_size=4, epochs=1, verbose=0,
+              callbacks=callbacks())
+    after = hvd.allgather(tower.dense.kernel.value[None]).numpy()
+    np.testing.assert_array_equal(after[0], after[1])
     np.savez(os.path.join(out_dir, f"broadcast_rank{rank}.npz"), ok=np.array(1))
 
 

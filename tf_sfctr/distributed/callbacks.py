@@ -124,6 +124,15 @@ def _check_same_tables(model, call: str) -> None:
             mine, theirs = differ[0]
             fields = [(a or "(not set)", b or "(not set)")
                       for a, b in zip(mine[1:], theirs[1:]) if a != b]
+            if any("not built" in (a, b) for a, b in fields):
+                where = "not on" if "not built" not in mine else "only on"
+                raise ValueError(
+                    f"The Horovod ranks' CachedEmbedding layers are built on some ranks only: "
+                    f"table {mine[0]!r} is built {'on this rank' if where == 'not on' else 'not on this rank'} "
+                    f"({rank}) and {'not ' if where == 'not on' else ''}on rank {other}. A model "
+                    f"called (or a table used) before fit on some ranks only builds its tables "
+                    f"there alone, and the ranks' steps would not pair up. Build it alike on "
+                    f"every rank: call it on a batch on every rank, or on none (fit builds it).")
             shown_mine = f"table {mine[0]!r}: {', '.join(a for a, _ in fields)}"
             shown_theirs = ", ".join(b for _, b in fields)
         else:
@@ -310,10 +319,16 @@ class BroadcastInitialState(keras.callbacks.Callback):
         # this one's first collective there.
         _check_same_tables(self.model, "fit")  # before the broadcast, which would hang
         _warn_of_seeds(self.model)
-        if self.model.built:
+        # Built (with weights to send) on every rank, or else the state goes
+        # after the first step on every rank: a model called on one rank
+        # only before fit (to print its summary, say) broadcast there alone
+        # and waited forever (a review).
+        built, ready = _on_every_rank(
+            self.model.built, bool(self.model.built and self.model.trainable_variables))
+        if built:
             _check_replicas_agree(self.model)
-        if self._done(self.model) or not (self.model.built and self.model.trainable_variables):
-            return  # not built yet: after the first step
+        if self._done(self.model) or not ready:
+            return  # not built yet everywhere: after the first step
         self._broadcast(self.model)
 
     def on_train_batch_end(self, batch, logs=None):
@@ -323,6 +338,14 @@ class BroadcastInitialState(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._training = None
+
+
+def _on_every_rank(*flags: bool) -> tuple:
+    """Collective: each flag, true only if it is true on every rank."""
+    hvd = require()
+    lowest = hvd.allreduce(tf.constant([1 if f else 0 for f in flags], tf.int32), op=hvd.Min,
+                           name="sfctr_on_every_rank").numpy()
+    return tuple(bool(v) for v in lowest)
 
 
 def _check_replicas_agree(model) -> None:

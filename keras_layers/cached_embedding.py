@@ -40,6 +40,7 @@ import stat
 import threading
 import warnings
 import weakref
+import zlib
 from typing import Any, Optional, Union
 
 import keras
@@ -105,6 +106,18 @@ _CALLS_TRACED: "weakref.WeakKeyDictionary[tf.Graph, dict]" = weakref.WeakKeyDict
 #: Largest output_dim: a host row with Adam's two state rows stays well below
 #: 2**31 floats.
 MAX_OUTPUT_DIM = 2**24
+
+
+_TABLE_KEYS = ("header", "ids", "rows", "counts", "counters")
+
+
+def _table_checksum(arrays) -> int:
+    """CRC-32 of a saved table's arrays (their bytes, in order), kept beside
+    them in Keras weight files."""
+    crc = 0
+    for a in arrays:
+        crc = zlib.crc32(np.ascontiguousarray(a).view(np.uint8).data, crc)
+    return crc
 
 
 @keras.saving.register_keras_serializable(package="tf_sfctr")
@@ -1421,10 +1434,15 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             return
         self._require_built()
         self._refuse_keras_format_when_sharded("saving")
-        saved = self._store.table_tensors()
+        saved = {key: value.numpy() for key, value in self._store.table_tensors().items()}
         for key, value in saved.items():
-            store[f"table_{key}"] = value.numpy()
-        store["table_step"] = np.array([self._table_step.numpy()])
+            store[f"table_{key}"] = value
+        step = np.array([self._table_step.numpy()])
+        store["table_step"] = step
+        # HDF5 keeps no checksum of its data: a flipped bit in a weights file
+        # changed a row silently on load (a review).
+        store["table_crc32"] = np.array(
+            [_table_checksum([saved[k] for k in _TABLE_KEYS] + [step])], np.uint32)
         store["trigger"] = np.array([self._trigger.numpy()])
         # Which layer saved it: Keras matches layers by place, not name.
         store["table_layer"] = np.frombuffer(self.name.encode("utf-8"), np.uint8)
@@ -1439,7 +1457,7 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
             return  # saved unbuilt (save_own_variables): stays unbuilt
         self._require_built()
         self._refuse_keras_format_when_sharded("loading")
-        keys = ("header", "ids", "rows", "counts", "counters")
+        keys = _TABLE_KEYS
         missing = [k for k in keys if f"table_{k}" not in present]
         if missing:
             raise ValueError(
@@ -1455,6 +1473,14 @@ class CachedEmbedding(InputsMixin, CachePlanMixin, ShardedRowsMixin, TableAccess
                 f"CachedEmbedding {self.name}: the saved weights' table_step (the table "
                 f"optimizer's update count) is {'missing' if step is None else step!r}, not "
                 "one integer >= 0; they are corrupt. The current table was left untouched.")
+        if "table_crc32" in present:  # (weights saved before it was are not checked)
+            crc = np.asarray(store["table_crc32"]).ravel()
+            if crc.size != 1 or int(crc[0]) != _table_checksum(
+                    [table[k] for k in keys] + [step]):
+                raise ValueError(
+                    f"CachedEmbedding {self.name}: the saved weights' table fails its "
+                    "checksum (table_crc32): the file is damaged. The current table was left "
+                    "untouched. Load an intact copy, or a checkpoint.")
         rate = self._saved_learning_rate(store, present)
         self._warn_if_saved_by_another_layer(store, present)
         self._store.load_table(table["header"], table["ids"], table["rows"],

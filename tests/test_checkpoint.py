@@ -793,6 +793,22 @@ def _restored_rows(directory, vocab):
     return emb.lookup_rows(vocab)
 
 
+def _full_disk_at_shard_json():
+    """checkpoint._write_json that fails as a full disk does for shard.json."""
+    import errno
+
+    from tf_sfctr.distributed import checkpoint as dist_checkpoint
+
+    write_json = dist_checkpoint._write_json
+
+    def full_disk(path, value):
+        if path.endswith("shard.json"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write_json(path, value)
+
+    return full_disk
+
+
 def test_a_save_over_a_complete_save_replaces_it_only_once_complete(rng, tmp_path,
                                                                      monkeypatch):
     """distributed.save into a directory holding a complete save removed
@@ -813,15 +829,8 @@ def test_a_save_over_a_complete_save_replaces_it_only_once_complete(rng, tmp_pat
     _fit(model, x[2 * BATCH:], y[2 * BATCH:])
     second = emb.lookup_rows(vocab)
     assert not np.array_equal(first, second)
-    write_json = dist_checkpoint._write_json
-
-    def full_disk(path, value):
-        if path.endswith("shard.json"):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        write_json(path, value)
-
     with monkeypatch.context() as patch:
-        patch.setattr(dist_checkpoint, "_write_json", full_disk)
+        patch.setattr(dist_checkpoint, "_write_json", _full_disk_at_shard_json())
         with pytest.raises(OSError, match=f"This save was discarded; {target} still holds "
                                           "the earlier save"):
             save(_ckpt(model), str(target))
@@ -871,6 +880,56 @@ def test_a_save_over_a_complete_save_replaces_it_only_once_complete(rng, tmp_pat
     with pytest.raises(CheckpointMismatchError, match=r"stopped half way .*latest\.saving-"
                                                       r"00000000000000aa, .*latest\.replaced-"):
         _restored_rows(target, vocab)
+
+
+def test_a_save_over_a_save_removes_what_killed_saves_left_beside_it(rng, tmp_path,
+                                                                      monkeypatch):
+    """A process killed while its save replaced "latest" left its sibling
+    behind, and every later save kept it (a review: 7 of them after 12 kills,
+    up to the table's size each, until the disk is full). A save now deletes
+    the siblings no process holds: the incomplete ones before it writes, the
+    complete ones and earlier saves moved aside once it is in place. One
+    that a live save holds (its lock) stays, and so does anything else."""
+    import fcntl
+
+    from tf_sfctr.distributed import checkpoint as dist_checkpoint
+    from tf_sfctr.distributed import save
+
+    vocab, x, y = _data(rng, 2)
+    model, emb = _model("adagrad")
+    _fit(model, x, y)
+    target = tmp_path / "latest"
+    save(_ckpt(model), str(target))
+
+    def left(name, complete=False):
+        path = tmp_path / name
+        shutil.copytree(target, path)
+        if not complete:
+            (path / "manifest.json").unlink()
+        return path
+
+    cut = left("latest.saving-0000000000000001")
+    whole = left("latest.saving-0000000000000002", complete=True)
+    aside = left("latest.replaced-0000000000000003", complete=True)
+    live = left("latest.saving-0000000000000004")
+    others = [left("latest.saving-notes"), left("latest2.saving-0000000000000005")]
+    fd = os.open(live, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as a save in another process holds it
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(dist_checkpoint, "_write_json", _full_disk_at_shard_json())
+            with pytest.raises(OSError, match="No space left"):
+                save(_ckpt(model), str(target))
+        # Before it wrote: the abandoned incomplete one went, the complete
+        # ones stay while this save is not in place.
+        assert not cut.exists() and whole.exists() and aside.exists() and live.exists()
+        save(_ckpt(model), str(target))
+        assert not whole.exists() and not aside.exists()
+        assert sorted(os.listdir(tmp_path)) == sorted(
+            ["latest", live.name] + [p.name for p in others])
+    finally:
+        os.close(fd)
+    np.testing.assert_array_equal(_restored_rows(target, vocab), emb.lookup_rows(vocab))
 
 
 def test_where_a_save_over_a_save_is_written(rng, tmp_path, monkeypatch):
@@ -1211,6 +1270,46 @@ def test_bad_saved_arrays_are_refused_before_the_table_changes(rng, tmp_path):
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_damaged_table_in_a_keras_weights_file_is_refused_unchanged(tmp_path):
+    """HDF5 keeps no checksum: a flipped bit in a row loaded without an
+    error (a review). The table's arrays carry a CRC-32 in the file now; a
+    file without one (saved by an earlier version) still loads."""
+    import h5py
+
+    layer = _adagrad_layer(seed=3)
+    for start in range(0, 40, 10):
+        _train_step(layer, np.arange(start, start + 10))
+    model = keras.Sequential([keras.Input((2,), dtype="int64"), layer])
+    path = tmp_path / "w.weights.h5"
+    model.save_weights(str(path))
+    saved = _host_table(layer)
+    other = _adagrad_layer(seed=4)
+    other_model = keras.Sequential([keras.Input((2,), dtype="int64"), other])
+    _train_step(other, np.arange(5))
+    other_before = _host_table(other)
+    with h5py.File(path, "r+") as f:
+        names = []
+        f.visit(names.append)  # (returns None: visit goes on)
+        found = {name.rsplit("/", 1)[-1]: name for name in names}
+        rows = f[found["table_rows"]]
+        flipped = np.array(rows[...])
+        flipped.view(np.uint32)[7, 1] ^= 1 << 12  # one bit of one row's value
+        rows[...] = flipped
+    with pytest.raises(ValueError, match="fails its checksum.*left untouched"):
+        other_model.load_weights(str(path))
+    for a, b in zip(_host_table(other)[:3], other_before[:3]):
+        np.testing.assert_array_equal(a, b)
+    # Without a checksum (as written before it was added), it loads as is.
+    with h5py.File(path, "r+") as f:
+        rows = f[found["table_rows"]]
+        flipped.view(np.uint32)[7, 1] ^= 1 << 12
+        rows[...] = flipped
+        del f[found["table_crc32"]]
+    other_model.load_weights(str(path))
+    for a, b in zip(_host_table(other)[:3], saved[:3]):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_tables_that_do_not_fit_the_layer_are_refused_unchanged(rng):
     """An id listed twice, more rows than max_rows: refused, table unchanged."""
     layer = _adagrad_layer(seed=3)
@@ -1319,6 +1418,9 @@ def test_negative_counters_are_refused_before_the_table_changes():
     weights = {}
     saved.save_own_variables(weights)
     weights["table_counters"] = np.array([-1, 0, 0], np.int64)
+    with pytest.raises(ValueError, match="fails its checksum"):
+        target.load_own_variables(weights)
+    del weights["table_crc32"]  # as weights saved before the checksum was
     with pytest.raises(CheckpointMismatchError, match=r"counters .* \[-1, 0, 0\] are negative"):
         target.load_own_variables(weights)
     assert sorted(target.store.host_export()[0].numpy().tolist()) == [7, 8]

@@ -388,3 +388,122 @@ def test_save_and_restore_take_a_checkpoint_not_a_model(tmp_path):
         with pytest.raises(TypeError, match=r"takes a tf.train.Checkpoint .*got Functional"):
             call(model, str(tmp_path / "ckpt"))
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_an_opened_table_file_is_read_even_once_its_path_names_another(tmp_path):
+    """open_parts checks the header now and reads the parts from the file it
+    opened: a save swapped in afterwards (the directory replaced by another
+    process's save) does not change what is read."""
+    from tf_sfctr.table_file import open_parts
+
+    path, other = tmp_path / "t.rows", tmp_path / "o.rows"
+    ids = np.arange(120, dtype=np.int64)
+    rows = np.arange(240, dtype=np.float32).reshape(120, 2)
+    for p, save_id, offset in ((path, 11, 0), (other, 12, 1000)):
+        with TableFileWriter(str(p), 2, save_id=save_id, table=0) as w:
+            for start in range(0, 120, 50):
+                w.write(ids[start:start + 50] + offset, rows[start:start + 50],
+                        np.ones(min(50, 120 - start)))
+    parts = open_parts(str(path), 2, save_id=11, table=0, rows=120)
+    other.replace(path)
+    got = list(parts)
+    np.testing.assert_array_equal(np.concatenate([g[0] for g in got]), ids)
+    with pytest.raises(TableFileError, match="is table 0 of save 000000000000000c, not table "
+                                             "0 of save 000000000000000b"):
+        open_parts(str(path), 2, save_id=11, table=0)
+    open_parts(str(path), 2, save_id=12, table=0).close()  # (closed before any part)
+
+
+def _two_saves(tmp_path, seed):
+    """A model trained, saved to "old", trained on and saved to "ckpt";
+    another model (its table not the saves') to restore into, its state."""
+    vocab, x, y = _data(seed, 6)
+    model, emb = _model()
+    _fit(model, x[: 3 * BATCH], y[: 3 * BATCH])
+    save(_ckpt(model), str(tmp_path / "old"))
+    _fit(model, x[3 * BATCH:], y[3 * BATCH:])
+    save(_ckpt(model), str(tmp_path / "ckpt"))
+    other, other_emb = _model(seed=9)
+    _fit(other, x[:BATCH], y[:BATCH])
+    return vocab, other, other_emb
+
+
+def _replace_with_old(tmp_path):
+    """What another process saving into "ckpt" does: a whole save takes its
+    place (here the older one)."""
+    shutil.rmtree(tmp_path / "ckpt")
+    shutil.copytree(tmp_path / "old", tmp_path / "ckpt")
+
+
+def test_a_save_replaced_while_it_is_restored_leaves_the_table_as_it_was(tmp_path,
+                                                                          monkeypatch):
+    """An evaluator restoring the save a trainer keeps replacing (a review:
+    2 of 29 such restores emptied the table, then said it was not restored
+    from the file). Replaced after the checks, before the tensors are read:
+    the manifest read again names another save. Replaced after that, before
+    the table files are opened: their save ids are not the checkpoint's.
+    Either way the table is refused before it is emptied."""
+    from tf_sfctr.distributed import checkpoint as ckpt_module
+
+    vocab, other, other_emb = _two_saves(tmp_path, 6)
+    table = _table(other_emb)
+    check = ckpt_module._check
+
+    def check_then_replace(*args, **kwargs):
+        result = check(*args, **kwargs)
+        _replace_with_old(tmp_path)
+        return result
+
+    monkeypatch.setattr(ckpt_module, "_check", check_then_replace)
+    with pytest.raises(CheckpointMismatchError,
+                       match="was replaced by another save while it was being restored"):
+        restore(_ckpt(other), str(tmp_path / "ckpt"))
+    assert _table(other_emb) == table
+    monkeypatch.undo()
+
+    shutil.rmtree(tmp_path / "ckpt")
+    vocab, other, other_emb = _two_saves(tmp_path, 7)
+    table = _table(other_emb)
+    load = ckpt_module._load_repartitioned
+
+    def replace_then_load(*args, **kwargs):
+        _replace_with_old(tmp_path)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt_module, "_load_repartitioned", replace_then_load)
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"is table 0 of save .* not table 0 of save .*the table was not "
+                             r"restored from it"):
+        restore(_ckpt(other), str(tmp_path / "ckpt"))
+    assert _table(other_emb) == table
+
+
+def test_a_table_file_failing_part_way_through_its_load_says_the_table_was_emptied(
+        tmp_path, monkeypatch):
+    """The file is damaged in place after its checks and after it was opened
+    (a failing disk): the load stops at the damaged part, and the error says
+    that the table now holds only the rows loaded before it (it said the
+    table was not restored from the file)."""
+    from tf_sfctr.distributed import checkpoint as ckpt_module
+
+    vocab, other, other_emb = _two_saves(tmp_path, 8)
+    path = tmp_path / "ckpt" / SHARD / "table-0000.rows"
+    num_rows = sum(p[0].size for p in read_parts(str(path), 2 * DIM))
+    part = 12 + 4 * 2 * DIM  # bytes a row takes in a part
+    load = ckpt_module._load_repartitioned
+
+    def damage_then_load(*args, **kwargs):
+        with open(path, "r+b") as f:  # in place: the same file
+            f.seek(32 + 3 * (8 + 50 * part + 4) + 8 + 4)  # inside the fourth part's ids
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0x40]))
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt_module, "_load_repartitioned", damage_then_load)
+    with pytest.raises(CheckpointMismatchError,
+                       match=rf"Restoring the table stopped after 150 of its {num_rows:,} rows: "
+                             r".*part 3 fails its checksum\. The rows the table held before the "
+                             r"restore were removed"):
+        restore(_ckpt(other), str(tmp_path / "ckpt"))
+    assert other_emb.cache_stats()["host_rows"] == 150

@@ -885,40 +885,60 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
         if not checked:
             for _ in self.read_table_file(header, path):
                 pass
+        # Opened before the table is emptied: a file swapped meanwhile (a
+        # save replaced by another process's) is refused while it is whole.
+        self.load_parts(header, self.open_table_file(header, path), num_rows, counters)
+
+    def load_parts(self, header, source, num_rows: int, counters) -> None:
+        """Empties the table (``begin_load``) and loads the parts (ids,
+        rows, use counts) of ``source``, opened before, which it closes. A
+        part that fails to read (CheckpointMismatchError: its file's disk,
+        or a change in place since the checks) stops the load, and the error
+        says what the table holds then."""
         with self.loading():
-            self.begin_load(header, num_rows)
             try:
-                for ids, rows, counts in self.read_table_file(header, path):
+                self.begin_load(header, num_rows)
+            except BaseException:
+                source.close()
+                raise
+            try:
+                for ids, rows, counts in source:
                     self.load_rows(ids, rows, counts, num_rows)
             except CheckpointMismatchError as err:
-                # The file changed (or its file system failed) since its
-                # checks: the table was cleared already.
-                held = int(self.stats()[3])
-                raise CheckpointMismatchError(
-                    f"Restoring the table stopped after {held:,} of its {num_rows:,} rows: "
-                    f"{err} The rows the table held before the restore were removed when it "
-                    "began, so it now holds only those; restore again from an intact "
-                    "checkpoint.") from err
+                raise self.stopped_loading(err, num_rows) from err
+            finally:
+                source.close()
             self.end_load(counters, num_rows)
+
+    def stopped_loading(self, err: Exception, num_rows: int) -> CheckpointMismatchError:
+        """The error for a restore of ``num_rows`` rows that failed with
+        ``err`` after ``begin_load`` emptied the table."""
+        held = int(self.stats()[3])
+        cause = str(err.__cause__ or err).strip()
+        return CheckpointMismatchError(
+            f"Restoring the table stopped after {held:,} of its {num_rows:,} rows: {cause} "
+            "The rows the table held before the restore were removed when it began, so it "
+            "now holds only those; restore again from an intact checkpoint.")
 
     def read_table_file(self, header, path: str):
         """The parts of the table file ``path`` that a format-4 ``header``
         names, checked as they are read (CheckpointMismatchError otherwise)."""
-        from tf_sfctr.table_file import TableFileError, read_parts
+        yield from self.open_table_file(header, path)
+
+    def open_table_file(self, header, path: str):
+        """``read_table_file`` with the file opened (and its header checked)
+        now: its parts are read from the file opened here (see
+        ``table_file.open_parts``). ``close()`` the result if it is not read
+        to its end."""
+        from tf_sfctr.table_file import TableFileError, open_parts
 
         header = np.asarray(header).ravel()
         try:
-            for ids, rows, counts in read_parts(path, self.config.width,
-                                                save_id=int(header[10]),
-                                                table=int(header[9]), rows=int(header[8])):
-                if not rows_restorable(rows, self.config.dim):
-                    raise TableFileError(f"{path} holds non-finite values (or NaN "
-                                         "optimizer state).")
-                yield ids, rows, counts
+            parts = open_parts(path, self.config.width, save_id=int(header[10]),
+                               table=int(header[9]), rows=int(header[8]))
         except TableFileError as err:
-            raise CheckpointMismatchError(
-                f"saved table's rows cannot be read: {err} It is damaged or not this "
-                "checkpoint's; the table was not restored from it.") from err
+            raise _unreadable(err) from err
+        return _checked_parts(parts, self.config.dim)
 
     def _check_counters(self, counters) -> None:
         self.check_state_offset(counters)
@@ -987,3 +1007,37 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
             raise CheckpointMismatchError(
                 f"saved table lists {num_rows:,} rows but only {held:,} distinct ids: it lists "
                 "an id twice, so it is corrupt (the table holds the rows it gave).")
+
+
+def _unreadable(err: Exception) -> CheckpointMismatchError:
+    return CheckpointMismatchError(
+        f"saved table's rows cannot be read: {err} It is damaged or not this "
+        "checkpoint's; the table was not restored from it.")
+
+
+class _checked_parts:
+    """A table file's parts (``open_parts``), each refused unless its rows
+    are restorable (finite, no NaN optimizer state);
+    CheckpointMismatchError names what is wrong."""
+
+    def __init__(self, parts, dim: int):
+        self._parts, self._dim = parts, dim
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        from tf_sfctr.table_file import TableFileError
+
+        try:
+            ids, rows, counts = next(self._parts)
+            if not rows_restorable(rows, self._dim):
+                raise TableFileError(f"{self._parts._path} holds non-finite values (or NaN "
+                                     "optimizer state).")
+        except TableFileError as err:
+            self.close()
+            raise _unreadable(err) from err
+        return ids, rows, counts
+
+    def close(self) -> None:
+        self._parts.close()

@@ -133,6 +133,9 @@ class _LocalFile:
         self._done += self._pending
         self._pending = 0
 
+    def fileno(self) -> int:
+        return self._fd
+
     def write(self, data) -> None:
         self._f.write(data)
         self._pending += data.nbytes if isinstance(data, memoryview) else len(data)
@@ -245,38 +248,97 @@ def read_parts(path: str, width: int, save_id: Optional[int] = None,
     Raises ``TableFileError`` (naming the file and what is wrong) if it is
     not a table file of this width, is not save ``save_id``'s table
     ``table``, or does not hold exactly ``rows`` rows (each when given), or
-    cannot be read; a part is yielded only once its checksum matched."""
+    cannot be read; a part is yielded only once its checksum matched. The
+    file is opened when the first part is asked for; see ``open_parts``."""
+    yield from open_parts(path, width, save_id, table, rows)
+
+
+def open_parts(path: str, width: int, save_id: Optional[int] = None,
+               table: Optional[int] = None,
+               rows: Optional[int] = None) -> Iterator[tuple[np.ndarray, np.ndarray,
+                                                             np.ndarray]]:
+    """``read_parts``, with the file opened and its header checked now
+    (``TableFileError`` here if it is not the file named): the parts are
+    then read from the file opened here, whatever ``path`` names by then. A
+    restore opens its files before it empties the table, so that a save
+    swapped into the directory meanwhile (another process saving there) is
+    found while the table is still whole. Close the returned generator
+    (``close()``) if it is not read to its end."""
+    f = None
     try:
-        yield from _read_parts(path, width, save_id, table, rows)
-    except OSError as err:
-        raise TableFileError(f"{path} cannot be read ({err.strerror or err}).") from err
-    except tf.errors.OpError as err:
-        raise TableFileError(f"{path} cannot be read ({type(err).__name__}: "
-                             f"{err.message.strip()}).") from err
+        f = _LocalFile(path, "rb") if _is_local(path) else tf.io.gfile.GFile(path, "rb")
+        size = _open_size(f, path)
+        _check_header(f, path, width, save_id, table)
+    except BaseException as err:
+        if f is not None:
+            f.close()
+        if isinstance(err, OSError):
+            raise TableFileError(f"{path} cannot be read ({err.strerror or err}).") from err
+        if isinstance(err, tf.errors.OpError):
+            raise TableFileError(f"{path} cannot be read ({type(err).__name__}: "
+                                 f"{err.message.strip()}).") from err
+        raise
+    return _OpenParts(f, _parts_after_header(f, path, size, width, rows), path)
 
 
-def _read_parts(path, width, save_id, table, rows):
-    size = _file_size(path)
-    f = _LocalFile(path, "rb") if _is_local(path) else tf.io.gfile.GFile(path, "rb")
+class _OpenParts:
+    """The parts of an opened table file (``open_parts``); ``close`` closes
+    the file, also before the first part is read."""
+
+    def __init__(self, f, parts, path: str):
+        self._f, self._parts, self._path = f, parts, path
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._parts)
+        except OSError as err:
+            self.close()
+            raise TableFileError(f"{self._path} cannot be read ({err.strerror or err}).") \
+                from err
+        except tf.errors.OpError as err:
+            self.close()
+            raise TableFileError(f"{self._path} cannot be read ({type(err).__name__}: "
+                                 f"{err.message.strip()}).") from err
+
+    def close(self) -> None:
+        self._parts.close()
+        self._f.close()
+
+
+def _open_size(f, path: str) -> int:
+    """Bytes in the open file ``f`` (of the file opened, for a local one)."""
+    if isinstance(f, _LocalFile):
+        return os.fstat(f.fileno()).st_size
+    return _file_size(path)
+
+
+def _check_header(f, path: str, width: int, save_id: Optional[int],
+                  table: Optional[int]) -> None:
+    head = f.read(_HEADER.size)
+    if len(head) != _HEADER.size or head[:8] != MAGIC:
+        raise TableFileError(f"{path} is not a tf_sfctr table file.")
+    _, version, saved_width, saved_id, saved_table, _ = _HEADER.unpack(head)
+    if version != VERSION:
+        raise TableFileError(f"{path} has table file version {version}; this tf_sfctr "
+                             f"reads version {VERSION}.")
+    if saved_width != width:
+        raise TableFileError(f"{path} holds rows of {saved_width} floats but the table "
+                             f"has rows of {width} (value and optimizer state).")
+    if (save_id is not None and saved_id != save_id) or (
+            table is not None and saved_table != table):
+        want_table = saved_table if table is None else table
+        want_id = saved_id if save_id is None else save_id
+        raise TableFileError(
+            f"{path} is table {saved_table} of save {saved_id:016x}, not table "
+            f"{want_table} of save {want_id:016x} that the checkpoint names: it was copied "
+            "from another checkpoint or left by a save that did not finish.")
+
+
+def _parts_after_header(f, path, size, width, rows):
     with f:
-        head = f.read(_HEADER.size)
-        if len(head) != _HEADER.size or head[:8] != MAGIC:
-            raise TableFileError(f"{path} is not a tf_sfctr table file.")
-        _, version, saved_width, saved_id, saved_table, _ = _HEADER.unpack(head)
-        if version != VERSION:
-            raise TableFileError(f"{path} has table file version {version}; this tf_sfctr "
-                                 f"reads version {VERSION}.")
-        if saved_width != width:
-            raise TableFileError(f"{path} holds rows of {saved_width} floats but the table "
-                                 f"has rows of {width} (value and optimizer state).")
-        if (save_id is not None and saved_id != save_id) or (
-                table is not None and saved_table != table):
-            want_table = saved_table if table is None else table
-            want_id = saved_id if save_id is None else save_id
-            raise TableFileError(
-                f"{path} is table {saved_table} of save {saved_id:016x}, not table "
-                f"{want_table} of save {want_id:016x} that the checkpoint names: it was copied "
-                "from another checkpoint or left by a save that did not finish.")
         total = 0
         part = 0
         most = max_part_rows(width)

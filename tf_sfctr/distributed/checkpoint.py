@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -356,6 +357,75 @@ def _swap_in(staging: str, directory: str, save_id: int) -> Optional[str]:
     return None
 
 
+def _hold(staging: str) -> Optional[int]:
+    """Creates ``staging`` and takes a lock on it (rank 0, for the save's
+    life: see ``_remove_abandoned``); returns the descriptor that holds it,
+    None where the file system has no locks (then no save there removes
+    siblings it cannot tell are abandoned)."""
+    fd = None
+    try:
+        os.makedirs(staging, exist_ok=True)
+        fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except OSError:
+        if fd is not None:
+            os.close(fd)
+        return None
+
+
+def _abandoned(path: str) -> bool:
+    """Whether no process holds the lock of the save directory ``path``
+    (the lock goes with its process, however it ends)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:  # held (EWOULDBLOCK), or no locks on this file system
+        return False
+    finally:
+        os.close(fd)
+
+
+_SIBLING = re.compile(r"(\.saving-|\.replaced-)([0-9a-f]{16})")
+
+
+def _remove_abandoned(directory: str, save_id: int, complete: bool) -> None:
+    """Deletes what saves killed while replacing ``directory`` left beside
+    it (a review found one per kill, each up to a table in size, which a
+    disk filled with in the end): before a save (``complete`` False), the
+    ``<dir>.saving-<id>`` siblings without a manifest; once it is in place,
+    the complete ones and any ``<dir>.replaced-<id>`` (an earlier save moved
+    aside), which this save supersedes. A save's own sibling is locked by
+    its rank 0 until it returns (``_hold``): a live one is left alone, and
+    so is any sibling on a file system without locks. Never raises."""
+    try:
+        local = _local_path(directory)
+        if local is None:
+            return
+        target = os.path.realpath(local)
+        parent, base = os.path.split(target)
+        for name in os.listdir(parent or "."):
+            match = _SIBLING.fullmatch(name[len(base):]) if name.startswith(base) else None
+            if match is None or int(match.group(2), 16) == save_id:
+                continue
+            path = os.path.join(parent, name)
+            if match.group(1) == _STAGING:
+                done = os.path.isfile(os.path.join(path, MANIFEST))
+                if done and not complete:
+                    continue
+                if not _abandoned(path):
+                    continue
+            elif not complete:
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+    except OSError:
+        pass
+
+
 def _discard(staging: Optional[str]) -> None:
     if staging is not None:
         shutil.rmtree(staging, ignore_errors=True)
@@ -371,7 +441,10 @@ def save(checkpoint: tf.train.Checkpoint, directory: str, *, table_files: bool =
     else) is written next to it, into ``<directory>.saving-<id>``, and takes
     its place once complete: if it fails, the earlier save is still there.
     (A process killed in between can leave that sibling behind; a
-    ``.saving-`` directory with a ``manifest.json`` is a complete save.) A
+    ``.saving-`` directory with a ``manifest.json`` is a complete save. The
+    next save into ``directory`` deletes such siblings that no live save
+    holds: incomplete ones before it writes, the others once it is in
+    place.) A
     mount point, a directory whose parent this process cannot write, one
     whose owner or group a new directory would not get, one on another file
     system (``gs://``...) and the others ``_replaceable`` lists are written
@@ -439,6 +512,16 @@ def _check_checkpoint(checkpoint, what: str) -> None:
 
 def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
           metadata: Optional[dict], refused: Optional[Exception] = None) -> str:
+    held = []  # (rank 0) the lock of a replacing save's sibling, until it returns
+    try:
+        return _write_save(checkpoint, directory, table_files, metadata, refused, held)
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
+def _write_save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
+                metadata: Optional[dict], refused: Optional[Exception], held: list) -> str:
     size, rank = world()
     save_id = _draw_save_id() if rank == 0 else 0
     # Rank 0 decides whether this save replaces a complete one (_replaceable).
@@ -489,6 +572,11 @@ def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
     staging = None
     if replace:
         staging = directory = _staging_dir(directory, save_id)
+        if rank == 0:
+            _remove_abandoned(shown, save_id, complete=False)
+            fd = _hold(staging)
+            if fd is not None:
+                held.append(fd)
     prefix = _shard_prefix(directory, rank, size)
     shard_dir = os.path.dirname(prefix)
     info = os.path.join(shard_dir, SHARD_INFO)
@@ -542,6 +630,8 @@ def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
             error = err
     _agree_on_save(error, shown, "sfctr_checkpoint_manifest", staging, rank)
     if staging is None:
+        if rank == 0:
+            _remove_abandoned(shown, save_id, complete=True)
         return path
     error = None
     if rank == 0:
@@ -555,6 +645,8 @@ def _save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bool,
         raise RuntimeError(
             f"tf_sfctr.distributed.save to {shown}: renaming the new save into place failed: "
             f"{failed[0]}")
+    if rank == 0:
+        _remove_abandoned(shown, save_id, complete=True)
     return final_path
 
 
@@ -1098,18 +1190,58 @@ def _table_path(part: dict) -> str:
     return os.path.join(part["dir"], table_file_name(int(np.asarray(part["header"]).ravel()[9])))
 
 
-def _parts_of(store: EmbeddingStore, parts: list):
+def _parts_of(store: EmbeddingStore, parts: list) -> "_Parts":
     """The rows of saved tables (tensors or table files), a part of at most
-    ``part_rows`` rows at a time: (ids, rows, use counts)."""
-    limit = part_rows(store.config.width)
-    for p in parts:
-        if in_table_file(p["header"]):
-            yield from store.read_table_file(p["header"], _table_path(p))
-            continue
-        ids, rows, counts = np.asarray(p["ids"]), np.asarray(p["rows"]), np.asarray(p["counts"])
-        for start in range(0, ids.size, limit):
-            yield (ids[start:start + limit], rows[start:start + limit],
-                   counts[start:start + limit])
+    ``part_rows`` rows at a time: (ids, rows, use counts). Every table file
+    is opened (its header checked) now, and read later from the file opened
+    here: a restore calls this before it empties the table, so that a save
+    swapped into the directory since its checks (another process saving
+    there, which an evaluator following a trainer meets) is refused while
+    the table is whole. ``close()`` the result if it is not read to its end."""
+    sources = []
+    try:
+        for p in parts:
+            if in_table_file(p["header"]):
+                sources.append(store.open_table_file(p["header"], _table_path(p)))
+            else:
+                sources.append(_tensor_parts(p, part_rows(store.config.width)))
+    except BaseException:
+        for source in sources:
+            source.close()
+        raise
+    return _Parts(sources)
+
+
+def _tensor_parts(p: dict, limit: int):
+    ids, rows, counts = np.asarray(p["ids"]), np.asarray(p["rows"]), np.asarray(p["counts"])
+    for start in range(0, ids.size, limit):
+        yield (ids[start:start + limit], rows[start:start + limit],
+               counts[start:start + limit])
+
+
+class _Parts:
+    """The parts of several sources in turn (``_parts_of``)."""
+
+    def __init__(self, sources: list):
+        self._sources = sources
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        while self._sources:
+            try:
+                return next(self._sources[0])
+            except StopIteration:
+                self._sources.pop(0).close()
+            except BaseException:
+                self.close()
+                raise
+        raise StopIteration
+
+    def close(self) -> None:
+        while self._sources:
+            self._sources.pop().close()
 
 
 def _table_mode(store: EmbeddingStore, headers: list, size: int, saved_size: int) -> str:
@@ -1443,6 +1575,19 @@ def _restore(checkpoint: tf.train.Checkpoint, directory: str,
                         for part in store.collected:
                             part.setdefault("dir", os.path.join(
                                 directory, _shard_name(s, saved_size)))
+        # A save swapped into the directory since the checks (another
+        # process saving there) would mix two saves: found now, before any
+        # table changes (table files read later are opened, and their save
+        # ids checked, before their tables are emptied).
+        now_id = _read_manifest(directory)[1]
+        if now_id != save_id:
+            raise CheckpointMismatchError(
+                f"{directory} was replaced by another save while it was being restored "
+                f"(save {now_id if now_id is None else f'{now_id:016x}'} in place of the "
+                f"{save_id if save_id is None else f'{save_id:016x}'} checked): another "
+                "process saved into it meanwhile. The tables were not restored; other "
+                "weights may have been read from either save. Restore again, from a "
+                "directory no process is saving into at that moment.")
         if saved_size == size:
             # Tables saved in table files whose layers are not built yet (all
             # of them when deferred) are read from this shard's directory
@@ -1525,11 +1670,8 @@ def _load_repartitioned(store: EmbeddingStore, parts: list, size: int, name: str
                 if parts
                 else np.zeros(3, np.int64))
     if size == 1:
-        with store.loading():
-            store.begin_load(header, received)
-            for ids, rows, counts in _parts_of(store, parts):
-                store.load_rows(ids, rows, counts, received)
-            store.end_load(counters, received)
+        # (The files are opened before the table is emptied.)
+        store.load_parts(header, _parts_of(store, parts), received, counters)
         return
     hvd = require()
     header = hvd.broadcast(tf.constant(np.asarray(header, np.int64)), 0,
@@ -1537,19 +1679,40 @@ def _load_repartitioned(store: EmbeddingStore, parts: list, size: int, name: str
     # Every rank takes part in every round, also once its own load failed
     # (out of memory, say): the others would wait for it in the next round.
     # It goes on sending its parts, so that the others' tables are whole.
+    # Every rank opens its files before any rank empties its table: a file
+    # that cannot be opened, or is another save's by now, stops the restore
+    # of this table on every rank while each still holds its rows.
     error = None
-    with store.loading():  # (a prune on this rank waits: eager collectives come from one thread)
-        try:
-            store.begin_load(header, received)
-        except Exception as err:  # noqa: BLE001 - raised after the rounds
-            error = err
+    try:
         source = _parts_of(store, parts)
+    except Exception as err:  # noqa: BLE001 - agreed on below, then raised
+        error, source = err, _Parts([])
+    unopened = [(r, m) for r, m in enumerate(_allgather(
+        None if error is None else _describe(error), f"{name}_opened")) if m is not None]
+    if unopened:
+        source.close()
+        if error is not None:
+            raise error
+        r, m = unopened[0]
+        raise CheckpointMismatchError(
+            f"rank {r} could not open its part of the saved table: {m} The table was left as "
+            "it was on every rank.")
+    with store.loading():  # (a prune on this rank waits: eager collectives come from one thread)
+        if error is None:
+            try:
+                store.begin_load(header, received)
+            except Exception as err:  # noqa: BLE001 - raised after the rounds
+                error = err
         try:
             error = _exchange_rounds(store, source, rounds, size, name, received, error)
         finally:
             # The rank with the most parts stops at its last one, before its
             # file's end record (read by the checks): its file closes here.
             source.close()
+        if isinstance(error, CheckpointMismatchError):
+            # A file failed (its disk, or a change in place) since the
+            # checks, after the table was emptied.
+            raise store.stopped_loading(error, received) from error
         if error is not None:
             raise error
         store.end_load(counters, received)

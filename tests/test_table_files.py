@@ -507,3 +507,23 @@ def test_a_table_file_failing_part_way_through_its_load_says_the_table_was_empti
                              r"restore were removed"):
         restore(_ckpt(other), str(tmp_path / "ckpt"))
     assert other_emb.cache_stats()["host_rows"] == 150
+
+
+def test_a_truncated_checkpoint_index_is_called_damaged(tmp_path):
+    """A shard's ckpt.index cut short fails the digest shard.json records,
+    as a copy from another save does; it was reported as a mix of saves (a
+    review). An index that no longer reads is now called damaged."""
+    vocab, x, y = _data(9, 3)
+    model, emb = _model()
+    _fit(model, x, y)
+    save(_ckpt(model), str(tmp_path / "ckpt"))
+    index = tmp_path / "ckpt" / SHARD / "ckpt.index"
+    index.write_bytes(index.read_bytes()[: index.stat().st_size // 2])
+    other, other_emb = _model(seed=9)
+    _fit(other, x[:BATCH], y[:BATCH])
+    before = model_state(other, other_emb, vocab)
+    with pytest.raises(CheckpointMismatchError,
+                       match=rf"is damaged: the checkpoint index of {SHARD} \(.*\) differs from "
+                             r"the one its save wrote .*Nothing was restored"):
+        restore(_ckpt(other), str(tmp_path / "ckpt"))
+    assert_same_state(model_state(other, other_emb, vocab), before)

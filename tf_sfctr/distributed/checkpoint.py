@@ -870,7 +870,7 @@ def _left_beside(directory: str) -> str:
 
 def _check_shards_present(directory: str, saved_size: int, save_id: Optional[int]) -> None:
     """Every shard the manifest lists is there, written by the same save."""
-    missing, foreign = [], []
+    missing, foreign, damaged = [], [], []
     for s in range(saved_size):
         name = _shard_name(s, saved_size)
         if not tf.io.gfile.exists(_shard_prefix(directory, s, saved_size) + ".index"):
@@ -895,6 +895,12 @@ def _check_shards_present(directory: str, saved_size: int, save_id: Optional[int
             except _FILE_ERRORS as err:
                 digest = f"unreadable: {type(err).__name__}"
             if digest != info["index_sha256"]:
+                try:  # (a byte flipped in it: the index no longer parses)
+                    tf.compat.v1.train.NewCheckpointReader(
+                        _shard_prefix(directory, s, saved_size))
+                except Exception as err:  # noqa: BLE001 - any failure to read it
+                    damaged.append(f"{name} ({_describe(err).splitlines()[0][:200]})")
+                    continue
                 foreign.append(f"{name} (its checkpoint files are not the ones that save "
                                "wrote: copied from another save, or damaged)")
     if missing:
@@ -903,6 +909,11 @@ def _check_shards_present(directory: str, saved_size: int, save_id: Optional[int
             f"{'is' if len(missing) == 1 else 'are'} missing; its {MANIFEST} lists "
             f"{saved_size} shard{'s' if saved_size > 1 else ''} (one per rank that saved it), "
             f"and every one is needed.")
+    if damaged:
+        raise CheckpointMismatchError(
+            f"{directory} is damaged: the checkpoint index of {', '.join(damaged)} differs "
+            f"from the one its save wrote (the digest in {SHARD_INFO}) and cannot be read. "
+            f"Restore another save.")
     if foreign:
         raise CheckpointMismatchError(
             f"{directory} mixes shards of different saves: its {MANIFEST} is from save "

@@ -306,7 +306,7 @@ def test_same_state_size_from_another_optimizer_is_refused(rng, tmp_path, fmt, s
 def test_restore_across_world_sizes_refuses_to_mix_sharded_and_replicated_tables():
     """The rule tf_sfctr.distributed.restore applies per table when the
     number of ranks changed (the 2-rank tests cover the allowed cases)."""
-    from tf_sfctr.distributed.checkpoint import _load_repartitioned
+    from tf_sfctr.distributed.checkpoint import _open_table
 
     _, emb = _model("adagrad")
     emb.lookup_rows([1])
@@ -318,12 +318,12 @@ def test_restore_across_world_sizes_refuses_to_mix_sharded_and_replicated_tables
     store.replicated = True  # a data-parallel layer, fed a 2-rank sharded table
     with pytest.raises(CheckpointMismatchError, match="holds a model-parallel .* but the "
                        "layer is data parallel"):
-        _load_repartitioned(store, [sharded], 3, "x", True, 2, 1, 1)
+        _open_table(store, [sharded], 3, "x", True, 2, 1, 1)
     store.replicated = False  # a model-parallel layer on 3 ranks, fed replicas
     with pytest.raises(CheckpointMismatchError, match="holds a data-parallel .* but the "
                        "layer is model parallel"):
-        _load_repartitioned(store, [replicated], 3, "x", True, 2, 1, 1)
-    _load_repartitioned(store, [replicated], 1, "x", True, 2, 1, 1)  # one process reads either
+        _open_table(store, [replicated], 3, "x", True, 2, 1, 1)
+    _open_table(store, [replicated], 1, "x", True, 2, 1, 1).load()  # one process: either
     assert store.host_export()[0].numpy().tolist() == [5]
 
 
@@ -887,9 +887,11 @@ def test_a_save_over_a_save_removes_what_killed_saves_left_beside_it(rng, tmp_pa
     """A process killed while its save replaced "latest" left its sibling
     behind, and every later save kept it (a review: 7 of them after 12 kills,
     up to the table's size each, until the disk is full). A save now deletes
-    the siblings no process holds: the incomplete ones before it writes, the
-    complete ones and earlier saves moved aside once it is in place. One
-    that a live save holds (its lock) stays, and so does anything else."""
+    the unfinished ones (no manifest) that no process holds, and earlier
+    saves whose deletion was cut short. Kept: complete saves (a kill between
+    a swap's two renames leaves the only complete ones), one a live save
+    holds (its lock), and anything holding files of the user's."""
+    import errno
     import fcntl
 
     from tf_sfctr.distributed import checkpoint as dist_checkpoint
@@ -909,10 +911,15 @@ def test_a_save_over_a_save_removes_what_killed_saves_left_beside_it(rng, tmp_pa
         return path
 
     cut = left("latest.saving-0000000000000001")
-    whole = left("latest.saving-0000000000000002", complete=True)
-    aside = left("latest.replaced-0000000000000003", complete=True)
+    half_deleted = left("latest.replaced-0000000000000006")
+    kept = [left("latest.saving-0000000000000002", complete=True),
+            left("latest.replaced-0000000000000003", complete=True),
+            left("latest.saving-notes"), left("latest2.saving-0000000000000005")]
     live = left("latest.saving-0000000000000004")
-    others = [left("latest.saving-notes"), left("latest2.saving-0000000000000005")]
+    notes = tmp_path / "latest.replaced-00000000000000c2"
+    notes.mkdir()
+    (notes / "my_notes.txt").write_text("mine")
+    kept += [live, notes]
     fd = os.open(live, os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(fd, fcntl.LOCK_EX)  # as a save in another process holds it
     try:
@@ -920,15 +927,24 @@ def test_a_save_over_a_save_removes_what_killed_saves_left_beside_it(rng, tmp_pa
             patch.setattr(dist_checkpoint, "_write_json", _full_disk_at_shard_json())
             with pytest.raises(OSError, match="No space left"):
                 save(_ckpt(model), str(target))
-        # Before it wrote: the abandoned incomplete one went, the complete
-        # ones stay while this save is not in place.
-        assert not cut.exists() and whole.exists() and aside.exists() and live.exists()
+        # Before it wrote (a full disk is the likely cause of the next failure).
+        assert not cut.exists() and not half_deleted.exists()
+        cut = left("latest.saving-0000000000000007")
         save(_ckpt(model), str(target))
-        assert not whole.exists() and not aside.exists()
-        assert sorted(os.listdir(tmp_path)) == sorted(
-            ["latest", live.name] + [p.name for p in others])
+        assert sorted(os.listdir(tmp_path)) == sorted(["latest"] + [p.name for p in kept])
     finally:
         os.close(fd)
+    np.testing.assert_array_equal(_restored_rows(target, vocab), emb.lookup_rows(vocab))
+    # Without locks (some network file systems) an unfinished save is kept:
+    # it could be another process's live one.
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    unlocked = left("latest.saving-0000000000000008")
+    with monkeypatch.context() as patch:
+        patch.setattr(fcntl, "flock", no_locks)
+        save(_ckpt(model), str(target))
+    assert unlocked.exists()
     np.testing.assert_array_equal(_restored_rows(target, vocab), emb.lookup_rows(vocab))
 
 

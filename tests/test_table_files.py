@@ -464,16 +464,16 @@ def test_a_save_replaced_while_it_is_restored_leaves_the_table_as_it_was(tmp_pat
     shutil.rmtree(tmp_path / "ckpt")
     vocab, other, other_emb = _two_saves(tmp_path, 7)
     table = _table(other_emb)
-    load = ckpt_module._load_repartitioned
+    open_table = ckpt_module._open_table
 
-    def replace_then_load(*args, **kwargs):
+    def replace_then_open(*args, **kwargs):
         _replace_with_old(tmp_path)
-        return load(*args, **kwargs)
+        return open_table(*args, **kwargs)
 
-    monkeypatch.setattr(ckpt_module, "_load_repartitioned", replace_then_load)
+    monkeypatch.setattr(ckpt_module, "_open_table", replace_then_open)
     with pytest.raises(CheckpointMismatchError,
-                       match=r"is table 0 of save .* not table 0 of save .*the table was not "
-                             r"restored from it"):
+                       match=r"is table 0 of save .* not table 0 of save .*No table was "
+                             r"restored; other weights may have been read from the save"):
         restore(_ckpt(other), str(tmp_path / "ckpt"))
     assert _table(other_emb) == table
 
@@ -490,17 +490,17 @@ def test_a_table_file_failing_part_way_through_its_load_says_the_table_was_empti
     path = tmp_path / "ckpt" / SHARD / "table-0000.rows"
     num_rows = sum(p[0].size for p in read_parts(str(path), 2 * DIM))
     part = 12 + 4 * 2 * DIM  # bytes a row takes in a part
-    load = ckpt_module._load_repartitioned
+    open_table = ckpt_module._open_table
 
-    def damage_then_load(*args, **kwargs):
+    def damage_then_open(*args, **kwargs):
         with open(path, "r+b") as f:  # in place: the same file
             f.seek(32 + 3 * (8 + 50 * part + 4) + 8 + 4)  # inside the fourth part's ids
             byte = f.read(1)
             f.seek(-1, 1)
             f.write(bytes([byte[0] ^ 0x40]))
-        return load(*args, **kwargs)
+        return open_table(*args, **kwargs)
 
-    monkeypatch.setattr(ckpt_module, "_load_repartitioned", damage_then_load)
+    monkeypatch.setattr(ckpt_module, "_open_table", damage_then_open)
     with pytest.raises(CheckpointMismatchError,
                        match=rf"Restoring the table stopped after 150 of its {num_rows:,} rows: "
                              r".*part 3 fails its checksum\. The rows the table held before the "
@@ -527,3 +527,51 @@ def test_a_truncated_checkpoint_index_is_called_damaged(tmp_path):
                              r"the one its save wrote .*Nothing was restored"):
         restore(_ckpt(other), str(tmp_path / "ckpt"))
     assert_same_state(model_state(other, other_emb, vocab), before)
+
+
+def test_a_later_tables_file_replaced_before_it_is_opened_leaves_every_table_as_it_was(
+        tmp_path, monkeypatch):
+    """Every table's file is opened before any table is emptied (a review:
+    the first table was replaced before the second one's file, another
+    save's by then, was refused)."""
+    from tf_sfctr.distributed import checkpoint as ckpt_module
+
+    class TwoTables(keras.Model):
+        def __init__(self, seed):
+            super().__init__()
+            self.a = CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=seed, name="a")
+            self.b = CachedEmbedding(DIM, cache_capacity=CAPACITY, seed=seed + 1, name="b")
+
+        def call(self, x, training=None):
+            return self.a(x, training=training) + self.b(x, training=training)
+
+    vocab = np.arange(1, 301, dtype=np.int64) * 7919
+    saved = TwoTables(1)
+    saved.a.assign_rows(vocab, np.full([vocab.size, DIM], 1.5, np.float32))
+    saved.b.assign_rows(vocab, np.full([vocab.size, DIM], 2.5, np.float32))
+    save(tf.train.Checkpoint(model=saved), str(tmp_path / "old"))
+    save(tf.train.Checkpoint(model=saved), str(tmp_path / "ckpt"))
+    target = TwoTables(5)
+    target(vocab[:2, None])
+    before = [target.a.lookup_rows(vocab), target.b.lookup_rows(vocab)]
+    open_table = ckpt_module._open_table
+    calls = []
+
+    def second_file_swapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # b's file: the other save's, as a swap leaves it
+            shutil.copy(tmp_path / "old" / SHARD / "table-0001.rows",
+                        tmp_path / "ckpt" / SHARD / "table-0001.rows")
+        return open_table(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt_module, "_open_table", second_file_swapped)
+    with pytest.raises(CheckpointMismatchError, match=r"table-0001.rows is table 1 of save .*No "
+                                                      r"table was restored"):
+        restore(tf.train.Checkpoint(model=target), str(tmp_path / "ckpt"))
+    assert len(calls) == 2
+    np.testing.assert_array_equal(target.a.lookup_rows(vocab), before[0])
+    np.testing.assert_array_equal(target.b.lookup_rows(vocab), before[1])
+    monkeypatch.undo()
+    restore(tf.train.Checkpoint(model=target), str(tmp_path / "old"))
+    np.testing.assert_array_equal(target.a.lookup_rows(vocab), saved.a.lookup_rows(vocab))
+    np.testing.assert_array_equal(target.b.lookup_rows(vocab), saved.b.lookup_rows(vocab))

@@ -870,24 +870,34 @@ class EmbeddingStore(tf.saved_model.experimental.TrackableResource):
             self.load_rows(ids, rows, counts, len(ids))
             self.end_load(counters, len(ids))
 
-    def load_table_file(self, header, path: str, counters, checked: bool = False) -> None:
+    def load_table_file(self, header, path: str, counters, checked: bool = False,
+                        source=None) -> None:
         """``load_table`` for a table whose rows are in the table file
         ``path`` (format 4): reads the whole file once to check it (every
         part's checksum, its rows finite; skipped when the caller has
-        ``checked`` it), then again to load it, a part at a time. On error
-        before the load began nothing changes."""
-        header = _saved_integers("header", header).ravel()
-        counters = _saved_integers("counters", counters)
-        width = self.config.width
-        self.check_table(header, np.zeros(0, np.int64), np.zeros((0, width), np.float32))
-        self._check_counters(counters)
-        num_rows = saved_rows(header, None)
-        if not checked:
-            for _ in self.read_table_file(header, path):
-                pass
-        # Opened before the table is emptied: a file swapped meanwhile (a
-        # save replaced by another process's) is refused while it is whole.
-        self.load_parts(header, self.open_table_file(header, path), num_rows, counters)
+        ``checked`` it), then again to load it, a part at a time, from
+        ``source`` if given (``open_table_file(header, path)``, opened
+        before: see there). On error before the load began nothing
+        changes."""
+        try:
+            header = _saved_integers("header", header).ravel()
+            counters = _saved_integers("counters", counters)
+            width = self.config.width
+            self.check_table(header, np.zeros(0, np.int64), np.zeros((0, width), np.float32))
+            self._check_counters(counters)
+            num_rows = saved_rows(header, None)
+            if not checked:
+                for _ in self.read_table_file(header, path):
+                    pass
+            # Opened before the table is emptied: a file swapped meanwhile (a
+            # save replaced by another process's) is refused while it is whole.
+            if source is None:
+                source = self.open_table_file(header, path)
+        except BaseException:
+            if source is not None:
+                source.close()
+            raise
+        self.load_parts(header, source, num_rows, counters)
 
     def load_parts(self, header, source, num_rows: int, counters) -> None:
         """Empties the table (``begin_load``) and loads the parts (ids,

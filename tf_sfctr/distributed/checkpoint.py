@@ -393,15 +393,17 @@ def _abandoned(path: str) -> bool:
 _SIBLING = re.compile(r"(\.saving-|\.replaced-)([0-9a-f]{16})")
 
 
-def _remove_abandoned(directory: str, save_id: int, complete: bool) -> None:
+def _remove_abandoned(directory: str, save_id: int) -> None:
     """Deletes what saves killed while replacing ``directory`` left beside
     it (a review found one per kill, each up to a table in size, which a
-    disk filled with in the end): before a save (``complete`` False), the
-    ``<dir>.saving-<id>`` siblings without a manifest; once it is in place,
-    the complete ones and any ``<dir>.replaced-<id>`` (an earlier save moved
-    aside), which this save supersedes. A save's own sibling is locked by
-    its rank 0 until it returns (``_hold``): a live one is left alone, and
-    so is any sibling on a file system without locks. Never raises."""
+    disk filled with in the end): ``<dir>.saving-<id>`` siblings without a
+    manifest (a save that never finished) that no live save holds (its rank
+    0 locks it until it returns: ``_hold``), and ``<dir>.replaced-<id>``
+    ones without a manifest (an earlier save whose deletion was cut short).
+    Complete saves are kept (a kill between a swap's two renames leaves the
+    only complete ones: ``restore`` names them), so is anything holding
+    other files than a save's, and on a file system without locks every
+    ``.saving-`` sibling. Never raises."""
     try:
         local = _local_path(directory)
         if local is None:
@@ -413,13 +415,12 @@ def _remove_abandoned(directory: str, save_id: int, complete: bool) -> None:
             if match is None or int(match.group(2), 16) == save_id:
                 continue
             path = os.path.join(parent, name)
-            if match.group(1) == _STAGING:
-                done = os.path.isfile(os.path.join(path, MANIFEST))
-                if done and not complete:
-                    continue
-                if not _abandoned(path):
-                    continue
-            elif not complete:
+            if (not os.path.isdir(path) or os.path.islink(path)
+                    or os.path.lexists(os.path.join(path, MANIFEST))
+                    or not all(entry.startswith(MANIFEST + ".tmp") or _SHARD_DIR.fullmatch(entry)
+                               for entry in os.listdir(path))):
+                continue
+            if match.group(1) == _STAGING and not _abandoned(path):
                 continue
             shutil.rmtree(path, ignore_errors=True)
     except OSError:
@@ -442,9 +443,8 @@ def save(checkpoint: tf.train.Checkpoint, directory: str, *, table_files: bool =
     its place once complete: if it fails, the earlier save is still there.
     (A process killed in between can leave that sibling behind; a
     ``.saving-`` directory with a ``manifest.json`` is a complete save. The
-    next save into ``directory`` deletes such siblings that no live save
-    holds: incomplete ones before it writes, the others once it is in
-    place.) A
+    next save into ``directory`` deletes the unfinished ones, without a
+    manifest, that no live save holds: see ``_remove_abandoned``.) A
     mount point, a directory whose parent this process cannot write, one
     whose owner or group a new directory would not get, one on another file
     system (``gs://``...) and the others ``_replaceable`` lists are written
@@ -573,7 +573,7 @@ def _write_save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bo
     if replace:
         staging = directory = _staging_dir(directory, save_id)
         if rank == 0:
-            _remove_abandoned(shown, save_id, complete=False)
+            _remove_abandoned(shown, save_id)
             fd = _hold(staging)
             if fd is not None:
                 held.append(fd)
@@ -631,7 +631,7 @@ def _write_save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bo
     _agree_on_save(error, shown, "sfctr_checkpoint_manifest", staging, rank)
     if staging is None:
         if rank == 0:
-            _remove_abandoned(shown, save_id, complete=True)
+            _remove_abandoned(shown, save_id)
         return path
     error = None
     if rank == 0:
@@ -646,7 +646,7 @@ def _write_save(checkpoint: tf.train.Checkpoint, directory: str, table_files: bo
             f"tf_sfctr.distributed.save to {shown}: renaming the new save into place failed: "
             f"{failed[0]}")
     if rank == 0:
-        _remove_abandoned(shown, save_id, complete=True)
+        _remove_abandoned(shown, save_id)
     return final_path
 
 
@@ -1629,21 +1629,46 @@ def _restore(checkpoint: tf.train.Checkpoint, directory: str,
             f"weights may have been.")
     if deferred:
         return
-    for k, store in enumerate(stores):
-        parts = store.collected or []
-        store.collected = None
-        if not parts:
-            # Not in this checkpoint (every rank read at least one shard, so
-            # all agree): left as it is, like any object the checkpoint lacks.
-            continue
-        # Rows each rank receives, and the parts the rank with the most reads
-        # (the number of exchange rounds), from every rank's checks.
-        received = sum(int(shares[k][0][rank]) for _, shares in reports if k in shares)
-        rounds = max((shares[k][3] for _, shares in reports if k in shares), default=0)
+    # Every table's files are opened, on every rank, before any table is
+    # emptied: a file that cannot be opened, or is another save's by now (a
+    # save swapped into the directory meanwhile), stops the restore while
+    # every table still holds its rows (a review: a data-parallel table was
+    # replaced on one rank and not the other; an earlier table replaced
+    # before a later one's file failed).
+    opened, error, message = [], None, None
+    try:
+        for k, store in enumerate(stores):
+            parts = store.collected or []
+            store.collected = None
+            if not parts:
+                # Not in this checkpoint (every rank read at least one shard,
+                # so all agree): left as it is, like any object it lacks.
+                continue
+            # Rows each rank receives, and the parts the rank with the most
+            # reads (the number of exchange rounds), from every rank's checks.
+            received = sum(int(shares[k][0][rank]) for _, shares in reports if k in shares)
+            rounds = max((shares[k][3] for _, shares in reports if k in shares), default=0)
+            opened.append((k, store, _open_table(store, parts, size, f"sfctr_restore_{k}",
+                                                 bool(mine), saved_size, received, rounds)))
+    except Exception as err:  # noqa: BLE001 - agreed on below, then raised
+        error, message = err, _describe(err)
+    unopened = [(r, m) for r, m in enumerate(_allgather(message, "sfctr_restore_opened"))
+                if m is not None]
+    if unopened:
+        for store in stores:
+            store.collected = None
+        for _, _, table in opened:
+            table.close()
+        r, m = unopened[0]
+        raise CheckpointMismatchError(
+            f"tf_sfctr.distributed.restore from {directory}: "
+            f"{f'rank {r}: ' if size > 1 else ''}{m} No table was restored"
+            f"{' on any rank' if size > 1 else ''}; other weights may have been read from "
+            "the save.") from error
+    for i, (k, store, table) in enumerate(opened):
         error, message = None, None
         try:
-            _load_repartitioned(store, parts, size, f"sfctr_restore_{k}", bool(mine),
-                                saved_size, received, rounds)
+            table.load()
         except Exception as err:  # noqa: BLE001 - agreed on below, then raised
             error, message = err, _describe(err)
         # A rank whose load failed (out of memory, a file changed since its
@@ -1651,6 +1676,9 @@ def _restore(checkpoint: tf.train.Checkpoint, directory: str,
         # table's collectives or into training: all hear of it.
         failed = [(r, m) for r, m in enumerate(
             _allgather(message, f"sfctr_restore_loaded_{k}")) if m is not None]
+        if error is not None or failed:
+            for _, _, later in opened[i + 1:]:
+                later.close()
         if error is not None:
             raise error
         if failed:
@@ -1662,58 +1690,66 @@ def _restore(checkpoint: tf.train.Checkpoint, directory: str,
                 "is fixed.")
 
 
-def _load_repartitioned(store: EmbeddingStore, parts: list, size: int, name: str,
-                        mine: bool, saved_size: int, received: int, rounds: int) -> None:
-    """Loads the saved tables ``parts`` (this rank's shards) into ``store``,
-    a part at a time: whole, or sent to their owners in ``rounds`` rounds of
-    an all-to-all (collective; ``received``: rows this rank gets in all)."""
+class _OpenedTable:
+    """A saved table ready to load into ``store``: its files opened (headers
+    checked), nothing changed yet. ``load()`` empties the table and loads it
+    (collective in the re-partitioning mode); ``close()`` closes the files
+    of a table not loaded."""
+
+    def __init__(self, load, close):
+        self.load, self.close = load, close
+
+
+def _open_table(store: EmbeddingStore, parts: list, size: int, name: str, mine: bool,
+                saved_size: int, received: int, rounds: int) -> _OpenedTable:
+    """Opens the saved tables ``parts`` (this rank's shards) for a load into
+    ``store``, a part at a time: whole, or sent to their owners in
+    ``rounds`` rounds of an all-to-all (``received``: rows this rank gets
+    in all). Raises, changing nothing, if a file cannot be opened or is
+    another save's by now (a save swapped into the directory)."""
     if _table_mode(store, [p["header"] for p in parts], size, saved_size) == "whole":
         p = parts[0]
         if in_table_file(p["header"]):  # (its file was read whole by the checks)
-            store.load_table_file(p["header"], _table_path(p), p["counters"], checked=True)
-        else:
-            store.load_table(p["header"], p["ids"], p["rows"], p["counts"], p["counters"])
-        return
+            source = store.open_table_file(p["header"], _table_path(p))
+            return _OpenedTable(
+                lambda: store.load_table_file(p["header"], _table_path(p), p["counters"],
+                                              checked=True, source=source),
+                source.close)
+        return _OpenedTable(
+            lambda: store.load_table(p["header"], p["ids"], p["rows"], p["counts"],
+                                     p["counters"]),
+            lambda: None)
     if not mine:  # shard 0 was read for the dense state only
         parts = []
     header = _normalized_header(parts[0]["header"] if parts else store.header())
     counters = (np.sum([np.asarray(p["counters"], np.int64).ravel()[:3] for p in parts], axis=0)
                 if parts
                 else np.zeros(3, np.int64))
+    source = _parts_of(store, parts)
     if size == 1:
-        # (The files are opened before the table is emptied.)
-        store.load_parts(header, _parts_of(store, parts), received, counters)
-        return
+        return _OpenedTable(lambda: store.load_parts(header, source, received, counters),
+                            source.close)
+    return _OpenedTable(
+        lambda: _load_shards(store, source, header, counters, size, name, received, rounds),
+        source.close)
+
+
+def _load_shards(store: EmbeddingStore, source, header, counters, size: int, name: str,
+                 received: int, rounds: int) -> None:
+    """The re-partitioning load on several ranks (collective): empties the
+    table and loads what ``source`` and the other ranks send."""
     hvd = require()
     header = hvd.broadcast(tf.constant(np.asarray(header, np.int64)), 0,
                            name=f"{name}_header").numpy()
     # Every rank takes part in every round, also once its own load failed
     # (out of memory, say): the others would wait for it in the next round.
     # It goes on sending its parts, so that the others' tables are whole.
-    # Every rank opens its files before any rank empties its table: a file
-    # that cannot be opened, or is another save's by now, stops the restore
-    # of this table on every rank while each still holds its rows.
     error = None
-    try:
-        source = _parts_of(store, parts)
-    except Exception as err:  # noqa: BLE001 - agreed on below, then raised
-        error, source = err, _Parts([])
-    unopened = [(r, m) for r, m in enumerate(_allgather(
-        None if error is None else _describe(error), f"{name}_opened")) if m is not None]
-    if unopened:
-        source.close()
-        if error is not None:
-            raise error
-        r, m = unopened[0]
-        raise CheckpointMismatchError(
-            f"rank {r} could not open its part of the saved table: {m} The table was left as "
-            "it was on every rank.")
     with store.loading():  # (a prune on this rank waits: eager collectives come from one thread)
-        if error is None:
-            try:
-                store.begin_load(header, received)
-            except Exception as err:  # noqa: BLE001 - raised after the rounds
-                error = err
+        try:
+            store.begin_load(header, received)
+        except Exception as err:  # noqa: BLE001 - raised after the rounds
+            error = err
         try:
             error = _exchange_rounds(store, source, rounds, size, name, received, error)
         finally:

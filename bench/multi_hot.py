@@ -26,6 +26,10 @@ sees each row once), on the same batches after the same warm-up:
   as a one-feature list call (``layer([ids])``), whose table update takes
   each id's gradient, gathered from the combined rows' (a feature alone in
   its call sums the combined rows' gradient per distinct id in one pass);
+* ``CachedEmbedding, ragged ids, lookahead``: the ragged variant stepping on
+  (batch i, batch i + 1): it de-duplicates batch i + 1 in the step and
+  prepares its cache while batch i trains (``next_unique_ids``), as
+  ``with_unique_ids(lookahead=True)`` feeds ``fit``;
 * ``tf_keras Embedding``: the full table of a Keras 2 ``Embedding`` read as
   ``tf.nn.embedding_lookup_sparse`` reads it (``lookup_mean``: a gather of the
   distinct rows, a sparse segment mean), ``tf_keras.optimizers.legacy.Adagrad``
@@ -56,6 +60,7 @@ import tensorflow as tf  # noqa: E402
 
 OURS_R, OURS_S = "CachedEmbedding, ragged ids", "CachedEmbedding, sparse ids"
 OURS_L = "CachedEmbedding, ragged ids in a list (per-id gradient)"
+OURS_LA = "CachedEmbedding, ragged ids, lookahead (next batch's cache prepared in the step)"
 TFK, K3, TFRA = L.TFK, L.K3, L.TFRA
 LAWS = ("uniform", "long-tail")
 SIGMA = 1.5
@@ -121,6 +126,43 @@ def make_ours(dim: int, capacity: int, vocab: int, w, spec, name: str, as_list: 
             out = layer([ids], training=True)[0] if as_list else layer(ids, training=True)
             loss = _loss(out, w)
         grads = tape.gradient(loss, layer.trainable_weights)
+        return loss + tf.add_n(grads)
+
+    return step, layer
+
+
+def make_ours_lookahead(dim: int, capacity: int, vocab: int, w, first: tf.RaggedTensor,
+                        name: str):
+    """The ragged variant with ScaleFreeCTR's pipeline in the step: step i
+    trains on batch i, whose distinct ids the previous step computed, and
+    de-duplicates batch i + 1, whose cache the layer prepares meanwhile
+    (``next_unique_ids``). Called on (batch i, batch i + 1); every piece of
+    work is in the timed step, as for ``lookup_update.py``'s lookahead rows."""
+    import tf_sfctr
+    from tf_sfctr import _ops
+    from tf_sfctr.keras_layers import CachedEmbedding
+
+    opt = tf_sfctr.optimizers.Adagrad(L.LR, initial_accumulator_value=L.ACC0, epsilon=L.EPS,
+                                      accumulate="summed")
+    layer = CachedEmbedding(dim, cache_capacity=capacity, optimizer=opt, seed=0,
+                            combiner="mean", name=name, expected_rows=vocab, reserve_rows=True)
+    layer.build(None)
+    u0, inv0, _ = _ops.unique(first.values)
+    u_var = tf.Variable(u0, shape=[None], trainable=False)
+    inv_var = tf.Variable(inv0, shape=[None], trainable=False)
+
+    @tf.function(input_signature=[(SPLITS, SPLITS)])
+    def step(pair):
+        ids, next_ids = pair
+        u_next, inv_next, _ = _ops.unique(next_ids.values)
+        feature = {"ids": ids, "unique_ids": u_var.read_value(),
+                   "inverse": inv_var.read_value(), "next_unique_ids": u_next}
+        with tf.GradientTape() as tape:
+            loss = _loss(layer(feature, training=True), w)
+        grads = tape.gradient(loss, layer.trainable_weights)
+        with tf.control_dependencies(grads):
+            u_var.assign(u_next)
+            inv_var.assign(inv_next)
         return loss + tf.add_n(grads)
 
     return step, layer
@@ -239,7 +281,7 @@ def main(argv=None) -> int:
         if law not in args.laws:
             continue
         Batches.capacity_probe = capacity
-        n = L.MAX_WARMUP + args.steps
+        n = L.MAX_WARMUP + args.steps + 1  # + 1: the lookahead variant's last next batch
         b = Batches(law, n, args.batch, args.mean_length, args.max_length, args.vocab,
                     args.alpha)
         fill = L.MAX_WARMUP if b.fill is None else b.fill
@@ -263,6 +305,9 @@ def main(argv=None) -> int:
             if not err < 1e-5:
                 raise SystemExit(f"{name}: output differs from the reference by {err}")
             variants.append((name, None, step, layer, inputs))
+        step, layer = make_ours_lookahead(args.dim, capacity, args.vocab, w, b.ragged[0],
+                                          name=f"lookahead_{law.replace('-', '_')}")
+        variants.append((OURS_LA, None, step, layer, list(zip(b.ragged, b.ragged[1:]))))
         makers = {TFK: (make_tf_keras, b.rows), K3: (make_keras3, b.rows),
                   TFRA: (make_tfra, b.sparse)}
         for name in baselines:
